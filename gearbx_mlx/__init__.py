@@ -1,0 +1,26 @@
+"""gearbx_mlx: entropy-routed dynamic quantization for MLX decoding.
+
+    >>> import gearbx_mlx
+    >>> model, tokenizer, gearbox = gearbx_mlx.load()          # default model
+    >>> for r in gearbx_mlx.stream_generate(model, tokenizer, "Hi", gearbox):
+    ...     print(r.text, r.gear, r.entropy)
+
+Importing the package has no side effects: nothing is compiled, downloaded or
+written until a function is called.
+"""
+
+from .calibration import Calibration
+from .config import GEARS, GearboxConfig
+from .entropy import EntropyMonitor, entropy_bits
+from .gearbox import Gearbox
+from .generation import GearboxResponse, generate, load, stream_generate
+from .policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
+from .precision import PrecisionManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Calibration", "GEARS", "GearboxConfig", "EntropyMonitor", "entropy_bits", "Gearbox",
+    "GearboxResponse", "generate", "load", "stream_generate", "EntropyPolicy",
+    "PositionPolicy", "RandomPolicy", "StaticPolicy", "PrecisionManager",
+]

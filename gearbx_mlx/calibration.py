@@ -1,0 +1,204 @@
+"""Threshold calibration (§4), set once per session, saved and reloaded as JSON.
+
+Two strategies:
+
+* ``median`` (the paper's MLX strategy, §4.2): generate a few tokens from
+  short mixed-difficulty prompts; low = median entropy, high = 2.5 × median,
+  band at least 0.3 bits.
+* ``percentile`` (§4.1, the PyTorch strategy): p30 / p60 of the positive
+  entropy samples (n >= 5), low floored at 0.01, capped at 0.06·log2 V and
+  0.12·log2 V, band at least 0.2 bits.
+
+Calibrated thresholds are in the model's own bits: they are never rescaled by
+vocabulary size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .config import CALIBRATION, CALIBRATION_PROMPTS
+
+STRATEGIES = ("median", "percentile")
+CALIBRATION_FORMAT = 1
+
+
+@dataclass
+class Calibration:
+    """Calibrated thresholds and where they came from."""
+
+    low: float
+    high: float
+    strategy: str
+    n_samples: int
+    vocab_size: int
+    model: str = ""
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def thresholds(self) -> Tuple[float, float]:
+        return self.low, self.high
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write JSON atomically (temporary file, then rename)."""
+        path = Path(path)
+        if not path.parent.exists():
+            raise FileNotFoundError(
+                f"cannot save calibration: directory {path.parent} does not exist"
+            )
+        data = {"format": CALIBRATION_FORMAT, **asdict(self)}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file not found: {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a calibration JSON file: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(
+                f"{path}: not a gearbx calibration file of format {CALIBRATION_FORMAT}"
+            )
+        data.pop("format")
+        try:
+            cal = cls(**data)
+        except TypeError as e:
+            raise ValueError(f"{path}: malformed calibration file ({e})") from None
+        if not 0 <= cal.low < cal.high:
+            raise ValueError(f"{path}: thresholds are in the wrong order ({cal.low}, {cal.high})")
+        return cal
+
+
+def _widen(low: float, high: float, min_band: float) -> Tuple[float, float]:
+    """Expand a band narrower than ``min_band`` around its centre (>= 0)."""
+    if high - low >= min_band:
+        return low, high
+    centre = (low + high) / 2
+    low = max(centre - min_band / 2, 0.0)
+    return low, low + min_band
+
+
+def percentile_thresholds(
+    samples: Sequence[float], vocab_size: int
+) -> Tuple[float, float]:
+    """§4.1 percentile calibration of ``(low, high)`` in bits.
+
+    Raises:
+        ValueError: fewer than 5 positive samples.
+    """
+    c = CALIBRATION
+    e = sorted(float(x) for x in samples if x > 0 and math.isfinite(x))
+    n = len(e)
+    if n < c.min_samples:
+        raise ValueError(
+            f"percentile calibration needs at least {c.min_samples} positive entropy "
+            f"samples, got {n}: use longer or more calibration prompts"
+        )
+    low = max(e[max(int(n * c.p_low) - 1, 0)], c.low_floor)
+    high = e[min(n - 1, int(n * c.p_high))]
+    log2v = math.log2(vocab_size)
+    low = min(low, c.cap_low_frac * log2v)
+    high = min(high, c.cap_high_frac * log2v)
+    return _widen(low, high, c.min_band_percentile)
+
+
+def median_thresholds(samples: Sequence[float]) -> Tuple[float, float]:
+    """§4.2 MLX calibration: low = median, high = 2.5 × median, band >= 0.3."""
+    e = [float(x) for x in samples if math.isfinite(x)]
+    if not e:
+        raise ValueError("median calibration needs at least one entropy sample")
+    med = statistics.median(e)
+    return _widen(med, CALIBRATION.median_high_factor * med, CALIBRATION.min_band_median)
+
+
+def collect_entropies(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str] = CALIBRATION_PROMPTS,
+    max_tokens: int = CALIBRATION.tokens_per_prompt,
+) -> List[float]:
+    """Entropies (bits) of greedy generation from each prompt, model as is.
+
+    The chat template is applied when the tokenizer has one, as in generation.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from .entropy import entropy_bits
+
+    out: List[float] = []
+    for prompt in prompts:
+        ids = _encode(tokenizer, prompt)
+        pending: List[mx.array] = []
+
+        def record(tokens: mx.array, logits: mx.array) -> mx.array:
+            pending.append(entropy_bits(logits).reshape(-1))
+            return logits
+
+        for _n, (tok, _lp) in zip(
+            range(max_tokens),
+            generate_step(mx.array(ids), model, max_tokens=max_tokens, logits_processors=[record]),
+        ):
+            if tok in getattr(tokenizer, "eos_token_ids", ()):
+                break
+        mx.eval(pending)
+        out.extend(float(h.item()) for h in pending[:max_tokens])
+    return out
+
+
+def _encode(tokenizer: Any, prompt: str) -> List[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+    return tokenizer.encode(prompt)
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    strategy: str = "median",
+    prompts: Optional[Sequence[str]] = None,
+    vocab_size: Optional[int] = None,
+    model_name: str = "",
+) -> Calibration:
+    """Run a calibration strategy on ``model`` (in whatever gear it is in).
+
+    Args:
+        strategy: ``"median"`` or ``"percentile"``.
+        prompts: calibration prompts; defaults to three mixed-difficulty ones.
+        vocab_size: the model's vocabulary size (needed by the caps).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown calibration strategy {strategy!r}: choose one of {STRATEGIES}")
+    prompts = list(prompts or CALIBRATION_PROMPTS)
+    samples = collect_entropies(model, tokenizer, prompts)
+    if vocab_size is None:
+        raise ValueError("calibrate needs vocab_size")
+    if strategy == "median":
+        low, high = median_thresholds(samples)
+    else:
+        low, high = percentile_thresholds(samples, vocab_size)
+    return Calibration(
+        low=low,
+        high=high,
+        strategy=strategy,
+        n_samples=len(samples),
+        vocab_size=vocab_size,
+        model=model_name,
+        extra={"prompts": prompts, "median_entropy": statistics.median(samples)},
+    )

@@ -1,0 +1,175 @@
+"""Every default of gearbx_mlx, in one place.
+
+The constants come from the GEARBX specification (§3, §4, §5.1, §11, §16);
+where the specification is silent the choice is ours and says so. Config flows
+down as one :class:`GearboxConfig` object, never as loose keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+#: Gear names, from cheapest to most precise.
+GEARS: Tuple[str, ...] = ("low", "mid", "high")
+GEAR_INDEX: Dict[str, int] = {g: i for i, g in enumerate(GEARS)}
+
+#: Bit widths that MLX's ``QuantizedLinear`` supports and we allow for a gear.
+SUPPORTED_BITS: Tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+
+#: Reference vocabulary of the paper's thresholds (§3.4).
+REFERENCE_VOCAB = 32768
+
+#: Scopes of the precision manager (§6.1): the paper's attention-only default,
+#: or every linear layer including a tied output projection.
+SCOPES: Tuple[str, ...] = ("attention", "all")
+
+#: Kernels for the low and mid gears: MLX's ``QuantizedLinear`` or our packed ones.
+KERNELS: Tuple[str, ...] = ("mlx", "packed")
+
+
+@dataclass(frozen=True)
+class CalibrationDefaults:
+    """§4 constants."""
+
+    # Percentile strategy (§4.1): p30 low, p60 high, at least 5 samples.
+    p_low: float = 0.30
+    p_high: float = 0.60
+    min_samples: int = 5
+    low_floor: float = 0.01
+    cap_low_frac: float = 0.06  # × log2 V
+    cap_high_frac: float = 0.12  # × log2 V
+    min_band_percentile: float = 0.2
+    # MLX median strategy (§4.2): low = median, high = 2.5 × median.
+    median_high_factor: float = 2.5
+    min_band_median: float = 0.3
+    # Our choice: how many tokens each calibration prompt generates.
+    tokens_per_prompt: int = 24
+
+
+CALIBRATION = CalibrationDefaults()
+
+#: The short mixed-difficulty prompts of the median strategy (§4.2): one easy,
+#: one moderate, one hard. Ours; the paper does not list its own.
+CALIBRATION_PROMPTS: Tuple[str, ...] = (
+    "Write the days of the week in order, separated by commas.",
+    "Describe a walk along a river on an autumn morning.",
+    "Prove that the square root of 2 is irrational, step by step.",
+)
+
+
+@dataclass
+class GearboxConfig:
+    """Configuration of the entropy router and the precision manager.
+
+    Thresholds are in bits at the reference vocabulary (32,768 tokens) and are
+    scaled by ``log2 V / log2 32768`` for a model of vocabulary ``V`` (§3.4),
+    unless ``scale_thresholds`` is False (calibrated thresholds are already in
+    the model's own bits and are never scaled).
+    """
+
+    # §3.2 rolling window: 3 for MLX.
+    window: int = 3
+    # §3.3 thresholds and hysteresis, at the reference vocabulary.
+    low_threshold: float = 1.8
+    high_threshold: float = 3.5
+    hysteresis: float = 0.1
+    scale_thresholds: bool = True
+    reference_vocab: int = REFERENCE_VOCAB
+    # §10.2: tokens a gear is held before another shift. The paper gives no
+    # number; 3 (one window) keeps KV-cache blocks contiguous at little cost.
+    min_gear_duration: int = 3
+    # §3.5 look-ahead and catastrophic fallback.
+    lookahead: int = 2
+    catastrophic_fraction: float = 0.9
+    # Quantize the predicted gear ahead of the shift (§3.5 pre-warming).
+    prewarm: bool = True
+    # §6: what is managed and how.
+    scope: str = "attention"
+    group_size: int = 64
+    bits: Dict[str, int] = field(default_factory=lambda: {"low": 4, "mid": 8})
+    kernel: str = "mlx"
+    telemetry_only: bool = False
+    # A fixed gear (a baseline): the monitor still measures, nothing routes.
+    static_gear: Optional[str] = None
+    # Gear of the prefill and first steps; None = the §11 classifier decides.
+    initial_gear: Optional[str] = None
+    # Steps between the entropy a decision reads and the forward pass it
+    # governs (FACTS.md): 0 = the very next pass (one sync per step, taken
+    # before the next graph is built), 1 = mlx-lm's natural pipelining.
+    lag: int = 0
+    # §10.1 NaN guard on the logits that are sampled.
+    nan_guard: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ---------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field and what to do."""
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        for name in ("low_threshold", "high_threshold", "hysteresis"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.low_threshold >= self.high_threshold:
+            raise ValueError(
+                f"thresholds are in the wrong order: low={self.low_threshold} must be "
+                f"below high={self.high_threshold} (give LOW then HIGH)"
+            )
+        if self.reference_vocab < 2:
+            raise ValueError("reference_vocab must be >= 2")
+        if not isinstance(self.min_gear_duration, int) or self.min_gear_duration < 1:
+            raise ValueError(
+                f"min_gear_duration must be an integer >= 1, got {self.min_gear_duration!r}"
+            )
+        if not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ValueError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if not 0 < self.catastrophic_fraction <= 1:
+            raise ValueError("catastrophic_fraction must be in (0, 1]")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size!r}")
+        if set(self.bits) != {"low", "mid"}:
+            raise ValueError(f"bits must give exactly 'low' and 'mid', got {self.bits!r}")
+        for gear, b in self.bits.items():
+            if b not in SUPPORTED_BITS:
+                raise ValueError(
+                    f"unsupported bit width {b!r} for the {gear} gear: "
+                    f"choose one of {SUPPORTED_BITS}"
+                )
+        for name in ("static_gear", "initial_gear"):
+            g = getattr(self, name)
+            if g is not None and g not in GEARS:
+                raise ValueError(f"{name} must be one of {GEARS} or None, got {g!r}")
+        if self.lag not in (0, 1):
+            raise ValueError(f"lag must be 0 or 1, got {self.lag!r}")
+
+    # -- helpers ------------------------------------------------------------
+    def replace(self, **changes: Any) -> "GearboxConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "GearboxConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown GearboxConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+def bits_for(gear: str, config: GearboxConfig) -> Optional[int]:
+    """Bits of ``gear`` (None for the high gear: the loaded weights)."""
+    if gear not in GEARS:
+        raise ValueError(f"unknown gear {gear!r}: choose one of {GEARS}")
+    return None if gear == "high" else config.bits[gear]

