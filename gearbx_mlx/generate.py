@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 from .config import GEARS, KERNELS, SCOPES, GearboxConfig
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.calibration:
         gearbox.set_calibration(Calibration.load(args.calibration))
 
+    if args.static_gear != "high":
+        gearbox.warn_if_prequantized_source()  # before the text starts streaming
     writer = TraceWriter(args.trace) if args.trace else None
     color = args.color
     last, session, interrupted = None, None, False
@@ -215,8 +218,13 @@ def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) ->
     }
 
 
+def _show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
+    print(f"[gearbx] warning: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning  # one plain line, not a source excerpt
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:

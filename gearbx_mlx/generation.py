@@ -82,7 +82,9 @@ def load(
 
     from .models import resolve_model
 
-    config = (config or GearboxConfig()).replace(**options) if options else (config or GearboxConfig())
+    config = config or GearboxConfig()
+    if options:
+        config = config.replace(**options)
     path = resolve_model(model, dtype)
     m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config)
     gearbox = Gearbox(m, config, model_name=str(model or Path(path).name))

@@ -224,8 +224,14 @@ def convert_gguf(
 def text_progress(label: str) -> Callable[[int, int], None]:
     """A one-line progress counter on stderr."""
 
+    tty = sys.stderr.isatty()
+
     def report(done: int, total: int) -> None:
-        end = "\n" if done == total else ""
-        print(f"\r{label}: {done}/{total}", end=end, file=sys.stderr, flush=True)
+        # Redraw in place on a terminal; in a log, a line every 10%.
+        if tty:
+            end = "\n" if done == total else ""
+            print(f"\r{label}: {done}/{total}", end=end, file=sys.stderr, flush=True)
+        elif done == total or done % max(1, total // 10) == 0:
+            print(f"{label}: {done}/{total}", file=sys.stderr, flush=True)
 
     return report
