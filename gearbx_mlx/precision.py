@@ -109,14 +109,6 @@ class ShiftRecord:
     first_entry: bool
 
 
-@dataclass
-class GearStats:
-    """Per-gear timing of entries (first entries quantize, re-entries do not)."""
-
-    first_entry_seconds: Optional[float] = None
-    reentries: List[float] = field(default_factory=list)
-
-
 Quantizer = Callable[[nn.Module, int, int], nn.Module]
 
 
@@ -157,7 +149,8 @@ class PrecisionManager:
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
         self.gear = "high"
-        self.stats: Dict[str, GearStats] = {g: GearStats() for g in GEARS}
+        # Swap seconds (quantization excluded) of every entry into each gear.
+        self.swaps: Dict[str, List[float]] = {g: [] for g in GEARS}
         self.quantize_seconds: Dict[str, float] = {}
         self.history: List[ShiftRecord] = []
         self._quantizer: Quantizer = (
@@ -193,10 +186,7 @@ class PrecisionManager:
             self.model.update_modules(tree_unflatten(list(self.cache[gear].items())))
         dt = time.perf_counter() - tic
         record = ShiftRecord(self.gear, gear, dt, q_dt, first)
-        if first:
-            self.stats[gear].first_entry_seconds = dt
-        else:
-            self.stats[gear].reentries.append(dt)
+        self.swaps[gear].append(dt - q_dt)
         self.gear = gear
         self.history.append(record)
         return record
@@ -223,6 +213,18 @@ class PrecisionManager:
         """Number of weight elements in the managed modules (for §9 cost model)."""
         return sum(m.weight.size for m in self.originals.values())
 
+    def entries(self) -> Dict[str, Dict[str, object]]:
+        """Per gear: one-time quantization seconds, entries, median swap seconds."""
+        out = {}
+        for g, swaps in self.swaps.items():
+            ordered = sorted(swaps)
+            out[g] = {
+                "quantize_seconds": self.quantize_seconds.get(g),
+                "entries": len(ordered),
+                "swap_median_seconds": ordered[len(ordered) // 2] if ordered else None,
+            }
+        return out
+
     def summary(self) -> Dict[str, object]:
         return {
             "gear": self.gear,
@@ -232,5 +234,6 @@ class PrecisionManager:
             "shifts": len(self.history),
             "quantize_seconds": dict(self.quantize_seconds),
             "swap_seconds": sum(r.seconds - r.quantize_seconds for r in self.history),
+            "entries": self.entries(),
             "memory": self.memory(),
         }

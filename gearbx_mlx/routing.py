@@ -72,7 +72,7 @@ class RoutingSession:
         self._last_shift: Tuple[bool, float] = (False, 0.0)
         self._prev_gear: Optional[str] = None
         self.shift_seconds = 0.0
-        self.quantize_seconds = 0.0
+        self._quantized_before = sum(gearbox.manager.quantize_seconds.values())
 
     # -- start ------------------------------------------------------------------
     def start(self, prompt_text: str) -> str:
@@ -126,7 +126,11 @@ class RoutingSession:
         if record is not None:
             self._last_shift = (True, record.seconds)
             self.shift_seconds += record.seconds - record.quantize_seconds
-            self.quantize_seconds += record.quantize_seconds
+
+    @property
+    def quantize_seconds(self) -> float:
+        """Seconds spent quantizing during this session (shifts and pre-warming)."""
+        return sum(self.gearbox.manager.quantize_seconds.values()) - self._quantized_before
 
     # -- summary ------------------------------------------------------------------
     def gear_counts(self) -> dict:

@@ -129,6 +129,7 @@ def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str,
         "quantize_seconds": session.quantize_seconds,
         "swap_seconds": session.shift_seconds,
         "telemetry_only": mgr.telemetry_only,
+        "entries": mgr.entries(),
         "memory": mgr.memory(),
     }
 

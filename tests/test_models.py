@@ -72,6 +72,16 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_local_gguf_file_is_accepted_as_model(tmp_path, monkeypatch):
+    gguf = models.cache_dir() / "downloads" / Path(models.DEFAULT_GGUF).name
+    models.default_model_path()  # makes sure the GGUF was fetched
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    folder = Path(models.resolve_model(str(gguf), dtype="float32"))
+    assert folder.parent == tmp_path / "models" and (folder / "config.json").is_file()
+    assert models.resolve_model(str(gguf), dtype="float32") == str(folder)  # reused
+
+
+@pytest.mark.slow
 def test_default_model_is_cached_and_reused():
     first = models.default_model_path()
     mtime = (first / "model.safetensors").stat().st_mtime
