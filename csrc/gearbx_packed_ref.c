@@ -1,0 +1,113 @@
+/*
+ * gearbx_packed_ref.c -- scalar oracles for every kernel in gearbx_packed.c.
+ *
+ * Plain loops in natural element order, kept forever: each fast kernel is
+ * tested against these, and they define the rounding of the activation
+ * quantizer that the SIMD quantizers must reproduce bit for bit.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "gearbx_packed.h"
+
+static int effective_group(int in_features, int group_size)
+{
+    return group_size > 0 ? group_size : in_features;
+}
+
+/* Round half to even (the default FP environment), clamp to +-127.
+ * NaN maps to 0 so that no float-to-int conversion is undefined. */
+static int8_t quantize_one(float v)
+{
+    float r = nearbyintf(v);
+    if (!(r == r))
+        return 0;
+    if (r > 127.0f)
+        r = 127.0f;
+    if (r < -127.0f)
+        r = -127.0f;
+    return (int8_t)r;
+}
+
+void gbx_quantize_act_ref(const float *x, int n, int8_t *qs, float *d, int32_t *sum)
+{
+    for (int b = 0, j0 = 0; j0 < n; ++b, j0 += GBX_QK) {
+        const int j1 = j0 + GBX_QK < n ? j0 + GBX_QK : n;
+        float amax = 0.0f;
+        for (int j = j0; j < j1; ++j) {
+            const float a = fabsf(x[j]);
+            amax = a > amax ? a : amax;
+        }
+        /* The SIMD quantizers compute d and id with these same two scalar
+         * operations, so all of them agree exactly. */
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int32_t s = 0;
+        for (int j = j0; j < j1; ++j) {
+            qs[j] = quantize_one(x[j] * id);
+            s += qs[j];
+        }
+        d[b] = db;
+        sum[b] = s;
+    }
+}
+
+static int weight_at(const void *w, size_t row_elems, int bits, int i, int j)
+{
+    if (bits == 8)
+        return ((const int8_t *)w)[(size_t)i * row_elems + (size_t)j];
+    const uint8_t b = ((const uint8_t *)w)[(size_t)i * (row_elems / 2) + (size_t)(j >> 1)];
+    return (j & 1) ? GBX_INT4_HI(b) : GBX_INT4_LO(b);
+}
+
+void gbx_gemv_float_ref(const void *w, const float *scales, const float *x, float *y,
+                        int out_features, int in_features, int bits, int group_size)
+{
+    const int gs = effective_group(in_features, group_size);
+    const int ng = in_features / gs;
+    for (int i = 0; i < out_features; ++i) {
+        float acc = 0.0f;
+        for (int g = 0; g < ng; ++g) {
+            float ag = 0.0f;
+            for (int j = g * gs; j < (g + 1) * gs; ++j)
+                ag += (float)weight_at(w, (size_t)in_features, bits, i, j) * x[j];
+            acc += scales[(size_t)i * ng + g] * ag;
+        }
+        y[i] = acc;
+    }
+}
+
+int gbx_gemv_intdot_ref(const void *w, const float *scales, const float *x, float *y,
+                        int out_features, int in_features, int bits, int group_size)
+{
+    const int gs = effective_group(in_features, group_size);
+    const int ng = in_features / gs;
+    const int nb = (in_features + GBX_QK - 1) / GBX_QK;
+    int8_t *qs = malloc((size_t)in_features);
+    float *d = malloc(sizeof(float) * (size_t)nb);
+    int32_t *sum = malloc(sizeof(int32_t) * (size_t)nb);
+    if (!qs || !d || !sum) {
+        free(qs), free(d), free(sum);
+        return GBX_E_NOMEM;
+    }
+    gbx_quantize_act_ref(x, in_features, qs, d, sum);
+    for (int i = 0; i < out_features; ++i) {
+        float acc = 0.0f;
+        for (int g = 0; g < ng; ++g) {
+            float ag = 0.0f;
+            /* a group is whole blocks, except per row where the last block
+             * may be partial */
+            for (int j0 = g * gs; j0 < (g + 1) * gs; j0 += GBX_QK) {
+                const int j1 = j0 + GBX_QK < (g + 1) * gs ? j0 + GBX_QK : (g + 1) * gs;
+                int32_t isum = 0;
+                for (int j = j0; j < j1; ++j)
+                    isum += weight_at(w, (size_t)in_features, bits, i, j) * qs[j];
+                ag += d[j0 / GBX_QK] * (float)isum;
+            }
+            acc += scales[(size_t)i * ng + g] * ag;
+        }
+        y[i] = acc;
+    }
+    free(qs), free(d), free(sum);
+    return GBX_OK;
+}

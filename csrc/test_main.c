@@ -1,0 +1,233 @@
+/*
+ * test_main.c -- self-check of every fast kernel against the scalar oracles.
+ *
+ * Built natively or cross-compiled and run under qemu-aarch64 by
+ * tests/test_neon_qemu.py.  Prints "isa float=... intdot=..." then either
+ * "OK <n> checks" (exit 0) or "MISMATCH ..." lines (exit 1).
+ *
+ * Two kinds of data:
+ *   exact   integer weights and activations with max|x| = 127 in every
+ *           block (so d_b = 1) and power-of-two scales: every partial sum is
+ *           an integer below 2^24, so all paths must agree bit for bit
+ *           whatever their summation order.  A nibble-order bug fails here.
+ *   random  float activations with outliers; fast vs oracle within a
+ *           relative tolerance of the sum of |terms|.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gearbx_packed.h"
+
+static unsigned long long g_rng = 0x9E3779B97F4A7C15ull;
+static unsigned rnd(void)
+{
+    g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+    return (unsigned)(g_rng >> 32);
+}
+static int rnd_int(int lo, int hi) { return lo + (int)(rnd() % (unsigned)(hi - lo + 1)); }
+static float rnd_unit(void) { return (float)((rnd() >> 8) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+
+static int g_checks, g_fail;
+
+/* failures per (check name, bits), printed at the end */
+#define MAX_KINDS 32
+static struct {
+    const char *what;
+    int bits, count;
+} g_kinds[MAX_KINDS];
+
+static void count_kind(const char *what, int bits)
+{
+    for (int k = 0; k < MAX_KINDS; ++k) {
+        if (!g_kinds[k].what) {
+            g_kinds[k].what = what, g_kinds[k].bits = bits;
+        }
+        if (g_kinds[k].bits == bits && strcmp(g_kinds[k].what, what) == 0) {
+            ++g_kinds[k].count;
+            return;
+        }
+    }
+}
+
+static void report(const char *what, int bits, int O, int I, int gs, int th, int row, double got, double want)
+{
+    ++g_fail;
+    count_kind(what, bits);
+    if (g_fail <= 20)
+        printf("MISMATCH %s bits=%d O=%d I=%d gs=%d threads=%d row=%d got=%.9g want=%.9g\n", what, bits, O, I, gs,
+               th, row, got, want);
+}
+
+/* q: (O, I) ints in [-qmax, qmax] -> packed storage of the header */
+static void pack(const int *q, int O, int I, int bits, void *w)
+{
+    for (int i = 0; i < O; ++i)
+        for (int j = 0; j < I; ++j) {
+            const int v = q[(size_t)i * I + j];
+            if (bits == 8) {
+                ((int8_t *)w)[(size_t)i * I + j] = (int8_t)v;
+            } else {
+                uint8_t *b = (uint8_t *)w + (size_t)i * (I / 2) + j / 2;
+                const uint8_t u = (uint8_t)(v + GBX_INT4_OFFSET);
+                *b = (j & 1) ? (uint8_t)((*b & 0x0F) | (u << 4)) : (uint8_t)((*b & 0xF0) | u);
+            }
+        }
+}
+
+static void check_case(int bits, int O, int I, int gs, int exact)
+{
+    const int qmax = bits == 8 ? GBX_QMAX_INT8 : GBX_QMAX_INT4;
+    const int ng = gs ? I / gs : 1;
+    int *q = malloc(sizeof(int) * (size_t)O * I);
+    void *w = calloc((size_t)O * I, 1);
+    float *s = malloc(sizeof(float) * (size_t)O * ng);
+    float *x = malloc(sizeof(float) * (size_t)I);
+    float *yr = malloc(sizeof(float) * (size_t)O), *yir = malloc(sizeof(float) * (size_t)O);
+    float *y = malloc(sizeof(float) * (size_t)O), *y1 = malloc(sizeof(float) * (size_t)O);
+    double *absf = calloc((size_t)O, sizeof(double)), *absi = calloc((size_t)O, sizeof(double));
+
+    for (size_t k = 0; k < (size_t)O * I; ++k)
+        q[k] = rnd_int(-qmax, qmax);
+    for (size_t k = 0; k < (size_t)O * ng; ++k)
+        s[k] = exact ? (float)(1 << rnd_int(0, 1)) : 0.001f + 0.01f * (rnd_unit() + 1.0f);
+    for (int j = 0; j < I; ++j) {
+        if (exact)
+            x[j] = (j % GBX_QK == 0) ? (rnd() & 1 ? 127.0f : -127.0f) : (float)rnd_int(-20, 20);
+        else
+            x[j] = rnd_unit() * (rnd() % 97 == 0 ? 30.0f : 1.0f); /* a few outliers */
+    }
+    pack(q, O, I, bits, w);
+
+    /* sum of |terms| per row, for the random-data tolerances */
+    int8_t *xq = malloc((size_t)I);
+    float *d = malloc(sizeof(float) * (size_t)(I / GBX_QK + 1));
+    int32_t *sm = malloc(sizeof(int32_t) * (size_t)(I / GBX_QK + 1));
+    gbx_quantize_act_ref(x, I, xq, d, sm);
+    for (int i = 0; i < O; ++i)
+        for (int j = 0; j < I; ++j) {
+            const double sq = fabs((double)s[(size_t)i * ng + (gs ? j / gs : 0)] * q[(size_t)i * I + j]);
+            absf[i] += sq * fabs(x[j]);
+            absi[i] += sq * fabs((double)d[j / GBX_QK] * xq[j]);
+        }
+
+    if (gbx_gemv(w, s, x, yr, O, I, bits, gs, GBX_PATH_REF, 1) != GBX_OK ||
+        gbx_gemv(w, s, x, yir, O, I, bits, gs, GBX_PATH_INTDOT_REF, 1) != GBX_OK) {
+        report("ref-call-failed", bits, O, I, gs, 1, -1, 0, 0);
+        goto done;
+    }
+    for (int i = 0; exact && i < O; ++i, ++g_checks)
+        if (yr[i] != yir[i])
+            report("exact-ref-vs-intdot-ref", bits, O, I, gs, 1, i, yir[i], yr[i]);
+
+    const int paths[2] = {GBX_PATH_FLOAT, GBX_PATH_INTDOT};
+    for (int pi = 0; pi < 2; ++pi) {
+        const int path = paths[pi];
+        const float *want = path == GBX_PATH_FLOAT ? yr : yir;
+        const double *sabs = path == GBX_PATH_FLOAT ? absf : absi;
+        for (int th = 1; th <= 3; ++th) {
+            if (gbx_gemv(w, s, x, y, O, I, bits, gs, path, th) != GBX_OK) {
+                report("call-failed", bits, O, I, gs, th, -1, 0, 0);
+                continue;
+            }
+            const char *name = path == GBX_PATH_FLOAT ? "float" : "intdot";
+            for (int i = 0; i < O; ++i, ++g_checks) {
+                const double err = fabs((double)y[i] - want[i]);
+                if (exact ? y[i] != want[i] : err > 2e-5 * sabs[i] + 1e-30)
+                    report(name, bits, O, I, gs, th, i, y[i], want[i]);
+            }
+            if (th == 1)
+                memcpy(y1, y, sizeof(float) * (size_t)O);
+            else
+                for (int i = 0; i < O; ++i, ++g_checks)
+                    if (y[i] != y1[i]) /* rows are computed alike on any thread */
+                        report("thread-invariance", bits, O, I, gs, th, i, y[i], y1[i]);
+        }
+    }
+done:
+    free(q), free(w), free(s), free(x), free(yr), free(yir), free(y), free(y1), free(absf), free(absi);
+    free(xq), free(d), free(sm);
+}
+
+static void check_quantizer(int n)
+{
+    float *x = malloc(sizeof(float) * (size_t)n);
+    int8_t *q0 = malloc((size_t)n), *q1 = malloc((size_t)n);
+    const int nb = (n + GBX_QK - 1) / GBX_QK;
+    float *d0 = malloc(sizeof(float) * nb), *d1 = malloc(sizeof(float) * nb);
+    int32_t *s0 = malloc(sizeof(int32_t) * nb), *s1 = malloc(sizeof(int32_t) * nb);
+    for (int j = 0; j < n; ++j) {
+        const int b = j / GBX_QK;
+        if (b % 3 == 0) /* ties: d = 1 and halves exercise round-half-even */
+            x[j] = (j % GBX_QK == 0) ? 127.0f : (float)rnd_int(-126, 126) + 0.5f;
+        else if (b % 3 == 1)
+            x[j] = 0.0f; /* all-zero block: d = 0, q = 0 */
+        else
+            x[j] = rnd_unit() * 3.0f;
+    }
+    gbx_quantize_act_ref(x, n, q0, d0, s0);
+    gbx_quantize_act(x, n, q1, d1, s1);
+    for (int j = 0; j < n; ++j, ++g_checks)
+        if (q0[j] != q1[j])
+            report("quantize-q", 0, 1, n, 0, 1, j, q1[j], q0[j]);
+    for (int b = 0; b < nb; ++b, g_checks += 2) {
+        if (d0[b] != d1[b])
+            report("quantize-d", 0, 1, n, 0, 1, b, d1[b], d0[b]);
+        if (s0[b] != s1[b])
+            report("quantize-sum", 0, 1, n, 0, 1, b, s1[b], s0[b]);
+    }
+    free(x), free(q0), free(q1), free(d0), free(d1), free(s0), free(s1);
+}
+
+int main(int argc, char **argv)
+{
+    const int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    gbx_info_t info;
+    gbx_get_info(&info);
+    printf("isa float=%s intdot=%s dotprod_compiled=%d dotprod_cpu=%d avx2_cpu=%d\n", info.float_isa,
+           info.intdot_isa, info.compiled_dotprod, info.cpu_dotprod, info.cpu_avx2);
+
+    static const int Is[] = {2, 30, 32, 34, 62, 64, 66, 96, 100, 128, 192, 256, 320, 1000, 4096};
+    static const int Os[] = {1, 3, 17};
+    static const int gss[] = {0, 32, 64, 128};
+    const int nI = (int)(sizeof Is / sizeof Is[0]) - (quick ? 1 : 0);
+    /* pass 0: default thread split; pass 1: every product split across
+     * threads, even a 1x2 one; passes 2-3: the lesser x86 intdot kernels
+     * (plain AVX2, AVX-VNNI) where the CPU would pick better ones */
+    for (int pass = 0; pass < 4; ++pass) {
+        gbx_set_min_work(pass ? 1 : 0);
+        gbx_set_isa_limit(pass >= 2 ? pass - 1 : 0);
+        for (int bits = 4; bits <= 8; bits += 4)
+            for (int a = 0; a < nI; ++a)
+                for (int o = 0; o < 3; ++o)
+                    for (int g = 0; g < 4; ++g) {
+                        const int I = Is[a], gs = gss[g];
+                        if (gs && I % gs)
+                            continue;
+                        /* exact mode needs every partial sum below 2^24 */
+                        const int exact_ok = (double)(bits == 8 ? 127 * 127 : 7 * 127) * I * 2 < 16777216.0;
+                        if (exact_ok)
+                            check_case(bits, Os[o], I, gs, 1);
+                        check_case(bits, Os[o], I, gs, 0);
+                    }
+    }
+    gbx_set_min_work(0);
+    gbx_set_isa_limit(0);
+    /* enough rows to make the pool split work across threads */
+    check_case(4, 300, 512, 0, 1);
+    check_case(4, 301, 512, 64, 0);
+    check_case(8, 300, 256, 32, 0);
+    for (int n = 1; n <= 200; n += 13)
+        check_quantizer(n);
+    check_quantizer(4096 + 7);
+
+    if (g_fail) {
+        for (int k = 0; k < MAX_KINDS && g_kinds[k].what; ++k)
+            printf("SUMMARY %s bits=%d failures=%d\n", g_kinds[k].what, g_kinds[k].bits, g_kinds[k].count);
+        printf("FAILED %d of %d checks\n", g_fail, g_checks);
+        return 1;
+    }
+    printf("OK %d checks\n", g_checks);
+    return 0;
+}

@@ -1,0 +1,208 @@
+"""cffi build script (API mode) for the packed-GEMV CPU kernels in ``csrc/``.
+
+Used two ways:
+
+* at install time through ``setup.py`` (``cffi_modules``), which builds the
+  extension module ``gearbx_mlx._gearbx_cpu``;
+* by hand, to build in place: ``python gearbx_mlx/_cpu_build.py``.
+
+Per-platform flags (the C sources pick kernels with ``#if`` and run-time checks):
+
+* x86_64: ``-O3`` only.  The AVX2/FMA kernels carry
+  ``__attribute__((target("avx2,fma")))`` and are chosen at run time with
+  ``__builtin_cpu_supports``; a global ``-mavx2`` would let the compiler put
+  AVX2 into the scalar code too, so no run-time check could protect an old CPU.
+* arm64 Linux, GCC: ``-O3`` only.  The ``vdotq_s32`` kernels are compiled per
+  function and chosen from HWCAP at run time (a whole-file
+  ``-march=armv8.2-a+dotprod`` makes GCC emit ``sdot`` in scalar loops too,
+  which faults on a Cortex-A72).  Other compilers: ``-march=armv8.2-a+dotprod``
+  when the compiler accepts it and this machine has dotprod.
+* arm64 macOS: ``-mcpu=apple-m1``, as ``-Xarch_arm64 -mcpu=apple-m1`` in a
+  universal2 build so that the x86_64 half never sees an arm64 flag.
+
+``GEARBX_CPU_CFLAGS`` (space separated) is appended to the flags.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+from cffi import FFI
+
+MODULE_NAME = "gearbx_mlx._gearbx_cpu"
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+_SOURCES = ("csrc/gearbx_packed.c", "csrc/gearbx_packed_ref.c")
+
+# What Python sees of csrc/gearbx_packed.h.  API mode checks it against the
+# real header when it compiles, so a drift is a build error, not a crash.
+CDEF = """
+enum {
+    GBX_OK = 0, GBX_E_BITS = -1, GBX_E_GROUP = -2, GBX_E_SHAPE = -3,
+    GBX_E_PATH = -4, GBX_E_NOMEM = -5, GBX_E_NULL = -6, GBX_E_THREADS = -7
+};
+enum {
+    GBX_PATH_AUTO = 0, GBX_PATH_FLOAT = 1, GBX_PATH_INTDOT = 2,
+    GBX_PATH_REF = 3, GBX_PATH_INTDOT_REF = 4
+};
+#define GBX_ABI_VERSION ...
+#define GBX_QK ...
+
+typedef struct {
+    int abi_version;
+    int compiled_avx2;
+    int compiled_neon;
+    int compiled_dotprod;
+    int cpu_avx2;
+    int cpu_dotprod;
+    int cpu_vnni;
+    int threads;
+    int max_threads;
+    const char *float_isa;
+    const char *intdot_isa;
+} gbx_info_t;
+
+int gbx_gemv(const void *w, const float *scales, const float *x, float *y,
+             int out_features, int in_features, int bits, int group_size,
+             int path, int nthreads);
+int gbx_set_threads(int n);
+int gbx_get_threads(void);
+int gbx_set_min_work(int weights_per_thread);
+int gbx_set_isa_limit(int level);
+void gbx_get_info(gbx_info_t *info);
+uint64_t gbx_read_bandwidth(const void *buf, size_t bytes, int nthreads);
+const char *gbx_strerror(int code);
+int gbx_check_args(int out_features, int in_features, int bits, int group_size, int path);
+void gbx_quantize_act_ref(const float *x, int n, int8_t *qs, float *d, int32_t *sum);
+void gbx_quantize_act(const float *x, int n, int8_t *qs, float *d, int32_t *sum);
+"""
+
+
+def _target_archs() -> list[str]:
+    """Architectures this build compiles for (several for a macOS universal2 build)."""
+    archflags = os.environ.get("ARCHFLAGS", "")
+    if sys.platform == "darwin" and "-arch" in archflags:
+        words = shlex.split(archflags)
+        return [words[i + 1] for i, w in enumerate(words[:-1]) if w == "-arch"]
+    host = os.environ.get("_PYTHON_HOST_PLATFORM", "")  # set by cross-building tools
+    if host:
+        tail = host.rsplit("-", 1)[-1]
+        if tail == "universal2":
+            return ["arm64", "x86_64"]
+        return [tail]
+    return [platform.machine()]
+
+
+def _is_arm64(arch: str) -> bool:
+    return arch.lower() in ("arm64", "aarch64")
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
+def _compiler_is_gcc(cc: list[str]) -> bool:
+    try:
+        out = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "clang" not in out.lower() and ("gcc" in out.lower() or "free software foundation" in out.lower())
+
+
+def _compiler_accepts(cc: list[str], flags: list[str]) -> bool:
+    tmp = tempfile.mkdtemp(prefix="gearbx_flagcheck_")
+    try:
+        src = os.path.join(tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("int main(void) { return 0; }\n")
+        r = subprocess.run(cc + flags + ["-c", src, "-o", os.path.join(tmp, "t.o")], capture_output=True, timeout=60)
+        return r.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cpu_has_dotprod() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "asimddp" in f.read()
+    except OSError:
+        return False
+
+
+def compile_flags() -> tuple[list[str], list[str]]:
+    """(extra_compile_args, extra_link_args) for this platform and target."""
+    if sys.platform == "win32":
+        return ["/O2"], []  # MSVC: scalar kernels, no pool (see GEARBX_NO_THREADS)
+    cflags = ["-O3", "-std=gnu11", "-DNDEBUG"]
+    ldflags: list[str] = []
+    if sys.platform.startswith("linux"):
+        cflags.append("-pthread")
+        ldflags.append("-pthread")
+    archs = _target_archs()
+    if sys.platform == "darwin":
+        if any(_is_arm64(a) for a in archs):
+            cflags += ["-mcpu=apple-m1"] if len(archs) == 1 else ["-Xarch_arm64", "-mcpu=apple-m1"]
+    elif len(archs) == 1 and _is_arm64(archs[0]):
+        cc = _compiler()
+        dot = ["-march=armv8.2-a+dotprod"]
+        if not _compiler_is_gcc(cc) and _cpu_has_dotprod() and _compiler_accepts(cc, dot):
+            cflags += dot
+    cflags += shlex.split(os.environ.get("GEARBX_CPU_CFLAGS", ""))
+    return cflags, ldflags
+
+
+def make_ffibuilder(absolute_paths: bool = False) -> FFI:
+    """setuptools wants source paths relative to setup.py (the cwd of a build);
+    ``FFI.compile`` changes directory, so building by hand needs absolute ones."""
+    cflags, ldflags = compile_flags()
+
+    def path(p: str) -> str:
+        return os.path.join(_ROOT, p) if absolute_paths else os.path.relpath(os.path.join(_ROOT, p))
+
+    ffi = FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(
+        MODULE_NAME,
+        '#include "gearbx_packed.h"\n',
+        sources=[path(s) for s in _SOURCES],
+        include_dirs=[path("csrc")],
+        extra_compile_args=cflags,
+        extra_link_args=ldflags,
+        depends=[path("csrc/gearbx_packed.h")],
+    )
+    return ffi
+
+
+ffibuilder = make_ffibuilder()
+
+
+if __name__ == "__main__":
+    # Build in place: gearbx_mlx/_gearbx_cpu.*.so next to this file.
+    ffibuilder = make_ffibuilder(absolute_paths=True)
+    build_tmp = os.path.join(_ROOT, "build", "cffi_tmp")
+    os.makedirs(build_tmp, exist_ok=True)
+    so = ffibuilder.compile(tmpdir=build_tmp, verbose=False)
+    for old in os.listdir(_HERE):  # e.g. an abi3 build from pip: one of them would shadow the other
+        if old.startswith("_gearbx_cpu.") and old.endswith((".so", ".pyd")):
+            os.remove(os.path.join(_HERE, old))
+    # Same file name as a pip build (cffi modules use the limited API where
+    # they can), so the two replace each other instead of one shadowing.
+    import importlib.machinery
+
+    name = os.path.basename(so)
+    if ".abi3.so" in importlib.machinery.EXTENSION_SUFFIXES and not hasattr(sys, "gettotalrefcount") \
+            and not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        name = "_gearbx_cpu.abi3.so"
+    dest = os.path.join(_HERE, name)
+    shutil.copy2(so, dest)
+    print(f"built {os.path.relpath(dest, _ROOT)}")
