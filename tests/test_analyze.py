@@ -1,0 +1,170 @@
+"""``gearbx_mlx.analyze`` against a direct computation, on committed example traces."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gearbx_mlx import analyze
+from gearbx_mlx.trace import TraceError, read_trace
+
+TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "traces"
+FLOAT = TRACES / "sky_float32.jsonl"  # the default model, dequantized to float32, telemetry only
+Q4 = TRACES / "sky_q4_1.jsonl"  # the same GGUF kept as MLX 4-bit layers (smollm2-135m-q4)
+GEARS = ("low", "mid", "high")
+
+
+def direct(path: Path) -> dict:
+    """The numbers analyze should print, computed here from the raw JSON lines."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    toks = [r for r in recs if r["type"] == "token"]
+    gears = [t["gear"] for t in toks]
+    ent = np.array([t["entropy"] for t in toks])
+    out = {"tokens": len(toks), "shifts": sum(a != b for a, b in zip(gears, gears[1:]))}
+    for g in GEARS:
+        out[f"tokens.{g}"] = gears.count(g)
+        runs = [len(list(grp)) for x, grp in itertools.groupby(gears) if x == g]
+        out[f"runs.{g}"] = len(runs)
+        if runs:
+            out[f"mean_run.{g}"] = float(np.mean(runs))
+        sel = ent[[x == g for x in gears]]
+        if sel.size:
+            out[f"entropy.{g}.p50"] = float(np.quantile(sel, 0.5))
+            out[f"entropy.{g}.p90"] = float(np.quantile(sel, 0.9))
+        steps = [t["step_seconds"] for t in toks[1:] if t["gear"] == g]  # the first token carries the prompt
+        if steps:
+            out[f"ms_per_token.{g}"] = 1e3 * float(np.mean(steps))
+    for q in (10, 25, 50, 75, 90):
+        out[f"entropy.p{q}"] = float(np.quantile(ent, q / 100))
+    out["entropy.mean"] = float(ent.mean())
+    out["ms_per_token"] = 1e3 * float(np.mean([t["step_seconds"] for t in toks[1:]]))
+    return out
+
+
+def parse_table(text: str) -> dict:
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("note:"):
+            continue
+        cells = line.split()
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_printed_numbers_match_a_direct_computation(capsys):
+    assert analyze.main([str(Q4)]) == 0
+    rows = parse_table(capsys.readouterr().out)
+    want = direct(Q4)
+    assert want["tokens"] == 64 and want["shifts"] > 0
+    for name, value in want.items():
+        printed = rows[name][0]
+        expect = str(value) if isinstance(value, int) else f"{value:.4f}"
+        assert printed == expect, name
+
+
+def test_side_by_side_and_entropy_shift(capsys):
+    assert analyze.main([str(FLOAT), str(Q4)]) == 0
+    rows = parse_table(capsys.readouterr().out)
+    assert rows["metric"] == ["sky_float32", "sky_q4_1"]
+    for name, value in direct(FLOAT).items():
+        assert rows[name][0] == (str(value) if isinstance(value, int) else f"{value:.4f}"), name
+    a = [t["entropy"] for t in read_trace(FLOAT).tokens]
+    b = [t["entropy"] for t in read_trace(Q4).tokens]
+    # Same GGUF values, so the same greedy text: the whole trace is the common prefix.
+    assert rows["vs_first.common_prefix"] == ["-", "64"]
+    assert rows["vs_first.entropy_absdiff_mean"][1] == f"{np.mean(np.abs(np.subtract(b, a))):.4f}"
+
+
+def test_csv_has_the_same_numbers(tmp_path):
+    out = tmp_path / "a.csv"
+    assert analyze.main([str(FLOAT), str(Q4), "--csv", str(out)]) == 0
+    with open(out, newline="") as f:
+        rows = {r[0]: r[1:] for r in csv.reader(f)}
+    assert rows["metric"] == ["sky_float32", "sky_q4_1"]
+    for col, path in enumerate((FLOAT, Q4)):
+        for name, value in direct(path).items():
+            assert float(rows[name][col]) == pytest.approx(value, rel=1e-12, abs=1e-12), name
+
+
+def test_remote_style_trace_is_read(tmp_path, capsys):
+    """A remote trace: lower-bound entropy, variants, two prompts (two generation starts)."""
+    lines = [json.loads(line) for line in Q4.read_text().splitlines()]
+    lines[0].update(source="remote", entropy_is_lower_bound=True, top_k=10)
+    toks = [r for r in lines if r["type"] == "token"]
+    for i, t in enumerate(toks):
+        t.update(prompt=int(i >= 32), variant="high", entropy_upper=t["entropy"] + 1)
+    path = tmp_path / "remote.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    r = analyze.analyze_trace(path)
+    steps = [t["step_seconds"] for i, t in enumerate(toks) if i not in (0, 32)]
+    assert r["ms_per_token"] == pytest.approx(1e3 * np.mean(steps))
+    assert r["tokens_per_variant"]["high"] == 64
+    assert analyze.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "entropy_lower_bound.p50" in out and "lower bound from the top-10" in out
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda ls: ls[:-1] + [ls[-1][: len(ls[-1]) // 2]], "truncated"),
+    (lambda ls: ls[:3] + ["not json {"] + ls[3:], ":4: not JSON"),
+    (lambda ls: [ls[0].replace('"version": 1', '"version": 99')] + ls[1:], ":1: trace version 99"),
+])
+def test_bad_traces_name_the_line(tmp_path, capsys, damage, message):
+    lines = Q4.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(damage(lines)))
+    with pytest.raises(TraceError, match=message):
+        read_trace(bad)
+    assert analyze.main([str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}:") and message in err and "Traceback" not in err
+
+
+def test_missing_file_and_matplotlib_message(tmp_path, capsys, monkeypatch):
+    assert analyze.main([str(tmp_path / "none.jsonl")]) == 1
+    assert "trace not found" in capsys.readouterr().err
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    assert analyze.main([str(Q4), "--plots", str(tmp_path)]) == 1
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    assert analyze.main([str(FLOAT), str(Q4), "--plots", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert "sky_q4_1_routing.png" in names and "gear_distribution.png" in names
+    assert all((tmp_path / n).stat().st_size > 1000 for n in names)
+
+
+def test_evaluation_report_is_read_per_policy(tmp_path, capsys):
+    """``gearbx_mlx.evaluate``'s JSON: one trace per policy, windows as generations."""
+    report = {"format": "gearbx-eval", "version": 1, "model": {"vocab_size": 49152},
+              "text": {"windows": 2},
+              "traces": {"static-high": {"gears": "hhhhhh", "entropy": [1, 2, 3, 1, 2, 3]},
+                         "entropy": {"gears": "lmmllh", "entropy": [1.5, 2, 3, 1, 2, 4],
+                                     "smoothed": [1.5, 1.75, 2.2, 1, 1.5, 2.3]}}}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(report, indent=2))
+    result = analyze.analyze([path])
+    a, b = result["traces"]
+    assert (a["label"], b["label"]) == ("eval:static-high", "eval:entropy")
+    assert b["tokens_per_gear"] == {"low": 3, "mid": 2, "high": 1}
+    # "lmm|llh": the window boundary is not a shift, and runs stop there.
+    assert b["shifts"] == 2 and b["runs"]["low"] == 2 and b["mean_run"]["low"] == 1.5
+    assert result["comparisons"][0]["common_prefix"] == 6  # teacher-forced: the same text
+    assert result["comparisons"][0]["entropy_diff_mean"] == pytest.approx(np.mean([0.5, 0, 0, 0, 0, 1]))
+    assert analyze.main([str(path)]) == 0 and "eval:entropy" in capsys.readouterr().out
