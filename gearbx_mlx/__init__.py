@@ -16,6 +16,9 @@ from .gearbox import Gearbox
 from .generation import GearboxResponse, generate, load, stream_generate
 from .policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
 from .precision import PrecisionManager
+from .speculative import (  # issue 7: self-speculative decoding
+    SpeculativeConfig, SpeculativeResponse, speculative_generate, stream_speculative_generate,
+)
 
 __version__ = "0.1.0"
 
@@ -23,4 +26,6 @@ __all__ = [
     "Calibration", "GEARS", "GearboxConfig", "EntropyMonitor", "entropy_bits", "Gearbox",
     "GearboxResponse", "generate", "load", "stream_generate", "EntropyPolicy",
     "PositionPolicy", "RandomPolicy", "StaticPolicy", "PrecisionManager",
+    # issue 7
+    "SpeculativeConfig", "SpeculativeResponse", "speculative_generate", "stream_speculative_generate",
 ]

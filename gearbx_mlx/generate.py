@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 from .config import GEARS, KERNELS, SCOPES, GearboxConfig
+from .speculative_cli import add_speculative_args, check_speculative_args, run_speculative  # issue 7
 
 COLORS = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
 RESET = "\033[0m"
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
     r.add_argument("--color", action="store_true", help="colour each token by its gear")
     r.add_argument("--quiet", action="store_true", help="print the text only, no summary")
+    add_speculative_args(p)  # issue 7: speculative decoding flags
     return p
 
 
@@ -158,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = _read_prompt(args)
     _check_args(args)
+    if args.speculative:  # issue 7
+        check_speculative_args(args)
     config = _config(args)
     model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype)
     if args.thresholds:
@@ -170,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.calibration:
         gearbox.set_calibration(Calibration.load(args.calibration))
 
+    if args.speculative:  # issue 7: exact high-gear output, drafted by a lower gear
+        return run_speculative(args, model, tokenizer, gearbox, prompt, _templated(tokenizer, args, prompt))
     if args.static_gear != "high":
         gearbox.warn_if_prequantized_source()  # before the text starts streaming
     writer = TraceWriter(args.trace) if args.trace else None

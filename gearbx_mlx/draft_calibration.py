@@ -1,0 +1,323 @@
+"""Measuring a drafter against the high gear, and calibrating where it stops drafting.
+
+Teacher-forced over a text, both gears score every position: the drafter's
+entropy (float32, :func:`~gearbx_mlx.entropy.entropy_bits`), whether its
+greedy choice agrees with the high gear's, and its acceptance probability
+under speculative sampling (``sum min(p, q)``). From those: the acceptance
+rate α, the AUC of entropy as a predictor of rejection, and a replay of
+greedy speculative decoding (:func:`replay_speedup`).
+
+The replay is exact for greedy decoding of a high-gear continuation: every
+accepted draft is the high gear's own token, so each draft up to the first
+rejection sees exactly the teacher-forced context. That is what
+:func:`calibrate_draft_stop` maximizes: on the high gear's continuations of
+the calibration prompts, it picks the block cap and the draft-entropy stop
+(from the §4.1 percentile grid of the drafter's own entropies, or none) with
+the best replayed speed-up at the draft and verify costs measured on this
+machine. ``median`` and ``percentile`` give the §4 thresholds themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .calibration import median_thresholds, percentile_thresholds
+from .draft import DraftModel
+from .entropy import entropy_bits
+
+#: Strategies of :func:`calibrate_draft_stop`.
+STOP_STRATEGIES = ("replay", "median", "percentile")
+#: Percentiles of draft entropy tried as stops by the replay strategy.
+REPLAY_PERCENTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: Block caps tried by the replay strategy.
+REPLAY_MAX_DRAFT = (1, 2, 3, 4, 5, 6, 8)
+#: Tokens the high gear generates per calibration prompt (more than the
+#: router's 24: the replay needs runs of consecutive positions).
+CALIBRATION_TOKENS = 48
+
+
+@dataclass
+class DraftStats:
+    """Per-position statistics of a drafter against the high gear.
+
+    Each list has one entry per scored position (a position predicts the
+    next token of the text).
+    """
+
+    draft_entropy: List[float] = field(default_factory=list)  # bits
+    high_entropy: List[float] = field(default_factory=list)  # bits
+    agree: List[bool] = field(default_factory=list)  # greedy draft == greedy high
+    accept_prob: List[float] = field(default_factory=list)  # sum min(p, q) at temp 1
+
+    def extend(self, other: "DraftStats") -> None:
+        for name in ("draft_entropy", "high_entropy", "agree", "accept_prob"):
+            getattr(self, name).extend(getattr(other, name))
+
+    @property
+    def n(self) -> int:
+        return len(self.agree)
+
+    def summary(self) -> Dict[str, float]:
+        """α (greedy and sampled), AUCs of entropy predicting rejection."""
+        n = max(self.n, 1)
+        rejected = [not a for a in self.agree]
+        return {
+            "positions": self.n,
+            "alpha_greedy": sum(self.agree) / n,
+            "alpha_sampled": sum(self.accept_prob) / n,
+            "auc_draft_entropy": auc(self.draft_entropy, rejected),
+            "auc_high_entropy": auc(self.high_entropy, rejected),
+        }
+
+
+def compare_logits(high_logits: mx.array, draft_logits: mx.array) -> DraftStats:
+    """Statistics of ``(L, V)`` draft logits against the high gear's at the same positions."""
+    hl, dl = high_logits.astype(mx.float32), draft_logits.astype(mx.float32)
+    hp, dp = mx.softmax(hl, axis=-1), mx.softmax(dl, axis=-1)
+    stats = [
+        entropy_bits(dl),
+        entropy_bits(hl),
+        mx.argmax(dl, axis=-1) == mx.argmax(hl, axis=-1),
+        mx.minimum(hp, dp).sum(axis=-1),
+    ]
+    mx.eval(stats)
+    return DraftStats(*[s.tolist() for s in stats])
+
+
+def draft_stats(
+    model: nn.Module, draft: DraftModel, tokens: Sequence[int], window: int = 256
+) -> DraftStats:
+    """Teacher-force ``tokens`` through both models, window by window.
+
+    Args:
+        tokens: token ids of a text; cut into windows of ``window`` tokens,
+            each a fresh context (no cache carried across windows). Every
+            position counts, the last of a window too: the statistics compare
+            the two models' predictions, not a prediction with the text.
+    """
+    out = DraftStats()
+    for start in range(0, max(len(tokens) - 1, 0), window):
+        chunk = list(tokens[start : start + window])
+        if len(chunk) < 2:
+            break
+        x = mx.array(chunk)[None]
+        out.extend(compare_logits(model(x)[0], draft(x)[0]))
+    return out
+
+
+def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """Area under the ROC curve of ``scores`` for ``labels`` (ties count half).
+
+    NaN when either class is empty.
+    """
+    pos = sum(1 for y in labels if y)
+    neg = len(labels) - pos
+    if pos == 0 or neg == 0:
+        return math.nan
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):  # average ranks over ties
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            ranks[order[t]] = (i + j) / 2 + 1
+        i = j + 1
+    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
+    return (rank_sum - pos * (pos + 1) / 2) / (pos * neg)
+
+
+def replay_speedup(
+    agree: Sequence[bool],
+    draft_entropy: Sequence[float],
+    cost: float,
+    max_draft: int,
+    stop: Optional[float] = None,
+    verify_cost: Optional[Sequence[float]] = None,
+) -> float:
+    """Greedy speculative decoding replayed on teacher-forced statistics.
+
+    Each block drafts at the next positions until a draft's entropy exceeds
+    ``stop`` or ``max_draft`` drafts are out; the high gear accepts the prefix
+    that agrees and adds one token (the correction or the bonus).
+
+    Args:
+        agree, draft_entropy: per consecutive position of one text.
+        cost: a draft step in high-gear steps (c).
+        verify_cost: ``v[k]``, a verify of ``k + 1`` tokens in high-gear
+            steps (default 1 for every k).
+
+    Returns:
+        Tokens per high-gear step: the modeled speed-up over the high gear.
+    """
+    i, tokens, spent, n = 0, 0, 0.0, len(agree)
+    limit = math.inf if stop is None else stop
+    while i < n:
+        drafted = accepted = 0
+        rejected = False
+        while drafted < max_draft and i + drafted < n:
+            p = i + drafted
+            drafted += 1
+            if not rejected:
+                if agree[p]:
+                    accepted += 1
+                else:
+                    rejected = True
+            if draft_entropy[p] > limit:
+                break
+        v = 1.0 if verify_cost is None else verify_cost[min(drafted, len(verify_cost) - 1)]
+        tokens += accepted + 1
+        spent += drafted * cost + v
+        i += accepted + 1
+    return tokens / spent if spent else 1.0
+
+
+def measure_costs(
+    model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = 3
+) -> Tuple[float, List[float]]:
+    """``(c, v)``: a draft step and verifies of ``k + 1`` tokens (k = 0..max_k), in high steps.
+
+    Best of ``reps`` synchronous calls on a warm cache (the best call is the
+    closest to an idle machine). ``v`` is measured at k = 0 and ``max_k`` and
+    interpolated linearly in between.
+    """
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    def best(m: Any, n_in: int) -> float:
+        cache = make_prompt_cache(m)
+        mx.eval(m(mx.array(ids)[None], cache=cache))
+        x = mx.array((list(ids) * (n_in // max(len(ids), 1) + 1))[:n_in])[None]
+        times = []
+        for _ in range(reps + 1):
+            tic = time.perf_counter()
+            mx.eval(m(x, cache=cache))
+            times.append(time.perf_counter() - tic)
+            trim_prompt_cache(cache, n_in)
+        return min(times[1:])
+
+    high = best(model, 1)
+    c = best(draft, 1) / high
+    v_max = best(model, max_k + 1) / high
+    return c, [1.0 + (v_max - 1.0) * k / max_k for k in range(max_k + 1)]
+
+
+def stop_threshold(draft_entropies: Sequence[float], strategy: str, vocab_size: int) -> float:
+    """The §4 low threshold of the drafter's own entropies, as a draft stop (bits).
+
+    ``median`` (§4.2): the median; ``percentile`` (§4.1): p30, floored at
+    0.01 bits and capped at 0.06·log2 V. The drafter keeps drafting where the
+    router would trust the low gear. The high thresholds make no stop: the
+    §4.2 one (2.5 × median) lies above nearly every draft entropy (12.9 bits
+    for the default model's 4-bit drafter, whose entropies peak near 11).
+    """
+    if strategy == "median":
+        return median_thresholds(draft_entropies)[0]
+    if strategy == "percentile":
+        return percentile_thresholds(draft_entropies, vocab_size)[0]
+    raise ValueError(f"unknown stop strategy {strategy!r}: choose median or percentile (or replay)")
+
+
+def best_replay(
+    stats: DraftStats, cost: float, verify_cost: Optional[Sequence[float]] = None
+) -> Dict[str, Any]:
+    """The block cap and stop (percentile grid of draft entropy, or none) with the best replay.
+
+    Ties go to no stop and to the shorter cap (cheaper when unsure). Also
+    returns the best fixed-length setting for comparison.
+    """
+    e = sorted(stats.draft_entropy)
+    stops: List[Tuple[Optional[float], Optional[float]]] = [(None, None)]
+    stops += [(q, e[min(int(q * len(e)), len(e) - 1)]) for q in REPLAY_PERCENTILES] if e else []
+    grid = []
+    for k in REPLAY_MAX_DRAFT:
+        for q, stop in stops:
+            s = replay_speedup(stats.agree, stats.draft_entropy, cost, k, stop, verify_cost)
+            grid.append((s, k, q, stop))
+    fixed = max((g for g in grid if g[3] is None), key=lambda g: (round(g[0], 6), -g[1]))
+    best = max(grid, key=lambda g: (round(g[0], 6), g[3] is None, -g[1]))
+    return {
+        "max_draft": best[1], "stop_percentile": best[2], "stop_bits": best[3],
+        "replayed_speedup": best[0], "best_fixed_k": fixed[1], "best_fixed_speedup": fixed[0],
+    }
+
+
+def calibrate_draft_stop(
+    model: nn.Module,
+    draft: DraftModel,
+    tokenizer: Any,
+    strategy: str = "replay",
+    prompts: Optional[Sequence[str]] = None,
+    max_tokens: int = CALIBRATION_TOKENS,
+    cost: Optional[Tuple[float, Sequence[float]]] = None,
+) -> Dict[str, Any]:
+    """Calibrate the drafter's stop (and, with ``replay``, its block cap).
+
+    The calibration prompts (§4.2's three, by default) are continued greedily
+    by the high gear; both gears then score prompt + continuation in one
+    forward each, and the continuation's positions are the samples.
+
+    Args:
+        strategy: ``replay`` (best replayed speed-up; measures the costs
+            unless ``cost`` gives ``(c, v)``), ``median`` or ``percentile``.
+
+    Returns:
+        The JSON-ready block saved under
+        ``Calibration.extra["speculative"][draft gear]``; ``stop_bits`` is
+        None when no stop pays, ``max_draft`` only with ``replay``.
+    """
+    from mlx_lm.generate import generate_step
+
+    from .calibration import _encode
+    from .config import CALIBRATION_PROMPTS
+    from .gearbox import vocab_size_of
+
+    if strategy not in STOP_STRATEGIES:
+        raise ValueError(f"unknown stop strategy {strategy!r}: choose one of {STOP_STRATEGIES}")
+    prompts = list(prompts or CALIBRATION_PROMPTS)
+    stats = DraftStats()
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    first_ids: List[int] = []
+    for prompt in prompts:
+        ids = _encode(tokenizer, prompt)
+        first_ids = first_ids or ids
+        gen: List[int] = []
+        for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+            gen.append(int(tok))
+            if int(tok) in eos or len(gen) >= max_tokens:
+                break
+        seq = ids + gen
+        full = draft_stats(model, draft, seq, window=len(seq))
+        keep = slice(len(ids) - 1, len(seq) - 1)  # the positions that predict the continuation
+        stats.extend(DraftStats(*[getattr(full, f)[keep] for f in
+                                  ("draft_entropy", "high_entropy", "agree", "accept_prob")]))
+    out: Dict[str, Any] = {"draft_gear": draft.gear, "bits": draft.bits, "scope": draft.scope,
+                           "strategy": strategy, "n_samples": stats.n, **stats.summary()}
+    if strategy == "replay":
+        c, v = cost if cost is not None else measure_costs(model, draft, first_ids, max(REPLAY_MAX_DRAFT))
+        out.update(draft_cost=c, verify_cost=list(v), **best_replay(stats, c, v))
+    else:
+        out["stop_bits"] = stop_threshold(stats.draft_entropy, strategy, vocab_size_of(model))
+    stop = out["stop_bits"]
+    if stop is not None:
+        below = [a for h, a in zip(stats.draft_entropy, stats.agree) if h <= stop]
+        above = [a for h, a in zip(stats.draft_entropy, stats.agree) if h > stop]
+        out["alpha_below_stop"] = sum(below) / len(below) if below else None
+        out["alpha_above_stop"] = sum(above) / len(above) if above else None
+    out["median_draft_entropy"] = statistics.median(stats.draft_entropy) if stats.n else None
+    out["prompts"] = prompts
+    return out
+
+
+__all__ = [
+    "CALIBRATION_TOKENS", "DraftStats", "STOP_STRATEGIES", "auc", "best_replay",
+    "calibrate_draft_stop", "compare_logits", "draft_stats", "measure_costs", "replay_speedup",
+    "stop_threshold",
+]

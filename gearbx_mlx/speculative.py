@@ -1,0 +1,534 @@
+"""Entropy-gated self-speculative decoding: the low gear drafts, the high gear verifies.
+
+Each block, the drafter (:mod:`gearbx_mlx.draft`: the same model with its
+managed layers quantized, its own KV cache) proposes up to ``max_draft``
+tokens one by one; the high gear scores them all in one forward pass; the
+prefix it agrees with is kept, the first rejected draft is replaced by the
+high gear's token, and when all are accepted the high gear's next token comes
+free (the bonus). Both KV caches are trimmed back with mlx-lm's
+``trim_prompt_cache``. The output is exactly the high gear's: token for token
+when greedy, in distribution when sampling (:mod:`gearbx_mlx.acceptance`).
+One floating-point caveat: a verify multiplies k+1 rows at once, which may
+round differently from one-row steps, so an exact near-tie of the top two
+logits could flip (none seen on the default model over the tests' prompts).
+
+Entropy gating (GEARBX §3 where it pays): a block ends early after a draft
+whose entropy (float32, :func:`~gearbx_mlx.entropy.entropy_bits`) exceeds
+``draft_entropy_stop`` (the draft is likely rejected, and every later draft
+of the block with it), and is capped at ``hard_max_draft`` while the monitor,
+fed the high gear's entropies of the emitted tokens, predicts a hard stretch
+(§3.5 look-ahead above the high threshold). Both are calibrated in
+:mod:`gearbx_mlx.draft_calibration`.
+
+Why not mlx-lm's ``speculative_generate_step``: fixed block length, no
+per-step hook, and for ``temp > 0`` it accepts a draft only if it equals an
+independent sample of the high gear (exact, but acceptance ``sum p·q``
+instead of ``sum min(p, q)``). Its cache helpers, sampling filters, stream
+and rewind rule are reused.
+
+On a GPU: MLX-CUDA (0.32) hands a multi-row attention call over a key length
+it has not seen to cuDNN, which builds a new execution plan each time, tens
+of ms per verify block (measured on the H100, ~45-60 ms a block). Set
+``MLX_CUDA_USE_CUDNN_SDPA=0`` before the first forward pass (the CLI does
+unless it is set); drafts are fed one token per call there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .acceptance import accept_block, make_log_dist
+from .config import SCOPES
+from .draft import DraftModel, build_draft, check_draft_gear
+from .entropy import EntropyMonitor, entropy_bits
+
+#: Why a draft block ended.
+STOPS = ("max", "entropy", "predicted", "limit")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Settings of speculative decoding (defaults live here, once).
+
+    Attributes:
+        draft_gear: ``"low"`` (4-bit by default) or ``"mid"`` (8-bit).
+        max_draft: most tokens drafted per block (k).
+        draft_entropy_stop: bits; a block ends after a draft whose entropy
+            exceeds it. None: fixed-length blocks.
+        hard_max_draft: block cap while the monitor predicts a hard stretch;
+            None: no predictive cap. 0 means a plain high-gear step there.
+        draft_scope: layers the drafter quantizes. ``"all"`` by default: with
+            the attention projections alone (the router's default scope) the
+            drafter costs nearly a full high-gear step and cannot pay.
+            None: the gearbox's scope.
+        prefill_step_size: prompt tokens per prefill chunk (as mlx-lm).
+    """
+
+    draft_gear: str = "low"
+    max_draft: int = 4
+    draft_entropy_stop: Optional[float] = None
+    hard_max_draft: Optional[int] = None
+    draft_scope: Optional[str] = "all"
+    prefill_step_size: int = 512
+
+    def __post_init__(self) -> None:
+        check_draft_gear(self.draft_gear)
+        if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or self.max_draft < 1:
+            raise ValueError(f"max_draft must be an integer >= 1, got {self.max_draft!r}")
+        s = self.draft_entropy_stop
+        if s is not None and (not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0):
+            raise ValueError(f"draft_entropy_stop must be a finite number of bits >= 0 or None, got {s!r}")
+        h = self.hard_max_draft
+        if h is not None and (not isinstance(h, int) or not 0 <= h <= self.max_draft):
+            raise ValueError(f"hard_max_draft must be an integer in [0, max_draft={self.max_draft}] or None, got {h!r}")
+        if self.draft_scope is not None and self.draft_scope not in SCOPES:
+            raise ValueError(f"draft_scope must be one of {SCOPES} or None, got {self.draft_scope!r}")
+        if self.prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+
+    @property
+    def gated(self) -> bool:
+        return self.draft_entropy_stop is not None or self.hard_max_draft is not None
+
+
+@dataclass
+class TokenInfo:
+    """What happened to one emitted token."""
+
+    token: int
+    index: int  # 0-based among generated tokens
+    block: int  # 0-based block number
+    drafted: int  # drafts proposed in this token's block
+    accepted: bool  # a draft the high gear accepted (else the high gear's own)
+    gear: str  # gear whose forward pass chose the token
+    entropy: float  # bits, the high gear's distribution at this position
+    draft_entropy: float  # bits, the drafter's there (NaN for a bonus token)
+    smoothed: float
+    predicted: float
+    stop: str  # why the block ended (see STOPS)
+    logprobs: mx.array  # (V,) the high gear's log-probabilities
+
+
+@dataclass
+class BlockRecord:
+    drafted: int
+    accepted: int
+    stop: str
+    seconds: float
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative generation."""
+
+    blocks: List[BlockRecord] = field(default_factory=list)
+    tokens: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return sum(b.drafted for b in self.blocks)
+
+    @property
+    def accepted(self) -> int:
+        return sum(b.accepted for b in self.blocks)
+
+    def summary(self) -> Dict[str, Any]:
+        nb = max(len(self.blocks), 1)
+        stops = {s: 0 for s in STOPS}
+        for b in self.blocks:
+            stops[b.stop] += 1
+        drafted = self.drafted
+        return {
+            "blocks": len(self.blocks),
+            "drafted": drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / drafted if drafted else None,
+            "mean_accepted_length": self.accepted / nb,
+            "mean_drafted_length": drafted / nb,
+            "tokens_per_block": self.tokens / nb,
+            "stops": stops,
+        }
+
+
+def _prefill(model: Any, cache: List[Any], y: mx.array, step: int) -> mx.array:
+    """Feed all but the last token of ``y``; return the last (as mlx-lm)."""
+    while y.size > 1:
+        n = min(step, y.size - 1)
+        model(y[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        y = y[n:]
+    return y
+
+
+def speculative_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    draft: DraftModel,
+    config: Optional[SpeculativeConfig] = None,
+    *,
+    max_tokens: int = 256,
+    log_dist: Optional[Callable[[mx.array], mx.array]] = None,
+    monitor: Optional[EntropyMonitor] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    draft_cache: Optional[List[Any]] = None,
+    stats: Optional[SpeculativeStats] = None,
+    single_token_drafts: bool = False,
+) -> Generator[TokenInfo, None, None]:
+    """Yield the generated tokens of speculative decoding, one :class:`TokenInfo` each.
+
+    Args:
+        prompt: ``(P,)`` token ids, ``P >= 1``.
+        model: the high gear (the loaded model, unmodified).
+        draft: from :func:`gearbx_mlx.draft.build_draft`.
+        max_tokens: tokens to generate (-1: no limit).
+        log_dist: the sampling distribution (:func:`make_log_dist`); None: greedy.
+        monitor: fed the high gear's entropy of each emitted token; it drives
+            ``hard_max_draft``. A fresh one per call is the caller's job.
+        prompt_cache, draft_cache: trimmable KV caches (made if None). On exit
+            (also when the consumer stops early) ``prompt_cache`` holds the
+            prompt and every generated token but the last, like mlx-lm's.
+        single_token_drafts: feed the drafter one token per call (the packed
+            kernels have a GEMV for one token only).
+    """
+    from mlx_lm.generate import generation_stream
+
+    config = config or SpeculativeConfig()
+    stats = stats if stats is not None else SpeculativeStats()
+    if prompt.size < 1:
+        raise ValueError("the prompt has no tokens")
+    if config.hard_max_draft is not None and monitor is None:
+        raise ValueError("hard_max_draft needs a monitor (the high gear's entropy history)")
+    hcache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    dcache = draft_cache if draft_cache is not None else make_prompt_cache(draft)
+    for name, c in (("prompt_cache", hcache), ("draft_cache", dcache)):
+        if not can_trim_prompt_cache(c):
+            kinds = sorted({type(x).__name__ for x in c if not x.is_trimmable()})
+            raise ValueError(f"speculative decoding needs a trimmable {name} (got {kinds})")
+
+    def draft_logits(tokens: mx.array) -> mx.array:
+        if single_token_drafts:
+            for i in range(tokens.size - 1):
+                draft(tokens[i : i + 1][None], cache=dcache)
+            tokens = tokens[-1:]
+        return draft(tokens[None], cache=dcache)[0, -1].astype(mx.float32)
+
+    ntoks = 0
+    with mx.stream(generation_stream):
+        y = _prefill(model, hcache, prompt.astype(mx.uint32), config.prefill_step_size)
+        dpend = _prefill(draft, dcache, prompt.astype(mx.uint32), config.prefill_step_size)
+        seen = None  # last MonitorStep
+        while max_tokens < 0 or ntoks < max_tokens:
+            tic = time.perf_counter()
+            remaining = max_tokens - ntoks if max_tokens >= 0 else config.max_draft + 1
+            cap, stop = config.max_draft, "max"
+            if config.hard_max_draft is not None and seen is not None and seen.predicted >= monitor.high:
+                cap, stop = config.hard_max_draft, "predicted"
+            if remaining - 1 < cap:
+                cap, stop = remaining - 1, "limit"
+            # -- draft ---------------------------------------------------------
+            drafts: List[mx.array] = []
+            log_qs: List[mx.array] = []
+            d_ent: List[mx.array] = []
+            inp = dpend
+            for _ in range(cap):
+                logits = draft_logits(inp)
+                if log_dist is None:
+                    d = mx.argmax(logits)
+                else:
+                    lq = log_dist(logits[None])[0]
+                    d = mx.random.categorical(lq)
+                    log_qs.append(lq)
+                h = entropy_bits(logits)
+                drafts.append(d)
+                d_ent.append(h)
+                if config.draft_entropy_stop is not None:
+                    mx.eval(d, h)  # the stop decision needs the value now
+                    if h.item() > config.draft_entropy_stop and len(drafts) < cap:
+                        stop = "entropy"
+                        break
+                else:
+                    mx.async_eval(d)
+                inp = d.reshape(1)
+            k = len(drafts)
+            # -- verify --------------------------------------------------------
+            dvec = mx.stack(drafts).astype(mx.uint32) if k else mx.array([], dtype=mx.uint32)
+            x = mx.concatenate([y, dvec])
+            logits = model(x[None], cache=hcache)[0, -(k + 1):].astype(mx.float32)
+            n, tok = accept_block(logits, dvec, mx.stack(log_qs) if log_qs else None, log_dist)
+            h_high = entropy_bits(logits)
+            d_h = mx.stack(d_ent) if k else mx.zeros((0,))
+            mx.eval(n, tok, h_high, dvec, d_h)
+            n, tok = int(n.item()), int(tok.item())
+            dlist, hh, dh = dvec.tolist(), h_high.tolist(), d_h.tolist()
+            emitted = dlist[:n] + [tok]
+            stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
+            block_no = len(stats.blocks) - 1
+            j = 0
+            try:
+                for j, t in enumerate(emitted, 1):
+                    if monitor is not None:
+                        seen = monitor.push(hh[j - 1])
+                    ntoks += 1
+                    stats.tokens += 1
+                    accepted = j <= n
+                    yield TokenInfo(
+                        token=t, index=ntoks - 1, block=block_no, drafted=k, accepted=accepted,
+                        gear=draft.gear if accepted else "high", entropy=hh[j - 1],
+                        draft_entropy=dh[j - 1] if j <= k else math.nan,
+                        smoothed=seen.smoothed if seen else math.nan,
+                        predicted=seen.predicted if seen else math.nan,
+                        stop=stop,
+                        logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]),
+                    )
+                    if ntoks == max_tokens:
+                        break
+            finally:
+                # Keep what precedes the last emitted token: the high cache
+                # took y + k drafts, the drafter dpend + the first k-1 drafts.
+                trim_prompt_cache(hcache, k + 1 - j)
+                trim_prompt_cache(dcache, max(k - j, 0) if k else 0)
+            y = mx.array([tok], dtype=mx.uint32)
+            if k == 0:
+                dpend = mx.concatenate([dpend, y])
+            elif n == k:
+                dpend = mx.array([dlist[-1], tok], dtype=mx.uint32)
+            else:
+                dpend = y
+
+
+# -- the library API ------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeResponse(GenerationResponse):
+    """mlx-lm's response plus what speculative decoding did at this token.
+
+    Extra fields:
+        entropy: bits of the high gear's distribution at this position.
+        draft_entropy: bits of the drafter's (NaN for a bonus token).
+        smoothed_entropy, predicted_entropy: the monitor's (§3.2, §3.5).
+        gear: gear whose forward pass chose the token (the draft gear for an
+            accepted draft, else ``"high"``).
+        accepted: an accepted draft; ``from_draft`` says the same.
+        drafted: drafts proposed in this token's block.
+        verified_by: the gear that verified it (always ``"high"``).
+        block: 0-based block number; stop: why that block ended.
+        step_seconds: wall time since the previous response.
+        index: 0-based position among the generated tokens.
+    """
+
+    entropy: float = math.nan
+    draft_entropy: float = math.nan
+    smoothed_entropy: float = math.nan
+    predicted_entropy: float = math.nan
+    gear: str = "high"
+    accepted: bool = False
+    drafted: int = 0
+    verified_by: str = "high"
+    block: int = 0
+    stop: str = "max"
+    shifted: bool = False  # no module is ever swapped: both gears stay resident
+    shift_seconds: float = 0.0
+    step_seconds: float = 0.0
+    index: int = 0
+    stats: Optional[SpeculativeStats] = field(default=None, repr=False, compare=False)
+    draft: Optional[DraftModel] = field(default=None, repr=False, compare=False)
+
+
+_DRAFTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple, DraftModel]]" = weakref.WeakKeyDictionary()
+
+
+def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str]) -> DraftModel:
+    """The drafter of ``model`` in ``gear``, built once per gearbox and reused."""
+    per_box = _DRAFTS.setdefault(gearbox, {})
+    key = (gear, scope or gearbox.config.scope)
+    if key not in per_box:
+        gearbox.manager.shift("high")
+        per_box[key] = build_draft(model, gearbox, gear, scope)
+    return per_box[key]
+
+
+def single_token_drafts(config: Any) -> bool:
+    """Feed the drafter one token per call? Yes for the packed kernels (a GEMV
+    for one token only) and on a GPU, where MLX-CUDA gives a multi-row
+    attention call over a new key length to cuDNN, which builds a new
+    execution plan (tens of ms) for every new shape; one row takes MLX's own
+    vector kernel."""
+    return config.kernel == "packed" or mx.default_device() == mx.gpu
+
+
+def _encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -> mx.array:
+    """Token ids of ``prompt`` exactly as ``mlx_lm.stream_generate`` makes them."""
+    if isinstance(prompt, mx.array):
+        return prompt
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty: give some text to continue")
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if len(prompt) == 0:
+        raise ValueError("the prompt has no tokens")
+    return mx.array(list(prompt))
+
+
+def stream_speculative_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: Union[str, mx.array, List[int]],
+    gearbox: Optional[Any] = None,
+    *,
+    config: Optional[SpeculativeConfig] = None,
+    draft: Optional[DraftModel] = None,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    min_tokens_to_keep: int = 1,
+    seed: Optional[int] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    **options: Any,
+) -> Generator[SpeculativeResponse, None, None]:
+    """Stream tokens like ``gearbx_mlx.stream_generate``, drafted low and verified high.
+
+    Args:
+        prompt: text (encoded as mlx-lm does) or token ids.
+        gearbox: from :func:`gearbx_mlx.load` (bits, group size, kernel,
+            thresholds); a default one is made if None.
+        config: speculative settings; ``options`` (its fields: ``draft_gear``,
+            ``max_draft``, ``draft_entropy_stop``, ...) override it.
+        draft: a prebuilt drafter (else built once per gearbox and cached).
+        max_tokens: tokens to generate (-1: no limit).
+        temp, top_p, min_p, top_k: the high gear's sampling distribution; the
+            output follows it exactly (greedy when ``temp == 0``).
+        prompt_cache: the high gear's trimmable KV cache, updated in place.
+
+    Yields:
+        :class:`SpeculativeResponse`, one per generated token; the last one
+        has ``finish_reason`` set (``"stop"`` at EOS, else ``"length"``).
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from .gearbox import Gearbox
+
+    if max_tokens == 0 or max_tokens < -1:
+        raise ValueError("max_tokens must be positive (or -1 for no limit)")
+    config = config or SpeculativeConfig()
+    if options:
+        config = dataclasses.replace(config, **options)
+    gearbox = gearbox or Gearbox(model)
+    if gearbox.model is not model:
+        raise ValueError("this gearbox manages another model: pass the model it was made for")
+    gearbox.manager.shift("high")  # the verifier is the loaded model itself
+    if draft is None:
+        draft = get_draft(model, gearbox, config.draft_gear, config.draft_scope)
+    elif draft.gear != config.draft_gear:
+        raise ValueError(f"the draft given is in the {draft.gear} gear, config says {config.draft_gear}")
+    log_dist = make_log_dist(temp, top_p, min_p, top_k, min_tokens_to_keep)
+    if seed is not None:
+        mx.random.seed(seed)
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = _encode_prompt(tokenizer, prompt)
+    monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
+    stats = SpeculativeStats()
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(tokenizer.eos_token_ids)
+    steps = speculative_generate_step(
+        ids, model, draft, config, max_tokens=max_tokens, log_dist=log_dist, monitor=monitor,
+        prompt_cache=prompt_cache, stats=stats,
+        single_token_drafts=single_token_drafts(gearbox.config),
+    )
+    tic = last = time.perf_counter()
+    prompt_tps, info = 0.0, None
+    try:
+        for n, info in enumerate(steps):
+            now = time.perf_counter()
+            if n == 0:
+                prompt_tps = ids.size / max(now - tic, 1e-9)
+                tic = now
+            if info.token in eos:
+                break
+            detok.add_token(info.token)
+            if n + 1 == max_tokens:
+                break
+            yield _response(info, detok.last_segment, ids.size, prompt_tps, n, tic, now - last, stats, draft, None)
+            last = now
+    finally:
+        steps.close()  # trims both caches to the kept tokens
+    if info is None:
+        return
+    detok.finalize()
+    reason = "stop" if info.token in eos else "length"
+    yield _response(info, detok.last_segment, ids.size, prompt_tps, info.index, tic,
+                    time.perf_counter() - last, stats, draft, reason)
+
+
+def _response(info: TokenInfo, text: str, prompt_tokens: int, prompt_tps: float, n: int,
+              tic: float, step: float, stats: SpeculativeStats, draft: DraftModel,
+              reason: Optional[str]) -> SpeculativeResponse:
+    return SpeculativeResponse(
+        text=text, token=info.token, logprobs=info.logprobs, from_draft=info.accepted,
+        prompt_tokens=prompt_tokens, prompt_tps=prompt_tps, generation_tokens=n + 1,
+        generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
+        entropy=info.entropy, draft_entropy=info.draft_entropy, smoothed_entropy=info.smoothed,
+        predicted_entropy=info.predicted, gear=info.gear, accepted=info.accepted,
+        drafted=info.drafted, block=info.block, stop=info.stop, step_seconds=step,
+        index=info.index, stats=stats, draft=draft,
+    )
+
+
+def speculative_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: Union[str, List[int]],
+    gearbox: Optional[Any] = None,
+    verbose: bool = False,
+    **kwargs: Any,
+) -> str:
+    """Generate a complete response speculatively (the high gear's text, exactly when greedy).
+
+    ``kwargs`` go to :func:`stream_speculative_generate`.
+    """
+    text = ""
+    for resp in stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs):
+        text += resp.text
+        if verbose:
+            print(resp.text, end="", flush=True)
+    if verbose:
+        print()
+    return text
+
+
+def speculative_summary(last: Optional[SpeculativeResponse], interrupted: bool = False) -> Dict[str, Any]:
+    """Summary of a speculative generation from its last response."""
+    stats = last.stats if last is not None else SpeculativeStats()
+    draft = last.draft if last is not None else None
+    n = last.generation_tokens if last is not None else 0
+    return {
+        "interrupted": interrupted,
+        "finish_reason": getattr(last, "finish_reason", None),
+        "prompt_tokens": getattr(last, "prompt_tokens", 0),
+        "prompt_tps": getattr(last, "prompt_tps", 0.0),
+        "generation_tokens": n,
+        "generation_tps": getattr(last, "generation_tps", 0.0),
+        "peak_memory_gb": getattr(last, "peak_memory", 0.0),
+        "draft_gear": draft.gear if draft else None,
+        "draft_bits": draft.bits if draft else None,
+        "draft_scope": draft.scope if draft else None,
+        **stats.summary(),
+        "memory": dict(draft.memory) if draft else {},
+    }

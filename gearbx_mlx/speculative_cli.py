@@ -1,0 +1,235 @@
+"""``--speculative`` for ``python -m gearbx_mlx.generate``: flags, run, trace, summary.
+
+The generate CLI adds these flags with :func:`add_speculative_args`, checks
+them before loading with :func:`check_speculative_args`, and hands the loaded
+model to :func:`run_speculative`. Text streams to stdout; the summary goes to
+stderr after a separator, as in routed generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any, Dict, Optional
+
+from .config import SCOPES
+from .draft import DRAFT_GEARS
+from .speculative import SpeculativeConfig, SpeculativeResponse
+
+COLORS = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
+RESET = "\033[0m"
+#: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
+CALIBRATION_KEY = "speculative"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _stop_bits(text: str) -> Optional[float]:
+    """``off`` -> None (fixed-length blocks); else bits >= 0."""
+    if text.lower() == "off":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bits (a number >= 0) or 'off', got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected bits >= 0, got {v}")
+    return v
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--speculative`` group of flags to ``parser``."""
+    d = SpeculativeConfig()
+    g = parser.add_argument_group(
+        "speculative decoding (output exactly the high gear's; the low gear drafts)"
+    )
+    g.add_argument("--speculative", action="store_true",
+                   help="draft with a quantized gear, verify every token with the high gear")
+    g.add_argument("--draft-gear", choices=DRAFT_GEARS, default=d.draft_gear,
+                   help="gear that drafts: low (4-bit) or mid (8-bit)")
+    g.add_argument("--max-draft", type=_positive_int, default=None, metavar="N",
+                   help="most tokens drafted per block (default: the calibrated cap of "
+                        f"--calibrate/--calibration, else {d.max_draft})")
+    g.add_argument("--draft-entropy-stop", type=_stop_bits, default=argparse.SUPPRESS, metavar="BITS",
+                   help="end a block after a draft whose entropy exceeds BITS; 'off' for fixed-length "
+                        "blocks (default: the calibrated stop of --calibrate/--calibration, else off)")
+    g.add_argument("--hard-max-draft", type=int, default=None, metavar="N",
+                   help="cap blocks at N drafts while the predicted entropy is above the high "
+                        "threshold (default: no cap)")
+    g.add_argument("--draft-scope", choices=SCOPES, default=d.draft_scope,
+                   help=f"layers the drafter quantizes (default {d.draft_scope})")
+
+
+def check_speculative_args(args: argparse.Namespace) -> None:
+    """Fail on options speculative decoding does not take, before anything loads.
+
+    Also sets ``MLX_CUDA_USE_CUDNN_SDPA=0`` unless already set (no effect on the CPU).
+    """
+    clashes = [flag for flag, on in (
+        ("--kv-bits", getattr(args, "kv_bits", None) is not None),
+        ("--max-kv-size", getattr(args, "max_kv_size", None) is not None),
+        ("--static-gear", getattr(args, "static_gear", None) is not None),
+        ("--telemetry-only", getattr(args, "telemetry_only", False)),
+    ) if on]
+    if clashes:
+        raise ValueError(
+            f"{', '.join(clashes)} cannot be combined with --speculative: it needs trimmable "
+            "full-precision KV caches and builds its own draft gear"
+        )
+    hard = getattr(args, "hard_max_draft", None)
+    if hard is not None and (hard < 0 or (args.max_draft is not None and hard > args.max_draft)):
+        raise ValueError(f"--hard-max-draft must be in [0, --max-draft], got {hard}")
+    # MLX-CUDA reads this once, at the first attention call: set it before any
+    # forward pass so that verify blocks skip cuDNN's per-shape plan builds
+    # (gearbx_mlx.speculative, "On a GPU"). A value the user set wins.
+    os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+
+
+def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeConfig:
+    """The config of a CLI run: flags first, then the saved calibration, then the defaults."""
+    block = calibrated_stop(gearbox, args.draft_gear) or {}
+    if hasattr(args, "draft_entropy_stop"):
+        stop = args.draft_entropy_stop
+    else:
+        stop = block.get("stop_bits")
+    max_draft = args.max_draft or block.get("max_draft") or SpeculativeConfig.max_draft
+    hard = args.hard_max_draft
+    if hard is not None and hard > max_draft:
+        raise ValueError(f"--hard-max-draft {hard} exceeds the block cap {max_draft}")
+    return SpeculativeConfig(
+        draft_gear=args.draft_gear, max_draft=int(max_draft), draft_entropy_stop=stop,
+        hard_max_draft=hard, draft_scope=args.draft_scope,
+    )
+
+
+def calibrated_stop(gearbox: Any, draft_gear: str) -> Optional[Dict[str, Any]]:
+    """The saved draft-stop calibration of ``draft_gear``, if the gearbox has one."""
+    cal = getattr(gearbox, "calibration", None)
+    block = (cal.extra.get(CALIBRATION_KEY) or {}).get(draft_gear) if cal is not None else None
+    return block if isinstance(block, dict) and ("stop_bits" in block or "max_draft" in block) else None
+
+
+def token_record(resp: SpeculativeResponse) -> Dict[str, Any]:
+    """A trace record: the routed fields (``gearbx_mlx.trace``) plus the speculative ones."""
+    from .trace import token_record as routed_record
+
+    return {
+        **routed_record(resp),
+        "drafted": resp.drafted,
+        "accepted": bool(resp.accepted),
+        "verified_by": resp.verified_by,
+        "draft_entropy": resp.draft_entropy,
+        "block": resp.block,
+        "stop": resp.stop,
+    }
+
+
+def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
+    rate = s["acceptance_rate"]
+    mem = s.get("memory") or {}
+    stop = "off" if config.draft_entropy_stop is None else f"{config.draft_entropy_stop:.3f} bits"
+    lines = [
+        f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec",
+        f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.3f} tokens-per-sec",
+        f"Peak memory: {s['peak_memory_gb']:.3f} GB",
+        f"Speculative: {s['draft_gear']} gear drafts ({s['draft_bits']}-bit, scope {s['draft_scope']}), "
+        f"high verifies; max draft {config.max_draft}, entropy stop {stop}",
+        f"Blocks: {s['blocks']}; drafted {s['drafted']}, accepted {s['accepted']} "
+        f"(acceptance {'n/a' if rate is None else f'{100 * rate:.1f}%'}); "
+        f"mean accepted length {s['mean_accepted_length']:.2f}, tokens per block {s['tokens_per_block']:.2f}",
+        "Block ends: " + ", ".join(f"{k} {v}" for k, v in s["stops"].items()),
+    ]
+    if mem:
+        lines.append(
+            f"Resident: {mem['resident_total'] / 1e6:.1f} MB (high {mem['high_bytes'] / 1e6:.1f} MB "
+            f"+ draft extra {mem['extra_bytes'] / 1e6:.1f} MB; shared {mem['shared_bytes'] / 1e6:.1f} MB)"
+        )
+    if s["interrupted"]:
+        lines.append("Interrupted.")
+    return "\n".join(lines)
+
+
+def run_speculative(
+    args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, prompt: str, templated: Any
+) -> int:
+    """Generate speculatively as the CLI asked; returns the exit status.
+
+    Args:
+        prompt: the user's text (for the trace); templated: what is encoded.
+    """
+    from .draft_calibration import calibrate_draft_stop
+    from .speculative import get_draft, speculative_summary, stream_speculative_generate
+    from .trace import TraceWriter
+
+    draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
+    if getattr(args, "calibrate", None) and gearbox.calibration is not None:
+        # The router's strategy sets its thresholds; the drafter's stop and
+        # block cap are always the replay's (the best modeled speed-up).
+        print("[gearbx] calibrating the draft stop and block cap ...", file=sys.stderr, flush=True)
+        block = calibrate_draft_stop(model, draft, tokenizer, "replay")
+        gearbox.calibration.extra.setdefault(CALIBRATION_KEY, {})[args.draft_gear] = block
+        if args.calibration:
+            gearbox.calibration.save(args.calibration)
+    config = speculative_config(args, gearbox)
+    writer = TraceWriter(args.trace) if args.trace else None
+    last: Optional[SpeculativeResponse] = None
+    interrupted = False
+    try:
+        stream = stream_speculative_generate(
+            model, tokenizer, templated, gearbox, config=config, draft=draft,
+            max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
+            top_k=args.top_k, seed=args.seed,
+        )
+        if not args.quiet:
+            print("=" * 10, file=sys.stderr, flush=True)
+        for resp in stream:
+            if last is None and writer:
+                writer.header(**_header(args, gearbox, config, draft, resp, prompt))
+            last = resp
+            color = args.color and resp.text
+            print(f"{COLORS[resp.gear]}{resp.text}{RESET}" if color else resp.text, end="", flush=True)
+            if writer:
+                writer.token(**token_record(resp))
+        print(flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(flush=True)
+    finally:
+        summary = speculative_summary(last, interrupted)
+        if writer:
+            writer.summary(**summary)
+            writer.close()
+        if not args.quiet and last is not None:
+            print("=" * 10, file=sys.stderr)
+            print(format_summary(summary, config), file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def _header(args: argparse.Namespace, gearbox: Any, config: SpeculativeConfig, draft: Any,
+            first: SpeculativeResponse, prompt: str) -> Dict[str, Any]:
+    c = gearbox.config
+    return {
+        "model": gearbox.model_name,
+        "vocab_size": gearbox.vocab_size,
+        "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1]},
+        "policy": "speculative",
+        "scope": c.scope, "kernel": c.kernel, "window": c.window,
+        "speculative": {
+            "draft_gear": draft.gear, "draft_bits": draft.bits, "draft_scope": draft.scope,
+            "max_draft": config.max_draft, "draft_entropy_stop": config.draft_entropy_stop,
+            "hard_max_draft": config.hard_max_draft,
+        },
+        "prompt_tokens": first.prompt_tokens,
+        "sampling": {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p,
+                     "top_k": args.top_k, "seed": args.seed},
+    }

@@ -1,0 +1,391 @@
+"""Self-speculative decoding: exactness (greedy and sampled), cache rollback, bad input."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import make_tiny_llama
+from gearbx_mlx.acceptance import accept_block, make_log_dist
+from gearbx_mlx.config import GearboxConfig
+from gearbx_mlx.draft import build_draft
+from gearbx_mlx.draft_calibration import auc, draft_stats, replay_speedup
+from gearbx_mlx.entropy import EntropyMonitor
+from gearbx_mlx.gearbox import Gearbox
+from gearbx_mlx.speculative import (
+    SpeculativeConfig,
+    SpeculativeStats,
+    speculative_generate_step,
+    stream_speculative_generate,
+)
+
+VOCAB = 64
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def chaotic_llama(seed: int = 0):
+    """A tiny llama whose greedy output varies and whose 4-bit copy disagrees
+    with it at about half the positions (weights of the layers scaled by 3)."""
+    m = make_tiny_llama(vocab=VOCAB, hidden=64, seed=seed)
+    m.model.update({"layers": tree_map(lambda a: 3 * a, m.model.parameters()["layers"])})
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = chaotic_llama()
+    gb = Gearbox(m, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    return m, gb, build_draft(m, gb, "low")
+
+
+def greedy_reference(model, prompt: Sequence[int], n: int) -> List[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n)
+    return [int(t) for (t, _), _ in zip(steps, range(n))]
+
+
+def run(model, draft, config, n, prompt=PROMPT, monitor=None, **kw) -> List[int]:
+    return [i.token for i in speculative_generate_step(
+        mx.array(prompt), model, draft, config, max_tokens=n, monitor=monitor, **kw)]
+
+
+# -- greedy exactness --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [
+    SpeculativeConfig(max_draft=1),
+    SpeculativeConfig(max_draft=3),
+    SpeculativeConfig(max_draft=6, draft_entropy_stop=1.5),
+    SpeculativeConfig(max_draft=4, draft_entropy_stop=0.0),  # every block ends after one draft
+    SpeculativeConfig(max_draft=4, hard_max_draft=0, draft_entropy_stop=3.0),
+], ids=["k1", "k3", "k6-stop", "stop-all", "hard-cap-0"])
+def test_greedy_output_is_the_high_gears_on_a_tiny_model(tiny, config):
+    model, gb, draft = tiny
+    want = greedy_reference(model, PROMPT, 40)
+    stats = SpeculativeStats()
+    monitor = EntropyMonitor(VOCAB, gb.config, (0.5, 1.0))  # low thresholds: the cap engages
+    got = run(model, draft, config, 40, monitor=monitor, stats=stats)
+    assert got == want
+    assert 0 < stats.accepted < stats.drafted  # both paths (accept and reject) were taken
+    assert stats.tokens == 40
+
+
+def test_mid_drafter_and_max_tokens_inside_a_block(tiny):
+    model, gb, _ = tiny
+    mid = build_draft(model, gb, "mid")
+    for n in (1, 2, 5, 7):
+        assert run(model, mid, SpeculativeConfig("mid", max_draft=4), n) == greedy_reference(model, PROMPT, n)
+
+
+@pytest.mark.slow
+def test_greedy_identical_on_the_default_model(default_model):
+    """8 prompts x 24 tokens, 4-bit drafter (fixed and gated) and one 8-bit run."""
+    from gearbx_mlx.calibration import _encode
+
+    model, tok, gearbox = default_model
+    prompts = [
+        "Write the days of the week in order, separated by commas.",
+        "Describe a walk along a river on an autumn morning.",
+        "Prove that the square root of 2 is irrational, step by step.",
+        "What is the capital of France? Answer in one word.",
+        "Write a haiku about snow.",
+        "Explain what a hash table is to a child.",
+        "List five prime numbers.",
+        "Translate 'good morning' into Spanish and German.",
+    ]
+    configs = [SpeculativeConfig(max_draft=4), SpeculativeConfig(max_draft=6, draft_entropy_stop=2.0)]
+    accepted = drafted = 0
+    for i, text in enumerate(prompts):
+        ids = _encode(tok, text)
+        want = greedy_reference(model, ids, 24)
+        config = configs[i % 2]
+        got = []
+        for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=24):
+            got.append(r.token)
+            accepted, drafted = accepted + r.accepted, drafted + (r.drafted if r.index == 0 else 0)
+        assert got == want[: len(got)], text
+        assert len(got) == 24 or got[-1] in tok.eos_token_ids
+    mid_cfg = SpeculativeConfig("mid", max_draft=4)
+    ids = _encode(tok, prompts[1])
+    got = [r.token for r in stream_speculative_generate(model, tok, ids, gearbox, config=mid_cfg, max_tokens=24)]
+    assert got == greedy_reference(model, ids, 24)[: len(got)]
+    assert accepted > 0
+
+
+# -- cache rollback ------------------------------------------------------------------
+
+
+def test_caches_are_rolled_back_consistently(tiny):
+    """After a run, the high cache holds what a plain high run's holds (prompt and
+    all generated tokens but the last), and the drafter's holds no more."""
+    model, _, draft = tiny
+    n = 23
+    hcache, dcache = make_prompt_cache(model), make_prompt_cache(draft)
+    got = run(model, draft, SpeculativeConfig(max_draft=4), n, prompt_cache=hcache, draft_cache=dcache)
+    plain = make_prompt_cache(model)
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(PROMPT), model, max_tokens=n,
+                                                        prompt_cache=plain), range(n))]
+    assert got == want
+    length = len(PROMPT) + n - 1
+    assert all(c.offset == length for c in hcache)
+    assert all(c.offset <= length for c in dcache)
+    for mine, ref in zip(hcache, plain):
+        for a, b in zip(mine.keys_and_values(), ref.keys_and_values()):
+            assert mx.allclose(a[..., :length, :], b[..., :length, :], atol=1e-4, rtol=1e-4).item()
+    # The next token from the kept cache is the high gear's next token.
+    nxt = model(mx.array([[got[-1]]]), cache=hcache)[0, -1]
+    assert int(mx.argmax(nxt).item()) == greedy_reference(model, PROMPT, n + 1)[-1]
+
+
+def test_early_stop_by_the_consumer_trims_too(tiny):
+    model, _, draft = tiny
+    hcache = make_prompt_cache(model)
+    steps = speculative_generate_step(mx.array(PROMPT), model, draft, SpeculativeConfig(max_draft=6),
+                                      max_tokens=50, prompt_cache=hcache)
+    got = [next(steps).token for _ in range(3)]
+    steps.close()
+    assert all(c.offset == len(PROMPT) + len(got) - 1 for c in hcache)
+
+
+# -- the acceptance rule -------------------------------------------------------------
+
+
+def test_accept_block_greedy_rule():
+    logits = mx.array([[0.0, 5, 0], [3, 0, 0], [0, 0, 9]])  # argmax 1, 0, 2
+    n, t = accept_block(logits, mx.array([1, 0]), None, None)
+    assert (n.item(), t.item()) == (2, 2)  # both accepted, bonus 2
+    n, t = accept_block(logits, mx.array([1, 2]), None, None)
+    assert (n.item(), t.item()) == (1, 0)  # second rejected, replaced by 0
+
+
+def test_accept_block_sampling_edge_cases():
+    mx.random.seed(0)
+    log_dist = make_log_dist(temp=1.0)
+    logits = mx.log(mx.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]) + 1e-30)
+    same = log_dist(logits[:1])
+    for _ in range(20):  # q == p: always accepted
+        n, _ = accept_block(logits, mx.array([1]), same, log_dist)
+        assert n.item() == 1
+    q_bad = mx.log(mx.array([[0.0, 0.0, 1.0]]) + 1e-30)  # drafts a token p gives no mass
+    for _ in range(20):
+        n, t = accept_block(logits, mx.array([2]), q_bad, log_dist)
+        assert n.item() == 0 and t.item() in (0, 1)  # resampled from max(0, p - q)
+
+
+def chi2_pvalue(stat: float, dof: int) -> float:
+    """Upper tail of chi-square (Wilson-Hilferty normal approximation)."""
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def chi2(counts: Counter, probs: Dict[int, float], n: int) -> float:
+    """p-value of ``counts`` under ``probs``; cells expecting < 5 are pooled."""
+    big = [t for t, p in probs.items() if p * n >= 5]
+    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
+    exp = [probs[t] * n for t in big] + [n * (1 - sum(probs[t] for t in big))]
+    if exp[-1] < 5:  # too little left to pool: merge into the last big cell
+        obs[-2] += obs.pop()
+        exp[-2] += exp.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    return chi2_pvalue(stat, len(obs) - 1)
+
+
+def exact_marginals(model, prompt: Sequence[int], temp: float, depth: int) -> List[Dict[int, float]]:
+    """Exact marginal distribution of each of the first ``depth`` sampled tokens."""
+    log_dist = make_log_dist(temp)
+    paths = {(): 1.0}
+    out = []
+    for _ in range(depth):
+        seqs = list(paths)
+        x = mx.array([list(prompt) + list(s) for s in seqs])
+        probs = mx.exp(log_dist(model(x)[:, -1, :])).tolist()
+        marginal: Dict[int, float] = {}
+        nxt: Dict[tuple, float] = {}
+        for s, row in zip(seqs, probs):
+            for t, p in enumerate(row):
+                w = paths[s] * p
+                marginal[t] = marginal.get(t, 0.0) + w
+                if w > 1e-6:
+                    nxt[s + (t,)] = w
+        out.append(marginal)
+        paths = nxt
+    return out
+
+
+def test_sampling_matches_the_high_gears_distribution(tiny):
+    """The first three tokens of many seeded runs follow the high gear's exact
+    marginals (chi-square), and not the drafter's (the test has power)."""
+    model, _, draft = tiny
+    temp, n_runs = 1.0, 1000
+    want = exact_marginals(model, PROMPT, temp, 3)
+    q_first = exact_marginals(draft, PROMPT, temp, 1)[0]
+    mx.random.seed(1234)
+    log_dist = make_log_dist(temp)
+    counts = [Counter() for _ in range(3)]
+    stats = SpeculativeStats()
+    for _ in range(n_runs):
+        toks = run(model, draft, SpeculativeConfig(max_draft=2), 3, log_dist=log_dist, stats=stats)
+        for i, t in enumerate(toks):
+            counts[i][t] += 1
+    assert 0 < stats.accepted < stats.drafted
+    for i in range(3):
+        assert chi2(counts[i], want[i], n_runs) > 1e-3, f"token {i + 1}"
+    assert chi2(counts[0], q_first, n_runs) < 1e-6  # the drafter's own law is told apart
+
+
+# -- drafter, measurement, bad input -------------------------------------------------
+
+
+def test_draft_shares_every_unmanaged_array(tiny):
+    model, gb, draft = tiny
+    managed = set(draft.paths)
+    high = dict(model.named_modules())
+    low = dict(draft.module.named_modules())
+    for path, m in high.items():
+        on_the_way = path == "" or any(p.startswith(path + ".") for p in managed)
+        if path in managed:
+            assert low[path] is not m  # a quantized copy; the model keeps its own
+        elif not on_the_way:
+            assert low[path] is m, path  # norms, RoPE, unmanaged layers: the same objects
+    mem = draft.memory
+    assert mem["shared_bytes"] > 0 and mem["extra_bytes"] == mem["managed_draft_bytes"]
+    assert mem["resident_total"] == mem["high_bytes"] + mem["extra_bytes"]
+
+
+def test_draft_stats_and_auc(tiny):
+    model, _, draft = tiny
+    seq = PROMPT + greedy_reference(model, PROMPT, 20)
+    st = draft_stats(model, draft, seq, window=16)
+    assert st.n == len(seq)
+    s = st.summary()
+    assert 0 < s["alpha_greedy"] < 1 and 0 < s["alpha_sampled"] <= 1
+    assert auc([1, 2, 3, 4], [False, False, True, True]) == 1.0
+    assert auc([1, 1, 1, 1], [False, True, False, True]) == 0.5
+    assert math.isnan(auc([1, 2], [True, True]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_draft": 0}, "max_draft must be an integer >= 1"),
+    ({"max_draft": 2.5}, "max_draft must be an integer >= 1"),
+    ({"draft_gear": "high"}, "high gear verifies"),
+    ({"draft_entropy_stop": -1.0}, "draft_entropy_stop"),
+    ({"hard_max_draft": 9, "max_draft": 4}, "hard_max_draft"),
+    ({"draft_scope": "mlp"}, "draft_scope"),
+])
+def test_bad_config_is_a_clear_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+def test_bad_input_through_the_api(tiny):
+    model, gb, _ = tiny
+    with pytest.raises(ValueError, match="high gear verifies"):
+        build_draft(model, gb, "high")
+    with pytest.raises(ValueError, match="max_draft"):
+        next(stream_speculative_generate(model, _NoTokenizer(), [1, 2], gb, max_draft=0))
+    with pytest.raises(ValueError, match="temp"):
+        make_log_dist(temp=-1.0)
+
+
+class _NoTokenizer:
+    """Never reached: the config is checked first."""
+
+
+def test_cli_rejects_bad_speculative_flags(capsys):
+    from gearbx_mlx.generate import main
+
+    for argv in (["--speculative", "--max-draft", "0"], ["--speculative", "--draft-gear", "high"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+    assert main(["--speculative", "--kv-bits", "4", "--prompt", "hi"]) == 1
+    assert "cannot be combined with --speculative" in capsys.readouterr().err
+
+
+# -- calibration of the drafter: replay, saved block, CLI resolution ------------------
+
+
+def test_replay_speedup_counts_tokens_and_cost():
+    assert replay_speedup([True] * 40, [0.0] * 40, 0.5, 3) == pytest.approx(40 / (10 * 2.5))
+    # Every draft rejected: 4 wasted drafts a block (fewer in the last three blocks).
+    assert replay_speedup([False] * 10, [1.0] * 10, 0.5, 4) == pytest.approx(10 / (7 * 3 + 2.5 + 2 + 1.5))
+    assert replay_speedup([False] * 10, [1.0] * 10, 0.5, 4, stop=0.5) == pytest.approx(1 / 1.5)
+    assert replay_speedup([True] * 8, [0.0] * 8, 0.0, 1, verify_cost=[1.0, 2.0]) == pytest.approx(1.0)
+
+
+def test_best_replay_prefers_long_blocks_for_a_good_drafter_and_stops_a_bad_one():
+    from gearbx_mlx.draft_calibration import DraftStats, best_replay
+
+    good = DraftStats([1.0] * 60, [1.0] * 60, [True] * 60, [1.0] * 60)
+    r = best_replay(good, cost=0.2)
+    assert r["stop_bits"] is None and r["max_draft"] == 8 and r["replayed_speedup"] > 3
+    # Agrees only where its entropy is low: the best rule stops at high entropy.
+    import random
+
+    rng = random.Random(0)
+    ent = [6.0 if rng.random() < 0.3 else 0.5 for _ in range(200)]
+    bad = DraftStats(ent, ent, [h < 1 for h in ent], [1.0] * len(ent))
+    r = best_replay(bad, cost=0.2)
+    assert r["stop_bits"] is not None and r["stop_bits"] < 6.0
+    assert r["replayed_speedup"] > r["best_fixed_speedup"]
+
+
+def test_calibration_file_keeps_the_speculative_block(tmp_path):
+    from gearbx_mlx.calibration import Calibration
+
+    cal = Calibration(low=1.0, high=3.0, strategy="median", n_samples=10, vocab_size=VOCAB)
+    cal.extra["speculative"] = {"low": {"stop_bits": 2.5, "max_draft": 3}}
+    back = Calibration.load(cal.save(tmp_path / "c.json"))
+    assert back.extra["speculative"]["low"] == {"stop_bits": 2.5, "max_draft": 3}
+
+
+def test_cli_config_takes_flags_then_calibration_then_defaults(tiny):
+    from types import SimpleNamespace
+
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import build_parser
+    from gearbx_mlx.speculative_cli import speculative_config
+
+    cal = Calibration(low=1.0, high=3.0, strategy="median", n_samples=10, vocab_size=VOCAB,
+                      extra={"speculative": {"low": {"stop_bits": 2.5, "max_draft": 3}}})
+    box = SimpleNamespace(calibration=cal)
+    parse = build_parser().parse_args
+    c = speculative_config(parse(["--speculative"]), box)
+    assert (c.max_draft, c.draft_entropy_stop) == (3, 2.5)
+    c = speculative_config(parse(["--speculative", "--max-draft", "5", "--draft-entropy-stop", "off"]), box)
+    assert (c.max_draft, c.draft_entropy_stop) == (5, None)
+    c = speculative_config(parse(["--speculative", "--draft-gear", "mid"]), box)  # no mid block saved
+    assert (c.max_draft, c.draft_entropy_stop) == (SpeculativeConfig.max_draft, None)
+
+
+@pytest.mark.slow
+def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, default_model):
+    import subprocess
+    import sys
+
+    from mlx_lm import generate as mlx_generate
+
+    from gearbx_mlx.trace import read_trace
+
+    model, tok, _ = default_model
+    text = "List three colours of the rainbow."
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    want = mlx_generate(model, tok, prompt, max_tokens=16)
+    trace = tmp_path / "t.jsonl"
+    p = subprocess.run([sys.executable, "-m", "gearbx_mlx.generate", "--prompt", text, "--max-tokens", "16",
+                        "--speculative", "--draft-gear", "mid", "--max-draft", "3", "--trace", str(trace)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.rstrip("\n") == want
+    assert "acceptance" in p.stderr and "Resident:" in p.stderr
+    t = read_trace(trace)
+    assert t.header["policy"] == "speculative" and t.summary["generation_tokens"] == len(t.tokens)
+    assert all(r["verified_by"] == "high" and r["drafted"] <= 3 for r in t.tokens)
+    assert sum(r["accepted"] for r in t.tokens) == t.summary["accepted"]
