@@ -1,0 +1,158 @@
+"""Results as data: per-policy rows, matched comparisons, the table, the JSON file.
+
+Quality numbers are stored at full float precision (they are reproducible
+bit for bit on one machine and command); the printed table rounds them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..config import GEARS
+from .teacher import RowResult
+
+FORMAT = "gearbx-eval"
+VERSION = 1
+#: Entropies kept in the JSON trace are rounded: they only feed the figures.
+TRACE_DECIMALS = 4
+
+
+def policy_row(res: RowResult, ref_bytes: float, speed: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One policy's numbers (quality from the teacher-forced pass, speed if measured)."""
+    counts = res.gear_counts()
+    return {
+        "name": res.spec.name,
+        "spec": res.spec.to_dict(),
+        "perplexity": res.perplexity,
+        "mean_kl": res.mean_kl,
+        "top1_agreement": res.top1_agreement,
+        "bytes_per_token": res.bytes_per_token,
+        "relative_bytes": res.bytes_per_token / ref_bytes,
+        "gear_counts": counts,
+        "gear_fractions": {g: counts[g] / res.steps for g in GEARS},
+        "shifts": res.shifts,
+        "scored_positions": res.steps,
+        "window_perplexity": [math.exp(x / (res.steps / len(res.window_nll))) for x in res.window_nll],
+        "speed": speed,
+    }
+
+
+def trace_entry(res: RowResult) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"gears": "".join(res.gears)}
+    if res.entropy:
+        out["entropy"] = [round(x, TRACE_DECIMALS) for x in res.entropy]
+        out["smoothed"] = [round(x, TRACE_DECIMALS) for x in res.smoothed]
+    return out
+
+
+def comparisons(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each entropy policy against its matched position rule and random router.
+
+    ``beats_*`` is True when the entropy policy has the lower mean KL to the
+    reference: KL measures what routing is meant to preserve (closeness to
+    the full-precision model), while perplexity differences this small can
+    fall either way by chance (a quantized row can even score below the
+    reference). Perplexity and top-1 are listed beside it, and the byte
+    budgets too, so that "equal bytes" can be checked, not assumed.
+    """
+    out = []
+    for r in rows:
+        if r["spec"]["kind"] != "entropy":
+            continue
+        entry: Dict[str, Any] = {"entropy": _brief(r)}
+        for kind in ("position", "random"):
+            m = next((x for x in rows if x["spec"]["kind"] == kind and x["spec"]["matched_to"] == r["name"]), None)
+            if m is None:
+                continue
+            entry[kind] = _brief(m)
+            entry[f"beats_{kind}"] = r["mean_kl"] < m["mean_kl"]
+        out.append(entry)
+    return out
+
+
+def _brief(r: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: r[k] for k in ("name", "perplexity", "mean_kl", "top1_agreement", "bytes_per_token", "relative_bytes")}
+
+
+def verdict(comps: Sequence[Dict[str, Any]]) -> str:
+    """One plain sentence per entropy policy: does it beat its matched baselines?"""
+    lines = []
+    for c in comps:
+        e = c["entropy"]
+        parts = []
+        for kind in ("random", "position"):
+            if kind not in c:
+                continue
+            m = c[kind]
+            word = "beats" if c[f"beats_{kind}"] else "ties with" if e["mean_kl"] == m["mean_kl"] else "does not beat"
+            parts.append(
+                f"{word} the {kind} baseline on KL ({e['mean_kl']:.4f} vs {m['mean_kl']:.4f} nats; "
+                f"ppl {e['perplexity']:.3f} vs {m['perplexity']:.3f}; top-1 {e['top1_agreement']:.3f} vs "
+                f"{m['top1_agreement']:.3f}; bytes {e['relative_bytes']:.3f} vs {m['relative_bytes']:.3f} of fp16)"
+            )
+        lines.append(f"{e['name']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def table(rows: Sequence[Dict[str, Any]]) -> str:
+    """A fixed-width table of every policy."""
+    head = (
+        f"{'policy':<30} {'ppl':>8} {'KL nats':>9} {'top1':>6} {'MB/tok':>7} {'rel':>6} "
+        f"{'low%':>5} {'mid%':>5} {'high%':>5} {'shifts':>6} {'tok/s':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        f = r["gear_fractions"]
+        sp = r.get("speed") or {}
+        tps = sp.get("tokens_per_s")
+        lines.append(
+            f"{r['name']:<30} {r['perplexity']:>8.3f} {r['mean_kl']:>9.5f} {r['top1_agreement']:>6.3f} "
+            f"{r['bytes_per_token'] / 1e6:>7.1f} {r['relative_bytes']:>6.3f} "
+            f"{100 * f['low']:>5.1f} {100 * f['mid']:>5.1f} {100 * f['high']:>5.1f} {r['shifts']:>6d} "
+            f"{'' if tps is None else format(tps, '.1f'):>6}"
+        )
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """The same table in Markdown, for the README."""
+    out = [
+        "| policy | ppl | KL (nats) | top-1 | MB/token | × fp16 bytes | low/mid/high % | shifts | tok/s |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        f = r["gear_fractions"]
+        tps = (r.get("speed") or {}).get("tokens_per_s")
+        out.append(
+            f"| {r['name']} | {r['perplexity']:.3f} | {r['mean_kl']:.5f} | {r['top1_agreement']:.3f} | "
+            f"{r['bytes_per_token'] / 1e6:.1f} | {r['relative_bytes']:.3f} | "
+            f"{100 * f['low']:.0f}/{100 * f['mid']:.0f}/{100 * f['high']:.0f} | {r['shifts']} | "
+            f"{'' if tps is None else format(tps, '.1f')} |"
+        )
+    return "\n".join(out)
+
+
+def _clean(x: Any) -> Any:
+    """JSON has no NaN or infinity: write null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(results: Dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write the results atomically (temporary file, then rename)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {path.parent} (create it first)")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(results), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,200 @@
+"""Multi-variant layers: one batched forward pass, a different gear per row.
+
+The quality evaluation runs every policy as one row of a batch: all rows are
+fed the same teacher-forced token, but each row uses its own precision in
+each managed layer. A :class:`VariantLinear` (or :class:`VariantEmbedding`
+for a tied embedding) holds the loaded weight and "fake-quantized" float
+copies of it (MLX affine quantize, then dequantize: FACTS.md measured the
+same perplexity as ``QuantizedLinear`` with float32 inputs). Before each step
+a :class:`RowRouter` is told, for every managed path, which variant each row
+uses; a layer then computes only the variants in use, on the rows that use
+them, and puts the rows back in order.
+
+Variant keys are bit widths; ``0`` is the loaded weight (the high gear).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+#: Variant key of the loaded weights (the high gear).
+ORIGINAL = 0
+
+Groups = Tuple[List[Tuple[int, Optional[mx.array]]], Optional[mx.array]]
+
+
+def fake_quantize(weight: mx.array, bits: int, group_size: int) -> mx.array:
+    """MLX affine quantization round trip, in the weight's dtype.
+
+    Args:
+        weight: ``(out, in)`` with ``in`` a multiple of ``group_size``.
+
+    Returns:
+        ``(out, in)``: exactly the values a ``QuantizedLinear`` of this
+        format multiplies by (the product itself may round differently).
+    """
+    w, scales, biases = mx.quantize(weight, group_size=group_size, bits=bits)
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(weight.dtype)
+
+
+class RowRouter:
+    """Per step, which variant each batch row uses in each managed layer.
+
+    Grouping rows by variant is memoized by the tuple of keys: a step has
+    only a few distinct patterns (attention vs MLP, 4- vs 6-bit layers).
+    """
+
+    def __init__(self) -> None:
+        self._keys: Dict[str, Tuple[int, ...]] = {}
+        self._memo: Dict[Tuple[int, ...], Groups] = {}
+
+    def set_keys(self, keys: Dict[str, Tuple[int, ...]]) -> None:
+        """``keys[path]``: the variant key of every batch row, one tuple per path."""
+        if len({len(k) for k in keys.values()}) > 1:
+            raise ValueError("every path needs one variant key per batch row (lengths differ)")
+        self._keys = keys
+        if len(self._memo) > 4096:  # random routers make many patterns
+            self._memo.clear()
+
+    def groups(self, path: str) -> Groups:
+        """``([(key, row indices or None for all rows)], inverse permutation)``."""
+        keys = self._keys.get(path)
+        if keys is None:
+            raise RuntimeError(f"no variant keys were set for {path} before the forward pass")
+        out = self._memo.get(keys)
+        if out is None:
+            distinct = sorted(set(keys))
+            if len(distinct) == 1:
+                out = ([(distinct[0], None)], None)
+            else:
+                order: List[int] = []
+                parts = []
+                for k in distinct:
+                    idx = [r for r, kk in enumerate(keys) if kk == k]
+                    order.extend(idx)
+                    parts.append((k, mx.array(idx, dtype=mx.uint32)))
+                inverse = [0] * len(order)
+                for pos, r in enumerate(order):
+                    inverse[r] = pos
+                out = (parts, mx.array(inverse, dtype=mx.uint32))
+            self._memo[keys] = out
+        return out
+
+
+def _route(x: mx.array, groups: Groups, fn) -> mx.array:
+    """Apply ``fn(key, rows)`` per group along axis 0 and restore row order."""
+    parts, inverse = groups
+    if inverse is None:
+        return fn(parts[0][0], x)
+    ys = [fn(k, mx.take(x, idx, axis=0)) for k, idx in parts]
+    return mx.take(mx.concatenate(ys, axis=0), inverse, axis=0)
+
+
+class VariantLinear(nn.Module):
+    """An ``nn.Linear`` with several weight variants, chosen per batch row.
+
+    Args:
+        linear: the loaded layer (its weight is variant 0).
+        bits: bit widths to build fake-quantized copies for.
+        group_size: MLX quantization group size.
+        router: says which variant each row uses at the current step.
+        path: this layer's path in the model (the router's key).
+    """
+
+    def __init__(
+        self, linear: nn.Linear, bits: Iterable[int], group_size: int, router: RowRouter, path: str
+    ) -> None:
+        super().__init__()
+        variants = {ORIGINAL: linear.weight}
+        for b in sorted(set(bits)):
+            variants[b] = fake_quantize(linear.weight, b, group_size)
+        # Kept outside the module's parameter tree: nothing here is trained,
+        # saved or swapped, and int keys have no place in a parameter path.
+        object.__setattr__(self, "_variants", variants)
+        object.__setattr__(self, "_bias", linear.bias if "bias" in linear else None)
+        self._router = router
+        self._path = path
+
+    def weights(self) -> List[mx.array]:
+        return list(self._variants.values())
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """``(R, L, in) -> (R, L, out)``, row r through its own variant."""
+
+        def fn(key: int, rows: mx.array) -> mx.array:
+            return rows @ self._variants[key].T
+
+        y = _route(x, self._router.groups(self._path), fn)
+        return y if self._bias is None else y + self._bias
+
+
+class VariantEmbedding(nn.Module):
+    """A tied ``nn.Embedding`` with weight variants (lookup and output projection)."""
+
+    def __init__(
+        self, embedding: nn.Embedding, bits: Iterable[int], group_size: int, router: RowRouter, path: str
+    ) -> None:
+        super().__init__()
+        variants = {ORIGINAL: embedding.weight}
+        for b in sorted(set(bits)):
+            variants[b] = fake_quantize(embedding.weight, b, group_size)
+        object.__setattr__(self, "_variants", variants)
+        self._router = router
+        self._path = path
+
+    def weights(self) -> List[mx.array]:
+        return list(self._variants.values())
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        """``(R, L)`` token ids -> ``(R, L, dims)``."""
+        return _route(ids, self._router.groups(self._path), lambda k, rows: self._variants[k][rows])
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """``(R, L, dims) -> (R, L, vocab)``: the tied output projection."""
+        return _route(x, self._router.groups(self._path), lambda k, rows: rows @ self._variants[k].T)
+
+
+class VariantModel:
+    """Installs variant layers in a model and restores the loaded ones.
+
+    Use as a context manager; inside it, call :meth:`set_keys` before each
+    forward pass. Restoring re-installs the very objects that were loaded.
+
+    Args:
+        model: an mlx-lm model.
+        bits_per_path: for each managed path, the bit widths its rows may use.
+        group_size: MLX quantization group size.
+    """
+
+    def __init__(self, model: nn.Module, bits_per_path: Dict[str, Sequence[int]], group_size: int) -> None:
+        self.model = model
+        self.router = RowRouter()
+        modules = dict(model.named_modules())
+        missing = [p for p in bits_per_path if p not in modules]
+        if missing:
+            raise ValueError(f"paths not in the model: {missing[:3]}")
+        self.originals = {p: modules[p] for p in bits_per_path}
+        self.variants: Dict[str, nn.Module] = {}
+        for p, bits in bits_per_path.items():
+            m = self.originals[p]
+            if isinstance(m, nn.Embedding):
+                self.variants[p] = VariantEmbedding(m, bits, group_size, self.router, p)
+            elif isinstance(m, nn.Linear):
+                self.variants[p] = VariantLinear(m, bits, group_size, self.router, p)
+            else:
+                raise ValueError(f"{p} is a {type(m).__name__}: only Linear and Embedding have variants")
+        mx.eval([v.weights() for v in self.variants.values()])
+
+    def set_keys(self, keys: Dict[str, Tuple[int, ...]]) -> None:
+        self.router.set_keys(keys)
+
+    def __enter__(self) -> "VariantModel":
+        self.model.update_modules(tree_unflatten(list(self.variants.items())))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.update_modules(tree_unflatten(list(self.originals.items())))
