@@ -1,0 +1,372 @@
+"""Packed int4/int8 decode GEMV kernels for Metal and CUDA, built lazily.
+
+The kernel text lives in ``metal_kernels/`` (one shared body, a small prelude
+and entry per backend; see its README). This module assembles it, builds
+``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` objects on first use and
+caches them; nothing is compiled at import. Every parameter baked into a
+kernel (backend, bits, group size, rows per SIMD group, unroll, load width, variant, input
+dtype, bias, and a hash of the source text) is in its name: MLX caches kernels
+by name, in memory and, on CUDA, as PTX on disk.
+
+The public entry point is :func:`gemv`; :func:`gpu_backend` and
+:func:`supports` tell a caller (``gearbx_mlx.packed``) whether it applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from . import quant
+
+#: Bit widths with a GPU kernel (int6/int2 use the reference).
+KERNEL_BITS: Tuple[int, ...] = (4, 8)
+#: Threads per threadgroup: eight 32-lane SIMD groups (§8.1, §16.2).
+THREADS = 256
+SIMD_GROUPS = 8
+#: Largest K whose input vector is staged in threadgroup memory (§8.1); must
+#: match GBX_SHARED_K in metal_kernels/gemv_common.h.
+SHARED_K = 6144
+#: Input dtypes the kernels read.
+KERNEL_DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Work split of one kernel.
+
+    rows: output rows per SIMD group (they share each input load);
+    unroll: loads in flight per lane and row;
+    vec: 32-bit words per load (4 = 16-byte loads; used where a row holds
+    whole 16-byte chunks, else 1).
+    """
+
+    rows: int
+    unroll: int
+    vec: int = 1
+
+
+#: Defaults per bit width: the best of the H100 sweep of scripts/bench_kernels.py
+#: (benchmarks/results/kernels_nvidia_h100_80gb_hbm3.json; the spread between
+#: the better settings was within 10%). Four rows per SIMD group share each
+#: input load; 16-byte weight loads.
+TUNING: Dict[int, Tuning] = {4: Tuning(rows=4, unroll=1, vec=4), 8: Tuning(rows=4, unroll=1, vec=4)}
+
+_DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
+
+
+# -- sources --------------------------------------------------------------------
+
+
+def source_dir() -> Path:
+    """The folder of kernel sources: inside the installed package, or the checkout's."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "metal_kernels", here.parent / "metal_kernels"):
+        if (candidate / "gemv_body.inc").is_file():
+            return candidate
+    raise FileNotFoundError(
+        "kernel sources (metal_kernels/gemv_body.inc) not found next to gearbx_mlx: "
+        "reinstall the package; the wheel must ship metal_kernels/"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _read(directory: Path, name: str) -> str:
+    return (directory / name).read_text()
+
+
+def kernel_sources(
+    backend: str, has_bias: bool, directory: Optional[Path] = None
+) -> Tuple[str, str]:
+    """``(header, source)`` as handed to MLX for ``backend`` ("metal" or "cuda").
+
+    ``directory`` replaces :func:`source_dir` (the syntax check uses it to
+    compile a copy with a planted error).
+    """
+    d = Path(directory) if directory is not None else source_dir()
+    if backend == "metal":
+        prelude, entry = _read(d, "prelude_metal.h"), _read(d, "entry_metal.inc")
+    elif backend == "cuda":
+        prelude, entry = _read(d, "prelude_cuda.cuh"), _read(d, "entry_cuda.inc")
+    else:
+        raise ValueError(f"no GPU kernel for backend {backend!r}: use 'metal' or 'cuda'")
+    header = prelude + "\n" + _read(d, "gemv_common.h")
+    # The bias is a preprocessor switch, not a template argument: without a
+    # bias input there is no `bias` name for the body to refer to.
+    source = f"#define GBX_HAS_BIAS {int(has_bias)}\n" + entry + _read(d, "gemv_body.inc")
+    source += "#undef GBX_HAS_BIAS\n"
+    return header, source
+
+
+def input_names(has_bias: bool) -> List[str]:
+    return ["w", "scales", "x"] + (["bias"] if has_bias else [])
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_name(
+    backend: str,
+    bits: int,
+    group_size: Optional[int],
+    tuning: Tuning,
+    shared: bool,
+    dtype: mx.Dtype,
+    has_bias: bool,
+) -> str:
+    """Name carrying every baked-in parameter, plus a hash of the source text."""
+    header, source = kernel_sources(backend, has_bias)
+    digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
+    gs = "row" if group_size is None else f"g{group_size}"
+    variant = "shared" if shared else "device"
+    bias = "bias" if has_bias else "nobias"
+    return (
+        f"gbx_gemv_{backend}_q{bits}_{gs}_r{tuning.rows}_u{tuning.unroll}_v{tuning.vec}_"
+        f"{variant}_{_DTYPE_TAG[dtype]}_{bias}_{digest}"
+    )
+
+
+# -- dispatch -----------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kind() -> Optional[str]:
+    """The GPU back end this MLX build has, if any (fixed for the process)."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def gpu_backend() -> Optional[str]:
+    """"metal" or "cuda" when the default device is a GPU with that back end, else None.
+
+    Read at call time: a caller may change the default device between calls.
+    """
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return None
+    return _gpu_kind()
+
+
+def supports(
+    bits: int, group_size: Optional[int], in_features: int, out_features: int, dtype: mx.Dtype
+) -> bool:
+    """True if the GPU kernels handle this layer and input dtype.
+
+    The kernels read 32-bit words of weights and aligned vectors of inputs: a
+    row must hold whole words (K % 8 for int4, K % 4 for int8). Tiny layers
+    (K < 32, O < 8) go to the reference: Metal passes arrays of fewer than 8
+    elements in the constant address space, which the vector loads do not take.
+    """
+    if bits not in KERNEL_BITS or dtype not in KERNEL_DTYPES:
+        return False
+    if in_features % (32 // bits):
+        return False
+    if group_size is not None and (group_size % 32 or in_features % group_size):
+        return False
+    return in_features >= 32 and out_features >= 8
+
+
+#: Type names of the input dtype in each back end's kernel language.
+TYPE_NAMES: Dict[str, Dict[mx.Dtype, str]] = {
+    "metal": {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t"},
+    "cuda": {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"},
+}
+
+
+def constants(
+    dtype: mx.Dtype, bits: int, group_size: Optional[int], tuning: Tuning, shared: bool
+) -> List[Tuple[str, object]]:
+    """The kernel's compile-time constants, by name (all of them are in its name)."""
+    return [
+        ("T", dtype),
+        ("BITS", bits),
+        ("GS", 0 if group_size is None else group_size),
+        ("ROWS", tuning.rows),
+        ("UNROLL", tuning.unroll),
+        ("VEC", tuning.vec),
+        ("SHARED", shared),
+    ]
+
+
+def constants_source(backend: str, consts: List[Tuple[str, object]]) -> str:
+    """Declarations of ``consts`` at the top of the kernel body.
+
+    Baked into the source rather than passed as MLX template arguments: a
+    decode step launches a few hundred kernels, and each template argument
+    costs a conversion on every call. The kernel's name carries every value,
+    so two variants never share MLX's cache entry.
+    """
+    lines = []
+    for name, value in consts:
+        if isinstance(value, mx.Dtype):
+            lines.append(f"  using {name} = {TYPE_NAMES[backend][value]};")
+        elif isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        else:
+            lines.append(f"  constexpr int {name} = {int(value)};")
+    return "\n".join(lines) + "\n"
+
+
+def _tuning_for(bits: int, tuning: Optional[Tuning], in_features: int) -> Tuning:
+    t = tuning or TUNING[bits]
+    if t.rows < 1 or t.unroll < 1 or t.vec not in (1, 4):
+        raise ValueError(f"rows and unroll must be >= 1 and vec 1 or 4, got {t}")
+    if t.vec == 4 and (in_features * bits // 8) % 16:
+        t = Tuning(t.rows, t.unroll, 1)  # rows of partial 16-byte chunks: word loads
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def _build(backend: str, name: str, has_bias: bool, consts_source: str) -> Callable:
+    header, source = kernel_sources(backend, has_bias)
+    kwargs = dict(
+        name=name,
+        input_names=input_names(has_bias),
+        output_names=["y"],
+        source=consts_source + source,
+        header=header,
+        ensure_row_contiguous=True,
+    )
+    if backend == "metal":
+        return mx.fast.metal_kernel(**kwargs)
+    return mx.fast.cuda_kernel(**kwargs)
+
+
+def launch_spec(
+    backend: str,
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array],
+    *,
+    bits: int,
+    group_size: Optional[int],
+    tuning: Optional[Tuning] = None,
+    shared: Optional[bool] = None,
+) -> dict:
+    """Everything :func:`gemv` passes to MLX, without building or running anything.
+
+    ``shared`` forces the threadgroup-memory variant on or off (benchmarks);
+    by default it is used when K <= SHARED_K. Split out so the argument
+    plumbing is tested on any machine.
+    """
+    in_features = x.shape[-1]
+    if x.size != in_features:
+        raise ValueError(f"the GEMV takes one input vector (K values), got shape {x.shape}")
+    out_features = weight.shape[0]
+    if not supports(bits, group_size, in_features, out_features, x.dtype):
+        raise ValueError(
+            f"no GPU kernel for int{bits}, group_size={group_size}, shape "
+            f"({out_features}, {in_features}), input {x.dtype}: use the reference path"
+        )
+    t = _tuning_for(bits, tuning, in_features)
+    if shared is None:
+        shared = in_features <= SHARED_K
+    elif shared and in_features > SHARED_K:
+        raise ValueError(f"the threadgroup-memory variant holds K <= {SHARED_K}, got {in_features}")
+    has_bias = bias is not None
+    rows_per_group = SIMD_GROUPS * t.rows
+    n_groups = -(-out_features // rows_per_group)
+    return dict(
+        name=kernel_name(backend, bits, group_size, t, shared, x.dtype, has_bias),
+        has_bias=has_bias,
+        inputs=[weight, scales, x] + ([bias] if has_bias else []),
+        constants=constants(x.dtype, bits, group_size, t, shared),
+        # Both MLX back ends take the grid in threads, not threadgroups.
+        grid=(n_groups * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[x.shape[:-1] + (out_features,)],
+        output_dtypes=[x.dtype],
+    )
+
+
+Launcher = Callable[[mx.array, mx.array, mx.array, Optional[mx.array]], mx.array]
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(
+    backend: str,
+    bits: int,
+    group_size: Optional[int],
+    in_features: int,
+    out_features: int,
+    dtype: mx.Dtype,
+    has_bias: bool,
+    tuning: Optional[Tuning] = None,
+    shared: Optional[bool] = None,
+) -> Launcher:
+    """A cached ``run(x, weight, scales, bias) -> y`` for one layer shape and dtype.
+
+    Everything but the arrays is worked out once, so a decode step pays only
+    for MLX's own kernel call (a model has a few hundred of them per token).
+    ``x`` may keep leading dims of size 1; ``y`` then has them too, so no
+    reshape (each one an extra graph node) surrounds the kernel. The kernel
+    itself is compiled by MLX on the first evaluation.
+    """
+    x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only, never evaluated
+    w = mx.zeros(quant.packed_shape(out_features, in_features, bits), quant.packed_dtype(bits))
+    s = mx.zeros((out_features, quant.n_groups(in_features, group_size)))
+    b = mx.zeros((out_features,), dtype=dtype) if has_bias else None
+    spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, tuning=tuning,
+                       shared=shared)
+    kernel = _build(backend, spec["name"], has_bias,
+                    constants_source(backend, spec["constants"]))
+    grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
+    out_tail = (out_features,)
+
+    def run(x: mx.array, weight: mx.array, scales: mx.array,
+            bias: Optional[mx.array] = None) -> mx.array:
+        inputs = [weight, scales, x] if bias is None else [weight, scales, x, bias]
+        return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                      output_shapes=[x.shape[:-1] + out_tail], output_dtypes=out_dtypes)[0]
+
+    return run
+
+
+def gemv(
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    bits: int,
+    group_size: Optional[int],
+    backend: Optional[str] = None,
+    tuning: Optional[Tuning] = None,
+    shared: Optional[bool] = None,
+) -> mx.array:
+    """``y = dequantize(weight, scales) @ x (+ bias)`` with the packed kernel.
+
+    Args:
+        x: ``(..., K)`` with leading dims of size 1; float32, float16 or bfloat16.
+        weight: packed ``(O, K*bits/8)`` storage (uint8 int4 / int8 int8).
+        scales: ``(O, K/group_size)`` or ``(O, 1)`` float32.
+        bias: ``(O,)`` or None.
+        backend: "metal" or "cuda"; default :func:`gpu_backend`.
+        tuning, shared: override :data:`TUNING` and the variant (benchmarks).
+
+    Returns:
+        ``(..., O)`` in ``x.dtype``.
+    """
+    backend = backend or gpu_backend()
+    if backend is None:
+        raise ValueError(
+            "no GPU back end on the default device: call gearbx_mlx.quant.reference_matmul"
+        )
+    in_features = x.shape[-1]
+    if x.size != in_features:
+        raise ValueError(f"the GEMV takes one input vector (K values), got shape {x.shape}")
+    if not supports(bits, group_size, in_features, weight.shape[0], x.dtype):
+        raise ValueError(
+            f"no GPU kernel for int{bits}, group_size={group_size}, shape "
+            f"({weight.shape[0]}, {in_features}), input {x.dtype}: use the reference path"
+        )
+    run = launcher(backend, bits, group_size, in_features, weight.shape[0], x.dtype,
+                   bias is not None, tuning or TUNING[bits], shared)
+    return run(x, weight, scales, bias)

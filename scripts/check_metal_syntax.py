@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Syntax- and type-check the Metal GEMV kernels with clang (no Metal compiler needed).
+
+``mx.fast.metal_kernel`` wraps the kernel ``source`` in a generated
+``[[kernel]]`` function: one ``const device <dtype>* name [[buffer(i)]]`` per
+input, shape buffers for the ``*_shape`` names the source uses, the
+thread-position attributes it names (and, given template arguments, which
+these kernels do not use, a template and its explicit instantiation). This
+script writes that same translation unit, constants included, for every
+kernel variant and compiles it with
+``clang -fsyntax-only -x c++ -std=c++17 -include metal_kernels/check/metal_stub.h``,
+the stub standing in for ``<metal_stdlib>`` and MLX's Metal utils.
+
+With ``--cuda`` it also checks the CUDA twin: compiled for sm_90 by nvcc when
+one is on PATH (real CUDA headers, ``check/mlx_cuda_default_header.cuh`` for
+MLX's), else by clang's CUDA front end against ``check/cuda_stub.h``.
+
+Exits 0 when everything compiles, 1 on a compile error, 2 when clang is missing
+(install it: ``apt-get install -y clang``).
+
+Usage: python scripts/check_metal_syntax.py [--source-dir DIR] [--clang PATH] [--cuda] [-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gearbx_mlx import kernels  # noqa: E402  (needs the checkout on sys.path)
+
+# MLX's Metal type names (get_type_string) and CUDA type names (dtype_to_cuda_type).
+METAL_TYPES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t",
+               "uint8": "uint8_t", "int8": "int8_t"}
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
+              "uint8": "uint8_t", "int8": "int8_t"}
+# The attributes MLX adds to a Metal kernel's signature when the source names
+# them (mlx/backend/metal/custom_kernel: metal_kernel), in MLX's order.
+METAL_ATTRIBUTES = [
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+]
+WARNING_FLAGS = ["-Wall", "-Werror", "-Wno-unknown-attributes", "-Wno-unused-variable",
+                 "-Wno-pragma-once-outside-header", "-Wno-unknown-pragmas",
+                 "-Wno-unknown-cuda-version"]
+
+
+def variants() -> List[Tuple[int, Optional[int], bool, str, bool, int]]:
+    """(bits, group_size, shared, dtype, has_bias, vec) for every kernel worth checking."""
+    return list(itertools.product((4, 8), (None, 64), (True, False),
+                                  ("float32", "float16", "bfloat16"), (False, True), (1, 4)))
+
+
+def _constants(backend: str, bits: int, group_size: Optional[int], shared: bool, dtype: str,
+               vec: int) -> str:
+    """The constant declarations gearbx_mlx.kernels puts before the body."""
+    import mlx.core as mx
+
+    d = kernels.TUNING[bits]
+    t = kernels.Tuning(d.rows, d.unroll, vec)
+    consts = kernels.constants(getattr(mx, dtype), bits, group_size, t, shared)
+    return kernels.constants_source(backend, consts)
+
+
+def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
+                      shared: bool, dtype: str, has_bias: bool, vec: int = 1) -> str:
+    """The generated Metal kernel, as MLX's write_signature builds it.
+
+    The kernels pass no template arguments (their constants are declared in
+    the source), so MLX writes a plain ``[[kernel]]`` function.
+    """
+    source = _constants("metal", bits, group_size, shared, dtype, vec) + source
+    lines = [f"[[kernel]] void {fname}("]
+    params = []
+    index = 0
+    in_types = {"w": METAL_TYPES["uint8" if bits == 4 else "int8"], "scales": "float",
+                "x": METAL_TYPES[dtype], "bias": METAL_TYPES[dtype]}
+    for name in kernels.input_names(has_bias):
+        params.append(f"  const device {in_types[name]}* {name} [[buffer({index})]]")
+        index += 1
+        if f"{name}_shape" in source:
+            params.append(f"  const constant int* {name}_shape [[buffer({index})]]")
+            index += 1
+        if f"{name}_strides" in source:
+            params.append(f"  const constant int64_t* {name}_strides [[buffer({index})]]")
+            index += 1
+        if f"{name}_ndim" in source:
+            params.append(f"  const constant int& {name}_ndim [[buffer({index})]]")
+            index += 1
+    params.append(f"  device {METAL_TYPES[dtype]}* y [[buffer({index})]]")
+    for attr, kind in METAL_ATTRIBUTES:
+        if attr in source:
+            params.append(f"  {kind} {attr} [[{attr}]]")
+    lines.append(",\n".join(params) + ") {")
+    lines.append(source)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
+                     shared: bool, dtype: str, has_bias: bool, vec: int = 1) -> str:
+    """The generated CUDA kernel, as MLX's cuda custom_kernel build_kernel writes it."""
+    source = _constants("cuda", bits, group_size, shared, dtype, vec) + source
+    in_types = {"w": CUDA_TYPES["uint8" if bits == 4 else "int8"], "scales": "float",
+                "x": CUDA_TYPES[dtype], "bias": CUDA_TYPES[dtype]}
+    params = []
+    for name in kernels.input_names(has_bias):
+        params.append(f"    const {in_types[name]}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+    params.append(f"    {CUDA_TYPES[dtype]}* y")
+    return ("namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {fname}(\n" + ",\n".join(params) + ") {\n"
+            + source + "\n}\n} // namespace mlx::core::cu\n")
+
+
+def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
+    """One file holding every variant of one source (bias on or off) for ``backend``."""
+    header, source = kernels.kernel_sources(backend, has_bias, directory)
+    parts = [header]
+    for bits, gs, shared, dtype, bias, vec in variants():
+        if bias != has_bias:
+            continue
+        fname = (f"custom_kernel_gbx_q{bits}_{'row' if gs is None else gs}_"
+                 f"{'shared' if shared else 'device'}_{dtype}_v{vec}")
+        build = metal_kernel_text if backend == "metal" else cuda_kernel_text
+        parts.append(build(source, fname, bits, gs, shared, dtype, has_bias, vec))
+    return "\n".join(parts)
+
+
+def find_clang(explicit: Optional[str]) -> Optional[str]:
+    if explicit:
+        return explicit
+    for name in ("clang", "clang++", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def compile_unit(clang: str, backend: str, text: str, workdir: Path, stub_dir: Path,
+                 tag: str, nvcc: Optional[str] = None) -> Tuple[bool, str]:
+    path = workdir / f"gbx_{backend}_{tag}.{'cpp' if backend == 'metal' else 'cu'}"
+    path.write_text(text)
+    if backend == "metal":
+        cmd = [clang, "-fsyntax-only", "-x", "c++", "-std=c++17",
+               "-include", str(stub_dir / "metal_stub.h"), *WARNING_FLAGS, str(path)]
+    elif nvcc:
+        # A real compile for the H100's architecture; ptxas reports registers
+        # and spills (-v), which a kernel change should not make worse.
+        cmd = [nvcc, "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(path) + ".cubin",
+               "-Xptxas", "-v", "-Werror", "all-warnings",
+               "-include", str(stub_dir / "mlx_cuda_default_header.cuh"), str(path)]
+    else:
+        cmd = [clang, "-fsyntax-only", "-x", "cuda", "-std=c++17", "--cuda-device-only",
+               "--cuda-gpu-arch=sm_80", "-nocudainc", "-nocudalib",
+               "-include", str(stub_dir / "cuda_stub.h"), *WARNING_FLAGS, str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return proc.returncode == 0, " ".join(cmd) + "\n" + proc.stdout + proc.stderr
+
+
+def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = False,
+          nvcc: Optional[str] = None) -> int:
+    stub_dir = Path(directory) / "check"
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="gbx_syntax_") as tmp:
+        for backend in backends:
+            for has_bias in (False, True):
+                tag = "bias" if has_bias else "nobias"
+                text = translation_unit(backend, Path(directory), has_bias)
+                ok, log = compile_unit(clang, backend, text, Path(tmp), stub_dir, tag, nvcc)
+                n = sum(1 for v in variants() if v[4] == has_bias)
+                how = "nvcc sm_90" if backend == "cuda" and nvcc else "clang"
+                print(f"{'ok  ' if ok else 'FAIL'} {backend:5s} {tag:6s} ({n} kernels, {how})")
+                if not ok or verbose:
+                    print(re.sub(r"\n{3,}", "\n\n", log))
+                failures += not ok
+    return 1 if failures else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source-dir", type=Path, default=None,
+                    help="kernel sources (default: the package's metal_kernels/)")
+    ap.add_argument("--clang", default=None, help="clang executable (default: search PATH)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also check the CUDA twin (with nvcc if on PATH, else clang)")
+    ap.add_argument("--no-nvcc", action="store_true", help="check the CUDA twin with clang")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    clang = find_clang(args.clang)
+    if clang is None:
+        print("clang not found: install it (apt-get install -y clang)", file=sys.stderr)
+        return 2
+    directory = args.source_dir or kernels.source_dir()
+    backends = ["metal"] + (["cuda"] if args.cuda else [])
+    nvcc = None if args.no_nvcc else shutil.which("nvcc")
+    return check(directory, clang, backends, args.verbose, nvcc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

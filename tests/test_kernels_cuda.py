@@ -1,0 +1,318 @@
+"""The packed GEMV kernel body against the reference (dequantize, then matmul).
+
+Three layers, from anywhere to the GPU:
+
+* argument plumbing (`kernels.launch_spec`): every machine;
+* the shared kernel body run on the host through a CPU emulation of the GPU
+  prelude (metal_kernels/check/host_emulation.h, one std::thread per GPU
+  thread, address sanitizer on): wherever g++ is installed;
+* the CUDA twin through `mx.fast.cuda_kernel` and `PackedLinear`: only where
+  MLX has a CUDA GPU (skipped with a reason elsewhere).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from gearbx_mlx import kernels, quant
+from gearbx_mlx.packed import PackedLinear, backend_for
+
+#: One unit in the last place of each output dtype, relative to |y|: kernel and
+#: reference each round their float32 result once, to neighbouring values at worst.
+OUTPUT_RTOL = {mx.float32: 2.0**-21, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+#: float32 accumulation in another order, relative to sum_j |q_ij s x_j|.
+ACCUM_TOL = 1e-4
+#: Odd shapes (out, in): fewer words than lanes, a tail past the last full
+#: step, rows not a multiple of the rows per threadgroup, and K above the
+#: threadgroup-memory limit (the last two take every group size).
+ODD_SHAPES: List[Tuple[int, int]] = [(67, 96), (33, 4104), (37, 1152), (9, 6272)]
+
+HAS_CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="MLX has no CUDA GPU on this machine")
+
+
+def make_case(
+    out_features: int, in_features: int, bits: int, group_size: Optional[int],
+    dtype: mx.Dtype, with_bias: bool, seed: int = 0,
+):
+    """Random weights with outliers, their packed form, an input and a bias."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    w[rng.random(w.shape) < 0.01] *= 20.0  # a few outliers per row
+    packed, scales = quant.quantize_packed(mx.array(w).astype(mx.bfloat16), bits, group_size)
+    x = mx.array(rng.standard_normal(in_features).astype(np.float32)).astype(dtype)
+    bias = mx.array(rng.standard_normal(out_features).astype(np.float32)).astype(dtype) if with_bias else None
+    return packed, scales, x, bias
+
+
+def assert_close_to_reference(y, packed, scales, x, bias, bits, group_size):
+    """Check y against the oracle with the named tolerances."""
+    in_features = x.shape[-1]
+    ref = quant.reference_matmul(x, packed, scales, bits=bits, group_size=group_size,
+                                 in_features=in_features, bias=bias)
+    w = quant.dequantize(packed, scales, bits, group_size, in_features)
+    magnitude = mx.abs(x.astype(mx.float32)) @ mx.abs(w).T
+    y32, ref32 = np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32))
+    bound = OUTPUT_RTOL[x.dtype] * np.abs(ref32) + ACCUM_TOL * np.array(magnitude) + 1e-6
+    err = np.abs(y32 - ref32)
+    worst = int(np.argmax(err - bound))
+    assert np.all(err <= bound), (
+        f"row {worst}: kernel {y32[worst]} vs reference {ref32[worst]} (bound {bound[worst]})"
+    )
+
+
+# -- argument plumbing (any machine) --------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_launch_spec_names_every_parameter(bits):
+    packed, scales, x, bias = make_case(67, 96, bits, 32, mx.bfloat16, True)
+    spec = kernels.launch_spec("cuda", x, packed, scales, bias, bits=bits, group_size=32)
+    name = spec["name"]
+    for part in (f"q{bits}", "g32", "shared", "bf16", "bias", "cuda"):
+        assert part in name
+    rows = kernels.TUNING[bits].rows
+    assert spec["grid"] == (-(-67 // (8 * rows)) * 256, 1, 1)
+    assert spec["threadgroup"] == (256, 1, 1)
+    assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
+    assert [n for n, _ in spec["constants"]] == ["T", "BITS", "GS", "ROWS", "UNROLL", "VEC",
+                                                 "SHARED"]
+    text = kernels.constants_source("cuda", spec["constants"])
+    assert "using T = __nv_bfloat16;" in text and f"constexpr int BITS = {bits};" in text
+    # Above the threadgroup-memory limit the device-memory variant is chosen.
+    packed, scales, x, _ = make_case(9, 6272, bits, None, mx.float16, False)
+    spec = kernels.launch_spec("metal", x, packed, scales, None, bits=bits, group_size=None)
+    assert "device" in spec["name"] and "nobias" in spec["name"] and "row" in spec["name"]
+    assert dict(spec["constants"])["SHARED"] is False
+    assert "using T = half;" in kernels.constants_source("metal", spec["constants"])
+
+
+def test_launch_spec_refuses_unsupported_layers():
+    packed, scales, x, _ = make_case(8, 64, 6, None, mx.float32, False)
+    with pytest.raises(ValueError, match="reference"):
+        kernels.launch_spec("cuda", x, packed, scales, None, bits=6, group_size=None)
+    assert not kernels.supports(4, None, 36, 64, mx.float32)  # K % 8
+    assert not kernels.supports(8, None, 64, 4, mx.float32)   # O < 8
+    assert kernels.supports(8, 64, 128, 8, mx.bfloat16)
+
+
+def test_kernel_names_differ_by_source_text(tmp_path):
+    """Names carry a hash of the text: an edited kernel never hits a stale cache."""
+    copy = tmp_path / "metal_kernels"
+    shutil.copytree(kernels.source_dir(), copy)
+    a = kernels.kernel_sources("cuda", False, copy)
+    (copy / "gemv_body.inc").write_text((copy / "gemv_body.inc").read_text() + "\n// edit\n")
+    kernels._read.cache_clear()
+    b = kernels.kernel_sources("cuda", False, copy)
+    assert a != b
+
+
+# -- the shared body on the host (wherever g++ is) ---------------------------------------
+
+HOST_DTYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_bfloat_t"}
+W_TYPES = {4: "uint8_t", 8: "int8_t"}
+
+# (bits, group_size, rows, unroll, vec, shared, dtype, bias)
+HOST_CONFIGS = [
+    (4, None, 2, 4, 1, True, mx.bfloat16, True),
+    (4, None, 2, 4, 4, False, mx.bfloat16, True),
+    (4, 32, 2, 4, 4, True, mx.float16, False),
+    (4, 128, 4, 2, 1, False, mx.float32, True),
+    (4, 64, 1, 1, 4, False, mx.float16, False),
+    (8, None, 2, 4, 4, True, mx.float32, False),
+    (8, None, 1, 4, 1, False, mx.bfloat16, True),
+    (8, 64, 2, 4, 1, True, mx.bfloat16, True),
+    (8, 32, 4, 2, 4, False, mx.float16, False),
+]
+
+
+def _host_unit() -> str:
+    d = kernels.source_dir()
+    parts = [
+        (d / "check" / "host_emulation.h").read_text(),
+        (d / "gemv_common.h").read_text(),
+        "using Shape = std::array<int, 10>;",
+    ]
+    calls = []
+    for i, (bits, gs, rows, unroll, vec, shared, dtype, bias) in enumerate(HOST_CONFIGS):
+        t = HOST_DTYPES[dtype]
+        params = [f"const {W_TYPES[bits]}* w", "Shape w_shape", "const float* scales",
+                  f"const {t}* x"]
+        params += [f"const {t}* bias"] if bias else []
+        params += [f"{t}* y"]
+        _, body = kernels.kernel_sources("cuda", bias)
+        body = body.replace(kernels._read(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
+        parts.append(
+            f"void kernel_{i}({', '.join(params)}) {{\n"
+            f"  using T = {t};\n  constexpr int BITS = {bits};\n"
+            f"  constexpr int GS = {gs or 0};\n  constexpr int ROWS = {rows};\n"
+            f"  constexpr int UNROLL = {unroll};\n  constexpr int VEC = {vec};\n"
+            f"  constexpr bool SHARED = {str(shared).lower()};\n"
+            f"{body}\n}}\n"
+        )
+        args = "(const W_T*)w.data(), ws, (const float*)s.data(), (const X_T*)x.data(), "
+        args += "(const X_T*)b.data(), " if bias else ""
+        args += "(X_T*)y.data()"
+        args = args.replace("W_T", W_TYPES[bits]).replace("X_T", t)
+        calls.append(
+            f"    case {i}: gbx_emu_launch(n_groups_for({rows}), [&] {{ kernel_{i}({args}); }}); break;"
+        )
+    parts.append(
+        """
+#include <cstdio>
+#include <cstdlib>
+static std::vector<char> slurp(const char* dir, const char* name) {
+  std::string path = std::string(dir) + "/" + name;
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return {};
+  std::fseek(f, 0, SEEK_END);
+  long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<char> v(n);
+  if (n && std::fread(v.data(), 1, n, f) != size_t(n)) std::abort();
+  std::fclose(f);
+  return v;
+}
+int main(int argc, char** argv) {
+  const int config = std::atoi(argv[1]), O = std::atoi(argv[2]), K = std::atoi(argv[3]);
+  const char* dir = argv[4];
+  const int y_bytes = std::atoi(argv[5]);
+  std::vector<char> w = slurp(dir, "w.bin"), s = slurp(dir, "scales.bin");
+  std::vector<char> x = slurp(dir, "x.bin"), b = slurp(dir, "bias.bin");
+  std::vector<char> y(size_t(O) * y_bytes);
+  Shape ws{};
+  ws[0] = O; ws[1] = int(w.size()) / O;  // rows, bytes per row
+  auto n_groups_for = [&](int rows) { return (O + 8 * rows - 1) / (8 * rows); };
+  switch (config) {
+"""
+        + "\n".join(calls)
+        + """
+    default: return 2;
+  }
+  std::string path = std::string(dir) + "/y.bin";
+  FILE* f = std::fopen(path.c_str(), "wb");
+  std::fwrite(y.data(), 1, y.size(), f);
+  std::fclose(f);
+  return 0;
+}
+"""
+    )
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def host_binary() -> Path:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not installed: the host emulation of the kernel body needs it")
+    text = _host_unit()
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    out_dir = Path(tempfile.gettempdir()) / f"gbx_host_gemv_{digest}"
+    binary = out_dir / "gemv"
+    if not binary.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        src = out_dir / "gemv.cpp"
+        src.write_text(text)
+        cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined",
+               "-fno-sanitize-recover=all", "-Wall", "-Wno-unused-variable",
+               "-o", str(binary) + ".tmp", str(src)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        Path(str(binary) + ".tmp").rename(binary)
+    return binary
+
+
+@pytest.mark.parametrize("config", range(len(HOST_CONFIGS)))
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_host_emulated_body_matches_reference(host_binary, tmp_path, config, shape):
+    bits, gs, rows, unroll, vec, shared, dtype, with_bias = HOST_CONFIGS[config]
+    out_features, in_features = shape
+    if gs is not None and in_features % gs:
+        pytest.skip(f"K={in_features} is not a multiple of group {gs}")
+    if shared and in_features > kernels.SHARED_K:
+        pytest.skip("the threadgroup-memory variant holds K <= SHARED_K only")
+    if vec == 4 and (in_features * bits // 8) % 16:
+        pytest.skip("16-byte loads need rows of whole 16-byte chunks (the dispatcher uses vec=1)")
+    packed, scales, x, bias = make_case(out_features, in_features, bits, gs, dtype,
+                                        with_bias, seed=config)
+    for name, arr in (("w", packed), ("scales", scales), ("x", x), ("bias", bias)):
+        data = b"" if arr is None else bytes(memoryview(arr))
+        (tmp_path / f"{name}.bin").write_bytes(data)
+    item = dtype.size
+    proc = subprocess.run(
+        [str(host_binary), str(config), str(out_features), str(in_features), str(tmp_path),
+         str(item)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    raw = np.frombuffer((tmp_path / "y.bin").read_bytes(), dtype=np.uint16 if item == 2 else np.float32)
+    if dtype == mx.float32:
+        y = mx.array(raw)
+    else:
+        y = mx.array(raw.view(np.uint16)).view(dtype)
+    assert_close_to_reference(y, packed, scales, x, bias, bits, gs)
+
+
+# -- the CUDA twin (only with a CUDA GPU) -----------------------------------------------------
+
+
+# Each (bits, group size) meets every dtype once and both bias settings, without
+# compiling the full product of variants (NVRTC takes ~0.5 s a kernel).
+CUDA_CONFIGS = [
+    (bits, gs, dtype, with_bias)
+    for bits in (4, 8)
+    for i, gs in enumerate((None, 32, 64, 128))
+    for dtype, with_bias in [((mx.float32, mx.float16, mx.bfloat16)[i % 3], i % 2 == 0),
+                             ((mx.bfloat16, mx.float32, mx.float16)[i % 3], i % 2 == 1)]
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits, group_size, dtype, with_bias", CUDA_CONFIGS)
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_cuda_gemv_matches_reference(bits, group_size, dtype, with_bias, shape):
+    out_features, in_features = shape
+    if group_size is not None and in_features % group_size:
+        pytest.skip(f"K={in_features} is not a multiple of group {group_size}")
+    packed, scales, x, bias = make_case(out_features, in_features, bits, group_size,
+                                        dtype, with_bias)
+    y = kernels.gemv(x, packed, scales, bias, bits=bits, group_size=group_size,
+                     backend="cuda")
+    assert y.shape == (out_features,) and y.dtype == dtype
+    assert_close_to_reference(y, packed, scales, x, bias, bits, group_size)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tuning", [kernels.Tuning(1, 1), kernels.Tuning(4, 2), kernels.Tuning(2, 8),
+                                    kernels.Tuning(2, 2, 4), kernels.Tuning(4, 1, 4)])
+def test_cuda_gemv_every_tuning(bits, tuning):
+    for shape in ODD_SHAPES + [(300, 4096)]:
+        packed, scales, x, bias = make_case(*shape, bits, None, mx.bfloat16, True)
+        y = kernels.gemv(x, packed, scales, bias, bits=bits, group_size=None,
+                         backend="cuda", tuning=tuning)
+        assert_close_to_reference(y, packed, scales, x, bias, bits, None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_linear_runs_the_cuda_twin(bits):
+    lin = nn.Linear(4104, 33, bias=True)
+    lin.set_dtype(mx.bfloat16)
+    layer = PackedLinear.from_linear(lin, bits)
+    x = mx.random.normal((1, 1, 4104)).astype(mx.bfloat16)
+    assert backend_for(x, bits, 4104, 33) == "cuda"
+    y = layer(x)
+    assert y.shape == (1, 1, 33)
+    assert_close_to_reference(y.reshape(-1), layer.weight, layer.scales, x.reshape(-1),
+                              layer.bias, bits, None)

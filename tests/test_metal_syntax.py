@@ -1,0 +1,91 @@
+"""The Metal syntax check (scripts/check_metal_syntax.py) passes, and can fail.
+
+Skipped where clang is missing; CI installs it (apt-get install -y clang).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gearbx_mlx import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "check_metal_syntax.py"
+
+pytestmark = pytest.mark.skipif(shutil.which("clang") is None,
+                                reason="clang not installed (apt-get install -y clang)")
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def planted_copy(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """A copy of the kernel sources with one edit in file `name`."""
+    copy = tmp_path / "metal_kernels"
+    shutil.copytree(kernels.source_dir(), copy)
+    text = (copy / name).read_text()
+    assert old in text, f"{old!r} not in {name}: update the test"
+    (copy / name).write_text(text.replace(old, new, 1))
+    return copy
+
+
+def test_metal_sources_compile():
+    proc = run_check()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok   metal" in proc.stdout
+
+
+def test_cuda_twin_compiles_with_clang():
+    proc = run_check("--cuda", "--no-nvcc")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_planted_syntax_error_in_the_body_fails(tmp_path):
+    # Drop the semicolon after the declaration of K.
+    copy = planted_copy(tmp_path, "gemv_body.inc", "gbx_words * GBX_EPW;", "gbx_words * GBX_EPW")
+    proc = run_check("--source-dir", str(copy))
+    assert proc.returncode == 1
+    assert "FAIL metal" in proc.stdout and "error" in proc.stdout
+
+
+def test_a_planted_type_error_in_the_metal_prelude_fails(tmp_path):
+    # A Metal spelling that does not exist: the prelude is checked too.
+    copy = planted_copy(tmp_path, "prelude_metal.h", "metal::simd_sum(v)", "metal::simd_summ(v)")
+    proc = run_check("--source-dir", str(copy))
+    assert proc.returncode == 1 and "simd_summ" in proc.stdout
+
+
+@pytest.mark.slow
+def test_built_wheel_ships_the_kernel_sources(tmp_path):
+    """metal_kernels/ is top level in the checkout: the wheel must carry it."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    if '"gearbx_mlx.metal_kernels" = "metal_kernels"' not in pyproject:
+        pytest.skip("pyproject.toml does not map metal_kernels/ into the package yet")
+    import os
+    import zipfile
+
+    env = dict(os.environ, GEARBX_NO_CPU_EXT="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = ("from gearbx_mlx import kernels; d = kernels.source_dir(); "
+            "assert str(d).startswith(%r), d; kernels.kernel_sources('metal', True); "
+            "kernels.kernel_sources('cuda', False); print(d)" % str(site))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, env=dict(env, PYTHONPATH=str(site)), timeout=120)
+    assert run.returncode == 0, run.stderr
+    proc = run_check("--source-dir", run.stdout.strip())
+    assert proc.returncode == 0, proc.stdout
