@@ -97,11 +97,26 @@ def load(
     return m, tokenizer, gearbox
 
 
-def _prompt_text(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -> str:
-    if isinstance(prompt, str):
+def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -> mx.array:
+    """Token ids of ``prompt`` exactly as ``mlx_lm.stream_generate`` makes them.
+
+    Raises:
+        ValueError: an empty prompt.
+    """
+    if isinstance(prompt, mx.array):
+        if prompt.size == 0:
+            raise ValueError("the prompt has no tokens")
         return prompt
-    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-    return tokenizer.decode(ids)
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty: give some text to continue")
+        # mlx-lm adds special tokens unless the text already starts with BOS.
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if len(prompt) == 0:
+        raise ValueError("the prompt has no tokens")
+    return mx.array(list(prompt))
 
 
 def stream_generate(
@@ -136,10 +151,9 @@ def stream_generate(
         :class:`GearboxResponse`, one per generated token; the last one has
         ``finish_reason`` set.
     """
-    if isinstance(prompt, str) and not prompt.strip():
-        raise ValueError("the prompt is empty: give some text to continue")
-    if not isinstance(prompt, str) and len(prompt) == 0:
-        raise ValueError("the prompt has no tokens")
+    ids = encode_prompt(tokenizer, prompt)
+    if prompt_text is None:
+        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids.tolist())
     gearbox = gearbox or Gearbox(model)
     if gearbox.model is not model:
         raise ValueError("this gearbox manages another model: pass the model it was made for")
@@ -152,13 +166,13 @@ def stream_generate(
         mx.random.seed(seed)
 
     session = RoutingSession(gearbox, policy, lag)
-    session.start(prompt_text if prompt_text is not None else _prompt_text(tokenizer, prompt))
+    session.start(prompt_text)
     processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
     proxy = RoutedModel(model, session)
     last = time.perf_counter()
     try:
         for n, resp in enumerate(
-            _mlx_stream_generate(proxy, tokenizer, prompt, logits_processors=processors, **kwargs)
+            _mlx_stream_generate(proxy, tokenizer, ids, logits_processors=processors, **kwargs)
         ):
             session.commit(upto=n)
             rec = session.records[n]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -163,6 +163,15 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     return {"tokenizer": tok, "config": cfg}
 
 
+def read_gguf(gguf_path: Path, dtype: str) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
+    """Check the arguments of a conversion, then read the GGUF's tensors and metadata."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    return mx.load(str(gguf_path), return_metadata=True)
+
+
 def convert_gguf(
     gguf_path: str | Path,
     out_dir: str | Path,
@@ -175,12 +184,8 @@ def convert_gguf(
         dtype: ``float16``, ``bfloat16`` or ``float32`` for the dequantized weights.
         progress: called as ``progress(done, total)`` over the tensors.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    weights, meta = mx.load(str(gguf_path), return_metadata=True)
+    weights, meta = read_gguf(gguf_path, dtype)
     has_output = "output.weight" in weights
     config = _config(meta, has_output)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]

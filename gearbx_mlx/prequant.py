@@ -30,6 +30,7 @@ from .gguf import (
     _TENSOR_NAMES,
     GGUF_GROUP,
     _config,
+    read_gguf,
     unpermute_qk,
     write_model_folder,
 )
@@ -122,12 +123,8 @@ def convert_gguf_quantized(
             packed weights are kept bit for bit.
         progress: called as ``progress(done, total)`` (one step per stage).
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    weights, meta = mx.load(str(gguf_path), return_metadata=True)
+    weights, meta = read_gguf(gguf_path, dtype)
     config = _config(meta, "output.weight" in weights)
     tensors, layers = quantized_weights(
         weights, config["num_attention_heads"], config["num_key_value_heads"], dtype

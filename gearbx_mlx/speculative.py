@@ -51,6 +51,7 @@ from .acceptance import accept_block, make_log_dist
 from .config import SCOPES
 from .draft import DraftModel, build_draft, check_draft_gear
 from .entropy import EntropyMonitor, entropy_bits
+from .generation import encode_prompt
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -367,21 +368,6 @@ def single_token_drafts(config: Any) -> bool:
     return config.kernel == "packed" or mx.default_device() == mx.gpu
 
 
-def _encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -> mx.array:
-    """Token ids of ``prompt`` exactly as ``mlx_lm.stream_generate`` makes them."""
-    if isinstance(prompt, mx.array):
-        return prompt
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise ValueError("the prompt is empty: give some text to continue")
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not prompt.startswith(bos)
-        return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
-    if len(prompt) == 0:
-        raise ValueError("the prompt has no tokens")
-    return mx.array(list(prompt))
-
-
 def stream_speculative_generate(
     model: nn.Module,
     tokenizer: Any,
@@ -440,7 +426,7 @@ def stream_speculative_generate(
         mx.random.seed(seed)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    ids = _encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt)
     monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
     stats = SpeculativeStats()
     detok = tokenizer.detokenizer

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import time
 from pathlib import Path
@@ -17,21 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 
+from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
 from gearbx_mlx.models import corpus_path, default_model_path
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-
-
-def perplexity(model, ids, window: int) -> float:
-    nll, n = 0.0, 0
-    for i in range(0, len(ids) - 1, window):
-        x = mx.array(ids[i : i + window + 1])[None]
-        lg = model(x[:, :-1]).astype(mx.float32)
-        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-        tok = -mx.take_along_axis(lp, x[:, 1:, None], axis=-1)
-        nll += tok.sum().item()
-        n += tok.size
-    return math.exp(nll / n)
 
 
 def main() -> None:

@@ -20,7 +20,9 @@ import mlx.core as mx
 from mlx_lm import generate, load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_default_model import RESULTS, perplexity  # noqa: E402
+from check_default_model import RESULTS  # noqa: E402
+
+from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity  # noqa: E402
 
 from gearbx_mlx.models import corpus_path, resolve_model  # noqa: E402
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gearbx_mlx import models
+from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
 from gearbx_mlx.gguf import convert_gguf, unpermute_qk
 
 #: FACTS.md: perplexity of the float model on the first 2,048 tokens of
@@ -89,18 +89,6 @@ def test_default_model_is_cached_and_reused():
     assert (first / "model.safetensors").stat().st_mtime == mtime
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (first / f).is_file()
-
-
-def perplexity(model, ids, window: int = 512) -> float:
-    nll, n = 0.0, 0
-    for i in range(0, len(ids) - 1, window):
-        x = mx.array(ids[i : i + window + 1])[None]
-        lg = model(x[:, :-1]).astype(mx.float32)
-        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-        tok = -mx.take_along_axis(lp, x[:, 1:, None], axis=-1)
-        nll += tok.sum().item()
-        n += tok.size
-    return math.exp(nll / n)
 
 
 @pytest.mark.slow
