@@ -19,6 +19,10 @@ GEAR_INDEX: Dict[str, int] = {g: i for i, g in enumerate(GEARS)}
 #: Bit widths that MLX's ``QuantizedLinear`` supports and we allow for a gear.
 SUPPORTED_BITS: Tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 
+#: Terminal colours of the gears (ANSI): green low, yellow mid, red high.
+GEAR_ANSI: Dict[str, str] = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
+ANSI_RESET = "\033[0m"
+
 #: Reference vocabulary of the paper's thresholds (§3.4).
 REFERENCE_VOCAB = 32768
 

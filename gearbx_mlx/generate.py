@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .config import GEARS, KERNELS, SCOPES, GearboxConfig
+from .config import ANSI_RESET, GEAR_ANSI, GEARS, KERNELS, SCOPES, GearboxConfig
 from .speculative_cli import add_speculative_args, check_speculative_args, run_speculative  # issue 7
 
-COLORS = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
-RESET = "\033[0m"
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -179,8 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.static_gear != "high":
         gearbox.warn_if_prequantized_source()  # before the text starts streaming
     writer = TraceWriter(args.trace) if args.trace else None
-    color = args.color
-    last, session, interrupted = None, None, False
+    last, interrupted = None, False
     try:
         stream = stream_generate(
             model, tokenizer, _templated(tokenizer, args, prompt), gearbox,
@@ -190,33 +187,54 @@ def run(args: argparse.Namespace) -> int:
         )
         if not args.quiet:
             print("=" * 10, file=sys.stderr, flush=True)
-        for resp in stream:
-            if session is None:
-                session = resp.session
-                if writer:
-                    writer.header(**_header(args, gearbox, session, resp))
-            last = resp
-            text = f"{COLORS[resp.gear]}{resp.text}{RESET}" if color and resp.text else resp.text
-            print(text, end="", flush=True)
-            if writer:
-                writer.token(**token_record(resp))
-        print(flush=True)
-    except KeyboardInterrupt:
-        interrupted = True
-        print(flush=True)
+        last, interrupted = print_stream(
+            stream, color=args.color, writer=writer, record=token_record,
+            header=lambda first: _header(args, gearbox, first.session, first),
+        )
     finally:
-        if session is not None:
-            summary = run_summary(session, last, interrupted)
+        if last is not None:
+            summary = run_summary(last.session, last, interrupted)
             if writer:
                 writer.summary(**summary)
             if not args.quiet:
                 print("=" * 10, file=sys.stderr)
                 print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
-                if color:
-                    print("Colours: " + " ".join(f"{COLORS[g]}{g}{RESET}" for g in GEARS), file=sys.stderr)
+                if args.color:
+                    print("Colours: " + " ".join(f"{GEAR_ANSI[g]}{g}{ANSI_RESET}" for g in GEARS), file=sys.stderr)
         if writer:
             writer.close()
     return 130 if interrupted else 0
+
+
+def print_stream(
+    stream: Iterable[Any],
+    *,
+    color: bool,
+    writer: Any = None,
+    record: Optional[Callable[[Any], Dict[str, Any]]] = None,
+    header: Optional[Callable[[Any], Dict[str, Any]]] = None,
+) -> Tuple[Any, bool]:
+    """Print each response's text as it arrives (coloured by its gear with
+    ``color``) and trace it; Ctrl-C ends the stream cleanly.
+
+    Returns:
+        ``(last response or None, interrupted)``.
+    """
+    last, interrupted = None, False
+    try:
+        for resp in stream:
+            if last is None and writer and header:
+                writer.header(**header(resp))
+            last = resp
+            text = f"{GEAR_ANSI[resp.gear]}{resp.text}{ANSI_RESET}" if color and resp.text else resp.text
+            print(text, end="", flush=True)
+            if writer and record:
+                writer.token(**record(resp))
+        print(flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(flush=True)
+    return last, interrupted
 
 
 def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:

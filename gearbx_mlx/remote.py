@@ -38,14 +38,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .classifier import classify_prompt
-from .config import GEAR_INDEX, GEARS, GearboxConfig
+from .config import ANSI_RESET, GEAR_ANSI, GEAR_INDEX, GEARS, GearboxConfig
 from .entropy import EntropyMonitor, scaled_thresholds
 from .entropy_bounds import entropy_bounds
 from .openai_client import Chunk, HTTPStatusError, Request, TokenInfo, api_base, parse_chunk
 
 DEFAULT_TOP_K = 10  # within every server's cap (mlx-lm 11, OpenAI 20)
-COLORS = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
-RESET = "\033[0m"
 
 
 @dataclass(frozen=True)
@@ -425,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
     def show(text: str, gear: str) -> None:
         if text.startswith("<|") and text.endswith("|>"):
             return  # an end-of-turn token: the server's text leaves it out too
-        print(f"{COLORS[gear]}{text}{RESET}" if args.color and text else text, end="", flush=True)
+        print(f"{GEAR_ANSI[gear]}{text}{ANSI_RESET}" if args.color and text else text, end="", flush=True)
 
     def record(rec: Dict[str, Any]) -> None:
         if writer:

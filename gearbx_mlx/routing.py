@@ -21,7 +21,6 @@ initial gear.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 

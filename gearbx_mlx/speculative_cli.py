@@ -18,8 +18,6 @@ from .config import SCOPES
 from .draft import DRAFT_GEARS
 from .speculative import SpeculativeConfig, SpeculativeResponse
 
-COLORS = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
-RESET = "\033[0m"
 #: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
 CALIBRATION_KEY = "speculative"
 
@@ -168,6 +166,7 @@ def run_speculative(
         prompt: the user's text (for the trace); templated: what is encoded.
     """
     from .draft_calibration import calibrate_draft_stop
+    from .generate import print_stream
     from .speculative import get_draft, speculative_summary, stream_speculative_generate
     from .trace import TraceWriter
 
@@ -192,18 +191,10 @@ def run_speculative(
         )
         if not args.quiet:
             print("=" * 10, file=sys.stderr, flush=True)
-        for resp in stream:
-            if last is None and writer:
-                writer.header(**_header(args, gearbox, config, draft, resp, prompt))
-            last = resp
-            color = args.color and resp.text
-            print(f"{COLORS[resp.gear]}{resp.text}{RESET}" if color else resp.text, end="", flush=True)
-            if writer:
-                writer.token(**token_record(resp))
-        print(flush=True)
-    except KeyboardInterrupt:
-        interrupted = True
-        print(flush=True)
+        last, interrupted = print_stream(
+            stream, color=args.color, writer=writer, record=token_record,
+            header=lambda first: _header(args, gearbox, config, draft, first, prompt),
+        )
     finally:
         summary = speculative_summary(last, interrupted)
         if writer:
