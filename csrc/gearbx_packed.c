@@ -995,7 +995,10 @@ static struct {
     int nworkers;
     unsigned gen;          /* owner only: generation of the last job */
     /* (generation << 32) | next unclaimed chunk.  A claim is a CAS on both,
-     * so a late worker can never take a chunk of a job it did not read. */
+     * so a late worker can never take a chunk of a job it did not read.
+     * Before the next job's fields are written the chunk part is set to
+     * GBX_CLOSED (see run_rows), so no claim of the old job can succeed
+     * against the new job's nchunks. */
     _Atomic uint64_t state;
     atomic_int done;       /* chunks finished in the current job */
     atomic_int parts;      /* threads the current job wants (workers id < parts join) */
@@ -1028,18 +1031,34 @@ static long now_ns(void)
 
 static unsigned state_gen(uint64_t st) { return (unsigned)(st >> 32); }
 
+/* chunk index of a finished job: not below any nchunks */
+#define GBX_CLOSED 0x7FFFFFFFu
+
+/* -DGEARBX_STRESS_POOL (test builds only: csrc/test_main.c --pool-stress)
+ * sleeps inside the windows where a late worker meets the next job, so that a
+ * hand-off race shows up in seconds instead of once in a loaded CI run. */
+#ifdef GEARBX_STRESS_POOL
+static _Thread_local int g_stress_worker; /* set by worker_main */
+#define GBX_STRESS_PAUSE(cond, us) ((cond) ? (void)usleep(us) : (void)0)
+#else
+#define GBX_STRESS_PAUSE(cond, us) ((void)0)
+#endif
+
 /* Claim and run chunks of job `gen` until none is left. */
 static void run_chunks(unsigned gen)
 {
     for (;;) {
         uint64_t st = atomic_load_explicit(&g_pool.state, memory_order_acquire);
-        if (state_gen(st) != gen || (int)(uint32_t)st >= atomic_load_explicit(&g_pool.nchunks, memory_order_relaxed))
+        /* test builds: a thread about to find the job drained stalls here */
+        GBX_STRESS_PAUSE(g_stress_worker && (int)(uint32_t)st >= atomic_load(&g_pool.nchunks), 100);
+        if (state_gen(st) != gen || (int)(uint32_t)st >= atomic_load_explicit(&g_pool.nchunks, memory_order_acquire))
             return;
         if (!atomic_compare_exchange_weak_explicit(&g_pool.state, &st, st + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue;
         /* chunk k of job gen is ours and unfinished: the job fields are stable */
         const int k = (int)(uint32_t)st;
+        GBX_STRESS_PAUSE(1, 20); /* test builds: a thread holding a chunk is descheduled */
         const int r0 = k * g_pool.chunk_rows;
         const int r1 = r0 + g_pool.chunk_rows < g_pool.rows ? r0 + g_pool.chunk_rows : g_pool.rows;
         g_pool.fn(g_pool.ctx, r0, r1);
@@ -1050,6 +1069,9 @@ static void run_chunks(unsigned gen)
 static void *worker_main(void *arg)
 {
     const int id = (int)(size_t)arg;
+#ifdef GEARBX_STRESS_POOL
+    g_stress_worker = 1;
+#endif
     unsigned seen = g_pool.start_gen[id];
     for (;;) {
         unsigned g = state_gen(atomic_load_explicit(&g_pool.state, memory_order_acquire));
@@ -1132,14 +1154,26 @@ static int run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_
         chunk = fair;
     if (chunk < 1)
         chunk = 1;
+    /* Close the previous job before its fields change.  Its state is still
+     * (gen, nchunks_old), and a late worker (woken for it, descheduled, back
+     * after it finished) may have read that state and be about to read
+     * nchunks: seeing the new, larger count, its CAS on the unchanged state
+     * would succeed and it would run a chunk of *this* job and add to `done`
+     * (bumped after the reset below), so this call could return while a real
+     * chunk is still running on a worker: results missing, and the worker
+     * reading x/w/y/act after the caller freed them (segfault).  After this
+     * store every CAS of the old job fails, and a worker that sees the new
+     * nchunks (acquire) also sees this store. */
+    atomic_store(&g_pool.state, ((uint64_t)g_pool.gen << 32) | GBX_CLOSED);
     g_pool.fn = fn;
     g_pool.ctx = c;
     g_pool.rows = rows;
     g_pool.chunk_rows = chunk;
     const int nchunks = (rows + chunk - 1) / chunk;
-    atomic_store_explicit(&g_pool.nchunks, nchunks, memory_order_relaxed);
+    atomic_store_explicit(&g_pool.nchunks, nchunks, memory_order_release);
     atomic_store(&g_pool.parts, parts);
     atomic_store(&g_pool.done, 0);
+    GBX_STRESS_PAUSE(1, 200); /* test builds: job written, not yet published */
     const unsigned gen = ++g_pool.gen;
     atomic_store(&g_pool.state, (uint64_t)gen << 32); /* seq_cst: pairs with the sleepers check */
     if (atomic_load(&g_pool.sleepers) > 0) {

@@ -404,3 +404,15 @@ def test_c_driver_native_catches_planted_nibble_bug(tmp_path) -> None:
     r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "SUMMARY float bits=4" in r.stdout and "SUMMARY intdot bits=4" in r.stdout
+
+
+def test_c_driver_pool_stress(tmp_path) -> None:
+    """Back-to-back split products with changing chunk counts, in a build that
+    stalls threads inside the pool's hand-off windows (-DGEARBX_STRESS_POOL).
+    A late worker of a finished job once claimed a chunk of the next one and
+    inflated its done count, so a call returned while a worker still ran one
+    of its chunks: rows left unwritten, then a segfault on freed buffers."""
+    exe = _build_driver(tmp_path, "-DGEARBX_STRESS_POOL")
+    r = subprocess.run([str(exe), "--pool-stress", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("OK ")
