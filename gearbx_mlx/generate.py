@@ -135,7 +135,8 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
     for g, e in s.get("entries", {}).items():
         parts = [f"quantized once in {1e3 * e['quantize_seconds']:.1f} ms"] if e["quantize_seconds"] else []
         if e["entries"]:
-            parts.append(f"{e['entries']} entries, median swap {1e3 * e['swap_median_seconds']:.2f} ms")
+            n = e["entries"]
+            parts.append(f"{n} {'entry' if n == 1 else 'entries'}, median swap {1e3 * e['swap_median_seconds']:.2f} ms")
         if parts:
             costs.append(f"{g}: " + ", ".join(parts))
     if costs:
