@@ -13,6 +13,7 @@ Three layers, from anywhere to the GPU:
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -249,10 +250,13 @@ def test_host_emulated_body_matches_reference(host_binary, tmp_path, config, sha
         data = b"" if arr is None else bytes(memoryview(arr))
         (tmp_path / f"{name}.bin").write_bytes(data)
     item = dtype.size
+    # An AddressSanitizer binary must load its runtime first: drop any
+    # LD_PRELOAD (CI preloads OpenBLAS for MLX's float32 products).
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     proc = subprocess.run(
         [str(host_binary), str(config), str(out_features), str(in_features), str(tmp_path),
          str(item)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     raw = np.frombuffer((tmp_path / "y.bin").read_bytes(), dtype=np.uint16 if item == 2 else np.float32)
