@@ -44,14 +44,13 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .acceptance import accept_block, make_log_dist
 from .config import SCOPES
 from .draft import DraftModel, build_draft, check_draft_gear
 from .entropy import EntropyMonitor, entropy_bits
-from .generation import encode_prompt
+from .generation import GearboxResponse, encode_prompt
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -311,37 +310,26 @@ def speculative_generate_step(
 
 
 @dataclass
-class SpeculativeResponse(GenerationResponse):
-    """mlx-lm's response plus what speculative decoding did at this token.
+class SpeculativeResponse(GearboxResponse):
+    """:class:`GearboxResponse` plus what speculative decoding did at this token.
 
-    Extra fields:
-        entropy: bits of the high gear's distribution at this position.
-        draft_entropy: bits of the drafter's (NaN for a bonus token).
-        smoothed_entropy, predicted_entropy: the monitor's (§3.2, §3.5).
-        gear: gear whose forward pass chose the token (the draft gear for an
-            accepted draft, else ``"high"``).
+    Inherited fields mean: ``entropy`` is the high gear's at this position;
+    ``gear`` is the gear whose forward pass chose the token (the draft gear
+    for an accepted draft, else ``"high"``); ``shifted`` is always False (no
+    module is swapped: both gears stay resident). Extra fields:
+        draft_entropy: bits of the drafter's distribution (NaN for a bonus token).
         accepted: an accepted draft; ``from_draft`` says the same.
         drafted: drafts proposed in this token's block.
         verified_by: the gear that verified it (always ``"high"``).
         block: 0-based block number; stop: why that block ended.
-        step_seconds: wall time since the previous response.
-        index: 0-based position among the generated tokens.
     """
 
-    entropy: float = math.nan
     draft_entropy: float = math.nan
-    smoothed_entropy: float = math.nan
-    predicted_entropy: float = math.nan
-    gear: str = "high"
     accepted: bool = False
     drafted: int = 0
     verified_by: str = "high"
     block: int = 0
     stop: str = "max"
-    shifted: bool = False  # no module is ever swapped: both gears stay resident
-    shift_seconds: float = 0.0
-    step_seconds: float = 0.0
-    index: int = 0
     stats: Optional[SpeculativeStats] = field(default=None, repr=False, compare=False)
     draft: Optional[DraftModel] = field(default=None, repr=False, compare=False)
 
