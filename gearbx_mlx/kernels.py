@@ -34,6 +34,16 @@ SIMD_GROUPS = 8
 SHARED_K = 6144
 #: Input dtypes the kernels read.
 KERNEL_DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
+#: The matrix-unit variant (gemv_mma_body.inc): int4, 16-bit inputs, K a
+#: multiple of 64 up to MMA_MAX_K (must match GBX_MMA_MAX_K in gemv_common.h),
+#: per-row scales or groups of a multiple of 64. Elsewhere the SIMT body runs.
+MMA_BITS = 4
+MMA_DTYPES: Tuple[mx.Dtype, ...] = (mx.float16, mx.bfloat16)
+MMA_MAX_K = 14336
+#: Rows of a matrix-unit threadgroup (two 8-row halves of a 16x16 operand).
+MMA_ROWS = 16
+#: Iterations (64 inputs each) whose loads a SIMD group issues together.
+MMA_UNROLL = 4
 
 
 @dataclass(frozen=True)
@@ -80,13 +90,35 @@ def _read(directory: Path, name: str) -> str:
     return (directory / name).read_text()
 
 
+def _compact(text: str) -> str:
+    """Kernel text without comments, indentation or blank lines.
+
+    MLX copies the whole header and source into a new string on every kernel
+    call (a decode step makes a few hundred), so shorter text is cheaper.
+    """
+    out = []
+    for line in text.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
+
 def kernel_sources(
-    backend: str, has_bias: bool, directory: Optional[Path] = None
+    backend: str,
+    has_bias: bool,
+    directory: Optional[Path] = None,
+    *,
+    mma: bool = False,
+    n_out: int = 1,
+    compact: bool = False,
 ) -> Tuple[str, str]:
     """``(header, source)`` as handed to MLX for ``backend`` ("metal" or "cuda").
 
+    ``mma`` picks the matrix-unit body (int4, 16-bit inputs) over the SIMT one;
+    ``n_out`` > 1 (matrix-unit body only) writes rows to 2 or 3 outputs.
     ``directory`` replaces :func:`source_dir` (the syntax check uses it to
-    compile a copy with a planted error).
+    compile a copy with a planted error); ``compact`` strips comments.
     """
     d = Path(directory) if directory is not None else source_dir()
     if backend == "metal":
@@ -95,16 +127,25 @@ def kernel_sources(
         prelude, entry = _read(d, "prelude_cuda.cuh"), _read(d, "entry_cuda.inc")
     else:
         raise ValueError(f"no GPU kernel for backend {backend!r}: use 'metal' or 'cuda'")
+    if n_out not in (1, 2, 3) or (n_out > 1 and not mma):
+        raise ValueError(f"n_out must be 1, or 2-3 with the matrix-unit body, got {n_out}")
     header = prelude + "\n" + _read(d, "gemv_common.h")
-    # The bias is a preprocessor switch, not a template argument: without a
-    # bias input there is no `bias` name for the body to refer to.
-    source = f"#define GBX_HAS_BIAS {int(has_bias)}\n" + entry + _read(d, "gemv_body.inc")
-    source += "#undef GBX_HAS_BIAS\n"
+    body = _read(d, "gemv_mma_body.inc" if mma else "gemv_body.inc")
+    # The bias and the output count are preprocessor switches, not template
+    # arguments: without a bias input there is no `bias` name to refer to.
+    source = f"#define GBX_HAS_BIAS {int(has_bias)}\n#define GBX_NOUT {n_out}\n" + entry + body
+    source += "#undef GBX_HAS_BIAS\n#undef GBX_NOUT\n"
+    if compact:
+        header, source = _compact(header), _compact(source)
     return header, source
 
 
 def input_names(has_bias: bool) -> List[str]:
     return ["w", "scales", "x"] + (["bias"] if has_bias else [])
+
+
+def output_names(n_out: int = 1) -> List[str]:
+    return ["y", "y1", "y2"][:n_out]
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,13 +157,22 @@ def kernel_name(
     shared: bool,
     dtype: mx.Dtype,
     has_bias: bool,
+    mma: bool = False,
+    splits: Tuple[int, ...] = (),
 ) -> str:
-    """Name carrying every baked-in parameter, plus a hash of the source text."""
-    header, source = kernel_sources(backend, has_bias)
+    """Name carrying every baked-in parameter, plus a hash of the source text.
+
+    ``splits``: the output boundaries of a multi-output (fused) kernel.
+    """
+    header, source = kernel_sources(backend, has_bias, mma=mma, n_out=len(splits) + 1)
     digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
     gs = "row" if group_size is None else f"g{group_size}"
-    variant = "shared" if shared else "device"
     bias = "bias" if has_bias else "nobias"
+    if mma:
+        outs = "_".join(f"s{b}" for b in splits)
+        return (f"gbx_gemv_{backend}_mma_q{bits}_{gs}_u{tuning.unroll}_{_DTYPE_TAG[dtype]}_"
+                f"{bias}{'_' + outs if outs else ''}_{digest}")
+    variant = "shared" if shared else "device"
     return (
         f"gbx_gemv_{backend}_q{bits}_{gs}_r{tuning.rows}_u{tuning.unroll}_v{tuning.vec}_"
         f"{variant}_{_DTYPE_TAG[dtype]}_{bias}_{digest}"
@@ -172,6 +222,19 @@ def supports(
     return in_features >= 32 and out_features >= 8
 
 
+def supports_mma(
+    bits: int, group_size: Optional[int], in_features: int, out_features: int, dtype: mx.Dtype
+) -> bool:
+    """True if the matrix-unit variant handles this layer (see :data:`MMA_MAX_K`)."""
+    if not supports(bits, group_size, in_features, out_features, dtype):
+        return False
+    if bits != MMA_BITS or dtype not in MMA_DTYPES:
+        return False
+    if in_features % 64 or in_features > MMA_MAX_K:
+        return False
+    return group_size is None or group_size % 64 == 0
+
+
 #: Type names of the input dtype in each back end's kernel language.
 TYPE_NAMES: Dict[str, Dict[mx.Dtype, str]] = {
     "metal": {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t"},
@@ -182,7 +245,7 @@ TYPE_NAMES: Dict[str, Dict[mx.Dtype, str]] = {
 def constants(
     dtype: mx.Dtype, bits: int, group_size: Optional[int], tuning: Tuning, shared: bool
 ) -> List[Tuple[str, object]]:
-    """The kernel's compile-time constants, by name (all of them are in its name)."""
+    """The SIMT kernel's compile-time constants, by name (all of them are in its name)."""
     return [
         ("T", dtype),
         ("BITS", bits),
@@ -192,6 +255,16 @@ def constants(
         ("VEC", tuning.vec),
         ("SHARED", shared),
     ]
+
+
+def mma_constants(
+    dtype: mx.Dtype, group_size: Optional[int], unroll: int, splits: Tuple[int, ...] = ()
+) -> List[Tuple[str, object]]:
+    """The matrix-unit kernel's compile-time constants (all of them are in its name)."""
+    consts: List[Tuple[str, object]] = [
+        ("T", dtype), ("GS", 0 if group_size is None else group_size), ("UNROLL", unroll)]
+    consts += [(f"OUT{i + 1}", b) for i, b in enumerate(splits)]
+    return consts
 
 
 def constants_source(backend: str, consts: List[Tuple[str, object]]) -> str:
@@ -223,13 +296,14 @@ def _tuning_for(bits: int, tuning: Optional[Tuning], in_features: int) -> Tuning
 
 
 @functools.lru_cache(maxsize=None)
-def _build(backend: str, name: str, has_bias: bool, consts_source: str) -> Callable:
-    header, source = kernel_sources(backend, has_bias)
+def _build(backend: str, name: str, has_bias: bool, consts_source: str, mma: bool = False,
+           n_out: int = 1) -> Callable:
+    header, source = kernel_sources(backend, has_bias, mma=mma, n_out=n_out, compact=True)
     kwargs = dict(
         name=name,
         input_names=input_names(has_bias),
-        output_names=["y"],
-        source=consts_source + source,
+        output_names=output_names(n_out),
+        source=_compact(consts_source) + source,
         header=header,
         ensure_row_contiguous=True,
     )
@@ -249,12 +323,16 @@ def launch_spec(
     group_size: Optional[int],
     tuning: Optional[Tuning] = None,
     shared: Optional[bool] = None,
+    mma: Optional[bool] = None,
+    splits: Tuple[int, ...] = (),
 ) -> dict:
     """Everything :func:`gemv` passes to MLX, without building or running anything.
 
-    ``shared`` forces the threadgroup-memory variant on or off (benchmarks);
-    by default it is used when K <= SHARED_K. Split out so the argument
-    plumbing is tested on any machine.
+    ``mma`` forces the matrix-unit variant on or off (default: on where
+    :func:`supports_mma`); ``shared`` forces the SIMT body's threadgroup-memory
+    variant on or off (default: used when K <= SHARED_K). ``splits`` (matrix-
+    unit variant only): row boundaries of 2 or 3 outputs. Split out so the
+    argument plumbing is tested on any machine.
     """
     in_features = x.shape[-1]
     if x.size != in_features:
@@ -265,28 +343,53 @@ def launch_spec(
             f"no GPU kernel for int{bits}, group_size={group_size}, shape "
             f"({out_features}, {in_features}), input {x.dtype}: use the reference path"
         )
-    t = _tuning_for(bits, tuning, in_features)
-    if shared is None:
-        shared = in_features <= SHARED_K
-    elif shared and in_features > SHARED_K:
-        raise ValueError(f"the threadgroup-memory variant holds K <= {SHARED_K}, got {in_features}")
+    can_mma = supports_mma(bits, group_size, in_features, out_features, x.dtype)
+    if mma is None:
+        mma = can_mma
+    elif mma and not can_mma:
+        raise ValueError(
+            f"the matrix-unit variant takes int4, float16/bfloat16 inputs and K % 64 == 0, "
+            f"K <= {MMA_MAX_K}: got int{bits}, {x.dtype}, K={in_features}, "
+            f"group_size={group_size}")
+    splits = tuple(int(b) for b in splits)
+    if splits and (not mma or len(splits) > 2
+                   or list(splits) != sorted(set(splits)) or not 0 < splits[0]
+                   or splits[-1] >= out_features):
+        raise ValueError(f"splits must be 1-2 increasing row boundaries inside (0, {out_features}) "
+                         f"of a matrix-unit kernel, got {splits}")
     has_bias = bias is not None
-    rows_per_group = SIMD_GROUPS * t.rows
-    n_groups = -(-out_features // rows_per_group)
+    bounds = (0,) + splits + (out_features,)
+    out_shapes = [x.shape[:-1] + (b - a,) for a, b in zip(bounds, bounds[1:])]
+    if mma:
+        t = Tuning(MMA_ROWS, (tuning.unroll if tuning else MMA_UNROLL), 1)
+        n_groups = -(-out_features // MMA_ROWS)
+        consts = mma_constants(x.dtype, group_size, t.unroll, splits)
+    else:
+        t = _tuning_for(bits, tuning, in_features)
+        if shared is None:
+            shared = in_features <= SHARED_K
+        elif shared and in_features > SHARED_K:
+            raise ValueError(
+                f"the threadgroup-memory variant holds K <= {SHARED_K}, got {in_features}")
+        n_groups = -(-out_features // (SIMD_GROUPS * t.rows))
+        consts = constants(x.dtype, bits, group_size, t, shared)
     return dict(
-        name=kernel_name(backend, bits, group_size, t, shared, x.dtype, has_bias),
+        name=kernel_name(backend, bits, group_size, t, bool(shared), x.dtype, has_bias, mma,
+                         splits),
         has_bias=has_bias,
+        mma=mma,
+        n_out=len(out_shapes),
         inputs=[weight, scales, x] + ([bias] if has_bias else []),
-        constants=constants(x.dtype, bits, group_size, t, shared),
+        constants=consts,
         # Both MLX back ends take the grid in threads, not threadgroups.
         grid=(n_groups * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[x.shape[:-1] + (out_features,)],
-        output_dtypes=[x.dtype],
+        output_shapes=out_shapes,
+        output_dtypes=[x.dtype] * len(out_shapes),
     )
 
 
-Launcher = Callable[[mx.array, mx.array, mx.array, Optional[mx.array]], mx.array]
+Launcher = Callable[..., mx.array]
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,33 +403,48 @@ def launcher(
     has_bias: bool,
     tuning: Optional[Tuning] = None,
     shared: Optional[bool] = None,
+    mma: Optional[bool] = None,
+    splits: Tuple[int, ...] = (),
 ) -> Launcher:
     """A cached ``run(x, weight, scales, bias) -> y`` for one layer shape and dtype.
 
     Everything but the arrays is worked out once, so a decode step pays only
     for MLX's own kernel call (a model has a few hundred of them per token).
     ``x`` may keep leading dims of size 1; ``y`` then has them too, so no
-    reshape (each one an extra graph node) surrounds the kernel. The kernel
-    itself is compiled by MLX on the first evaluation.
+    reshape (each one an extra graph node) surrounds the kernel. With
+    ``splits``, ``run`` returns the list of outputs. The kernel itself is
+    compiled by MLX on the first evaluation.
     """
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only, never evaluated
     w = mx.zeros(quant.packed_shape(out_features, in_features, bits), quant.packed_dtype(bits))
     s = mx.zeros((out_features, quant.n_groups(in_features, group_size)))
     b = mx.zeros((out_features,), dtype=dtype) if has_bias else None
     spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, tuning=tuning,
-                       shared=shared)
+                       shared=shared, mma=mma, splits=splits)
     kernel = _build(backend, spec["name"], has_bias,
-                    constants_source(backend, spec["constants"]))
+                    constants_source(backend, spec["constants"]), spec["mma"], spec["n_out"])
     grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
-    out_tail = (out_features,)
+    tails = [shape[-1:] for shape in spec["output_shapes"]]
 
-    def run(x: mx.array, weight: mx.array, scales: mx.array,
-            bias: Optional[mx.array] = None) -> mx.array:
+    if len(tails) == 1:
+        out_tail = tails[0]
+
+        def run(x: mx.array, weight: mx.array, scales: mx.array,
+                bias: Optional[mx.array] = None) -> mx.array:
+            inputs = [weight, scales, x] if bias is None else [weight, scales, x, bias]
+            return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                          output_shapes=[x.shape[:-1] + out_tail], output_dtypes=out_dtypes)[0]
+
+        return run
+
+    def run_split(x: mx.array, weight: mx.array, scales: mx.array,
+                  bias: Optional[mx.array] = None) -> List[mx.array]:
         inputs = [weight, scales, x] if bias is None else [weight, scales, x, bias]
+        lead = x.shape[:-1]
         return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup,
-                      output_shapes=[x.shape[:-1] + out_tail], output_dtypes=out_dtypes)[0]
+                      output_shapes=[lead + t for t in tails], output_dtypes=out_dtypes)
 
-    return run
+    return run_split
 
 
 def gemv(
@@ -340,7 +458,9 @@ def gemv(
     backend: Optional[str] = None,
     tuning: Optional[Tuning] = None,
     shared: Optional[bool] = None,
-) -> mx.array:
+    mma: Optional[bool] = None,
+    splits: Tuple[int, ...] = (),
+):
     """``y = dequantize(weight, scales) @ x (+ bias)`` with the packed kernel.
 
     Args:
@@ -349,10 +469,12 @@ def gemv(
         scales: ``(O, K/group_size)`` or ``(O, 1)`` float32.
         bias: ``(O,)`` or None.
         backend: "metal" or "cuda"; default :func:`gpu_backend`.
-        tuning, shared: override :data:`TUNING` and the variant (benchmarks).
+        tuning, shared, mma: override :data:`TUNING` and the variant (benchmarks,
+            tests); the matrix-unit variant reads only ``tuning.unroll``.
+        splits: row boundaries: return the rows in 2 or 3 arrays (one launch).
 
     Returns:
-        ``(..., O)`` in ``x.dtype``.
+        ``(..., O)`` in ``x.dtype``; with ``splits``, a list of ``(..., O_i)``.
     """
     backend = backend or gpu_backend()
     if backend is None:
@@ -368,5 +490,5 @@ def gemv(
             f"({weight.shape[0]}, {in_features}), input {x.dtype}: use the reference path"
         )
     run = launcher(backend, bits, group_size, in_features, weight.shape[0], x.dtype,
-                   bias is not None, tuning or TUNING[bits], shared)
+                   bias is not None, tuning, shared, mma, tuple(splits))
     return run(x, weight, scales, bias)

@@ -101,7 +101,7 @@ class _Runtime:
                                   layer.out_features, dtype)
             run = ok and kernels.launcher(
                 backend, layer.bits, layer.group_size, layer.in_features, layer.out_features,
-                dtype, has_bias, kernels.TUNING[layer.bits],
+                dtype, has_bias,
             )
             self.launchers[key] = run
         return run

@@ -159,3 +159,41 @@ GBX_FN gbx_f4 gbx_load_x4(const GBX_DEVICE gbx_half_t* x, int e) {
   r.v[0] = a.x; r.v[1] = a.y; r.v[2] = b.x; r.v[3] = b.y;
   return r;
 }
+
+// -- matrix-unit variant (gemv_mma_body.inc) -----------------------------------
+
+// Largest K whose input vector the matrix-unit variant stages in threadgroup
+// memory: 14336 16-bit inputs are 28 KB, under Metal's 32 KB.
+#define GBX_MMA_MAX_K 14336
+
+// Eight 16-bit inputs x0..x7 (as loaded: x0 | x1 << 16, ...) reordered into
+// the pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7): the k order of the
+// weight pairs gbx_i4_pair makes.
+GBX_FN uint4 gbx_pair_order(uint4 u) {
+  uint4 r;
+  r.x = (u.x & 0xFFFFu) | (u.z << 16);
+  r.y = (u.x >> 16) | (u.z & 0xFFFF0000u);
+  r.z = (u.y & 0xFFFFu) | (u.w << 16);
+  r.w = (u.y >> 16) | (u.w & 0xFFFF0000u);
+  return r;
+}
+
+// One 32-bit word of each of the lane's two rows (same 8 inputs): two
+// 16x8x16 products. Word nibble s and s + 4 form pair s (gbx_i4_pair reads
+// the nibbles at bits 0 and 16); xp holds the inputs in that pair order.
+// The operand registers follow mma.m16n8k16: a[0] row g, k 2t..2t+1;
+// a[1] row g + 8, same k; a[2] row g, k 2t+8..2t+9; a[3] row g + 8.
+template <typename T>
+GBX_FN void gbx_mma_word(GBX_THREAD float (&c)[4], gbx_u32 wa, gbx_u32 wb, uint4 xp) {
+  gbx_apair a[4];
+  a[0] = gbx_i4_pair<T>(wa);
+  a[1] = gbx_i4_pair<T>(wb);
+  a[2] = gbx_i4_pair<T>(wa >> 4);
+  a[3] = gbx_i4_pair<T>(wb >> 4);
+  gbx_mma<T>(c, a, xp.x, xp.y);
+  a[0] = gbx_i4_pair<T>(wa >> 8);
+  a[1] = gbx_i4_pair<T>(wb >> 8);
+  a[2] = gbx_i4_pair<T>(wa >> 12);
+  a[3] = gbx_i4_pair<T>(wb >> 12);
+  gbx_mma<T>(c, a, xp.z, xp.w);
+}

@@ -31,3 +31,81 @@ GBX_FN float2 gbx_half2_bits_to_float2(unsigned int u) {
   __half2 h = *reinterpret_cast<const __half2*>(&u);
   return __half22float2(h);
 }
+
+// -- matrix-unit variant (gemv_mma_body.inc) -----------------------------------
+#define GBX_THREAD
+
+// Two weights in one 32-bit register, as the mma operand takes them.
+typedef unsigned int gbx_apair;
+
+// Constants of the int4 -> 16-bit float trick, per operand type: OR a nibble
+// into the mantissa of a value whose mantissa unit is 1 (1024.0 in half,
+// 128.0 in bfloat16), then one paired fma by 1.0 subtracts that value plus 8
+// (the storage offset). Exact: every result is an integer in [-8, 7].
+template <typename T>
+struct gbx_mma_consts;
+template <>
+struct gbx_mma_consts<__half> {
+  static constexpr unsigned int magic = 0x64006400u;  // (1024, 1024)
+  static constexpr unsigned int one = 0x3C003C00u;    // (1, 1)
+  static constexpr unsigned int neg = 0xE408E408u;    // (-1032, -1032)
+};
+template <>
+struct gbx_mma_consts<__nv_bfloat16> {
+  static constexpr unsigned int magic = 0x43004300u;  // (128, 128)
+  static constexpr unsigned int one = 0x3F803F80u;    // (1, 1)
+  static constexpr unsigned int neg = 0xC308C308u;    // (-136, -136)
+};
+
+// Nibbles at bits [0, 4) and [16, 20) of u as the pair (q0, q1), q = n - 8.
+template <typename T>
+GBX_FN gbx_apair gbx_i4_pair(unsigned int u);
+template <>
+GBX_FN gbx_apair gbx_i4_pair<__half>(unsigned int u) {
+  unsigned int h, r;
+  // (u & 0x000F000F) | magic in one LOP3 (the magic in a register).
+  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(h) : "r"(u),
+      "r"(gbx_mma_consts<__half>::magic));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(gbx_mma_consts<__half>::one),
+      "r"(gbx_mma_consts<__half>::neg));
+  return r;
+}
+template <>
+GBX_FN gbx_apair gbx_i4_pair<__nv_bfloat16>(unsigned int u) {
+  unsigned int h, r;
+  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(h) : "r"(u),
+      "r"(gbx_mma_consts<__nv_bfloat16>::magic));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h),
+      "r"(gbx_mma_consts<__nv_bfloat16>::one), "r"(gbx_mma_consts<__nv_bfloat16>::neg));
+  return r;
+}
+
+// c += A B for one 16x8x16 tile (sm_80+): A from a[4] (rows g, g + 8 of this
+// lane), B from b0, b1 (k 2t..2t+1 and 2t+8..2t+9, every column alike).
+// The matrix unit sums over the four lanes of a row: every lane of row g
+// gets the full tile sum in c[0] (and c[1]), of row g + 8 in c[2] (c[3]).
+template <typename T>
+GBX_FN void gbx_mma(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0, unsigned int b1);
+template <>
+GBX_FN void gbx_mma<__half>(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0,
+                            unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+GBX_FN void gbx_mma<__nv_bfloat16>(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0,
+                                   unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The mma already summed over the lanes of a row.
+GBX_FN float gbx_quad_sum(float v) {
+  return v;
+}

@@ -24,3 +24,48 @@ typedef bfloat16_t gbx_bfloat_t;
 GBX_FN float2 gbx_half2_bits_to_float2(uint u) {
   return float2(as_type<half2>(u));
 }
+
+// -- matrix-unit variant (gemv_mma_body.inc) -----------------------------------
+// Metal's simdgroup matrices hide their register layout, so the CUDA mma is
+// emulated lane by lane: each lane multiplies its own operand registers and
+// keeps a partial sum; gbx_quad_sum adds the four lanes of a row at the end.
+// Same inputs, same k order, same float32 sums as the CUDA twin.
+#define GBX_THREAD thread
+
+// A weight pair: (q0, q1) as floats (the emulation needs no 16-bit form).
+typedef float2 gbx_apair;
+
+// Nibbles at bits [0, 4) and [16, 20) of u as (q0, q1), q = n - 8.
+template <typename T>
+GBX_FN gbx_apair gbx_i4_pair(uint u) {
+  return float2(float(u & 0xFu) - 8.0f, float((u >> 16) & 0xFu) - 8.0f);
+}
+
+// Two 16-bit inputs of type T packed in a word, as floats.
+template <typename T>
+GBX_FN float2 gbx_x_pair(uint u);
+template <>
+GBX_FN float2 gbx_x_pair<half>(uint u) {
+  return float2(as_type<half2>(u));
+}
+template <>
+GBX_FN float2 gbx_x_pair<bfloat16_t>(uint u) {
+  return float2(as_type<float>(u << 16), as_type<float>(u & 0xFFFF0000u));
+}
+
+// This lane's share of c += A B (see prelude_cuda.cuh): rows g and g + 8
+// times its own four k slots.
+template <typename T>
+GBX_FN void gbx_mma(thread float (&c)[4], thread const gbx_apair (&a)[4], uint b0, uint b1) {
+  const float2 x0 = gbx_x_pair<T>(b0);
+  const float2 x1 = gbx_x_pair<T>(b1);
+  c[0] += a[0].x * x0.x + a[0].y * x0.y + a[2].x * x1.x + a[2].y * x1.y;
+  c[2] += a[1].x * x0.x + a[1].y * x0.y + a[3].x * x1.x + a[3].y * x1.y;
+}
+
+// Sum over the four lanes of a row (lanes 4g .. 4g + 3).
+GBX_FN float gbx_quad_sum(float v) {
+  v += metal::simd_shuffle_xor(v, ushort(1));
+  v += metal::simd_shuffle_xor(v, ushort(2));
+  return v;
+}

@@ -90,13 +90,16 @@ def _constants(backend: str, bits: int, group_size: Optional[int], shared: bool,
 
 
 def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
-                      shared: bool, dtype: str, has_bias: bool, vec: int = 1) -> str:
+                      shared: bool, dtype: str, has_bias: bool, vec: int = 1,
+                      consts: Optional[str] = None, outputs: Sequence[str] = ("y",)) -> str:
     """The generated Metal kernel, as MLX's write_signature builds it.
 
     The kernels pass no template arguments (their constants are declared in
     the source), so MLX writes a plain ``[[kernel]]`` function.
     """
-    source = _constants("metal", bits, group_size, shared, dtype, vec) + source
+    if consts is None:
+        consts = _constants("metal", bits, group_size, shared, dtype, vec)
+    source = consts + source
     lines = [f"[[kernel]] void {fname}("]
     params = []
     index = 0
@@ -114,7 +117,9 @@ def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[i
         if f"{name}_ndim" in source:
             params.append(f"  const constant int& {name}_ndim [[buffer({index})]]")
             index += 1
-    params.append(f"  device {METAL_TYPES[dtype]}* y [[buffer({index})]]")
+    for out in outputs:
+        params.append(f"  device {METAL_TYPES[dtype]}* {out} [[buffer({index})]]")
+        index += 1
     for attr, kind in METAL_ATTRIBUTES:
         if attr in source:
             params.append(f"  {kind} {attr} [[{attr}]]")
@@ -125,9 +130,12 @@ def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[i
 
 
 def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
-                     shared: bool, dtype: str, has_bias: bool, vec: int = 1) -> str:
+                     shared: bool, dtype: str, has_bias: bool, vec: int = 1,
+                     consts: Optional[str] = None, outputs: Sequence[str] = ("y",)) -> str:
     """The generated CUDA kernel, as MLX's cuda custom_kernel build_kernel writes it."""
-    source = _constants("cuda", bits, group_size, shared, dtype, vec) + source
+    if consts is None:
+        consts = _constants("cuda", bits, group_size, shared, dtype, vec)
+    source = consts + source
     in_types = {"w": CUDA_TYPES["uint8" if bits == 4 else "int8"], "scales": "float",
                 "x": CUDA_TYPES[dtype], "bias": CUDA_TYPES[dtype]}
     params = []
@@ -135,7 +143,7 @@ def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[in
         params.append(f"    const {in_types[name]}* {name}")
         if f"{name}_shape" in source:
             params.append(f"    const __grid_constant__ Shape {name}_shape")
-    params.append(f"    {CUDA_TYPES[dtype]}* y")
+    params += [f"    {CUDA_TYPES[dtype]}* {out}" for out in outputs]
     return ("namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
             f"__global__ void {fname}(\n" + ",\n".join(params) + ") {\n"
             + source + "\n}\n} // namespace mlx::core::cu\n")
@@ -152,7 +160,25 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
                  f"{'shared' if shared else 'device'}_{dtype}_v{vec}")
         build = metal_kernel_text if backend == "metal" else cuda_kernel_text
         parts.append(build(source, fname, bits, gs, shared, dtype, has_bias, vec))
+    # The matrix-unit body: every 16-bit dtype and group setting, one and three outputs.
+    import mlx.core as mx
+
+    for dtype, gs, splits in mma_variants():
+        _, mma_source = kernels.kernel_sources(backend, has_bias, directory, mma=True,
+                                               n_out=len(splits) + 1)
+        consts = kernels.constants_source(
+            backend, kernels.mma_constants(getattr(mx, dtype), gs, kernels.MMA_UNROLL, splits))
+        fname = (f"custom_kernel_gbx_mma_q4_{'row' if gs is None else gs}_{dtype}_"
+                 f"o{len(splits) + 1}")
+        build = metal_kernel_text if backend == "metal" else cuda_kernel_text
+        parts.append(build(mma_source, fname, 4, gs, False, dtype, has_bias, 1, consts,
+                           kernels.output_names(len(splits) + 1)))
     return "\n".join(parts)
+
+
+def mma_variants() -> List[Tuple[str, Optional[int], Tuple[int, ...]]]:
+    """(dtype, group_size, splits) of the matrix-unit kernels worth checking."""
+    return list(itertools.product(("float16", "bfloat16"), (None, 64), ((), (64, 128))))
 
 
 def find_clang(explicit: Optional[str]) -> Optional[str]:
@@ -196,7 +222,7 @@ def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = 
                 tag = "bias" if has_bias else "nobias"
                 text = translation_unit(backend, Path(directory), has_bias)
                 ok, log = compile_unit(clang, backend, text, Path(tmp), stub_dir, tag, nvcc)
-                n = sum(1 for v in variants() if v[4] == has_bias)
+                n = sum(1 for v in variants() if v[4] == has_bias) + len(mma_variants())
                 how = "nvcc sm_90" if backend == "cuda" and nvcc else "clang"
                 print(f"{'ok  ' if ok else 'FAIL'} {backend:5s} {tag:6s} ({n} kernels, {how})")
                 if not ok or verbose:

@@ -10,6 +10,6 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())' | tee -a "$out/gpu.txt"
 # The host emulation of the body runs wherever g++ is: on CPU CI, not here.
-python3 -m pytest tests/test_kernels_cuda.py tests/test_packed.py -q -rs -p no:cacheprovider \
+python3 -m pytest tests/test_kernels_cuda.py tests/test_packed.py tests/test_fused.py -q -rs -p no:cacheprovider \
   -k "not host_emulated" 2>&1 | tee "$out/cuda_tests.txt"
 python3 scripts/bench_kernels.py --out "$out/kernels.json" "$@" 2>&1 | tee "$out/bench.txt"

@@ -92,7 +92,8 @@ def test_launch_spec_names_every_parameter(bits):
     assert "using T = __nv_bfloat16;" in text and f"constexpr int BITS = {bits};" in text
     # Above the threadgroup-memory limit the device-memory variant is chosen.
     packed, scales, x, _ = make_case(9, 6272, bits, None, mx.float16, False)
-    spec = kernels.launch_spec("metal", x, packed, scales, None, bits=bits, group_size=None)
+    spec = kernels.launch_spec("metal", x, packed, scales, None, bits=bits, group_size=None,
+                               mma=False)
     assert "device" in spec["name"] and "nobias" in spec["name"] and "row" in spec["name"]
     assert dict(spec["constants"])["SHARED"] is False
     assert "using T = half;" in kernels.constants_source("metal", spec["constants"])
@@ -136,6 +137,48 @@ HOST_CONFIGS = [
     (8, 32, 4, 2, 4, False, mx.float16, False),
 ]
 
+# Matrix-unit body: (dtype, group_size, unroll, bias, splits); emulated lane by
+# lane as on Metal. Shapes need K % 64 == 0 (the dispatcher sends others to
+# the SIMT body): one iteration only, rows not a multiple of 16, K at the
+# threadgroup-memory limit.
+MMA_HOST_CONFIGS = [
+    (mx.bfloat16, None, 4, True, ()),
+    (mx.float16, None, 1, False, (5,)),
+    (mx.bfloat16, 64, 2, False, (3, 20)),
+    (mx.float16, 128, 4, True, ()),
+]
+MMA_SHAPES: List[Tuple[int, int]] = [(37, 1152), (9, 6272), (67, 576), (16, 64),
+                                     (41, kernels.MMA_MAX_K)]
+
+
+def _mma_host_kernels(first_case: int) -> Tuple[List[str], List[str]]:
+    """Host-emulated matrix-unit kernels, numbered from ``first_case``."""
+    parts, calls = [], []
+    d = kernels.source_dir()
+    for j, (dtype, gs, unroll, bias, splits) in enumerate(MMA_HOST_CONFIGS):
+        i = first_case + j
+        t = HOST_DTYPES[dtype]
+        params = ["const uint8_t* w", "Shape w_shape", "const float* scales", f"const {t}* x"]
+        params += [f"const {t}* bias"] if bias else []
+        params += [f"{t}* {name}" for name in kernels.output_names(len(splits) + 1)]
+        _, body = kernels.kernel_sources("cuda", bias, mma=True, n_out=len(splits) + 1)
+        body = body.replace(kernels._read(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
+        consts = "".join(f"  constexpr int OUT{k + 1} = {b};\n" for k, b in enumerate(splits))
+        parts.append(
+            f"void kernel_{i}({', '.join(params)}) {{\n"
+            f"  using T = {t};\n  constexpr int GS = {gs or 0};\n"
+            f"  constexpr int UNROLL = {unroll};\n{consts}{body}\n}}\n"
+        )
+        # The outputs are consecutive slices of one buffer: y1 starts at row OUT1.
+        args = "(const uint8_t*)w.data(), ws, (const float*)s.data(), (const X_T*)x.data(), "
+        args += "(const X_T*)b.data(), " if bias else ""
+        args += ", ".join(["(X_T*)y.data()"] + [f"(X_T*)y.data() + {b}" for b in splits])
+        args = args.replace("X_T", t)
+        calls.append(
+            f"    case {i}: gbx_emu_launch((O + 15) / 16, [&] {{ kernel_{i}({args}); }}); break;"
+        )
+    return parts, calls
+
 
 def _host_unit() -> str:
     d = kernels.source_dir()
@@ -168,6 +211,9 @@ def _host_unit() -> str:
         calls.append(
             f"    case {i}: gbx_emu_launch(n_groups_for({rows}), [&] {{ kernel_{i}({args}); }}); break;"
         )
+    mma_parts, mma_calls = _mma_host_kernels(len(HOST_CONFIGS))
+    parts += mma_parts
+    calls += mma_calls
     parts.append(
         """
 #include <cstdio>
@@ -267,6 +313,60 @@ def test_host_emulated_body_matches_reference(host_binary, tmp_path, config, sha
     assert_close_to_reference(y, packed, scales, x, bias, bits, gs)
 
 
+@pytest.mark.parametrize("config", range(len(MMA_HOST_CONFIGS)))
+@pytest.mark.parametrize("shape", MMA_SHAPES)
+def test_host_emulated_mma_body_matches_reference(host_binary, tmp_path, config, shape):
+    dtype, gs, _, with_bias, splits = MMA_HOST_CONFIGS[config]
+    out_features, in_features = shape
+    if gs is not None and in_features % gs:
+        pytest.skip(f"K={in_features} is not a multiple of group {gs}")
+    if splits and splits[-1] >= out_features:
+        pytest.skip("the output boundaries lie past the rows")
+    assert kernels.supports_mma(4, gs, in_features, out_features, dtype)
+    packed, scales, x, bias = make_case(out_features, in_features, 4, gs, dtype, with_bias,
+                                        seed=config)
+    for name, arr in (("w", packed), ("scales", scales), ("x", x), ("bias", bias)):
+        data = b"" if arr is None else bytes(memoryview(arr))
+        (tmp_path / f"{name}.bin").write_bytes(data)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.run(
+        [str(host_binary), str(len(HOST_CONFIGS) + config), str(out_features), str(in_features),
+         str(tmp_path), "2"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    raw = np.frombuffer((tmp_path / "y.bin").read_bytes(), dtype=np.uint16)
+    y = mx.array(raw).view(dtype)
+    assert_close_to_reference(y, packed, scales, x, bias, 4, gs)
+
+
+def test_mma_variant_is_chosen_where_it_applies():
+    assert kernels.supports_mma(4, None, 4096, 4096, mx.bfloat16)
+    assert kernels.supports_mma(4, 128, 14336, 4096, mx.float16)
+    assert not kernels.supports_mma(4, None, 4096, 4096, mx.float32)   # 16-bit inputs only
+    assert not kernels.supports_mma(8, None, 4096, 4096, mx.bfloat16)  # int4 only
+    assert not kernels.supports_mma(4, 32, 4096, 4096, mx.bfloat16)    # groups of 64k
+    assert not kernels.supports_mma(4, None, 4104, 64, mx.bfloat16)    # K % 64
+    assert not kernels.supports_mma(4, None, kernels.MMA_MAX_K + 64, 64, mx.bfloat16)
+    packed, scales, x, _ = make_case(37, 1152, 4, None, mx.bfloat16, False)
+    spec = kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None)
+    assert spec["mma"] and "mma" in spec["name"]
+    assert spec["grid"] == (-(-37 // 16) * 256, 1, 1)
+    assert [n for n, _ in spec["constants"]] == ["T", "GS", "UNROLL"]
+    split = kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+                                splits=(8, 30))
+    assert split["output_shapes"] == [(8,), (22,), (7,)] and split["n_out"] == 3
+    assert split["name"] != spec["name"]
+    assert dict(split["constants"])["OUT2"] == 30
+    for bad in ((0,), (30, 8), (37,), (1, 2, 3)):
+        with pytest.raises(ValueError, match="splits"):
+            kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+                                splits=bad)
+    simt = kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+                               mma=False)
+    assert not simt["mma"] and "mma" not in simt["name"]
+
+
 # -- the CUDA twin (only with a CUDA GPU) -----------------------------------------------------
 
 
@@ -320,3 +420,49 @@ def test_packed_linear_runs_the_cuda_twin(bits):
     assert y.shape == (1, 1, 33)
     assert_close_to_reference(y.reshape(-1), layer.weight, layer.scales, x.reshape(-1),
                               layer.bias, bits, None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", range(len(MMA_HOST_CONFIGS)))
+@pytest.mark.parametrize("shape", MMA_SHAPES)
+def test_cuda_mma_gemv_matches_reference(config, shape):
+    dtype, gs, unroll, with_bias, splits = MMA_HOST_CONFIGS[config]
+    out_features, in_features = shape
+    if gs is not None and in_features % gs:
+        pytest.skip(f"K={in_features} is not a multiple of group {gs}")
+    if splits and splits[-1] >= out_features:
+        pytest.skip("the output boundaries lie past the rows")
+    packed, scales, x, bias = make_case(out_features, in_features, 4, gs, dtype, with_bias,
+                                        seed=config)
+    y = kernels.gemv(x, packed, scales, bias, bits=4, group_size=gs, backend="cuda", mma=True,
+                     tuning=kernels.Tuning(kernels.MMA_ROWS, unroll), splits=splits)
+    if splits:
+        assert [t.shape[-1] for t in y] == [b - a for a, b in
+                                            zip((0,) + splits, splits + (out_features,))]
+        y = mx.concatenate(y, axis=-1)
+    assert y.shape == (out_features,) and y.dtype == dtype
+    assert_close_to_reference(y, packed, scales, x, bias, 4, gs)
+
+
+@needs_cuda
+def test_fused_members_match_separate_layers_on_cuda():
+    from mlx.utils import tree_unflatten
+
+    from gearbx_mlx.fused import FusedPackedLinear, fuse_plan
+
+    parent = nn.Module()
+    sizes = {"q_proj": 256, "k_proj": 64, "v_proj": 64}
+    for name, n in sizes.items():
+        lin = nn.Linear(576, n, bias=False)
+        lin.set_dtype(mx.bfloat16)
+        setattr(parent, name, PackedLinear.from_linear(lin, 4))
+    separate = {n: getattr(parent, n) for n in sizes}
+    x = mx.random.normal((1, 1, 576)).astype(mx.bfloat16)
+    want = {n: m(x) for n, m in separate.items()}
+    parent.update_modules(tree_unflatten(fuse_plan(parent)))
+    assert isinstance(parent.k_proj, FusedPackedLinear)
+    got = {n: getattr(parent, n)(x) for n in sizes}
+    for n in sizes:
+        assert got[n].shape == want[n].shape
+        # Same kernel body, same k order: the fused launch equals the separate ones.
+        assert mx.array_equal(got[n], want[n]), n

@@ -85,7 +85,8 @@ def test_built_wheel_ships_the_kernel_sources(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     code = ("from gearbx_mlx import kernels; d = kernels.source_dir(); "
             "assert str(d).startswith(%r), d; kernels.kernel_sources('metal', True); "
-            "kernels.kernel_sources('cuda', False); print(d)" % str(site))
+            "kernels.kernel_sources('cuda', False); kernels.kernel_sources('metal', False, mma=True); "
+            "print(d)" % str(site))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=tmp_path, env=dict(env, PYTHONPATH=str(site)), timeout=120)
     assert run.returncode == 0, run.stderr

@@ -72,7 +72,8 @@ class FakeKernel:
         assert output_shapes == [x.shape[:-1] + (w.shape[0],)]
         gs = t["GS"] or None
         self.calls.append({"name": self.name, "template": t, "x_shape": x.shape})
-        return [quant.reference_matmul(x, w, scales, bits=t["BITS"], group_size=gs,
+        # The matrix-unit kernel (no BITS constant) is int4 only.
+        return [quant.reference_matmul(x, w, scales, bits=t.get("BITS", 4), group_size=gs,
                                        in_features=x.shape[-1], bias=bias)]
 
 
@@ -88,8 +89,8 @@ def fake_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "_build",
-                        lambda backend, name, has_bias, consts: FakeKernel(name, has_bias, consts,
-                                                                           calls))
+                        lambda backend, name, has_bias, consts, mma=False, n_out=1:
+                        FakeKernel(name, has_bias, consts, calls))
     kernels.launcher.cache_clear()
     yield calls
     kernels.launcher.cache_clear()

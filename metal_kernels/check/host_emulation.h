@@ -115,3 +115,43 @@ void gbx_emu_launch(int n_groups, F kernel) {
   const int gbx_lane = gbx_tid & 31;            \
   const int gbx_warp = gbx_tid >> 5;            \
   const int gbx_group = gbx_emu_block;
+
+// -- matrix-unit variant (gemv_mma_body.inc), emulated as on Metal ------------
+#define GBX_THREAD
+typedef float2 gbx_apair;
+
+template <typename T>
+inline gbx_apair gbx_i4_pair(unsigned int u) {
+  return float2{float(u & 0xFu) - 8.0f, float((u >> 16) & 0xFu) - 8.0f};
+}
+
+template <typename T>
+inline float2 gbx_x_pair(unsigned int u);
+template <>
+inline float2 gbx_x_pair<gbx_half_t>(unsigned int u) {
+  return gbx_half2_bits_to_float2(u);
+}
+template <>
+inline float2 gbx_x_pair<gbx_bfloat_t>(unsigned int u) {
+  return float2{gbx_emu_as_float(u << 16), gbx_emu_as_float(u & 0xFFFF0000u)};
+}
+
+template <typename T>
+inline void gbx_mma(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0, unsigned int b1) {
+  const float2 x0 = gbx_x_pair<T>(b0);
+  const float2 x1 = gbx_x_pair<T>(b1);
+  c[0] += a[0].x * x0.x + a[0].y * x0.y + a[2].x * x1.x + a[2].y * x1.y;
+  c[2] += a[1].x * x0.x + a[1].y * x0.y + a[3].x * x1.x + a[3].y * x1.y;
+}
+
+// Sum over the four lanes of a row, through the warp's rendezvous slots.
+inline float gbx_quad_sum(float v) {
+  const int warp = gbx_emu_tid >> 5;
+  gbx_emu_group->slots[gbx_emu_tid] = v;
+  gbx_emu_group->warp[warp]->arrive_and_wait();
+  const int q = gbx_emu_tid & ~3;
+  float s = 0.0f;
+  for (int i = 0; i < 4; ++i) s += gbx_emu_group->slots[q + i];
+  gbx_emu_group->warp[warp]->arrive_and_wait();
+  return s;
+}

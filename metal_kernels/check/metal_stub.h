@@ -20,6 +20,7 @@ typedef int int32_t;
 typedef unsigned long uint64_t;
 typedef long int64_t;
 typedef unsigned int uint;
+typedef unsigned short ushort;
 
 struct uint2 { uint x, y; };
 struct uint3 { uint x, y, z; };
@@ -60,5 +61,6 @@ namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup, mem_texture };
 void threadgroup_barrier(mem_flags flags);
 float simd_sum(float v);
+float simd_shuffle_xor(float v, ushort lane_mask);
 }  // namespace metal
 using namespace metal;
