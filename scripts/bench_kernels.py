@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gearbx_mlx import kernels, quant  # noqa: E402
+from gearbx_mlx.fused import fuse_plan  # noqa: E402
 from gearbx_mlx.packed import PackedEmbedding, PackedLinear, backend_for  # noqa: E402
 
 SHAPES: List[Tuple[int, int]] = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
@@ -123,11 +124,19 @@ def bench_bandwidth(quick: bool) -> Dict[str, float]:
 # -- weights of each format ----------------------------------------------------------------
 
 
+def packed_format(fmt: str) -> Tuple[int, Optional[int], Optional[bool]]:
+    """``packed_<bits>_<row|gN>[_simt|_mma]`` -> (bits, group size, mma: None = dispatch)."""
+    parts = fmt.split("_")
+    bits = int(parts[1])
+    gs = None if parts[2] == "row" else int(parts[2][1:])
+    mma = {"simt": False, "mma": True}.get(parts[3]) if len(parts) > 3 else None
+    return bits, gs, mma
+
+
 def random_weights(fmt: str, out_features: int, in_features: int) -> Tuple[tuple, int]:
     """One copy of random weights in ``fmt`` and the bytes a product reads."""
     if fmt.startswith("packed"):
-        bits = int(fmt[7])
-        gs = None if fmt.endswith("row") else int(fmt.split("g")[-1])
+        bits, gs, _ = packed_format(fmt)
         shape = quant.packed_shape(out_features, in_features, bits)
         if bits == 4:
             w = mx.random.randint(0, 256, shape).astype(mx.uint8)
@@ -147,7 +156,8 @@ def random_weights(fmt: str, out_features: int, in_features: int) -> Tuple[tuple
 def product(fmt: str, x: mx.array, weights: tuple, tuning=None, shared=None) -> mx.array:
     if fmt.startswith("packed"):
         w, s, bits, gs = weights
-        return kernels.gemv(x, w, s, bits=bits, group_size=gs, tuning=tuning, shared=shared)
+        return kernels.gemv(x, w, s, bits=bits, group_size=gs, tuning=tuning, shared=shared,
+                            mma=packed_format(fmt)[2])
     if fmt.startswith("mlx"):
         wq, scales, biases, bits = weights
         return mx.quantized_matmul(x[None], wq, scales, biases, transpose=True,
@@ -163,7 +173,19 @@ def check_packed(fmt: str, x: mx.array, weights: tuple, tuning=None, shared=None
     return (mx.max(mx.abs(y - ref)) / mx.maximum(mx.max(mx.abs(ref)), 1e-30)).item()
 
 
+def time_null(shape: Tuple[int, int]) -> Dict[str, float]:
+    """The harness's floor: products that launch a kernel but read no weights."""
+    out_features, in_features = shape
+    x = mx.random.normal((in_features,)).astype(ACT_DTYPE)
+    null = NullKernel((out_features,))
+    n = MIN_PRODUCTS * 2
+    t = time_graph(lambda: [null(x)[0] for _ in range(n)])
+    return {"us": t / n * 1e6, "bytes": 0}
+
+
 def time_format(fmt: str, shape: Tuple[int, int], tuning=None, shared=None) -> Dict[str, float]:
+    if fmt == "null":
+        return time_null(shape)
     out_features, in_features = shape
     x = mx.random.normal((in_features,)).astype(ACT_DTYPE)
     first, per_copy = random_weights(fmt, out_features, in_features)
@@ -194,7 +216,7 @@ def bench_sweep(quick: bool) -> Dict[str, object]:
                                          (2, 2, 4), (4, 1, 4), (4, 2, 4))]
     result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": {}}
     for bits in (4, 8):
-        fmt = f"packed_{bits}_row"
+        fmt = f"packed_{bits}_row_simt"
         scores = {}
         for t in grid:
             us = [time_format(fmt, s, t)["us"] for s in shapes]
@@ -215,6 +237,24 @@ def bench_sweep(quick: bool) -> Dict[str, object]:
                                        "us": [us]})
                 print(f"  variant int{bits} {shape} {'shared' if shared else 'device'}: "
                       f"{us:.1f} us", flush=True)
+    return result
+
+
+def bench_mma_sweep(quick: bool) -> Dict[str, object]:
+    """Iterations in flight per SIMD group of the matrix-unit int4 kernel."""
+    shapes = [(8192, 8192), (14336, 4096), (4096, 14336)] if not quick else [(1024, 1024)]
+    result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": None}
+    scores = {}
+    for unroll in (1, 2, 4, 8):
+        t = kernels.Tuning(kernels.MMA_ROWS, unroll, 1)
+        us = [time_format("packed_4_row_mma", s, t)["us"] for s in shapes]
+        result["runs"].append({"unroll": unroll, "us": us})
+        scores[unroll] = math.exp(sum(math.log(u) for u in us) / len(us))
+        print(f"  mma sweep unroll={unroll}: " + ", ".join(f"{u:.1f}" for u in us) + " us",
+              flush=True)
+    best = min(scores, key=scores.get)
+    kernels.MMA_UNROLL = best
+    result["best"] = best
     return result
 
 
@@ -239,6 +279,7 @@ def bench_dispatch(n_layers: int = 200, dim: int = 256) -> Dict[str, Dict[str, f
         "packed_4_row": [PackedLinear.from_linear(m, 4) for m in linears],
     }
     mx.eval([m.parameters() for ms in layers.values() for m in ms])
+    layers["null_kernel"] = [NullLinear(NullGroup((dim,)), 0) for _ in range(n_layers)]
     x = mx.random.normal((1, 1, dim)).astype(mx.bfloat16)
     out = {}
     for name, ms in layers.items():
@@ -264,7 +305,8 @@ def bench_dispatch(n_layers: int = 200, dim: int = 256) -> Dict[str, Dict[str, f
 
 # -- 3. GEMV table ---------------------------------------------------------------------------
 
-FORMATS = ["packed_4_row", "packed_4_g64", "packed_8_row", "mlx_4_g64", "mlx_8_g64", "fp16"]
+FORMATS = ["packed_4_row", "packed_4_g64", "packed_4_row_simt", "packed_8_row", "mlx_4_g64",
+           "mlx_8_g64", "fp16", "null"]
 
 
 def bench_gemv(shapes, copy_GBps: float) -> List[Dict[str, object]]:
@@ -278,7 +320,7 @@ def bench_gemv(shapes, copy_GBps: float) -> List[Dict[str, object]]:
                 timed[fmt] = {"error": f"{type(e).__name__}: {e}"}
         for fmt, r in timed.items():
             entry = {"shape": list(shape), "format": fmt, **r}
-            if "us" in r:
+            if "us" in r and fmt != "null":
                 entry["frac_copy_bw"] = r["GBps"] / copy_GBps
                 for ref in ("mlx_4_g64", "mlx_8_g64", "fp16"):
                     if "us" in timed.get(ref, {}):
@@ -295,6 +337,9 @@ def print_gemv(rows):
         if "error" in r:
             print(f"{shape:>13} {r['format']:>13}  ERROR {r['error'][:80]}")
             continue
+        if r["format"] == "null":
+            print(f"{shape:>13} {'null':>13} {r['us']:8.1f}   (a launch that reads no weights)")
+            continue
         print(f"{shape:>13} {r['format']:>13} {r['us']:8.1f} {r['GBps']:7.0f} "
               f"{100 * r['frac_copy_bw']:5.0f}% "
               + " ".join(f"{r.get(k, float('nan')):8.2f}"
@@ -303,6 +348,95 @@ def print_gemv(rows):
 
 
 # -- 4. decode -------------------------------------------------------------------------------------
+
+
+class NullKernel:
+    """A kernel launch that does no real work: every output element copies x[0].
+
+    A measuring instrument: decoding with every linear layer replaced by one
+    of these gives the tokens/s the rest of the model and the host's cost per
+    launch allow, whatever the product kernel.
+    """
+
+    def __init__(self, out_dims: Tuple[int, ...]) -> None:
+        self.out_dims = tuple(out_dims)
+        names = [f"y{i}" for i in range(len(out_dims))]
+        if kernels.gpu_backend() == "metal":
+            index = "const uint i = thread_position_in_grid.x;\n"
+        else:
+            index = "const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        body = "".join(f"if (i < y{j}_size) y{j}[i] = x[0];\n" for j in range(len(out_dims)))
+        body = body.replace("_size", "_n")
+        consts = "".join(f"const int y{j}_n = N{j};\n" for j in range(len(out_dims)))
+        self._names, self._index, self._body, self._consts = names, index, body, consts
+        self._kernels: Dict[int, Callable] = {}
+
+    def _kernel(self, lead: int) -> Callable:
+        k = self._kernels.get(lead)
+        if k is None:
+            src = self._index + "".join(
+                f"const int N{j} = {lead * d};\n" for j, d in enumerate(self.out_dims))
+            src += self._consts + self._body
+            make = mx.fast.metal_kernel if kernels.gpu_backend() == "metal" else mx.fast.cuda_kernel
+            k = make(name=f"gbx_null_{lead}_{'_'.join(map(str, self.out_dims))}",
+                     input_names=["x"], output_names=self._names, source=src)
+            self._kernels[lead] = k
+        return k
+
+    def __call__(self, x: mx.array) -> List[mx.array]:
+        lead = x.size // x.shape[-1]
+        n = lead * max(self.out_dims)
+        return self._kernel(lead)(
+            inputs=[x], grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+            output_shapes=[x.shape[:-1] + (d,) for d in self.out_dims],
+            output_dtypes=[x.dtype] * len(self.out_dims))
+
+
+class NullLinear(nn.Module):
+    """A linear layer's shape without its product (see :class:`NullKernel`).
+
+    Members of one group (``group``, ``index``) share a launch per input array,
+    as :class:`gearbx_mlx.fused.FusedPackedLinear` members do.
+    """
+
+    def __init__(self, group: "NullGroup", index: int) -> None:
+        super().__init__()
+        self._group, self._index = group, index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._group(x)[self._index]
+
+
+class NullGroup:
+    def __init__(self, out_dims: Tuple[int, ...]) -> None:
+        self.kernel = NullKernel(out_dims)
+        self._x: Optional[mx.array] = None
+        self._outs: List[mx.array] = []
+
+    def __call__(self, x: mx.array) -> List[mx.array]:
+        if x is not self._x:
+            self._outs, self._x = self.kernel(x), x
+        return self._outs
+
+
+def null_plan(model, fused: bool) -> List[Tuple[str, nn.Module]]:
+    """Every Linear replaced by a null launch; q/k/v and gate/up sharing one if ``fused``."""
+    from gearbx_mlx.fused import FUSE_SETS
+
+    plan, done = [], set()
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for names in (FUSE_SETS if fused else ()):
+            layers = [getattr(module, n, None) for n in names]
+            if all(isinstance(m, nn.Linear) for m in layers):
+                group = NullGroup(tuple(m.weight.shape[0] for m in layers))
+                for i, n in enumerate(names):
+                    plan.append((prefix + n, NullLinear(group, i)))
+                    done.add(prefix + n)
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Linear) and path not in done:
+            plan.append((path, NullLinear(NullGroup((m.weight.shape[0],)), 0)))
+    return plan
 
 
 def import_llama():
@@ -383,9 +517,11 @@ def swap_plan(model, variant: str) -> List[Tuple[str, nn.Module]]:
     """Quantized replacements of every Linear (and a tied embedding) for ``variant``."""
     if variant == "bf16":
         return []
+    if variant.startswith("null"):
+        return null_plan(model, variant.endswith("fused"))
     kind, bits = variant.split("-")[0], int(variant.split("-")[1])
     gs = None
-    if kind == "packed" and variant.endswith("g64"):
+    if kind == "packed" and "g64" in variant:
         gs = 64
     tied = getattr(model.args, "tie_word_embeddings", False)
     plan = []
@@ -403,7 +539,9 @@ def swap_plan(model, variant: str) -> List[Tuple[str, nn.Module]]:
     return plan
 
 
-def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128):
+def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3):
+    """Decode tok/s of each variant: ``rounds`` passes over the variants, interleaved,
+    so that a shared machine's drift falls on all of them alike; the median is reported."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     model = build_model(kind)
@@ -411,43 +549,61 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128):
                  if isinstance(m, (nn.Linear, nn.Embedding))]
     vocab = MODEL_SHAPES[kind]["vocab_size"]
     prompt = mx.random.randint(0, vocab, (prompt_len,))
-    results = []
+    entries: Dict[str, Dict[str, object]] = {
+        v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
-    for variant in variants:
-        entry: Dict[str, object] = {"model": kind, "variant": variant}
-        try:
-            t0 = time.perf_counter()
-            plan = swap_plan(model, variant)
-            entry["quantize_s"] = time.perf_counter() - t0
-            if plan:
-                model.update_modules(tree_unflatten(plan))
-            entry["weight_GB"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
-            probe = mx.zeros((1, 1, model.args.hidden_size), dtype=mx.bfloat16)
-            sample = next((m for _, m in model.named_modules() if isinstance(m, PackedLinear)), None)
-            entry["packed_path"] = sample.backend_for(probe) if sample is not None else None
-            greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
-            runs = [greedy_decode(model, prompt, n_tokens) for _ in range(2)]
-            tokens, prefill_s, tps = max(runs, key=lambda r: r[2])
-            entry.update(tok_per_s=tps, prefill_s=prefill_s, n_tokens=len(tokens))
-            if reference_tokens is None:
-                reference_tokens = tokens
-            entry["same_tokens_as_first_variant"] = sum(
-                a == b for a, b in zip(tokens, reference_tokens)) / len(tokens)
-        except Exception as e:
-            entry["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        finally:
-            model.update_modules(tree_unflatten(originals))
-            plan = None
-            mx.clear_cache()
-        print(f"  decode {kind:13s} {variant:16s} "
-              + (f"{entry['tok_per_s']:7.1f} tok/s  ({entry['weight_GB']:.2f} GB, "
-                 f"path {entry['packed_path']})" if "tok_per_s" in entry else entry.get("error", "")),
-              flush=True)
-        results.append(entry)
+    for r in range(rounds):
+        for variant in variants:
+            entry = entries[variant]
+            try:
+                t0 = time.perf_counter()
+                plan = swap_plan(model, variant)
+                entry["quantize_s"] = time.perf_counter() - t0
+                if plan:
+                    model.update_modules(tree_unflatten(plan))
+                if variant.startswith("packed") and variant.endswith("fused"):
+                    fusion = fuse_plan(model)
+                    entry["fused_layers"] = len(fusion)
+                    model.update_modules(tree_unflatten(fusion))
+                    fusion = None
+                entry["weight_GB"] = sum(
+                    v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+                probe = mx.zeros((1, 1, model.args.hidden_size), dtype=mx.bfloat16)
+                sample = next((m for _, m in model.named_modules()
+                               if isinstance(m, PackedLinear)), None)
+                entry["packed_path"] = sample.backend_for(probe) if sample is not None else None
+                if sample is not None and entry["packed_path"] in ("cuda", "metal"):
+                    entry["mma"] = kernels.supports_mma(sample.bits, sample.group_size,
+                                                        sample.in_features, sample.out_features,
+                                                        mx.bfloat16)
+                greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
+                tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
+                entry["rounds_tok_per_s"].append(tps)
+                entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
+                if reference_tokens is None:
+                    reference_tokens = tokens
+                entry["same_tokens_as_first_variant"] = sum(
+                    a == b for a, b in zip(tokens, reference_tokens)) / len(tokens)
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            finally:
+                model.update_modules(tree_unflatten(originals))
+                plan = None
+                mx.clear_cache()
+            if r == rounds - 1:
+                runs = entry["rounds_tok_per_s"]
+                if runs:
+                    entry["tok_per_s"] = statistics.median(runs)
+                print(f"  decode {kind:13s} {variant:18s} "
+                      + (f"{entry['tok_per_s']:7.1f} tok/s median of "
+                         + "/".join(f"{t:.0f}" for t in runs)
+                         + f"  ({entry['weight_GB']:.2f} GB, path {entry['packed_path']})"
+                         if "tok_per_s" in entry else entry.get("error", "")),
+                      flush=True)
     del model
     mx.clear_cache()
-    return results
+    return list(entries.values())
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -460,6 +616,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="decode variants (default: all; see swap_plan)")
+    ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODEL_SHAPES),
+                    help="decode model shapes (default: both)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved decode passes (median)")
     args = ap.parse_args(argv)
 
     if kernels.gpu_backend() is None:
@@ -494,8 +655,15 @@ def main(argv=None) -> int:
             report["sweep"] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         save()
+    try:
+        report["mma_sweep"] = bench_mma_sweep(args.quick)
+    except Exception as e:
+        report["mma_sweep"] = {"error": f"{type(e).__name__}: {e}"}
+        traceback.print_exc()
+    save()
     report["tuning"] = {b: {"rows": t.rows, "unroll": t.unroll, "vec": t.vec}
                         for b, t in kernels.TUNING.items()}
+    report["tuning"]["mma"] = {"rows": kernels.MMA_ROWS, "unroll": kernels.MMA_UNROLL}
     try:
         report["dispatch"] = bench_dispatch()
     except Exception as e:
@@ -507,10 +675,14 @@ def main(argv=None) -> int:
     print_gemv(report["gemv"])
     save()
     if not args.skip_decode:
-        variants = ["bf16", "mlx-4", "mlx-8", "packed-4", "packed-8", "packed-4-g64"]
+        variants = args.variants or [
+            "bf16", "mlx-4", "mlx-8", "packed-4", "packed-4-fused", "packed-8", "packed-4-g64",
+            "packed-4-g64-fused", "null", "null-fused"]
         report["decode"] = []
-        for kind in (["smollm2-135m"] if args.quick else ["llama3-8b", "smollm2-135m"]):
-            report["decode"] += bench_decode(kind, variants, n_tokens=32 if args.quick else 128)
+        kinds = args.models or (["smollm2-135m"] if args.quick else ["llama3-8b", "smollm2-135m"])
+        for kind in kinds:
+            report["decode"] += bench_decode(kind, variants, n_tokens=32 if args.quick else 128,
+                                             rounds=args.rounds)
             save()
     print(f"wrote {out}")
     return 0
