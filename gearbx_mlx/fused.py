@@ -124,19 +124,36 @@ def fusable(layers: Sequence[nn.Module]) -> bool:
                                          total, mx.bfloat16)
 
 
+def fuse_modules(modules: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
+    """``modules`` (path -> layer) with every fusable sibling set made fused members.
+
+    Siblings are paths ``parent.q_proj``, ``parent.k_proj``, ... of one
+    :data:`FUSE_SETS` entry, all present and :func:`fusable`; every other
+    entry is returned as it is. The precision manager calls this on a packed
+    gear's layers.
+    """
+    out = dict(modules)
+    parents = {p.rsplit(".", 1)[0] if "." in p else "" for p in modules}
+    for parent in sorted(parents):
+        prefix = f"{parent}." if parent else ""
+        for names in FUSE_SETS:
+            paths = [prefix + n for n in names]
+            layers = [modules.get(p) for p in paths]
+            if any(m is None for m in layers) or not fusable(layers):
+                continue
+            group = _Group(layers)
+            for i, path in enumerate(paths):
+                out[path] = FusedPackedLinear(group, i)
+    return out
+
+
 def fuse_plan(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """``(path, FusedPackedLinear)`` for every fusable sibling set of ``model``.
 
     Pass the list to ``model.update_modules(tree_unflatten(plan))``. Layers
     that are not :class:`PackedLinear` (or not alike) are left alone.
     """
-    plan: List[Tuple[str, nn.Module]] = []
-    for path, module in model.named_modules():
-        for names in FUSE_SETS:
-            layers = [getattr(module, n, None) for n in names]
-            if any(m is None for m in layers) or not fusable(layers):
-                continue
-            group = _Group(layers)
-            prefix = f"{path}." if path else ""
-            plan += [(prefix + n, FusedPackedLinear(group, i)) for i, n in enumerate(names)]
-    return plan
+    names = {n for names in FUSE_SETS for n in names}
+    candidates = {p: m for p, m in model.named_modules() if p.rsplit(".", 1)[-1] in names}
+    fused = fuse_modules(candidates)
+    return [(p, m) for p, m in fused.items() if m is not candidates[p]]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from gearbx_mlx import kernels, quant
+from gearbx_mlx import fused, kernels, quant
 from gearbx_mlx.fused import FusedPackedLinear, fuse_plan, fusable
 from gearbx_mlx.packed import PackedLinear
 
@@ -117,3 +117,19 @@ def test_siblings_share_one_launch_per_input(monkeypatch):
     xs = mx.concatenate([x, x2], axis=1)
     y = parent.k_proj(xs)
     assert fake.calls == 2 and y.shape == (1, 2, 32)
+
+
+def test_fuse_modules_works_on_a_gear_dict():
+    """The precision manager's form: path -> layer, siblings found by path."""
+    model = packed_model(4, 64)
+    gear = {p: m for p, m in model.named_modules() if isinstance(m, PackedLinear)}
+    out = fused.fuse_modules(gear)
+    assert out.keys() == gear.keys()
+    kinds = {p.rsplit(".", 1)[-1]: type(m).__name__ for p, m in out.items()}
+    assert kinds["q_proj"] == kinds["up_proj"] == "FusedPackedLinear"
+    assert kinds["o_proj"] == kinds["down_proj"] == "PackedLinear"
+    # A sibling missing from the dict (not managed) leaves its set unfused.
+    del gear["model.layers.0.self_attn.v_proj"]
+    out = fused.fuse_modules(gear)
+    assert type(out["model.layers.0.self_attn.q_proj"]) is PackedLinear
+    assert type(out["model.layers.1.self_attn.q_proj"]) is FusedPackedLinear
