@@ -83,7 +83,8 @@ def machine() -> Dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "mlx": version("mlx"), "mlx_lm": version("mlx-lm"), "device": str(mx.default_device()),
             "ld_preload": os.environ.get("LD_PRELOAD", ""),
-            "MLX_CUDA_USE_CUDNN_SDPA": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "")}
+            "MLX_CUDA_USE_CUDNN_SDPA": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", ""),
+            "loadavg_start": list(os.getloadavg())}
     try:
         info["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, str, float))}
     except Exception:  # older MLX or no GPU
@@ -181,8 +182,8 @@ def step_costs(model: Any, drafts: Dict[str, Any], ids: Sequence[int], ks: Seque
 
     def cost(m: Any, n_in: int) -> Dict[str, float]:
         cache = make_prompt_cache(m)
-        m(mx.array(ids)[None], cache=cache)
-        mx.eval([c.keys for c in cache])
+        mx.eval(m(mx.array(ids)[None], cache=cache))
+        mx.eval([c.state for c in cache])
         x = mx.array((list(ids) * 8)[:n_in])[None]
         ts = []
         for _ in range(reps + 1):
@@ -327,12 +328,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cal = result["calibration"][gear]
             r.update(stop_bits=cfg_stop(label, args, cal), max_draft=args.max_draft or cal["max_draft"],
                      replayed_speedup=cal.get("replayed_speedup"))
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    result["draft_forward"] = {g: "host (numpy + C GEMV)" if getattr(d, "host", None) else "mlx"
+                               for g, d in drafts.items()}
+    result["target"] = target_check(result)
     print_table(result)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     log(f"wrote {out_path}")
     plot(result, Path(args.plot) if args.plot else out_path.with_suffix(".png"))
     return 0
+
+
+def target_check(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Issue 7's target per drafter: where its gear alone is >= 2x the high gear,
+    the gated run must be >= 1.5x the high gear and faster than every fixed k."""
+    out: Dict[str, Any] = {}
+    rows = result["rows"]
+    for g in ("low", "mid"):
+        alone = next((r for r in rows if r["label"] == f"{g} alone"), None)
+        gated = next((r for r in rows if r["gear"] == g and "gated" in r["label"]), None)
+        fixed = [r for r in rows if r["gear"] == g and r["k"]]
+        if alone is None or gated is None:
+            continue
+        best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
+        applies = alone["speedup"] >= 2.0
+        out[g] = {"gear_alone_speedup": alone["speedup"], "applies": applies,
+                  "gated_speedup": gated["speedup"],
+                  "best_fixed": best["label"] if best else None,
+                  "best_fixed_speedup": best["speedup"] if best else None,
+                  "met": (not applies) or (gated["speedup"] >= 1.5
+                                           and (best is None or gated["speedup"] > best["speedup"]))}
+    return out
 
 
 def _interp(pts: Sequence[Any], x: float) -> float:
@@ -365,6 +392,10 @@ def print_table(result: Dict[str, Any]) -> None:
         print(f"{r['label']:<28} {r['tokens_per_second']:8.2f} {r['speedup']:7.2f} "
               + " ".join((fmt(r, "acceptance_rate", 7), fmt(r, "mean_accepted_length", 7),
                           fmt(r, "modeled_speedup", 6), fmt(r, "modeled_speedup_verify", 7))))
+    for g, t in result.get("target", {}).items():
+        print(f"target ({g}): gear alone {t['gear_alone_speedup']:.2f}x (applies: {t['applies']}), gated "
+              f"{t['gated_speedup']:.2f}x, best fixed {t['best_fixed']} {t['best_fixed_speedup']:.2f}x -> "
+              f"{'met' if t['met'] else 'NOT met'}")
 
 
 def plot(result: Dict[str, Any], path: Path) -> None:

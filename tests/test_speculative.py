@@ -389,3 +389,162 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
     assert t.header["policy"] == "speculative" and t.summary["generation_tokens"] == len(t.tokens)
     assert all(r["verified_by"] == "high" and r["drafted"] <= 3 for r in t.tokens)
     assert sum(r["accepted"] for r in t.tokens) == t.summary["accepted"]
+
+
+# -- the host drafter (numpy around the packed C kernels, CPU) -----------------------
+
+
+def _host_or_skip(model, gb, gear="low", **kw):
+    from gearbx_mlx import cpu
+
+    if mx.default_device() != mx.cpu or not cpu.available():
+        pytest.skip("the host drafter needs the CPU device and the C kernels")
+    d = build_draft(model, gb, gear, **kw)
+    assert d.host is not None
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_host():
+    m = chaotic_llama()
+    gb = Gearbox(m, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB)
+    return m, gb, _host_or_skip(m, gb)
+
+
+@pytest.mark.parametrize("scope", ["all", "attention"])
+def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
+    """Same logits as the drafter's MLX tree, one token at a time, with the
+    float-activation GEMV (the int8-activation one rounds chaotically apart)."""
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from gearbx_mlx import packed
+
+    monkeypatch.setattr(packed, "CPU_GEMV_PATH", "float")
+    m = make_tiny_llama(vocab=VOCAB, hidden=64, seed=3)
+    gb = Gearbox(m, GearboxConfig(scope=scope, kernel="packed"), vocab_size=VOCAB)
+    d = _host_or_skip(m, gb)
+    hc, mc = d.make_cache(), [KVCache() for _ in d.module.layers]
+    seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    for t in seq:
+        a = np.asarray(d(mx.array([[t]]), cache=hc))[0, -1]
+        b = np.asarray(d(mx.array([[t]]), cache=mc))[0, -1]
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    many = np.asarray(d(mx.array([seq]), cache=d.make_cache()))[0, -1]  # multi-token call
+    np.testing.assert_allclose(many, a, atol=1e-5, rtol=1e-5)
+    assert all(c.offset == len(seq) for c in hc)
+    # A long input goes through the MLX tree once; the host cache continues from it.
+    from gearbx_mlx import draft as draft_mod
+
+    monkeypatch.setattr(draft_mod, "HOST_PREFILL_MAX", 4)
+    pc = d.make_cache()
+    d(mx.array([seq[:6]]), cache=pc)
+    assert all(c.offset == 6 for c in pc)
+    for t in seq[6:]:
+        last = np.asarray(d(mx.array([[t]]), cache=pc))[0, -1]
+    np.testing.assert_allclose(last, a, atol=1e-3, rtol=1e-3)
+    np.testing.assert_allclose(pc[1].keys[:, :8], hc[1].keys[:, :8], atol=1e-4, rtol=1e-4)
+
+
+def test_host_cache_grows_and_trims(monkeypatch, tiny_host):
+    import numpy as np
+
+    from gearbx_mlx.draft import HostKVCache
+
+    monkeypatch.setattr(HostKVCache, "step", 4)
+    _, _, d = tiny_host
+    seq = list(range(1, 12))
+    grown = d.make_cache()
+    full = np.asarray(d(mx.array([seq]), cache=grown))
+    assert grown[0].keys.shape[1] == 12 and grown[0].offset == 11
+    assert grown[0].trim(3) == 3 and grown[0].offset == 8
+    for c in grown[1:]:
+        c.trim(3)
+    again = np.asarray(d(mx.array([seq[8:]]), cache=grown))
+    np.testing.assert_array_equal(again[0], full[0, 8:])
+    with pytest.raises(ValueError, match="host"):  # a drafter without the host forward
+        build_draft(*tiny_host[:2], "low", host=False)(mx.array([[1]]), cache=grown)
+
+
+@pytest.mark.parametrize("config", [
+    SpeculativeConfig(max_draft=1),
+    SpeculativeConfig(max_draft=3),
+    SpeculativeConfig(max_draft=6, draft_entropy_stop=1.5),
+    SpeculativeConfig(max_draft=4, draft_entropy_stop=0.0),
+    SpeculativeConfig(max_draft=4, hard_max_draft=0, draft_entropy_stop=3.0),
+], ids=["k1", "k3", "k6-stop", "stop-all", "hard-cap-0"])
+def test_greedy_output_is_the_high_gears_with_the_host_drafter(tiny_host, config):
+    model, gb, draft = tiny_host
+    want = greedy_reference(model, PROMPT, 40)
+    stats = SpeculativeStats()
+    monitor = EntropyMonitor(VOCAB, gb.config, (0.5, 1.0))
+    got = run(model, draft, config, 40, monitor=monitor, stats=stats, single_token_drafts=True)
+    assert got == want
+    assert 0 < stats.accepted < stats.drafted
+    if config.draft_entropy_stop == 0.0:
+        assert all(b.drafted <= 1 for b in stats.blocks)
+
+
+def test_host_drafter_cache_is_rolled_back(tiny_host):
+    """The drafter's host cache after a run equals a fresh one fed the kept tokens."""
+    import numpy as np
+
+    model, _, draft = tiny_host
+    n = 23
+    dcache = make_prompt_cache(draft)
+    got = run(model, draft, SpeculativeConfig(max_draft=4), n, draft_cache=dcache)
+    kept = dcache[0].offset
+    assert kept <= len(PROMPT) + n - 1 and all(c.offset == kept for c in dcache)
+    fresh = make_prompt_cache(draft)
+    draft(mx.array([(PROMPT + got)[:kept]]), cache=fresh)
+    for a, b in zip(dcache, fresh):
+        np.testing.assert_array_equal(a.keys[:, :kept], b.keys[:, :kept])
+        np.testing.assert_array_equal(a.values[:, :kept], b.values[:, :kept])
+
+
+def test_sampling_through_a_host_cache(tiny_host):
+    """temp > 0 drafts through the MLX loop, on the host cache; tokens stay in the vocabulary."""
+    model, _, draft = tiny_host
+    mx.random.seed(0)
+    got = run(model, draft, SpeculativeConfig(max_draft=3), 12, log_dist=make_log_dist(1.0),
+              single_token_drafts=True)
+    assert len(got) == 12 and all(0 <= t < VOCAB for t in got)
+
+
+def test_numpy_entropy_matches_entropy_bits():
+    import numpy as np
+
+    from gearbx_mlx.entropy import entropy_bits
+    from gearbx_mlx.speculative import entropy_bits_np
+
+    rng = np.random.default_rng(0)
+    for scale in (0.1, 3.0, 30.0):
+        z = (rng.standard_normal(1000) * scale).astype(np.float32)
+        assert entropy_bits_np(z) == pytest.approx(entropy_bits(mx.array(z)).item(), abs=1e-4)
+    z[3] = np.inf
+    assert 0.0 <= entropy_bits_np(z) <= math.log2(z.size)
+
+
+@pytest.mark.slow
+def test_greedy_identical_on_the_default_model_with_the_host_drafter(default_model):
+    from gearbx_mlx.calibration import _encode
+
+    model, tok, _ = default_model
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="packed"))
+    draft = _host_or_skip(model, gb)
+    prompts = ["Write the days of the week in order, separated by commas.",
+               "Prove that the square root of 2 is irrational, step by step.",
+               "Explain what a hash table is to a child.",
+               "Translate 'good morning' into Spanish and German."]
+    configs = [SpeculativeConfig(max_draft=4), SpeculativeConfig(max_draft=6, draft_entropy_stop=2.0)]
+    accepted = 0
+    for i, text in enumerate(prompts):
+        ids = _encode(tok, text)
+        want = greedy_reference(model, ids, 32)
+        got = []
+        for r in stream_speculative_generate(model, tok, ids, gb, config=configs[i % 2], draft=draft,
+                                             max_tokens=32):
+            got.append(r.token)
+            accepted += r.accepted
+        assert got == want[: len(got)], text
+    assert accepted > 0
