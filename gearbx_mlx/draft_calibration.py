@@ -135,30 +135,24 @@ def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
     return (rank_sum - pos * (pos + 1) / 2) / (pos * neg)
 
 
-def replay_speedup(
-    agree: Sequence[bool],
-    draft_entropy: Sequence[float],
-    cost: float,
-    max_draft: int,
-    stop: Optional[float] = None,
-    verify_cost: Optional[Sequence[float]] = None,
-) -> float:
-    """Greedy speculative decoding replayed on teacher-forced statistics.
+def replay_blocks(
+    agree: Sequence[bool], draft_entropy: Sequence[float], max_draft: int, stop: Optional[float] = None
+) -> List[Tuple[int, int]]:
+    """Greedy speculative blocks replayed on teacher-forced statistics.
 
     Each block drafts at the next positions until a draft's entropy exceeds
     ``stop`` or ``max_draft`` drafts are out; the high gear accepts the prefix
-    that agrees and adds one token (the correction or the bonus).
+    that agrees and adds one token (the correction or the bonus). So a block
+    emits ``accepted + 1`` tokens for ``drafted`` draft steps and one verify
+    of ``drafted + 1`` tokens.
 
     Args:
         agree, draft_entropy: per consecutive position of one text.
-        cost: a draft step in high-gear steps (c).
-        verify_cost: ``v[k]``, a verify of ``k + 1`` tokens in high-gear
-            steps (default 1 for every k).
 
     Returns:
-        Tokens per high-gear step: the modeled speed-up over the high gear.
+        ``(drafted, accepted)`` of each block, in order.
     """
-    i, tokens, spent, n = 0, 0, 0.0, len(agree)
+    i, n, out = 0, len(agree), []
     limit = math.inf if stop is None else stop
     while i < n:
         drafted = accepted = 0
@@ -173,11 +167,36 @@ def replay_speedup(
                     rejected = True
             if draft_entropy[p] > limit:
                 break
-        v = 1.0 if verify_cost is None else verify_cost[min(drafted, len(verify_cost) - 1)]
-        tokens += accepted + 1
-        spent += drafted * cost + v
+        out.append((drafted, accepted))
         i += accepted + 1
-    return tokens / spent if spent else 1.0
+    return out
+
+
+def replay_speedup(
+    agree: Sequence[bool],
+    draft_entropy: Sequence[float],
+    cost: float,
+    max_draft: int,
+    stop: Optional[float] = None,
+    verify_cost: Optional[Sequence[float]] = None,
+) -> float:
+    """Tokens per high-gear step of the blocks :func:`replay_blocks` replays.
+
+    Args:
+        cost: a draft step in high-gear steps (c).
+        verify_cost: ``v[k]``, a verify of ``k + 1`` tokens in high-gear
+            steps (default 1 for every k).
+
+    Returns:
+        The modeled speed-up over the high gear.
+    """
+    blocks = replay_blocks(agree, draft_entropy, max_draft, stop)
+
+    def verify(drafted: int) -> float:
+        return 1.0 if verify_cost is None else verify_cost[min(drafted, len(verify_cost) - 1)]
+
+    spent = sum(d * cost + verify(d) for d, _ in blocks)
+    return sum(a + 1 for _, a in blocks) / spent if spent else 1.0
 
 
 def measure_costs(
@@ -318,6 +337,6 @@ def calibrate_draft_stop(
 
 __all__ = [
     "CALIBRATION_TOKENS", "DraftStats", "STOP_STRATEGIES", "auc", "best_replay",
-    "calibrate_draft_stop", "compare_logits", "draft_stats", "measure_costs", "replay_speedup",
-    "stop_threshold",
+    "calibrate_draft_stop", "compare_logits", "draft_stats", "measure_costs", "replay_blocks",
+    "replay_speedup", "stop_threshold",
 ]

@@ -11,7 +11,11 @@ What is measured (issue 4; GEARBX §9, §13, §15, §17):
   entropy of step t governs step t+1); perplexity, mean KL(reference ‖
   routed), top-1 agreement, tokens per gear, shifts, modeled bytes/token;
 * speed, on the real kernels (``QuantizedLinear`` swapped by the
-  ``PrecisionManager`` inside ``stream_generate``) over a shorter stretch.
+  ``PrecisionManager`` inside ``stream_generate``) over a shorter stretch;
+* the speculative policy (issue 7): the low or mid gear drafts, the high gear
+  verifies; quality is the static-high row's by construction, acceptance is
+  replayed on the same pass, bytes and speed are modeled
+  (:mod:`gearbx_mlx.evaluation.speculative`).
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def evaluate(
     speed_tokens: int = DEFAULT_SPEED_TOKENS,
     speed_prompt: int = DEFAULT_SPEED_PROMPT,
     workload_tokens: int = DEFAULT_WORKLOAD_TOKENS,
+    speculative: bool = True,
+    draft_calibration_tokens: Optional[int] = None,
     max_rows: int = 128,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Dict[str, Any]:
@@ -131,6 +137,11 @@ def evaluate(
         speed_tokens: decode tokens per policy on the real kernels (0: skip).
         workload_tokens: tokens per workload prompt for the gear-by-workload
             generations (0: skip).
+        speculative: add the speculative rows (needs the static low/mid rows
+            of the draft scope in ``policies``; the default set has them).
+        draft_calibration_tokens: high-gear tokens per calibration prompt
+            when calibrating each drafter's block cap and stop (None: the
+            calibration's own default, as ``--speculative --calibrate``).
         max_rows: batch rows per pass chunk (windows x policies).
         progress: status lines (e.g. :func:`~gearbx_mlx.evaluation.teacher.stderr_progress`).
 
@@ -153,6 +164,8 @@ def evaluate(
         raise ValueError(f"window must be an integer >= 2, got {window!r}")
     if speed_tokens < 0 or workload_tokens < 0 or speed_prompt < 1:
         raise ValueError("speed_tokens and workload_tokens must be >= 0 (0 skips), speed_prompt >= 1")
+    if draft_calibration_tokens is not None and draft_calibration_tokens < 1:
+        raise ValueError(f"draft_calibration_tokens must be >= 1, got {draft_calibration_tokens!r}")
     if is_prequantized(model):
         raise ValueError("the model is already quantized: evaluate a float16/bfloat16/float32 model")
     say = progress or (lambda _msg: None)
@@ -211,6 +224,16 @@ def evaluate(
         timings["speed_s"] = time.perf_counter() - tic
 
     rows = [report.policy_row(r, ref_bytes, speed.get(r.spec.name)) for r in results]
+    spec_section: Optional[Dict[str, Any]] = None
+    if speculative:
+        from .evaluation.speculative import evaluate_speculative
+
+        tic = time.perf_counter()
+        spec_section = evaluate_speculative(
+            model, tokenizer, first, layout, config, vocab, len(windows[0]) - 1, speed, ids[:speed_prompt],
+            draft_calibration_tokens, say,
+        )
+        timings["speculative_s"] = time.perf_counter() - tic
     work: Dict[str, Any] = {}
     if workload_tokens:
         tic = time.perf_counter()
@@ -254,6 +277,7 @@ def evaluate(
         "thresholds": {k: list(v) if v else None for k, v in thresholds.items()},
         "calibration": calibration_info,
         "policies": rows,
+        "speculative": spec_section,
         "comparisons": comps,
         "verdict": report.verdict(comps),
         "traces": {r.spec.name: report.trace_entry(r) for r in results},
@@ -283,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt tokens before the timed decode (default {DEFAULT_SPEED_PROMPT})")
     p.add_argument("--workload-tokens", type=int, default=DEFAULT_WORKLOAD_TOKENS,
                    help=f"tokens per prompt of the gear-by-workload generations; 0 skips (default {DEFAULT_WORKLOAD_TOKENS})")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="leave out the speculative rows (low/mid gear drafts, high gear verifies)")
+    p.add_argument("--draft-calibration-tokens", type=int, metavar="N",
+                   help="high-gear tokens per calibration prompt when choosing each drafter's block cap "
+                   "and entropy stop (default: the calibration's own, as gearbx-generate --speculative --calibrate)")
     p.add_argument("--max-rows", type=int, default=128, help="batch rows (windows x policies) per chunk")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the converted default model (default: float32 on a Linux CPU)")
@@ -309,6 +338,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--speed-tokens and --workload-tokens must be >= 0 (0 skips that part)")
     if args.speed_prompt < 1:
         raise ValueError(f"--speed-prompt must be >= 1, got {args.speed_prompt}")
+    if args.draft_calibration_tokens is not None and args.draft_calibration_tokens < 1:
+        raise ValueError(f"--draft-calibration-tokens must be >= 1, got {args.draft_calibration_tokens}")
     if args.max_rows < 1:
         raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
     if args.text is not None and not Path(args.text).expanduser().is_file():
@@ -365,6 +396,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
     results = evaluate(
         model, tokenizer, text, tokens=args.tokens, window=args.window, seed=args.seed,
         speed_tokens=args.speed_tokens, speed_prompt=args.speed_prompt, workload_tokens=args.workload_tokens,
+        speculative=not args.no_speculative, draft_calibration_tokens=args.draft_calibration_tokens,
         max_rows=args.max_rows, progress=say,
     )
     results["timings"]["total_s"] = time.perf_counter() - tic
@@ -411,6 +443,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .evaluation import report
 
     print(report.table(results["policies"]))
+    if results.get("speculative"):  # absent from runs saved before issue 7
+        print()
+        print(report.speculative_table(results["speculative"]))
     print()
     print(results["routing"]["lag_note"])
     print(f"reference: {results['routing']['reference']}; KL in nats; bytes: §9 cost model")

@@ -15,6 +15,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import make_tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx.utils import tree_unflatten
 
 from gearbx_mlx.config import GearboxConfig
@@ -28,7 +30,14 @@ from gearbx_mlx.evaluation.specs import (
     format_bytes_per_param,
     matched_specs,
 )
-from gearbx_mlx.evaluation.teacher import split_windows, teacher_forced
+from gearbx_mlx.evaluation.speculative import (
+    FIXED_BLOCKS,
+    ReplayCounts,
+    formula_speedup,
+    replay,
+    speculative_rows,
+)
+from gearbx_mlx.evaluation.teacher import RowResult, split_windows, teacher_forced
 from gearbx_mlx.evaluation.variants import VariantModel, fake_quantize
 
 #: Perplexity of a fake-quantized row vs MLX's real quantized layers on the
@@ -156,6 +165,103 @@ def test_exactly_one_reference_row_is_required():
         teacher_forced(model, [[1, 2, 3]], specs, layout, GearboxConfig(), 256)
 
 
+def test_every_row_keeps_its_agreement_and_own_entropy_per_step():
+    """What the speculative rows replay: per-step top-1 hits and the row's own float32 entropy."""
+    from gearbx_mlx.entropy import entropy_bits
+
+    model = make_tiny_llama()
+    config = GearboxConfig(scope="all")
+    layout = ModelLayout.of(model, config, 256)
+    specs = [PolicySpec("static-high", "static", "all", "high"), PolicySpec("static-low/all", "static", "all", "low")]
+    windows = [[3, 17, 42, 5, 99, 7], [11, 2, 250, 64, 1, 8]]
+    high, low = teacher_forced(model, windows, specs, layout, config, 256)
+    assert high.hits == [True] * 10
+    assert len(low.hits) == 10 and sum(low.hits) == low.agree
+    plain = entropy_bits(model(mx.array(windows))[:, :-1]).reshape(-1).tolist()
+    np.testing.assert_allclose(high.entropy, plain, rtol=1e-4, atol=1e-4)
+    assert low.entropy != high.entropy
+
+
+# -- the speculative rows: replayed blocks, bytes, the speed-up model ------------------
+
+
+def test_replay_counts_blocks_of_a_hand_made_agreement_sequence():
+    hits = [True, True, False, True, True, True, False, False]
+    one = replay(hits, [0.0] * 8, steps=8, max_draft=2)
+    # Blocks (drafted, accepted): (2,2) (2,2) (2,0) (1,0), the last cut by the text's end.
+    assert (one.blocks, one.drafted, one.accepted, one.produced) == (4, 7, 4, 8)
+    assert one.sizes == {2: 3, 1: 1}
+    assert one.acceptance_rate == 4 / 7 and one.mean_accepted_length == 1.0
+    # Two windows of 4: no block crosses the boundary. (2,2) (1,1) | (2,2) (1,0).
+    two = replay(hits, [0.0] * 8, steps=4, max_draft=2)
+    assert (two.blocks, two.drafted, two.accepted, two.produced, two.positions) == (4, 6, 5, 9, 8)
+    # An entropy stop ends a block after the draft that crosses it: (2,2) then (4,4).
+    gated = replay([True] * 8, [0, 5, 0, 0, 0, 0, 0, 0], steps=8, max_draft=4, stop=1.0)
+    assert gated.sizes == {2: 1, 4: 1} and gated.produced == 3 + 5
+    with pytest.raises(ValueError, match="whole windows"):
+        replay(hits, [0.0] * 8, steps=3, max_draft=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hits=st.lists(st.booleans(), min_size=1, max_size=60),
+    max_draft=st.integers(1, 8),
+    stop=st.one_of(st.none(), st.floats(0, 4)),
+    cost=st.floats(0.05, 2),
+    slope=st.floats(0, 0.2),
+    seed=st.integers(0, 2**16),
+)
+def test_replay_counts_agree_with_the_calibration_replay(hits, max_draft, stop, cost, slope, seed):
+    """The counts give exactly draft_calibration.replay_speedup's speed-up (one replay, not two)."""
+    from gearbx_mlx.draft_calibration import replay_speedup
+
+    ent = np.random.default_rng(seed).uniform(0, 4, len(hits)).tolist()
+    verify = [1.0 + slope * k for k in range(9)]
+    n = replay(hits, ent, len(hits), max_draft, stop)
+    assert n.speedup(cost, verify) == pytest.approx(replay_speedup(hits, ent, cost, max_draft, stop, verify))
+    assert n.produced in (len(hits), len(hits) + 1)  # a bonus may run one past the text
+    assert n.accepted <= n.drafted <= max_draft * n.blocks and sum(n.sizes.values()) == n.blocks
+
+
+def test_bytes_per_produced_token_formula():
+    n = ReplayCounts()
+    n.add([(2, 2), (1, 1), (2, 2), (1, 0)], 8)
+    assert n.bytes_per_token(draft_bytes=1.0, high_bytes=4.0) == (6 * 1.0 + 4 * 4.0) / 9
+    # Every draft accepted, blocks of k: (k drafts + 1 verify) per k+1 tokens.
+    k = 4
+    full = replay([True] * 15, [0.0] * 15, 15, k)
+    assert full.bytes_per_token(1.0, 4.0) == pytest.approx((k * 1.0 + 4.0) / (k + 1))
+
+
+def test_formula_matches_the_replay_where_its_assumptions_hold():
+    for k in FIXED_BLOCKS:
+        all_accepted = replay([True] * 6 * (k + 1), [0.0] * 6 * (k + 1), 6 * (k + 1), k)
+        assert all_accepted.speedup(0.3) == pytest.approx(formula_speedup(1.0, k, 0.3))
+        assert formula_speedup(0.0, k, 0.3) == pytest.approx(1 / (k * 0.3 + 1))
+    assert formula_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + a + a^2
+
+
+def test_speculative_rows_copy_the_reference_quality():
+    model = make_tiny_llama()
+    layout = ModelLayout.of(model, GearboxConfig(), 256)
+    ref = RowResult(PolicySpec("static-high", "static", "all", "high"), steps=6, nll_sum=6.0, agree=6)
+    ref.hits = [True] * 6
+    low = RowResult(PolicySpec("static-low/all", "static", "all", "low"), steps=6, nll_sum=9.0, kl_sum=0.6, agree=3)
+    low.hits, low.entropy = [True, False, True, True, False, False], [0.5, 3.0, 0.2, 0.1, 4.0, 2.0]
+    info = {"costs": {"draft_cost": 0.4, "verify_cost": [1.0, 1.1, 1.2]},
+            "calibration": {"max_draft": 3, "stop_bits": 1.0}}
+    rows = speculative_rows(ref, low, "low", 3, layout, info, high_tps=10.0)
+    assert [r["name"] for r in rows] == [f"speculative-low/k{k}" for k in FIXED_BLOCKS] + ["speculative-low/calibrated"]
+    hi_bytes = layout.bytes_per_token(ref.spec, "high")
+    for r in rows:
+        assert (r["perplexity"], r["mean_kl"], r["top1_agreement"]) == (ref.perplexity, 0.0, 1.0)
+        n = replay(low.hits, low.entropy, 3, r["max_draft"], r["stop_bits"])
+        assert r["replay"]["produced"] == n.produced
+        assert r["modeled"]["bytes_per_token"] == n.bytes_per_token(layout.bytes_per_token(low.spec, "low"), hi_bytes)
+        assert r["modeled"]["tokens_per_s"] == pytest.approx(10.0 * n.speedup(0.4, [1.0, 1.1, 1.2]))
+    assert rows[-1]["stop_bits"] == 1.0 and rows[-1]["modeled"]["speedup_formula"] is None
+
+
 # -- the real default model -------------------------------------------------------
 
 
@@ -170,7 +276,7 @@ def short_text(default_model):
 def _quick(default_model, text, **kw):
     model, tokenizer, _ = default_model
     policies = base_specs({"fixed": FIXED})
-    opts = dict(tokens=8, window=4, speed_tokens=0, workload_tokens=0, seed=7)
+    opts = dict(tokens=8, window=4, speed_tokens=0, workload_tokens=0, seed=7, draft_calibration_tokens=2)
     opts.update(kw)
     return evaluate(model, tokenizer, text, policies, **opts)
 
@@ -246,6 +352,37 @@ def test_from_json_reprints_a_saved_run(quick_results, tmp_path, capsys):
     assert main(["--from-json", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("policy") and "random@fixed/all" in out
+    assert "speculative-mid/calibrated" in out and "exact by construction" in out
+
+
+def test_speculative_quality_is_static_high_and_its_blocks_cover_the_text(quick_results):
+    high = _rows(quick_results)["static-high"]
+    section = quick_results["speculative"]
+    names = [r["name"] for r in section["rows"]]
+    assert names == [f"speculative-{g}/{s}" for g in ("low", "mid") for s in ("k2", "k4", "k6", "calibrated")]
+    n = quick_results["text"]["scored_positions"]
+    for r in section["rows"]:
+        assert (r["perplexity"], r["mean_kl"], r["top1_agreement"]) == (high["perplexity"], 0.0, 1.0)
+        rep = r["replay"]
+        assert rep["positions"] == n and n <= rep["produced"] <= n + quick_results["text"]["windows"]
+        assert r["verify_passes_per_token"] == rep["blocks"] / rep["produced"]
+        assert r["modeled"]["tokens_per_s"] is None  # no speed runs: no tokens/s, only the modeled speed-up
+        assert r["modeled"]["speedup"] > 0
+    low = section["drafters"]["low"]
+    assert low["alpha_positions"] == _rows(quick_results)["static-low/all"]["top1_agreement"]
+    assert low["costs"]["draft_cost_source"] == "measure_costs" and low["calibration"]["max_draft"] >= 1
+    assert report.speculative_table(section).count("speculative-") == 8
+
+
+def test_from_json_renders_a_run_saved_before_the_speculative_rows(capsys):
+    from pathlib import Path
+
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval_default.json"
+    if not saved.is_file():
+        pytest.skip(f"{saved} is not in this checkout")
+    assert main(["--from-json", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("policy") and "static-high" in out and "speculative" not in out
 
 
 def test_text_prefix_tokens_match_whole_text_encoding(default_model, short_text):
@@ -325,16 +462,22 @@ def test_same_command_twice_gives_the_same_quality(default_model, short_text, qu
 @pytest.mark.slow
 def test_cli_writes_json_and_table(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["--tokens", "6", "--window", "6", "--speed-tokens", "0", "--workload-tokens", "0",
-               "--out", str(out), "--quiet"])
+    rc = main(["--tokens", "6", "--window", "6", "--speed-tokens", "2", "--speed-prompt", "2",
+               "--workload-tokens", "0", "--draft-calibration-tokens", "2", "--out", str(out), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "static-high" in printed and "lag 0" in printed
+    assert "speculative-low/k2" in printed and "speculative-mid/calibrated" in printed
     import json
 
     data = json.loads(out.read_text())
     assert data["command"].endswith("--out " + str(out) + " --quiet")
     assert data["thresholds"]["median"] and data["thresholds"]["percentile"]
+    section = data["speculative"]
+    assert section["drafters"]["low"]["costs"]["draft_cost_source"] == "speed runs"
+    for r in section["rows"]:  # modeled tokens/s from the measured static-high speed
+        assert r["modeled"]["tokens_per_s"] == pytest.approx(
+            r["modeled"]["speedup"] * section["high_tokens_per_s_measured"])
 
 
 # -- bad input: one clear error, before the model loads -------------------------------
@@ -346,6 +489,7 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
         (["--text", "/no/such/file.txt"], "text file not found"),
         (["--tokens", "1"], "--tokens must be >= 2"),
         (["--window", "1"], "--window must be >= 2"),
+        (["--draft-calibration-tokens", "0"], "--draft-calibration-tokens must be >= 1"),
         (["--out", "/no/such/dir/r.json"], "directory of --out does not exist"),
         (["--from-json", "/no/such/r.json"], "results file not found"),
     ],

@@ -43,7 +43,7 @@ def policy_row(res: RowResult, ref_bytes: float, speed: Optional[Dict[str, Any]]
 
 def trace_entry(res: RowResult) -> Dict[str, Any]:
     out: Dict[str, Any] = {"gears": "".join(res.gears)}
-    if res.entropy:
+    if res.spec.kind == "entropy":  # the other rows' entropies feed no figure
         out["entropy"] = [round(x, TRACE_DECIMALS) for x in res.entropy]
         out["smoothed"] = [round(x, TRACE_DECIMALS) for x in res.smoothed]
     return out
@@ -116,6 +116,45 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
             f"{'' if tps is None else format(tps, '.1f'):>6}"
         )
     return "\n".join(lines)
+
+
+def speculative_table(section: Dict[str, Any]) -> str:
+    """The speculative rows (:mod:`.speculative`): exact quality, replayed acceptance, modeled cost."""
+    head = (
+        f"{'policy':<26} {'k':>2} {'stop':>5} {'ppl':>8} {'KL':>4} {'top1':>5} {'accept':>6} {'acc/blk':>7} "
+        f"{'drf/tok':>7} {'ver/tok':>7} {'MB/tok*':>7} {'rel*':>6} {'xhigh*':>6} {'formula*':>8} {'tok/s*':>6}"
+    )
+    lines = [
+        f"speculative (draft scope {section['draft_scope']}): quality {section['quality']}",
+        "accept = accepted / drafted on the text (replayed greedy blocks); * = modeled: bytes by the §9 "
+        "accounting, speed-up x measured static-high tok/s",
+        head, "-" * len(head),
+    ]
+    for r in section["rows"]:
+        m = r["modeled"]
+        stop = "-" if r["stop_bits"] is None else format(r["stop_bits"], ".2f")
+        lines.append(
+            f"{r['name']:<26} {r['max_draft']:>2d} {stop:>5} {r['perplexity']:>8.3f} {r['mean_kl']:>4.0f} "
+            f"{r['top1_agreement']:>5.3f} {_num(r['acceptance_rate'], '.3f'):>6} "
+            f"{_num(r['mean_accepted_length'], '.2f'):>7} {r['drafted_per_token']:>7.3f} "
+            f"{r['verify_passes_per_token']:>7.3f} {m['bytes_per_token'] / 1e6:>7.1f} {m['relative_bytes']:>6.3f} "
+            f"{m['speedup']:>6.3f} {_num(m['speedup_formula'], '.3f'):>8} {_num(m['tokens_per_s'], '.1f'):>6}"
+        )
+    for gear, d in section["drafters"].items():
+        c, cal = d["costs"], d["calibration"]
+        stop = "none" if cal["stop_bits"] is None else f"{cal['stop_bits']:.2f} bits"
+        lines.append(
+            f"{gear} drafter ({d['row']}): top-1 agreement {d['alpha_positions']:.3f}, AUC of its entropy for "
+            f"rejection {_num(d['auc_draft_entropy'], '.3f') or 'n/a'}; c = {c['draft_cost']:.3f} (from "
+            f"{c['draft_cost_source']}), "
+            f"verify of 7 tokens = {c['verify_cost'][min(6, len(c['verify_cost']) - 1)]:.3f} high steps; "
+            f"calibrated: k <= {cal['max_draft']}, stop {stop}"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: Optional[float], fmt: str) -> str:
+    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
 def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:

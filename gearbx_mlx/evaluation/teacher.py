@@ -51,10 +51,13 @@ class RowResult:
     nll_sum: float = 0.0
     kl_sum: float = 0.0
     agree: int = 0
+    hits: List[bool] = field(default_factory=list)  # per step: top-1 equals the reference's
     bytes_sum: float = 0.0
     shifts: int = 0
     gears: List[str] = field(default_factory=list)  # one char per step
-    entropy: List[float] = field(default_factory=list)  # bits, of this row's distribution
+    # Bits, float32 (entropy_bits), of this row's own distribution at each step:
+    # the router's signal, and a drafter's stop signal (.speculative).
+    entropy: List[float] = field(default_factory=list)
     smoothed: List[float] = field(default_factory=list)
     window_nll: List[float] = field(default_factory=list)  # NLL sum of each window
 
@@ -146,7 +149,6 @@ def teacher_forced(
             results = [RowResult(specs[s]) for _, s in rows]
             policies = [specs[s].make_policy(stream=w) for w, s in rows]
             monitors = [EntropyMonitor(vocab_size, config, thresholds=specs[s].thresholds) for _, s in rows]
-            keep_entropy = [specs[s].kind == "entropy" for _, s in rows]
             ref_rows = mx.array([ci * n_specs + refs[0] for ci, _ in enumerate(chunk) for _ in range(n_specs)])
             gears, prev = [], [None] * n_rows
             for r in range(n_rows):
@@ -176,15 +178,15 @@ def teacher_forced(
                     res.nll_sum += nll_l[r]
                     res.kl_sum += kl_l[r]
                     res.agree += int(agree_l[r])
+                    res.hits.append(bool(agree_l[r]))
                     res.bytes_sum += cost[rows[r][1]][g]
                     res.gears.append(GEAR_CHAR[g])
                     if prev[r] is not None and prev[r] != g:
                         res.shifts += 1
                     prev[r] = g
                     seen = monitors[r].push(ent_l[r])
-                    if keep_entropy[r]:
-                        res.entropy.append(seen.entropy)
-                        res.smoothed.append(seen.smoothed)
+                    res.entropy.append(seen.entropy)
+                    res.smoothed.append(seen.smoothed)
                     # Lag 0: step t's entropy decides step t+1's gear.
                     gears[r] = policies[r].next_gear(t, seen)
                 meter.step()
@@ -202,6 +204,7 @@ def _merge(parts: Sequence[RowResult]) -> RowResult:
         out.nll_sum += p.nll_sum
         out.kl_sum += p.kl_sum
         out.agree += p.agree
+        out.hits += p.hits
         out.bytes_sum += p.bytes_sum
         out.shifts += p.shifts  # a window boundary is a new sequence, not a shift
         out.gears += p.gears
