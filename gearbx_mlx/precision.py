@@ -168,6 +168,12 @@ class PrecisionManager:
             p: self._quantizer(m, bits, self.config.group_size) for p, m in self.originals.items()
         }
         mx.eval([m.parameters() for m in built.values()])
+        if self.config.kernel == "packed":
+            # q/k/v and gate/up in one GPU launch each (a no-op where they
+            # cannot fuse; on the CPU each member computes its own rows).
+            from .fused import fuse_modules  # noqa: PLC0415
+
+            built = fuse_modules(built)
         dt = time.perf_counter() - tic
         self.cache[gear] = built
         self.quantize_seconds[gear] = dt
