@@ -57,7 +57,7 @@ def _mlx_name(name: str) -> str:
 
 
 def quantized_weights(
-    weights: Dict[str, mx.array], n_head: int, n_kv: int, dtype: str
+    weights: Dict[str, mx.array], n_head: int, n_kv: int, dtype: str, permuted: bool = True
 ) -> Tuple[Dict[str, mx.array], Dict[str, Dict[str, int]]]:
     """Rename GGUF tensors to mlx-lm's, un-permute Q/K rows, keep the packing.
 
@@ -66,6 +66,8 @@ def quantized_weights(
             ``t.weight`` ``(out, in·bits/32)`` uint32, ``t.scales`` and
             ``t.biases`` ``(out, in/32)``; float tensors as ``t.weight``.
         n_head, n_kv: query and key/value head counts (for the Q/K permutation).
+        permuted: llama.cpp permuted the Q/K rows (its llama converter does;
+            its qwen2 converter does not).
         dtype: float dtype of the scales, biases and unquantized tensors.
 
     Returns:
@@ -84,6 +86,7 @@ def quantized_weights(
         # llama.cpp permutes whole Q/K output rows; a packed row is one output
         # channel (its scales and biases too), so the same row permutation applies.
         heads = n_head if name.endswith("attn_q") else n_kv if name.endswith("attn_k") else None
+        heads = heads if permuted else None
         for s, a in parts.items():
             if heads is not None:
                 a = unpermute_qk(a, heads)
@@ -127,7 +130,8 @@ def convert_gguf_quantized(
     weights, meta = read_gguf(gguf_path, dtype)
     config = _config(meta, "output.weight" in weights)
     tensors, layers = quantized_weights(
-        weights, config["num_attention_heads"], config["num_key_value_heads"], dtype
+        weights, config["num_attention_heads"], config["num_key_value_heads"], dtype,
+        permuted=config["model_type"] == "llama",
     )
     mx.eval(tensors)
     if progress:

@@ -39,6 +39,18 @@ def test_packed_rows_unpermute_like_float_rows(n_head, half, groups, bits):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-6)
 
 
+def test_unpermuted_sources_keep_their_rows():
+    """llama.cpp's qwen2 converter does not permute Q/K: nothing to undo."""
+    w = np.random.default_rng(1).standard_normal((8, GGUF_GROUP)).astype(np.float32)
+    q, s, b = mx.quantize(mx.array(w), group_size=GGUF_GROUP, bits=4)
+    gguf = {"blk.0.attn_k.weight": q, "blk.0.attn_k.scales": s, "blk.0.attn_k.biases": b}
+    out, _ = prequant.quantized_weights(gguf, 2, 2, "float32", permuted=False)
+    p = "model.layers.0.self_attn.k_proj"
+    assert mx.array_equal(out[f"{p}.weight"], q) and mx.array_equal(out[f"{p}.scales"], s)
+    out, _ = prequant.quantized_weights(gguf, 2, 2, "float32")
+    assert not mx.array_equal(out[f"{p}.weight"], q)
+
+
 def test_quantization_config_has_default_and_overrides():
     layers = {"a": {"group_size": 32, "bits": 4}, "b": {"group_size": 32, "bits": 4},
               "model.embed_tokens": {"group_size": 32, "bits": 8}}
