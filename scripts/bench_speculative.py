@@ -357,8 +357,10 @@ def target_check(result: Dict[str, Any]) -> Dict[str, Any]:
                   "gated_speedup": gated["speedup"],
                   "best_fixed": best["label"] if best else None,
                   "best_fixed_speedup": best["speedup"] if best else None,
-                  "met": (not applies) or (gated["speedup"] >= 1.5
-                                           and (best is None or gated["speedup"] > best["speedup"]))}
+                  # None where the target does not apply (the drafter alone is < 2x).
+                  "met": None if not applies else (
+                      gated["speedup"] >= 1.5
+                      and (best is None or gated["speedup"] > best["speedup"]))}
     return out
 
 
@@ -395,7 +397,8 @@ def print_table(result: Dict[str, Any]) -> None:
     for g, t in result.get("target", {}).items():
         print(f"target ({g}): gear alone {t['gear_alone_speedup']:.2f}x (applies: {t['applies']}), gated "
               f"{t['gated_speedup']:.2f}x, best fixed {t['best_fixed']} {t['best_fixed_speedup']:.2f}x -> "
-              f"{'met' if t['met'] else 'NOT met'}")
+              + ("not applicable (drafter alone < 2x)" if t["met"] is None
+                 else "met" if t["met"] else "NOT met"))
 
 
 def plot(result: Dict[str, Any], path: Path) -> None:
