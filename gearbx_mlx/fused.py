@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels
-from .packed import PackedLinear
+from .packed import PackedLinear, _Runtime
 
 #: Sibling projections fused per parent module (attribute names as in mlx-lm's
 #: llama, mistral, qwen2, gemma and phi3-style blocks).
@@ -55,21 +55,9 @@ class _Group:
             bounds.append(total)
         self.splits = tuple(bounds)
         self.row_ranges = [(0,) + self.splits, self.splits + (self.out_features,)]
-        self._runs: Dict[Tuple[str, mx.Dtype], object] = {}
+        self._rt = _Runtime()
         self._last_x: Optional[mx.array] = None
         self._last: Optional[List[mx.array]] = None
-
-    def _launcher(self, backend: str, dtype: mx.Dtype):
-        key = (backend, dtype)
-        run = self._runs.get(key)
-        if run is None:
-            ok = kernels.supports_mma(self.bits, self.group_size, self.in_features,
-                                      self.out_features, dtype)
-            run = ok and kernels.launcher(
-                backend, self.bits, self.group_size, self.in_features, self.out_features,
-                dtype, self.bias is not None, None, None, True, self.splits)
-            self._runs[key] = run
-        return run
 
     def outputs(self, x: mx.array) -> Optional[List[mx.array]]:
         """Every member's output for one input vector ``x`` on a GPU, else None."""
@@ -80,7 +68,7 @@ class _Group:
         backend = kernels.gpu_backend()
         if backend is None:
             return None
-        run = self._launcher(backend, x.dtype)
+        run = self._rt.launcher(self, backend, x.dtype, self.bias is not None, self.splits)
         if not run:
             return None
         self._last = run(x, self.weight, self.scales, self.bias)

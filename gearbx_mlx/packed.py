@@ -18,7 +18,7 @@ counts their bytes truthfully. The product is chosen at call time
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -93,15 +93,23 @@ class _Runtime:
         self.launchers: dict = {}
         self.weight: Optional[mx.array] = None  # the dequant cache
 
-    def launcher(self, layer: "_PackedBase", backend: str, dtype: mx.Dtype, has_bias: bool):
+    def launcher(self, layer: Any, backend: str, dtype: mx.Dtype, has_bias: bool,
+                 splits: Tuple[int, ...] = ()):
+        """The layer's cached kernel launcher, or False where no kernel applies.
+
+        ``layer`` needs ``bits``, ``group_size``, ``in_features`` and
+        ``out_features``; ``splits`` asks for the matrix-unit kernel with
+        2-3 outputs (a fused group, ``gearbx_mlx.fused``).
+        """
         key = (backend, dtype, has_bias)
         run = self.launchers.get(key)
         if run is None:
-            ok = kernels.supports(layer.bits, layer.group_size, layer.in_features,
-                                  layer.out_features, dtype)
+            applies = kernels.supports_mma if splits else kernels.supports
+            ok = applies(layer.bits, layer.group_size, layer.in_features, layer.out_features,
+                         dtype)
             run = ok and kernels.launcher(
                 backend, layer.bits, layer.group_size, layer.in_features, layer.out_features,
-                dtype, has_bias,
+                dtype, has_bias, None, None, True if splits else None, tuple(splits),
             )
             self.launchers[key] = run
         return run

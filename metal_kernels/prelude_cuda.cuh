@@ -57,28 +57,11 @@ struct gbx_mma_consts<__nv_bfloat16> {
   static constexpr unsigned int neg = 0xC308C308u;    // (-136, -136)
 };
 
-// Nibbles at bits [0, 4) and [16, 20) of u as the pair (q0, q1), q = n - 8.
+// Nibbles at bits [0, 4) and [16, 20) of u as the pair (q0, q1), q = n - 8:
+// (u & 0x000F000F) | magic in one LOP3 (the magic in a register), then one
+// paired fma. TY is the PTX type suffix of T.
 template <typename T>
 GBX_FN gbx_apair gbx_i4_pair(unsigned int u);
-template <>
-GBX_FN gbx_apair gbx_i4_pair<__half>(unsigned int u) {
-  unsigned int h, r;
-  // (u & 0x000F000F) | magic in one LOP3 (the magic in a register).
-  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(h) : "r"(u),
-      "r"(gbx_mma_consts<__half>::magic));
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(gbx_mma_consts<__half>::one),
-      "r"(gbx_mma_consts<__half>::neg));
-  return r;
-}
-template <>
-GBX_FN gbx_apair gbx_i4_pair<__nv_bfloat16>(unsigned int u) {
-  unsigned int h, r;
-  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(h) : "r"(u),
-      "r"(gbx_mma_consts<__nv_bfloat16>::magic));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h),
-      "r"(gbx_mma_consts<__nv_bfloat16>::one), "r"(gbx_mma_consts<__nv_bfloat16>::neg));
-  return r;
-}
 
 // c += A B for one 16x8x16 tile (sm_80+): A from a[4] (rows g, g + 8 of this
 // lane), B from b0, b1 (k 2t..2t+1 and 2t+8..2t+9, every column alike).
@@ -86,24 +69,28 @@ GBX_FN gbx_apair gbx_i4_pair<__nv_bfloat16>(unsigned int u) {
 // gets the full tile sum in c[0] (and c[1]), of row g + 8 in c[2] (c[3]).
 template <typename T>
 GBX_FN void gbx_mma(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0, unsigned int b1);
-template <>
-GBX_FN void gbx_mma<__half>(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0,
-                            unsigned int b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-GBX_FN void gbx_mma<__nv_bfloat16>(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0,
-                                   unsigned int b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+
+#define GBX_MMA_OPS(T, TY)                                                                \
+  template <>                                                                             \
+  GBX_FN gbx_apair gbx_i4_pair<T>(unsigned int u) {                                       \
+    unsigned int h, r;                                                                    \
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(h) : "r"(u),                      \
+        "r"(gbx_mma_consts<T>::magic));                                                   \
+    asm("fma.rn." TY "x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(gbx_mma_consts<T>::one), \
+        "r"(gbx_mma_consts<T>::neg));                                                     \
+    return r;                                                                             \
+  }                                                                                       \
+  template <>                                                                             \
+  GBX_FN void gbx_mma<T>(float (&c)[4], const gbx_apair (&a)[4], unsigned int b0,         \
+                         unsigned int b1) {                                               \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 "               \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"        \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));         \
+  }
+GBX_MMA_OPS(__half, "f16")
+GBX_MMA_OPS(__nv_bfloat16, "bf16")
+#undef GBX_MMA_OPS
 
 // The mma already summed over the lanes of a row.
 GBX_FN float gbx_quad_sum(float v) {

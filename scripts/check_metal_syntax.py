@@ -151,7 +151,8 @@ def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[in
 
 def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
     """One file holding every variant of one source (bias on or off) for ``backend``."""
-    header, source = kernels.kernel_sources(backend, has_bias, directory)
+    # Compacted, as gearbx_mlx.kernels hands the text to MLX.
+    header, source = kernels.kernel_sources(backend, has_bias, directory, compact=True)
     parts = [header]
     for bits, gs, shared, dtype, bias, vec in variants():
         if bias != has_bias:
@@ -165,7 +166,7 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
 
     for dtype, gs, splits in mma_variants():
         _, mma_source = kernels.kernel_sources(backend, has_bias, directory, mma=True,
-                                               n_out=len(splits) + 1)
+                                               n_out=len(splits) + 1, compact=True)
         consts = kernels.constants_source(
             backend, kernels.mma_constants(getattr(mx, dtype), gs, kernels.MMA_UNROLL, splits))
         fname = (f"custom_kernel_gbx_mma_q4_{'row' if gs is None else gs}_{dtype}_"

@@ -313,9 +313,8 @@ def test_host_emulated_body_matches_reference(host_binary, tmp_path, config, sha
     assert_close_to_reference(y, packed, scales, x, bias, bits, gs)
 
 
-@pytest.mark.parametrize("config", range(len(MMA_HOST_CONFIGS)))
-@pytest.mark.parametrize("shape", MMA_SHAPES)
-def test_host_emulated_mma_body_matches_reference(host_binary, tmp_path, config, shape):
+def mma_case(config: int, shape: Tuple[int, int]):
+    """The case of MMA_HOST_CONFIGS[config] at ``shape``, or a skip where it does not apply."""
     dtype, gs, _, with_bias, splits = MMA_HOST_CONFIGS[config]
     out_features, in_features = shape
     if gs is not None and in_features % gs:
@@ -323,8 +322,15 @@ def test_host_emulated_mma_body_matches_reference(host_binary, tmp_path, config,
     if splits and splits[-1] >= out_features:
         pytest.skip("the output boundaries lie past the rows")
     assert kernels.supports_mma(4, gs, in_features, out_features, dtype)
-    packed, scales, x, bias = make_case(out_features, in_features, 4, gs, dtype, with_bias,
-                                        seed=config)
+    return make_case(out_features, in_features, 4, gs, dtype, with_bias, seed=config)
+
+
+@pytest.mark.parametrize("config", range(len(MMA_HOST_CONFIGS)))
+@pytest.mark.parametrize("shape", MMA_SHAPES)
+def test_host_emulated_mma_body_matches_reference(host_binary, tmp_path, config, shape):
+    dtype, gs, _, with_bias, splits = MMA_HOST_CONFIGS[config]
+    out_features, in_features = shape
+    packed, scales, x, bias = mma_case(config, shape)
     for name, arr in (("w", packed), ("scales", scales), ("x", x), ("bias", bias)):
         data = b"" if arr is None else bytes(memoryview(arr))
         (tmp_path / f"{name}.bin").write_bytes(data)
@@ -427,13 +433,8 @@ def test_packed_linear_runs_the_cuda_twin(bits):
 @pytest.mark.parametrize("shape", MMA_SHAPES)
 def test_cuda_mma_gemv_matches_reference(config, shape):
     dtype, gs, unroll, with_bias, splits = MMA_HOST_CONFIGS[config]
-    out_features, in_features = shape
-    if gs is not None and in_features % gs:
-        pytest.skip(f"K={in_features} is not a multiple of group {gs}")
-    if splits and splits[-1] >= out_features:
-        pytest.skip("the output boundaries lie past the rows")
-    packed, scales, x, bias = make_case(out_features, in_features, 4, gs, dtype, with_bias,
-                                        seed=config)
+    out_features = shape[0]
+    packed, scales, x, bias = mma_case(config, shape)
     y = kernels.gemv(x, packed, scales, bias, bits=4, group_size=gs, backend="cuda", mma=True,
                      tuning=kernels.Tuning(kernels.MMA_ROWS, unroll), splits=splits)
     if splits:

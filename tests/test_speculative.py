@@ -59,13 +59,18 @@ def run(model, draft, config, n, prompt=PROMPT, monitor=None, **kw) -> List[int]
 # -- greedy exactness --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [
+#: Block settings every greedy-exactness test runs.
+GREEDY_CONFIGS = [
     SpeculativeConfig(max_draft=1),
     SpeculativeConfig(max_draft=3),
     SpeculativeConfig(max_draft=6, draft_entropy_stop=1.5),
     SpeculativeConfig(max_draft=4, draft_entropy_stop=0.0),  # every block ends after one draft
     SpeculativeConfig(max_draft=4, hard_max_draft=0, draft_entropy_stop=3.0),
-], ids=["k1", "k3", "k6-stop", "stop-all", "hard-cap-0"])
+]
+GREEDY_IDS = ["k1", "k3", "k6-stop", "stop-all", "hard-cap-0"]
+
+
+@pytest.mark.parametrize("config", GREEDY_CONFIGS, ids=GREEDY_IDS)
 def test_greedy_output_is_the_high_gears_on_a_tiny_model(tiny, config):
     model, gb, draft = tiny
     want = greedy_reference(model, PROMPT, 40)
@@ -466,13 +471,7 @@ def test_host_cache_grows_and_trims(monkeypatch, tiny_host):
         build_draft(*tiny_host[:2], "low", host=False)(mx.array([[1]]), cache=grown)
 
 
-@pytest.mark.parametrize("config", [
-    SpeculativeConfig(max_draft=1),
-    SpeculativeConfig(max_draft=3),
-    SpeculativeConfig(max_draft=6, draft_entropy_stop=1.5),
-    SpeculativeConfig(max_draft=4, draft_entropy_stop=0.0),
-    SpeculativeConfig(max_draft=4, hard_max_draft=0, draft_entropy_stop=3.0),
-], ids=["k1", "k3", "k6-stop", "stop-all", "hard-cap-0"])
+@pytest.mark.parametrize("config", GREEDY_CONFIGS, ids=GREEDY_IDS)
 def test_greedy_output_is_the_high_gears_with_the_host_drafter(tiny_host, config):
     model, gb, draft = tiny_host
     want = greedy_reference(model, PROMPT, 40)
