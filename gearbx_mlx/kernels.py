@@ -42,8 +42,11 @@ MMA_DTYPES: Tuple[mx.Dtype, ...] = (mx.float16, mx.bfloat16)
 MMA_MAX_K = 14336
 #: Rows of a matrix-unit threadgroup (two 8-row halves of a 16x16 operand).
 MMA_ROWS = 16
-#: Iterations (64 inputs each) whose loads a SIMD group issues together.
-MMA_UNROLL = 4
+#: Iterations (64 inputs each) whose loads a SIMD group issues together, per
+#: row scales and with group scales (whose scales are loaded with the weights:
+#: 4 would take 92 registers and halve the threadgroups per SM).
+MMA_UNROLL = 2
+MMA_UNROLL_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -361,7 +364,8 @@ def launch_spec(
     bounds = (0,) + splits + (out_features,)
     out_shapes = [x.shape[:-1] + (b - a,) for a, b in zip(bounds, bounds[1:])]
     if mma:
-        t = Tuning(MMA_ROWS, (tuning.unroll if tuning else MMA_UNROLL), 1)
+        default = MMA_UNROLL if group_size is None else MMA_UNROLL_GROUPS
+        t = Tuning(MMA_ROWS, (tuning.unroll if tuning else default), 1)
         n_groups = -(-out_features // MMA_ROWS)
         consts = mma_constants(x.dtype, group_size, t.unroll, splits)
     else:

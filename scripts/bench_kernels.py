@@ -241,20 +241,22 @@ def bench_sweep(quick: bool) -> Dict[str, object]:
 
 
 def bench_mma_sweep(quick: bool) -> Dict[str, object]:
-    """Iterations in flight per SIMD group of the matrix-unit int4 kernel."""
+    """Iterations in flight per SIMD group of the matrix-unit int4 kernel, per
+    row scales and with groups of 64 (the gears' format); the best of each is kept."""
     shapes = [(8192, 8192), (14336, 4096), (4096, 14336)] if not quick else [(1024, 1024)]
-    result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": None}
-    scores = {}
-    for unroll in (1, 2, 4, 8):
-        t = kernels.Tuning(kernels.MMA_ROWS, unroll, 1)
-        us = [time_format("packed_4_row_mma", s, t)["us"] for s in shapes]
-        result["runs"].append({"unroll": unroll, "us": us})
-        scores[unroll] = math.exp(sum(math.log(u) for u in us) / len(us))
-        print(f"  mma sweep unroll={unroll}: " + ", ".join(f"{u:.1f}" for u in us) + " us",
-              flush=True)
-    best = min(scores, key=scores.get)
-    kernels.MMA_UNROLL = best
-    result["best"] = best
+    result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": {}}
+    for fmt, attr in (("packed_4_row_mma", "MMA_UNROLL"), ("packed_4_g64_mma", "MMA_UNROLL_GROUPS")):
+        scores = {}
+        for unroll in (1, 2, 4):
+            t = kernels.Tuning(kernels.MMA_ROWS, unroll, 1)
+            us = [time_format(fmt, s, t)["us"] for s in shapes]
+            result["runs"].append({"format": fmt, "unroll": unroll, "us": us})
+            scores[unroll] = math.exp(sum(math.log(u) for u in us) / len(us))
+            print(f"  mma sweep {fmt} unroll={unroll}: " + ", ".join(f"{u:.1f}" for u in us)
+                  + " us", flush=True)
+        best = min(scores, key=scores.get)
+        setattr(kernels, attr, best)
+        result["best"][fmt] = best
     return result
 
 
@@ -663,7 +665,8 @@ def main(argv=None) -> int:
     save()
     report["tuning"] = {b: {"rows": t.rows, "unroll": t.unroll, "vec": t.vec}
                         for b, t in kernels.TUNING.items()}
-    report["tuning"]["mma"] = {"rows": kernels.MMA_ROWS, "unroll": kernels.MMA_UNROLL}
+    report["tuning"]["mma"] = {"rows": kernels.MMA_ROWS, "unroll": kernels.MMA_UNROLL,
+                               "unroll_groups": kernels.MMA_UNROLL_GROUPS}
     try:
         report["dispatch"] = bench_dispatch()
     except Exception as e:
