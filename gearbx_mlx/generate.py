@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .config import ANSI_RESET, GEAR_ANSI, GEARS, KERNELS, SCOPES, GearboxConfig
+from .precision import default_kernel
 from .speculative_cli import add_speculative_args, check_speculative_args, run_speculative  # issue 7
 
 DEFAULT_MAX_TOKENS = 256
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("gearbox options")
     r.add_argument("--scope", choices=SCOPES, default="attention",
                    help="manage attention projections only (paper default) or every linear layer")
-    r.add_argument("--kernel", choices=KERNELS, default="mlx",
-                   help="low/mid gears through MLX's QuantizedLinear or our packed kernels")
+    r.add_argument("--kernel", choices=KERNELS, default=None,
+                   help="low/mid gears through MLX's QuantizedLinear or our packed kernels "
+                        "(default: packed on the CPU when the C kernels are built, else mlx)")
     r.add_argument("--thresholds", nargs=2, type=float, metavar=("LOW", "HIGH"),
                    help="entropy thresholds in bits of this model (no vocabulary scaling)")
     r.add_argument("--calibrate", nargs="?", const="median", choices=("median", "percentile"),
@@ -80,7 +82,7 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
         hysteresis=args.hysteresis,
         min_gear_duration=args.min_gear_duration,
         scope=args.scope,
-        kernel=args.kernel,
+        kernel=args.kernel or default_kernel(),
         telemetry_only=args.telemetry_only,
         static_gear=args.static_gear,
         lag=args.lag,

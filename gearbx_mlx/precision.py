@@ -128,6 +128,25 @@ def packed_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module
     return PackedLinear.from_linear(module, bits, group_size)
 
 
+def default_kernel() -> str:
+    """The CLI's kernel when ``--kernel`` is not given: the fastest one available.
+
+    "packed" on the CPU device when the C kernels are built (they decode
+    several times faster than MLX's quantized CPU kernels, and the
+    speculative drafter's host step needs them); "mlx" elsewhere (on a GPU
+    neither is reliably faster, and Metal speed is unmeasured).
+    """
+    import warnings  # noqa: PLC0415
+
+    from .packed import _cpu_kernels  # noqa: PLC0415
+
+    if mx.default_device() != mx.cpu:
+        return "mlx"
+    with warnings.catch_warnings():  # a missing optional build is no news here
+        warnings.simplefilter("ignore")
+        return "packed" if _cpu_kernels() is not None else "mlx"
+
+
 class PrecisionManager:
     """Swaps managed modules of a live model between gears.
 
