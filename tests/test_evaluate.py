@@ -374,13 +374,24 @@ def test_speculative_quality_is_static_high_and_its_blocks_cover_the_text(quick_
     assert report.speculative_table(section).count("speculative-") == 8
 
 
-def test_from_json_renders_a_run_saved_before_the_speculative_rows(capsys):
+def test_from_json_renders_a_run_saved_before_the_speculative_rows(capsys, tmp_path):
+    import json
     from pathlib import Path
 
     saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval_default.json"
     if not saved.is_file():
         pytest.skip(f"{saved} is not in this checkout")
+    data = json.loads(saved.read_text())
+    # The committed run, whatever it holds, renders.
     assert main(["--from-json", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("policy") and "static-high" in out
+    assert ("speculative-low/k2" in out) == ("speculative" in data)
+    # A run saved before the speculative rows existed (no such key) renders too.
+    data.pop("speculative", None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert main(["--from-json", str(old)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("policy") and "static-high" in out and "speculative" not in out
 
