@@ -5,22 +5,30 @@ Sections (each recorded even if another fails):
 
 1. ``bandwidth``: the device's copy bandwidth (``a + 1`` over 1 GiB: bytes read
    plus written, per second) and read bandwidth (``sum`` over 1 GiB).
-2. ``sweep``: rows per SIMD group x words in flight per lane, for int4 and
-   int8, at a device-variant shape and a shared-variant shape; the best (by
-   geometric mean) is used for the rest of the run and reported.
+2. ``sweep``: rows per SIMD group x words in flight per lane of the SIMT
+   body, for int4 and int8, at a device-variant shape and a shared-variant
+   shape; the best (by geometric mean) is used for the rest of the run and
+   reported (``--skip-sweep`` keeps the defaults). ``mma_sweep``: iterations
+   in flight of the matrix-unit int4 body, per row and at group 64.
+   ``dispatch``: host cost per layer call in a chain of tiny layers.
 3. ``gemv``: for each shape (O x K), each format's time per product with many
    products (over distinct weight copies, together far larger than the L2
    cache) inside one evaluated graph; GB/s of bytes read (weights + scales),
    the fraction of copy bandwidth, and speed relative to MLX's
    ``quantized_matmul`` (4 and 8 bits, group 64) and to the fp16 product.
-   Every kernel is checked against the reference before it is timed.
+   Every kernel is checked against the reference before it is timed. The
+   ``null`` format is a launch that reads no weights: the harness's floor.
 4. ``decode``: greedy decoding tok/s of mlx-lm llama models with random
    weights (Llama-3-8B shape and SmolLM2-135M shape), bf16 vs MLX
    ``QuantizedLinear`` 4/8-bit vs ``PackedLinear`` 4/8-bit on every Linear
-   (and the tied embedding of the small model).
+   (and the tied embedding of the small model), ``-fused`` with q/k/v and
+   gate/up in one launch each, and ``null``/``null-fused``: every Linear a
+   launch that does no work, the ceiling of any kernel at that launch count.
+   ``--rounds`` passes over the variants, interleaved; medians reported.
 
 Usage:
   python scripts/bench_kernels.py [--out FILE] [--quick] [--skip-decode] [--skip-sweep]
+      [--models llama3-8b smollm2-135m] [--variants bf16 mlx-4 packed-4-fused ...] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from gearbx_mlx import kernels, quant  # noqa: E402
 from gearbx_mlx.fused import fuse_plan  # noqa: E402
-from gearbx_mlx.packed import PackedEmbedding, PackedLinear, backend_for  # noqa: E402
+from gearbx_mlx.packed import PackedEmbedding, PackedLinear  # noqa: E402
 
 SHAPES: List[Tuple[int, int]] = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
 #: Weight copies per format are chosen so that together they exceed this many
@@ -650,29 +658,23 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s, read bandwidth {bw['read_GBps']:.0f} GB/s",
           flush=True)
     save()
-    if not args.skip_sweep:
+    def section(key: str, run: Callable[[], object]) -> None:
+        """Record one section, or its error, and save: a failure loses nothing else."""
         try:
-            report["sweep"] = bench_sweep(args.quick)
+            report[key] = run()
         except Exception as e:
-            report["sweep"] = {"error": f"{type(e).__name__}: {e}"}
+            report[key] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         save()
-    try:
-        report["mma_sweep"] = bench_mma_sweep(args.quick)
-    except Exception as e:
-        report["mma_sweep"] = {"error": f"{type(e).__name__}: {e}"}
-        traceback.print_exc()
-    save()
+
+    if not args.skip_sweep:
+        section("sweep", lambda: bench_sweep(args.quick))
+    section("mma_sweep", lambda: bench_mma_sweep(args.quick))
     report["tuning"] = {b: {"rows": t.rows, "unroll": t.unroll, "vec": t.vec}
                         for b, t in kernels.TUNING.items()}
     report["tuning"]["mma"] = {"rows": kernels.MMA_ROWS, "unroll": kernels.MMA_UNROLL,
                                "unroll_groups": kernels.MMA_UNROLL_GROUPS}
-    try:
-        report["dispatch"] = bench_dispatch()
-    except Exception as e:
-        report["dispatch"] = {"error": f"{type(e).__name__}: {e}"}
-        traceback.print_exc()
-    save()
+    section("dispatch", bench_dispatch)
     shapes = SHAPES if not args.quick else [(1024, 1024)]
     report["gemv"] = bench_gemv(shapes, bw["copy_GBps"])
     print_gemv(report["gemv"])
