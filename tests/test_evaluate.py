@@ -515,3 +515,31 @@ def test_library_rejects_too_few_tokens(default_model):
     model, tokenizer, _ = default_model
     with pytest.raises(ValueError, match="tokens must be an integer >= 2"):
         evaluate(model, tokenizer, "Hello there.", tokens=1)
+
+
+def test_pareto_draws_the_speculative_rows(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from gearbx_mlx.evaluation import plots
+
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval_default.json"
+    if not saved.is_file():
+        pytest.skip(f"{saved} is not in this checkout")
+    results = json.loads(saved.read_text())
+    assert results["speculative"]["rows"], "the committed run has speculative rows"
+    markers = []
+    real_scatter = matplotlib.axes.Axes.scatter
+
+    def scatter(self, x, y, *args, marker=None, **kwargs):
+        markers.append(marker)
+        return real_scatter(self, x, y, *args, marker=marker, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", scatter)
+    path = plots.pareto(results, tmp_path / "p.png")
+    assert path.stat().st_size > 1000
+    # Both panels draw every speculative row.
+    assert markers.count(plots.SPECULATIVE_MARKER) == 2 * len(results["speculative"]["rows"])

@@ -20,6 +20,8 @@ KIND_MARKERS = {"static": "s", "entropy": "o", "mixed": "D", "position": "^", "r
 SCOPE_COLORS = {"attention": "#1e88e5", "all": "#8e24aa"}
 #: KL of the reference is exactly 0: drawn at this floor on the log axis.
 KL_FLOOR = 1e-5
+#: Speculative rows (quality exact by construction), coloured by drafter gear.
+SPECULATIVE_MARKER = "*"
 
 
 def require_matplotlib():
@@ -61,12 +63,23 @@ def pareto(results: Dict[str, Any], path: Path) -> Path:
                 ax.plot([x0, x], [y0, y], ls=":", lw=0.8, color=SCOPE_COLORS[scope], zorder=2)
             else:
                 ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        # Speculative rows: the high gear's quality exactly, at their modeled bytes.
+        for r in (results.get("speculative") or {}).get("rows", []):
+            x = r["modeled"]["bytes_per_token"] / 1e6
+            y = r[key] if key != "mean_kl" else max(r[key], KL_FLOOR)
+            ax.scatter(x, y, marker=SPECULATIVE_MARKER, color=GEAR_COLORS[r["draft_gear"]], s=60,
+                       zorder=3)
+            ax.annotate(r["name"].replace("speculative-", "spec-"), (x, y), fontsize=5,
+                        xytext=(3, -7), textcoords="offset points", rotation=-30)
         ax.set_xlabel("modeled weight bytes per token (MB, §9 cost model)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
     handles = [plt.Line2D([], [], marker=m, ls="", color="gray", label=k) for k, m in KIND_MARKERS.items()]
     handles += [plt.Line2D([], [], marker="o", ls="", color=c, label=f"scope {s}") for s, c in SCOPE_COLORS.items()]
+    if (results.get("speculative") or {}).get("rows"):
+        handles += [plt.Line2D([], [], marker=SPECULATIVE_MARKER, ls="", color=GEAR_COLORS[g],
+                               label=f"speculative, {g} drafter (exact)") for g in ("low", "mid")]
     axes[0].legend(handles=handles, fontsize=7, loc="upper right")
     fig.suptitle(
         f"{results['model'].get('name', 'model')}: quality vs bytes per token "
