@@ -28,10 +28,16 @@ the protocol says raises :class:`ValueError`. Both name the URL.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import socket
+import subprocess
+import sys
+import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -363,3 +369,53 @@ def parse_chunk(event: Dict[str, Any], greedy: bool) -> Chunk:
         raise ValueError(f"content is not text: {str(text)[:80]}")
     tokens = parse_logprobs(choice, greedy)
     return Chunk(text, tokens, choice.get("finish_reason"), bool(tokens) or not text)
+
+
+# -- a local mlx_lm.server (tests and scripts) ---------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_mlx_server(model: str, start_timeout: float = 90.0) -> Iterator[str]:
+    """Run ``mlx_lm.server`` for ``model`` on a free local port; yield its base URL.
+
+    The hub is never contacted (``HF_HUB_OFFLINE=1``). The server is always
+    stopped on exit.
+
+    Raises:
+        RuntimeError: the server exited, or did not answer ``/health`` within
+            ``start_timeout`` seconds.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
+         "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited with {proc.returncode} before it served")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mlx_lm.server did not answer within {start_timeout:g} s")
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -14,11 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +23,7 @@ from mlx_lm import load
 from gearbx_mlx import remote
 from gearbx_mlx.entropy import entropy_bits
 from gearbx_mlx.models import default_model_path
+from gearbx_mlx.openai_client import local_mlx_server
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 PROMPTS = ("Name three colours of the rainbow.", "Write a short poem about the sea.",
@@ -40,21 +36,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     args = ap.parse_args()
     model_dir = str(default_model_path())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
-    try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+    with local_mlx_server(model_dir, start_timeout=120.0) as url:
         model, tok = load(model_dir)
-        variants = remote.parse_variants([f"http://127.0.0.1:{port},{model_dir}"])
+        variants = remote.parse_variants([f"{url},{model_dir}"])
         for k in args.top_k:
             h, lo, up = [], [], []
             for p in PROMPTS:
@@ -75,12 +60,6 @@ def main() -> None:
             print(f"k={k:>2} tokens {len(h)}: exact {h.mean():.3f} bits, lower {lo.mean():.3f} "
                   f"(|err| {row['lower_abs_err']:.3f}), upper/§12.3 {up.mean():.3f} (|err| {row['upper_abs_err']:.3f}), "
                   f"violations {row['lower_violations']}/{row['upper_violations']}", flush=True)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"command": f"python scripts/check_remote_bounds.py --top-k {' '.join(map(str, args.top_k))} "
                       f"--tokens {args.tokens}",

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, List
 
@@ -21,7 +17,7 @@ from hypothesis import strategies as st
 
 from gearbx_mlx import remote
 from gearbx_mlx.entropy_bounds import entropy_bounds, max_slack
-from gearbx_mlx.openai_client import api_base, parse_chunk, piece_text
+from gearbx_mlx.openai_client import api_base, free_port, local_mlx_server, parse_chunk, piece_text
 from gearbx_mlx.trace import read_trace
 
 #: Entropies from the server (KV-cached decode) and from one local forward
@@ -97,12 +93,6 @@ def test_parse_chunk_openai_and_mlx_lm_forms():
 
 
 # -- errors -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_server_fails_fast(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     tic = time.perf_counter()
@@ -217,31 +207,12 @@ def mlx_server() -> Iterator[str]:
     from gearbx_mlx.models import default_model_path
 
     model = str(default_model_path())
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlx_lm.server exited with {proc.returncode} before it served")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"mlx_lm.server did not answer within {SERVER_START_S} s")
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}", model
-    finally:
-        proc.terminate()
+    with contextlib.ExitStack() as stack:
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            url = stack.enter_context(local_mlx_server(model, SERVER_START_S))
+        except RuntimeError as e:
+            pytest.fail(str(e))
+        yield url, model
 
 
 @pytest.mark.slow
