@@ -199,6 +199,27 @@ def replay_speedup(
     return sum(a + 1 for _, a in blocks) / spent if spent else 1.0
 
 
+def step_seconds(model: Any, ids: Sequence[int], n_in: int, reps: int) -> List[float]:
+    """Seconds of ``reps`` synchronous calls of ``model`` on ``n_in`` tokens.
+
+    The cache holds ``ids`` first (the calls extend it and are trimmed back
+    after each one); a first call to warm up is not counted.
+    """
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(ids)[None], cache=cache))
+    mx.eval([c.state for c in cache])
+    x = mx.array((list(ids) * (n_in // max(len(ids), 1) + 1))[:n_in])[None]
+    times = []
+    for _ in range(reps + 1):
+        tic = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        times.append(time.perf_counter() - tic)
+        trim_prompt_cache(cache, n_in)
+    return times[1:]
+
+
 def measure_costs(
     model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = 3
 ) -> Tuple[float, List[float]]:
@@ -208,19 +229,8 @@ def measure_costs(
     closest to an idle machine). ``v`` is measured at k = 0 and ``max_k`` and
     interpolated linearly in between.
     """
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
     def best(m: Any, n_in: int) -> float:
-        cache = make_prompt_cache(m)
-        mx.eval(m(mx.array(ids)[None], cache=cache))
-        x = mx.array((list(ids) * (n_in // max(len(ids), 1) + 1))[:n_in])[None]
-        times = []
-        for _ in range(reps + 1):
-            tic = time.perf_counter()
-            mx.eval(m(x, cache=cache))
-            times.append(time.perf_counter() - tic)
-            trim_prompt_cache(cache, n_in)
-        return min(times[1:])
+        return min(step_seconds(m, ids, n_in, reps))
 
     high = best(model, 1)
     c = best(draft, 1) / high

@@ -178,20 +178,10 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def step_costs(model: Any, drafts: Dict[str, Any], ids: Sequence[int], ks: Sequence[int], reps: int) -> Dict[str, Any]:
     """Milliseconds (best, median) of one step of each model and of verifies of k+1 tokens."""
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from gearbx_mlx.draft_calibration import step_seconds
 
     def cost(m: Any, n_in: int) -> Dict[str, float]:
-        cache = make_prompt_cache(m)
-        mx.eval(m(mx.array(ids)[None], cache=cache))
-        mx.eval([c.state for c in cache])
-        x = mx.array((list(ids) * 8)[:n_in])[None]
-        ts = []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            mx.eval(m(x, cache=cache))
-            ts.append(time.perf_counter() - t)
-            trim_prompt_cache(cache, n_in)
-        ts = ts[1:]  # the first call warms up
+        ts = step_seconds(m, ids, n_in, reps)
         return {"best_ms": 1e3 * min(ts), "median_ms": 1e3 * statistics.median(ts)}
 
     out: Dict[str, Any] = {"high": cost(model, 1)}
@@ -209,8 +199,8 @@ def continuations(model: Any, prompts: List[List[int]], n: int) -> List[List[int
             for ids in prompts]
 
 
-def alpha_teacher_forced(model: Any, draft: Any, prompts: List[List[int]], seqs: List[List[int]]) -> Dict[str, float]:
-    """Greedy agreement of the drafter with the high gear on the high gear's continuations."""
+def continuation_stats(model: Any, draft: Any, prompts: List[List[int]], seqs: List[List[int]]) -> Any:
+    """The drafter's statistics (``DraftStats``) on the high gear's continuations only."""
     from gearbx_mlx.draft_calibration import DraftStats, draft_stats
 
     stats = DraftStats()
@@ -219,7 +209,12 @@ def alpha_teacher_forced(model: Any, draft: Any, prompts: List[List[int]], seqs:
         keep = slice(len(ids) - 1, len(seq) - 1)
         stats.extend(DraftStats(full.draft_entropy[keep], full.high_entropy[keep], full.agree[keep],
                                 full.accept_prob[keep]))
-    return stats.summary()
+    return stats
+
+
+def alpha_teacher_forced(model: Any, draft: Any, prompts: List[List[int]], seqs: List[List[int]]) -> Dict[str, float]:
+    """Greedy agreement of the drafter with the high gear on the high gear's continuations."""
+    return continuation_stats(model, draft, prompts, seqs).summary()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -245,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_path = Path(args.out or ROOT / "benchmarks" / "results" / f"speculative_{args.tag}.json")
 
     from gearbx_mlx.draft import build_draft
-    from gearbx_mlx.draft_calibration import DraftStats, best_replay, calibrate_draft_stop, draft_stats
+    from gearbx_mlx.draft_calibration import best_replay, calibrate_draft_stop
     from gearbx_mlx.speculative import SpeculativeConfig
 
     model, tok, gb, name = load_model(args)
@@ -302,12 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cal = calibrate_draft_stop(model, d, tok, "replay", cost=(c, verify))
         else:  # random weights: the same replay on the random prompts' continuations
             seqs = seqs or continuations(model, prompts, args.tokens)
-            stats = DraftStats()
-            for ids, seq in zip(prompts, seqs):
-                full = draft_stats(model, d, seq, window=len(seq))
-                keep = slice(len(ids) - 1, len(seq) - 1)
-                stats.extend(DraftStats(full.draft_entropy[keep], full.high_entropy[keep], full.agree[keep],
-                                        full.accept_prob[keep]))
+            stats = continuation_stats(model, d, prompts, seqs)
             cal = {**stats.summary(), **best_replay(stats, c, verify)}
         result.setdefault("calibration", {})[g] = cal
         stop = args.stop if args.stop is not None else cal["stop_bits"]
