@@ -370,23 +370,19 @@ class NullKernel:
 
     def __init__(self, out_dims: Tuple[int, ...]) -> None:
         self.out_dims = tuple(out_dims)
-        names = [f"y{i}" for i in range(len(out_dims))]
+        self._names = [f"y{i}" for i in range(len(out_dims))]
         if kernels.gpu_backend() == "metal":
-            index = "const uint i = thread_position_in_grid.x;\n"
+            self._index = "const uint i = thread_position_in_grid.x;\n"
         else:
-            index = "const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
-        body = "".join(f"if (i < y{j}_size) y{j}[i] = x[0];\n" for j in range(len(out_dims)))
-        body = body.replace("_size", "_n")
-        consts = "".join(f"const int y{j}_n = N{j};\n" for j in range(len(out_dims)))
-        self._names, self._index, self._body, self._consts = names, index, body, consts
+            self._index = "const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
         self._kernels: Dict[int, Callable] = {}
 
     def _kernel(self, lead: int) -> Callable:
+        """The kernel for ``lead`` input rows (output j has ``lead * out_dims[j]`` elements)."""
         k = self._kernels.get(lead)
         if k is None:
-            src = self._index + "".join(
-                f"const int N{j} = {lead * d};\n" for j, d in enumerate(self.out_dims))
-            src += self._consts + self._body
+            src = self._index + "".join(f"if (i < {lead * d}) y{j}[i] = x[0];\n"
+                                        for j, d in enumerate(self.out_dims))
             make = mx.fast.metal_kernel if kernels.gpu_backend() == "metal" else mx.fast.cuda_kernel
             k = make(name=f"gbx_null_{lead}_{'_'.join(map(str, self.out_dims))}",
                      input_names=["x"], output_names=self._names, source=src)
