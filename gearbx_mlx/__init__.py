@@ -16,9 +16,7 @@ from .gearbox import Gearbox
 from .generation import GearboxResponse, generate, load, stream_generate
 from .policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
 from .precision import PrecisionManager
-from .speculative import (  # issue 7: self-speculative decoding
-    SpeculativeConfig, SpeculativeResponse, speculative_generate, stream_speculative_generate,
-)
+from .speculative import SpeculativeConfig, SpeculativeResponse, speculative_generate, stream_speculative_generate
 
 __version__ = "0.1.0"
 
@@ -26,6 +24,5 @@ __all__ = [
     "Calibration", "GEARS", "GearboxConfig", "EntropyMonitor", "entropy_bits", "Gearbox",
     "GearboxResponse", "generate", "load", "stream_generate", "EntropyPolicy",
     "PositionPolicy", "RandomPolicy", "StaticPolicy", "PrecisionManager",
-    # issue 7
     "SpeculativeConfig", "SpeculativeResponse", "speculative_generate", "stream_speculative_generate",
 ]

@@ -24,7 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
+from .entropy import entropy_bits
 
 STRATEGIES = ("median", "percentile")
 CALIBRATION_FORMAT = 1
@@ -135,14 +140,9 @@ def collect_entropies(
 
     The chat template is applied when the tokenizer has one, as in generation.
     """
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    from .entropy import entropy_bits
-
     out: List[float] = []
     for prompt in prompts:
-        ids = _encode(tokenizer, prompt)
+        ids = encode_chat(tokenizer, prompt)
         pending: List[mx.array] = []
 
         def record(tokens: mx.array, logits: mx.array) -> mx.array:
@@ -158,14 +158,6 @@ def collect_entropies(
         mx.eval(pending)
         out.extend(float(h.item()) for h in pending[:max_tokens])
     return out
-
-
-def _encode(tokenizer: Any, prompt: str) -> List[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
-    return tokenizer.encode(prompt)
 
 
 def calibrate(

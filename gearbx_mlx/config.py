@@ -101,7 +101,7 @@ class GearboxConfig:
     # Gear of the prefill and first steps; None = the §11 classifier decides.
     initial_gear: Optional[str] = None
     # Steps between the entropy a decision reads and the forward pass it
-    # governs (FACTS.md): 0 = the very next pass (one sync per step, taken
+    # governs (measured in tests/test_routing.py): 0 = the very next pass (one sync per step, taken
     # before the next graph is built), 1 = mlx-lm's natural pipelining.
     lag: int = 0
     # §10.1 NaN guard on the logits that are sampled.

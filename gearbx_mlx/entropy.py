@@ -3,8 +3,8 @@
 Two pieces:
 
 * :func:`entropy_bits` turns logits into entropy in bits, in float32 whatever
-  the model's dtype (FACTS.md: entropy from bf16 log-probabilities is off by
-  2.5-13%), as a lazy device array so it can be read after the step's natural
+  the model's dtype (half-precision log-probabilities lose the digits that
+  low entropies are made of), as a lazy device array so it can be read after the step's natural
   synchronisation (§3.6).
 * :class:`EntropyMonitor` is the pure-Python state machine: rolling window,
   vocabulary-scaled thresholds, hysteresis, minimum gear duration, slope and

@@ -9,11 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
 
+from .calibration import Calibration
+from .chat import apply_chat_template
 from .config import ANSI_RESET, GEAR_ANSI, GEARS, KERNELS, SCOPES, GearboxConfig
+from .console import print_stream, show_warning
+from .generation import load, stream_generate
 from .precision import default_kernel
-from .speculative_cli import add_speculative_args, check_speculative_args, run_speculative  # issue 7
+from .speculative.cli import add_speculative_args, check_speculative_args, run_speculative
+from .telemetry.trace import TraceWriter, run_summary, token_record
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -65,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
     r.add_argument("--color", action="store_true", help="colour each token by its gear")
     r.add_argument("--quiet", action="store_true", help="print the text only, no summary")
-    add_speculative_args(p)  # issue 7: speculative decoding flags
+    add_speculative_args(p)
     return p
 
 
@@ -91,8 +97,6 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Fail on bad input before anything slow happens."""
-    from pathlib import Path
-
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise ValueError("--max-tokens must be positive (or -1 for no limit)")
     if args.thresholds and not 0 <= args.thresholds[0] < args.thresholds[1]:
@@ -111,13 +115,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _templated(tokenizer: Any, args: argparse.Namespace, prompt: str) -> Any:
-    if args.ignore_chat_template or not getattr(tokenizer, "chat_template", None):
-        return prompt
-    messages: List[Dict[str, str]] = []
-    if args.system_prompt:
-        messages.append({"role": "system", "content": args.system_prompt})
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return apply_chat_template(tokenizer, prompt, args.system_prompt, use_template=not args.ignore_chat_template)
 
 
 def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
@@ -156,13 +154,9 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .calibration import Calibration
-    from .generation import load, stream_generate
-    from .trace import TraceWriter, run_summary, token_record
-
     prompt = _read_prompt(args)
     _check_args(args)
-    if args.speculative:  # issue 7
+    if args.speculative:
         check_speculative_args(args)
     config = _config(args)
     model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype)
@@ -176,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.calibration:
         gearbox.set_calibration(Calibration.load(args.calibration))
 
-    if args.speculative:  # issue 7: exact high-gear output, drafted by a lower gear
+    if args.speculative:  # exact high-gear output, drafted by a lower gear
         return run_speculative(args, model, tokenizer, gearbox, prompt, _templated(tokenizer, args, prompt))
     if args.static_gear != "high":
         gearbox.warn_if_prequantized_source()  # before the text starts streaming
@@ -210,37 +204,6 @@ def run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def print_stream(
-    stream: Iterable[Any],
-    *,
-    color: bool,
-    writer: Any = None,
-    record: Optional[Callable[[Any], Dict[str, Any]]] = None,
-    header: Optional[Callable[[Any], Dict[str, Any]]] = None,
-) -> Tuple[Any, bool]:
-    """Print each response's text as it arrives (coloured by its gear with
-    ``color``) and trace it; Ctrl-C ends the stream cleanly.
-
-    Returns:
-        ``(last response or None, interrupted)``.
-    """
-    last, interrupted = None, False
-    try:
-        for resp in stream:
-            if last is None and writer and header:
-                writer.header(**header(resp))
-            last = resp
-            text = f"{GEAR_ANSI[resp.gear]}{resp.text}{ANSI_RESET}" if color and resp.text else resp.text
-            print(text, end="", flush=True)
-            if writer and record:
-                writer.token(**record(resp))
-        print(flush=True)
-    except KeyboardInterrupt:
-        interrupted = True
-        print(flush=True)
-    return last, interrupted
-
-
 def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:
     c = gearbox.config
     source = (f"calibration:{gearbox.calibration.strategy}" if gearbox.calibration
@@ -261,13 +224,9 @@ def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) ->
     }
 
 
-def _show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
-    print(f"[gearbx] warning: {message}", file=sys.stderr, flush=True)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.showwarning = _show_warning  # one plain line, not a source excerpt
+    warnings.showwarning = show_warning  # one plain line, not a source excerpt
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:

@@ -16,8 +16,8 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse
-from mlx_lm.generate import stream_generate as _mlx_stream_generate
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import GenerationResponse, stream_generate as _mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from .calibration import Calibration
@@ -25,6 +25,7 @@ from .config import GearboxConfig
 from .gearbox import Gearbox
 from .policies import Policy
 from .routing import RoutedModel, RoutingSession
+from .sources.models import resolve_model
 
 #: Keyword arguments that build a sampler, as in mlx-lm's CLI.
 SAMPLER_KEYS = ("temp", "top_p", "min_p", "top_k", "min_tokens_to_keep")
@@ -78,10 +79,6 @@ def load(
     Returns:
         ``(model, tokenizer, gearbox)``.
     """
-    from mlx_lm import load as mlx_load
-
-    from .models import resolve_model
-
     config = config or GearboxConfig()
     if options:
         config = config.replace(**options)

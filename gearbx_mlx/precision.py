@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -23,6 +24,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import GEARS, GearboxConfig, bits_for
+from .packed.fused import fuse_modules
+from .packed.layers import PackedEmbedding, PackedLinear, cpu_backend
 
 #: Path components (lower-cased, underscores removed) that mark attention (§6.1).
 ATTENTION_NAMES = ("selfattn", "attention", "attn", "selfattention")
@@ -121,8 +124,6 @@ def mlx_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module:
 
 def packed_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module:
     """Our packed int4/int8 layers (``PackedLinear`` / ``PackedEmbedding``)."""
-    from .packed import PackedEmbedding, PackedLinear
-
     if isinstance(module, nn.Embedding):
         return PackedEmbedding.from_embedding(module, bits, group_size)
     return PackedLinear.from_linear(module, bits, group_size)
@@ -136,15 +137,11 @@ def default_kernel() -> str:
     speculative drafter's host step needs them); "mlx" elsewhere (on a GPU
     neither is reliably faster, and Metal speed is unmeasured).
     """
-    import warnings  # noqa: PLC0415
-
-    from .packed import _cpu_kernels  # noqa: PLC0415
-
     if mx.default_device() != mx.cpu:
         return "mlx"
     with warnings.catch_warnings():  # a missing optional build is no news here
         warnings.simplefilter("ignore")
-        return "packed" if _cpu_kernels() is not None else "mlx"
+        return "packed" if cpu_backend() is not None else "mlx"
 
 
 class PrecisionManager:
@@ -190,7 +187,6 @@ class PrecisionManager:
         if self.config.kernel == "packed":
             # q/k/v and gate/up in one GPU launch each (a no-op where they
             # cannot fuse; on the CPU each member computes its own rows).
-            from .fused import fuse_modules  # noqa: PLC0415
 
             built = fuse_modules(built)
         dt = time.perf_counter() - tic

@@ -1,7 +1,7 @@
 """Hooking the router into mlx-lm's decode loop without forking it.
 
 mlx-lm's ``generate_step`` builds the graph of step n+1 before it yields
-token n (FACTS.md), so a swap made when token n is handed out first changes
+token n (``tests/test_routing.py`` measures it), so a swap made when token n is handed out first changes
 step n+2. Two hooks avoid forking the loop:
 
 * a **logits processor** computes each step's entropy in float32 as a lazy

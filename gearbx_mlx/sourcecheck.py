@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import mlx.core as mx
 import numpy as np
 
 BLOCK = 32
@@ -101,8 +102,6 @@ def check_weights(
 
 def check_modules(modules: Iterable, max_modules: int = 8) -> SourceCheck:
     """Run :func:`check_weights` on the ``weight`` of up to ``max_modules`` modules."""
-    import mlx.core as mx
-
     mats = []
     for i, m in enumerate(modules):
         if i >= max_modules:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the C CPU kernels of ``gearbx_mlx.cpu``; print a table, write JSON.
+"""Benchmark the C CPU kernels of ``gearbx_mlx.packed.cpu``; print a table, write JSON.
 
 Sections (each recorded even if another fails):
 
@@ -315,7 +315,7 @@ def print_table(result: Dict[str, Any]) -> None:
 
 
 def targets(result: Dict[str, Any]) -> Dict[str, Any]:
-    """The issue's GEMV targets: int4 intdot 4096^2 1 thread >= 70% of read BW, >= 5x numpy."""
+    """The GEMV targets: int4 intdot 4096^2 1 thread >= 70% of read BW, >= 5x numpy."""
     out: Dict[str, Any] = {"lines": []}
     bw = result.get("bandwidth", {}).get("threads1")
     rows = {(tuple(r["shape"]), r["impl"], r["threads"]): r for r in result.get("gemv", [])}
@@ -349,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--skip-gemv", action="store_true", help="only the decode section (with --decode)")
     args = ap.parse_args(argv)
     if not cpu.available():
-        print("gearbx_mlx.cpu: extension not built; nothing to measure", file=sys.stderr)
+        print("gearbx_mlx.packed.cpu: extension not built; nothing to measure", file=sys.stderr)
         return 2
     cold = (args.cold_mib << 20) if args.cold_mib else max(1 << 30, 2 * llc_bytes())
     seconds = 0.3 if args.quick else args.seconds

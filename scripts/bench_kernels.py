@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gearbx_mlx import kernels, quant  # noqa: E402
-from gearbx_mlx.fused import fuse_plan  # noqa: E402
-from gearbx_mlx.packed import PackedEmbedding, PackedLinear  # noqa: E402
+from gearbx_mlx.packed.fused import fuse_plan  # noqa: E402
+from gearbx_mlx.packed.layers import PackedEmbedding, PackedLinear  # noqa: E402
 
 SHAPES: List[Tuple[int, int]] = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
 #: Weight copies per format are chosen so that together they exceed this many
@@ -402,7 +402,7 @@ class NullLinear(nn.Module):
     """A linear layer's shape without its product (see :class:`NullKernel`).
 
     Members of one group (``group``, ``index``) share a launch per input array,
-    as :class:`gearbx_mlx.fused.FusedPackedLinear` members do.
+    as :class:`gearbx_mlx.packed.fused.FusedPackedLinear` members do.
     """
 
     def __init__(self, group: "NullGroup", index: int) -> None:
@@ -427,7 +427,7 @@ class NullGroup:
 
 def null_plan(model, fused: bool) -> List[Tuple[str, nn.Module]]:
     """Every Linear replaced by a null launch; q/k/v and gate/up sharing one if ``fused``."""
-    from gearbx_mlx.fused import FUSE_SETS
+    from gearbx_mlx.packed.fused import FUSE_SETS
 
     plan, done = [], set()
     for path, module in model.named_modules():

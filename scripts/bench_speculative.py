@@ -5,7 +5,7 @@ Rows, all greedy, same prompts, same run:
   high alone (mlx-lm's own decode loop on the loaded model), low/mid alone
   (the drafter in the same loop), speculative with fixed blocks k = 2/4/6
   (``--ks``) and entropy-gated: the block cap and draft-entropy stop that
-  ``gearbx_mlx.draft_calibration.calibrate_draft_stop`` picks (replay of the
+  ``gearbx_mlx.speculative.calibration.calibrate_draft_stop`` picks (replay of the
   calibration prompts at the step costs measured here). The configurations
   run interleaved, prompt by prompt, so that the drift of a shared machine
   falls on all of them alike.
@@ -123,9 +123,9 @@ def prompt_ids(tok: Any, vocab: int, n: int, length: int = 32) -> List[List[int]
     if tok is None:  # random weights: random prompts
         mx.random.seed(1)
         return [mx.random.randint(0, vocab, (length,)).tolist() for _ in range(n)]
-    from gearbx_mlx.calibration import _encode
+    from gearbx_mlx.chat import encode_chat
 
-    return [_encode(tok, p) for p in PROMPTS[:n]]
+    return [encode_chat(tok, p) for p in PROMPTS[:n]]
 
 
 def timed(tokens: Iterable[Any], n: int) -> Dict[str, float]:
@@ -149,7 +149,7 @@ def run_plain(model: Any, ids: Sequence[int], n: int) -> Dict[str, float]:
 
 def run_spec(model: Any, draft: Any, gb: Any, ids: Sequence[int], n: int, config: Any) -> Dict[str, Any]:
     from gearbx_mlx.entropy import EntropyMonitor
-    from gearbx_mlx.speculative import SpeculativeStats, single_token_drafts, speculative_generate_step
+    from gearbx_mlx.speculative.decode import SpeculativeStats, single_token_drafts, speculative_generate_step
 
     stats = SpeculativeStats()
     monitor = EntropyMonitor(gb.vocab_size, gb.config, gb.thresholds)
@@ -178,7 +178,7 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def step_costs(model: Any, drafts: Dict[str, Any], ids: Sequence[int], ks: Sequence[int], reps: int) -> Dict[str, Any]:
     """Milliseconds (best, median) of one step of each model and of verifies of k+1 tokens."""
-    from gearbx_mlx.draft_calibration import step_seconds
+    from gearbx_mlx.speculative.calibration import step_seconds
 
     def cost(m: Any, n_in: int) -> Dict[str, float]:
         ts = step_seconds(m, ids, n_in, reps)
@@ -201,7 +201,7 @@ def continuations(model: Any, prompts: List[List[int]], n: int) -> List[List[int
 
 def continuation_stats(model: Any, draft: Any, prompts: List[List[int]], seqs: List[List[int]]) -> Any:
     """The drafter's statistics (``DraftStats``) on the high gear's continuations only."""
-    from gearbx_mlx.draft_calibration import DraftStats, draft_stats
+    from gearbx_mlx.speculative.calibration import DraftStats, draft_stats
 
     stats = DraftStats()
     for ids, seq in zip(prompts, seqs):
@@ -239,9 +239,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     out_path = Path(args.out or ROOT / "benchmarks" / "results" / f"speculative_{args.tag}.json")
 
-    from gearbx_mlx.draft import build_draft
-    from gearbx_mlx.draft_calibration import best_replay, calibrate_draft_stop
-    from gearbx_mlx.speculative import SpeculativeConfig
+    from gearbx_mlx.speculative.calibration import best_replay, calibrate_draft_stop
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+    from gearbx_mlx.speculative.draft import build_draft
 
     model, tok, gb, name = load_model(args)
     drafts = {g: build_draft(model, gb, g) for g in args.gears}
@@ -331,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def target_check(result: Dict[str, Any]) -> Dict[str, Any]:
-    """Issue 7's target per drafter: where its gear alone is >= 2x the high gear,
+    """The target per drafter: where its gear alone is >= 2x the high gear,
     the gated run must be >= 1.5x the high gear and faster than every fixed k."""
     out: Dict[str, Any] = {}
     rows = result["rows"]

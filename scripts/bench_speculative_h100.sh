@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Speculative-decoding benchmarks on the lent H100 (MLX-CUDA), random weights.
+# Speculative-decoding benchmarks on an NVIDIA GPU (MLX-CUDA), random weights.
 # Run from the checkout root after the mlx / mlx-cuda wheels are installed
-# (FACTS.md, ../shared/tools/mlx-cuda-wheels.sh); writes into $OUT (or
+# (pip install mlx mlx-cuda-13); writes into $OUT (or
 # benchmarks/results). Acceptance on random weights is meaningless: the
 # modeled speed-ups use α measured on the real default model on the CPU
 # (benchmarks/results/speculative_cpu_packed_openblas.json), passed as ALPHA.

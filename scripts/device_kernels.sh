@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (FACTS.md: MLX with CUDA installed under /tmp/site):
+# On a machine with an NVIDIA GPU and MLX's CUDA backend installed:
 # the CUDA kernel tests, then the kernel benchmark. Everything lands in OUTDIR.
 # Usage: scripts/device_kernels.sh OUTDIR [bench_kernels.py arguments...]
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How well does entropy predict that the high gear rejects a draft? (teacher-forced)
 
-On the evaluation corpus (gensim's Lee corpus, ``gearbx_mlx.models.corpus_path``)
+On the evaluation corpus (gensim's Lee corpus, ``gearbx_mlx.sources.models.corpus_path``)
 cut into windows, both the high gear and each drafter (4-bit ``low``, 8-bit
 ``mid``, every linear and the tied embedding) score every position. A draft
 is "rejected" (greedy speculative decoding) where its argmax differs from the
@@ -21,8 +21,8 @@ high gear's. Reported per drafter:
   stopped at each decile of draft entropy and at the calibrated stops.
 
 The drafters' weights are MLX-quantized then dequantized to float32 ("fake
-quant", the exact values ``QuantizedLinear`` multiplies by; FACTS.md: same
-perplexity), so that multi-token products use the fast float path.
+quant", the exact values ``QuantizedLinear`` multiplies by; the tests check
+the two agree), so that multi-token products use the fast float path.
 
 Also reported: each gear's perplexity on the same windows (every position
 with a next token in the text), a cheap check of the drafters' quality.
@@ -56,7 +56,7 @@ GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 15: "Q4_
 
 
 def default_out(model: Optional[str]) -> Path:
-    from gearbx_mlx.models import DEFAULT_MODEL
+    from gearbx_mlx.sources.models import DEFAULT_MODEL
 
     if model is None or model == DEFAULT_MODEL:
         return RESULTS / "speculative_auc.json"
@@ -105,7 +105,7 @@ def deciles(scores: Sequence[float], agree: Sequence[bool]) -> List[Dict[str, fl
 
 def sweep(agree: Sequence[bool], draft_h: Sequence[float]) -> Dict[str, Any]:
     """Fixed k = 1..8 against entropy-stopped blocks (k <= 8) at each decile of draft entropy."""
-    from gearbx_mlx.draft_calibration import replay_speedup
+    from gearbx_mlx.speculative.calibration import replay_speedup
 
     qs = sorted(draft_h)
     out: Dict[str, Any] = {}
@@ -124,7 +124,7 @@ def sweep(agree: Sequence[bool], draft_h: Sequence[float]) -> Dict[str, Any]:
 
 
 def iid_speedup(alpha: float, c: float, k: int) -> float:
-    """Issue 7's model: (1 - α^(k+1)) / ((1 - α)(k·c + 1)), acceptances independent."""
+    """The closed-form model: (1 - α^(k+1)) / ((1 - α)(k·c + 1)), acceptances independent."""
     accepted = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return accepted / (k * c + 1)
 
@@ -160,9 +160,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import gearbx_mlx
     from gearbx_mlx.config import GearboxConfig
-    from gearbx_mlx.draft import build_draft
-    from gearbx_mlx.draft_calibration import DraftStats, auc, compare_logits, replay_speedup, stop_threshold
-    from gearbx_mlx.models import corpus_path, resolve_model
+    from gearbx_mlx.sources.models import corpus_path, resolve_model
+    from gearbx_mlx.speculative.calibration import DraftStats, auc, compare_logits, replay_speedup, stop_threshold
+    from gearbx_mlx.speculative.draft import build_draft
 
     out_path = Path(args.out) if args.out else default_out(args.model)
     model, tok, gb = gearbx_mlx.load(args.model, dtype=args.dtype, config=GearboxConfig(scope="all"))

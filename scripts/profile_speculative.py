@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_speculative as bs  # noqa: E402
 import mlx.core as mx  # noqa: E402,F401
 
-import bench_speculative as bs  # noqa: E402
-from gearbx_mlx.draft import build_draft  # noqa: E402
-from gearbx_mlx.speculative import SpeculativeConfig  # noqa: E402
+from gearbx_mlx.speculative.decode import SpeculativeConfig  # noqa: E402
+from gearbx_mlx.speculative.draft import build_draft  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""``gearbx_mlx.analyze`` against a direct computation, on committed example traces."""
+"""``gearbx_mlx.telemetry.analyze`` against a direct computation, on committed example traces."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gearbx_mlx import analyze
-from gearbx_mlx.trace import TraceError, read_trace
+from gearbx_mlx.telemetry import analyze as analyze_lib
+from gearbx_mlx.telemetry.trace import TraceError, read_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "traces"
 FLOAT = TRACES / "sky_float32.jsonl"  # the default model, dequantized to float32, telemetry only
@@ -100,7 +101,7 @@ def test_remote_style_trace_is_read(tmp_path, capsys):
         t.update(prompt=int(i >= 32), variant="high", entropy_upper=t["entropy"] + 1)
     path = tmp_path / "remote.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    r = analyze.analyze_trace(path)
+    r = analyze_lib.analyze_trace(path)
     steps = [t["step_seconds"] for i, t in enumerate(toks) if i not in (0, 32)]
     assert r["ms_per_token"] == pytest.approx(1e3 * np.mean(steps))
     assert r["tokens_per_variant"]["high"] == 64
@@ -151,7 +152,7 @@ def test_plots(tmp_path):
 
 
 def test_evaluation_report_is_read_per_policy(tmp_path, capsys):
-    """``gearbx_mlx.evaluate``'s JSON: one trace per policy, windows as generations."""
+    """``gearbx_mlx.evaluation.harness``'s JSON: one trace per policy, windows as generations."""
     report = {"format": "gearbx-eval", "version": 1, "model": {"vocab_size": 49152},
               "text": {"windows": 2},
               "traces": {"static-high": {"gears": "hhhhhh", "entropy": [1, 2, 3, 1, 2, 3]},
@@ -159,7 +160,7 @@ def test_evaluation_report_is_read_per_policy(tmp_path, capsys):
                                      "smoothed": [1.5, 1.75, 2.2, 1, 1.5, 2.3]}}}
     path = tmp_path / "eval.json"
     path.write_text(json.dumps(report, indent=2))
-    result = analyze.analyze([path])
+    result = analyze_lib.analyze([path])
     a, b = result["traces"]
     assert (a["label"], b["label"]) == ("eval:static-high", "eval:entropy")
     assert b["tokens_per_gear"] == {"low": 3, "mid": 2, "high": 1}

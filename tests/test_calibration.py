@@ -6,8 +6,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gearbx_mlx.calibration import Calibration, median_thresholds, percentile_thresholds
 from gearbx_mlx.config import CALIBRATION

@@ -1,6 +1,6 @@
-"""The C CPU kernels (gearbx_mlx.cpu) against numpy float64 references.
+"""The C CPU kernels (gearbx_mlx.packed.cpu) against numpy float64 references.
 
-Chain (STYLE.md 9): a numpy reference quantizer/packer of the shared format
+Chain: a numpy reference quantizer/packer of the shared format
 (bound test, pack round trip), then every kernel path against a float64
 product with named tolerances over odd shapes, and bit-exact agreement of all
 paths where the data make every partial sum an exact integer.
@@ -25,10 +25,9 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gearbx_mlx import cpu
+from gearbx_mlx.packed import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOAT_RTOL = 2e-5
@@ -334,7 +333,7 @@ def test_info(ext) -> None:
 def test_missing_extension_warns_once_and_reports_unavailable(monkeypatch) -> None:
     monkeypatch.setattr(cpu, "_ext", None)
     monkeypatch.setattr(cpu, "_load_error", None)
-    monkeypatch.setitem(sys.modules, "gearbx_mlx._gearbx_cpu", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "gearbx_mlx.packed._gearbx_cpu", None)  # import raises ImportError
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert cpu.available() is False
@@ -347,14 +346,14 @@ def test_missing_extension_warns_once_and_reports_unavailable(monkeypatch) -> No
 
 
 def test_import_has_no_side_effects() -> None:
-    code = ("import sys, gearbx_mlx, gearbx_mlx.cpu; "
-            "assert 'gearbx_mlx._gearbx_cpu' not in sys.modules, 'extension loaded at import'")
+    code = ("import sys, gearbx_mlx, gearbx_mlx.packed.cpu; "
+            "assert 'gearbx_mlx.packed._gearbx_cpu' not in sys.modules, 'extension loaded at import'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
 
 
 def test_packing_matches_gearbx_quant(ext) -> None:
-    quant = pytest.importorskip("gearbx_mlx.quant")
+    quant = pytest.importorskip("gearbx_mlx.packed.formats")
     rng = np.random.default_rng(9)
     w = rng.standard_normal((24, 128)).astype(np.float32)
     x = rng.standard_normal(128).astype(np.float32)

@@ -7,8 +7,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gearbx_mlx.config import GEAR_INDEX, GearboxConfig
 from gearbx_mlx.entropy import EntropyMonitor, classify, entropy_bits, scaled_thresholds

@@ -1,4 +1,4 @@
-"""The evaluation (issue 4): multi-variant layers, specs, cost model, teacher-forced metrics, CLI.
+"""The evaluation: multi-variant layers, specs, cost model, teacher-forced metrics, CLI.
 
 Fast tests use a tiny random llama or a few tokens of the real default
 model; anything longer is marked slow.
@@ -15,13 +15,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import make_tiny_llama
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from mlx.utils import tree_unflatten
 
+from gearbx_mlx.affine import fake_quantize
 from gearbx_mlx.config import GearboxConfig
-from gearbx_mlx.evaluate import evaluate, main, text_tokens
+from gearbx_mlx.evaluate import main
 from gearbx_mlx.evaluation import report
+from gearbx_mlx.evaluation.harness import evaluate, text_tokens
 from gearbx_mlx.evaluation.specs import (
     ModelLayout,
     PolicySpec,
@@ -38,7 +39,7 @@ from gearbx_mlx.evaluation.speculative import (
     speculative_rows,
 )
 from gearbx_mlx.evaluation.teacher import RowResult, split_windows, teacher_forced
-from gearbx_mlx.evaluation.variants import VariantModel, fake_quantize
+from gearbx_mlx.evaluation.variants import VariantModel
 
 #: Perplexity of a fake-quantized row vs MLX's real quantized layers on the
 #: same tokens: same dequantized values, products rounded in another order
@@ -213,7 +214,7 @@ def test_replay_counts_blocks_of_a_hand_made_agreement_sequence():
 )
 def test_replay_counts_agree_with_the_calibration_replay(hits, max_draft, stop, cost, slope, seed):
     """The counts give exactly draft_calibration.replay_speedup's speed-up (one replay, not two)."""
-    from gearbx_mlx.draft_calibration import replay_speedup
+    from gearbx_mlx.speculative.calibration import replay_speedup
 
     ent = np.random.default_rng(seed).uniform(0, 4, len(hits)).tolist()
     verify = [1.0 + slope * k for k in range(9)]
@@ -267,7 +268,7 @@ def test_speculative_rows_copy_the_reference_quality():
 
 @pytest.fixture(scope="module")
 def short_text(default_model):
-    from gearbx_mlx.evaluate import read_text
+    from gearbx_mlx.evaluation.harness import read_text
 
     text, _ = read_text(None)
     return text

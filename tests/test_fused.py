@@ -1,4 +1,4 @@
-"""Fused packed projections (gearbx_mlx.fused): same numbers, fewer launches."""
+"""Fused packed projections (gearbx_mlx.packed.fused): same numbers, fewer launches."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from gearbx_mlx import fused, kernels, quant
-from gearbx_mlx.fused import FusedPackedLinear, fuse_plan, fusable
-from gearbx_mlx.packed import PackedLinear
+from gearbx_mlx.packed import formats as quant, fused, gpu as kernels
+from gearbx_mlx.packed.fused import FusedPackedLinear, fusable, fuse_plan
+from gearbx_mlx.packed.layers import PackedLinear
 
 
 def tiny_llama():

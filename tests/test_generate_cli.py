@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gearbx_mlx.trace import read_trace
+from gearbx_mlx.telemetry.trace import read_trace
 
 PROMPT = "List three colours of the rainbow."
 
@@ -61,7 +61,7 @@ def test_telemetry_only_on_a_prequantized_model(tmp_path, default_model):
     import mlx.nn as nn
     from mlx_lm.utils import save_config, save_model
 
-    from gearbx_mlx.models import default_model_path
+    from gearbx_mlx.sources.models import default_model_path
 
     src = default_model_path()
     model, tok, _ = default_model

@@ -25,8 +25,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from gearbx_mlx import kernels, quant
-from gearbx_mlx.packed import PackedLinear, backend_for
+from gearbx_mlx.packed import formats as quant, gpu as kernels
+from gearbx_mlx.packed.layers import PackedLinear, backend_for
 
 #: One unit in the last place of each output dtype, relative to |y|: kernel and
 #: reference each round their float32 result once, to neighbouring values at worst.
@@ -449,7 +449,7 @@ def test_cuda_mma_gemv_matches_reference(config, shape):
 def test_fused_members_match_separate_layers_on_cuda():
     from mlx.utils import tree_unflatten
 
-    from gearbx_mlx.fused import FusedPackedLinear, fuse_plan
+    from gearbx_mlx.packed.fused import FusedPackedLinear, fuse_plan
 
     parent = nn.Module()
     sizes = {"q_proj": 256, "k_proj": 64, "v_proj": 64}

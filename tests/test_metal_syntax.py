@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gearbx_mlx import kernels
+from gearbx_mlx.packed import gpu as kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_metal_syntax.py"
@@ -83,7 +83,7 @@ def test_built_wheel_ships_the_kernel_sources(tmp_path):
     wheel = next((tmp_path / "dist").glob("*.whl"))
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("from gearbx_mlx import kernels; d = kernels.source_dir(); "
+    code = ("from gearbx_mlx.packed import gpu as kernels; d = kernels.source_dir(); "
             "assert str(d).startswith(%r), d; kernels.kernel_sources('metal', True); "
             "kernels.kernel_sources('cuda', False); kernels.kernel_sources('metal', False, mma=True); "
             "print(d)" % str(site))

@@ -7,15 +7,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from gearbx_mlx import models
 from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
-from gearbx_mlx.gguf import convert_gguf, unpermute_qk
+from gearbx_mlx.sources import models
+from gearbx_mlx.sources.gguf import convert_gguf, unpermute_qk
 
-#: FACTS.md: perplexity of the float model on the first 2,048 tokens of
-#: lee_background.cor, scored in 4 windows of 512, is 30.81.
+#: Perplexity of the float model on the first 2,048 tokens of lee_background.cor,
+#: scored in 4 windows of 512 (scripts/check_default_model.py: 30.810).
 EXPECTED_PPL = 30.81
 PPL_RTOL = 0.01
 
@@ -64,7 +63,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
         (Path(out) / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("gearbx_mlx.gguf.convert_gguf", boom)
+    monkeypatch.setattr("gearbx_mlx.sources.cache.convert_gguf", boom)
     with pytest.raises(KeyboardInterrupt):
         models.default_model_path("float32", progress=False)
     left = sorted(p.name for p in (tmp_path / "models").iterdir())
@@ -110,7 +109,7 @@ def test_default_model_chat_answer_is_coherent(default_model):
     assert "Paris" in generate(model, tok, prompt, max_tokens=20)
 
 
-# -- issue 7: qwen2 GGUFs and block formats MLX's reader lacks ---------------
+# -- qwen2 GGUFs and block formats MLX's reader lacks ---------------
 
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
@@ -187,7 +186,7 @@ def reference_dequantize(name: str, block: np.ndarray) -> list:
 
 def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` blocks of random bytes with finite float16 scales."""
-    from gearbx_mlx.gguf import GGML_TYPES
+    from gearbx_mlx.sources.gguf import GGML_TYPES
 
     size = next(s for nm, _, s in GGML_TYPES.values() if nm == name)
     raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
@@ -198,7 +197,7 @@ def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
 
 @pytest.mark.parametrize("name", sorted(_F16_FIELDS))
 def test_block_dequantizers_match_ggml_reference(name):
-    from gearbx_mlx.gguf import GGML_TYPES, dequantize_blocks
+    from gearbx_mlx.sources.gguf import GGML_TYPES, dequantize_blocks
 
     rng = np.random.default_rng(len(name) * 7 + ord(name[1]))
     raw = random_blocks(name, 3, rng)
@@ -209,7 +208,7 @@ def test_block_dequantizers_match_ggml_reference(name):
 
 
 def test_float_dequantizers_and_unknown_types():
-    from gearbx_mlx.gguf import dequantize_blocks
+    from gearbx_mlx.sources.gguf import dequantize_blocks
 
     x = np.linspace(-3, 3, 16, dtype=np.float32)
     np.testing.assert_array_equal(dequantize_blocks(x.view(np.uint8), 0), x)
@@ -272,7 +271,7 @@ def tiny_qwen2_gguf(path: Path, rng: np.random.Generator):
 
     Returns the dequantized tensors by GGUF name (the expected weights).
     """
-    from gearbx_mlx.gguf import dequantize_blocks
+    from gearbx_mlx.sources.gguf import dequantize_blocks
 
     hidden, heads, kv, ffn, layers = 64, 4, 2, 128, 2
     tokens = _bytes_to_unicode()
@@ -330,7 +329,7 @@ def tiny_qwen2_gguf(path: Path, rng: np.random.Generator):
 
 
 def test_header_reader_reads_what_the_writer_wrote(tmp_path):
-    from gearbx_mlx.gguf import read_gguf_header
+    from gearbx_mlx.sources.gguf import read_gguf_header
 
     want, meta = tiny_qwen2_gguf(tmp_path / "t.gguf", np.random.default_rng(1))
     got, tensors, start = read_gguf_header(tmp_path / "t.gguf")

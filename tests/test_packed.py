@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from gearbx_mlx import kernels, packed, quant
-from gearbx_mlx.packed import PackedEmbedding, PackedLinear, backend_for
+from gearbx_mlx.packed import formats as quant, gpu as kernels, layers as packed
+from gearbx_mlx.packed.layers import PackedEmbedding, PackedLinear, backend_for
 
 #: Output of a packed layer vs the oracle, relative to sum |terms| of the
 #: product (float32 accumulation order) plus one output ulp (see test_kernels_cuda).
@@ -143,7 +143,7 @@ def test_bad_arguments():
 
 def test_backend_for_on_this_machine():
     x1 = mx.ones((1, 1, 96))
-    cpu = packed._cpu_kernels() is not None
+    cpu = packed.cpu_backend() is not None
     if kernels.gpu_backend() is None:
         assert backend_for(x1, 4, 96, 67) == ("cpu" if cpu else "reference")
         # No C kernel for int6/int2: the reference.
@@ -213,7 +213,7 @@ def test_cpu_call_site_with_a_stand_in(monkeypatch):
                                       in_features=in_features).astype(mx.float32)
 
     stand_in = types.SimpleNamespace(available=lambda: True, gemv=fake_cpu_gemv)
-    monkeypatch.setattr(packed, "_cpu_kernels", lambda: stand_in)
+    monkeypatch.setattr(packed, "cpu_backend", lambda: stand_in)
     monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
     lin = linear(33, 4104)
     layer = PackedLinear.from_linear(lin, 8)
@@ -230,7 +230,7 @@ def test_cpu_call_site_with_a_stand_in(monkeypatch):
 ACT_BLOCK = 32
 
 
-@pytest.mark.skipif(packed._cpu_kernels() is None, reason="gearbx_mlx.cpu is not built")
+@pytest.mark.skipif(packed.cpu_backend() is None, reason="gearbx_mlx.packed.cpu is not built")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cpu_kernels_int8_activation_path(monkeypatch, bits):
     monkeypatch.setattr(packed, "CPU_GEMV_PATH", "auto")

@@ -7,8 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import make_tiny_llama
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.precision import PrecisionManager, discover, is_prequantized

@@ -8,11 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from gearbx_mlx import prequant
-from gearbx_mlx.gguf import GGUF_GROUP, unpermute_qk
+from gearbx_mlx.sources import prequant
+from gearbx_mlx.sources.gguf import GGUF_GROUP, unpermute_qk
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -119,8 +118,8 @@ def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path):
     from mlx_lm import convert
 
     from gearbx_mlx.generate import main as generate_main
-    from gearbx_mlx.models import default_model_path
-    from gearbx_mlx.trace import read_trace
+    from gearbx_mlx.sources.models import default_model_path
+    from gearbx_mlx.telemetry.trace import read_trace
 
     folder = tmp_path / "q4g64"
     convert(str(default_model_path()), str(folder), quantize=True, q_group_size=64, q_bits=4)

@@ -1,15 +1,14 @@
-"""Packed formats and the pure-MLX reference (gearbx_mlx.quant)."""
+"""Packed formats and the pure-MLX reference (gearbx_mlx.packed.formats)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gearbx_mlx import quant
+from gearbx_mlx.packed import formats as quant
 
 #: Slack on the s/2 bound: W/s and q*s are each rounded once in float32.
 BOUND_RTOL = 1e-5
@@ -164,6 +163,6 @@ def test_per_group_error_is_below_per_row_error():
 def test_fake_quantize_is_what_the_packed_layer_multiplies_by():
     w = mx.random.normal((8, 64)).astype(mx.bfloat16)
     packed, scales = quant.quantize_packed(w, 4, 32)
-    fq = quant.fake_quantize(w, 4, 32)
+    fq = quant.fake_quantize_packed(w, 4, 32)
     assert fq.dtype == mx.bfloat16 and fq.shape == w.shape
     assert mx.array_equal(fq, quant.dequantize(packed, scales, 4, 32, 64, mx.bfloat16)).item()

@@ -12,13 +12,13 @@ from typing import Iterator, List
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gearbx_mlx import remote
-from gearbx_mlx.entropy_bounds import entropy_bounds, max_slack
-from gearbx_mlx.openai_client import api_base, free_port, local_mlx_server, parse_chunk, piece_text
-from gearbx_mlx.trace import read_trace
+from gearbx_mlx.telemetry import remote as remote_lib
+from gearbx_mlx.telemetry.bounds import entropy_bounds, max_slack
+from gearbx_mlx.telemetry.openai_client import api_base, free_port, local_mlx_server, parse_chunk, piece_text
+from gearbx_mlx.telemetry.trace import read_trace
 
 #: Entropies from the server (KV-cached decode) and from one local forward
 #: pass differ by float32 rounding only.
@@ -65,12 +65,12 @@ def test_api_base_and_variants():
     assert api_base("https://h/v1/chat/completions") == "https://h/v1"
     with pytest.raises(ValueError, match="http"):
         api_base("h:8080")
-    v = remote.parse_variants(["low=http://a:1,small", "high=http://b:2/v1,big"])
+    v = remote_lib.parse_variants(["low=http://a:1,small", "high=http://b:2/v1,big"])
     assert v["low"].model == "small" and v["high"].url == "http://b:2/v1"
-    assert remote.variant_for(v, "mid").gear == "high"  # the nearest more precise
-    assert set(remote.parse_variants(["http://a:1"])) == {"low", "mid", "high"}
+    assert remote_lib.variant_for(v, "mid").gear == "high"  # the nearest more precise
+    assert set(remote_lib.parse_variants(["http://a:1"])) == {"low", "mid", "high"}
     with pytest.raises(ValueError, match="gear"):
-        remote.parse_variants(["fast=http://a:1"])
+        remote_lib.parse_variants(["fast=http://a:1"])
 
 
 def test_parse_chunk_openai_and_mlx_lm_forms():
@@ -191,7 +191,7 @@ def test_http_error_status_is_reported(capsys):
 def test_streamed_session_routes_per_prompt(tmp_path):
     done = sse({"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}]}) + b"data: [DONE]\n\n"
     with FakeServer(token_event("Hi") + token_event("!") + done) as srv:
-        s = remote.RemoteSession(remote.parse_variants([srv.url]), 100)
+        s = remote_lib.RemoteSession(remote_lib.parse_variants([srv.url]), 100)
         first = s.ask("hello there")
         second = s.ask("Solve x^2 + 3x = 10 and prove the result.")
     assert first.classifier_gear == "low" and first.text == "Hi!" and first.tokens == 2
@@ -204,7 +204,7 @@ def test_streamed_session_routes_per_prompt(tmp_path):
 @pytest.fixture(scope="module")
 def mlx_server() -> Iterator[str]:
     """``mlx_lm.server`` with the default model on a free port; always stopped."""
-    from gearbx_mlx.models import default_model_path
+    from gearbx_mlx.sources.models import default_model_path
 
     model = str(default_model_path())
     with contextlib.ExitStack() as stack:

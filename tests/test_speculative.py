@@ -8,23 +8,23 @@ from typing import Dict, List, Sequence
 
 import mlx.core as mx
 import pytest
+from conftest import make_tiny_llama
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import make_tiny_llama
-from gearbx_mlx.acceptance import accept_block, make_log_dist
 from gearbx_mlx.config import GearboxConfig
-from gearbx_mlx.draft import build_draft
-from gearbx_mlx.draft_calibration import auc, draft_stats, replay_speedup
 from gearbx_mlx.entropy import EntropyMonitor
 from gearbx_mlx.gearbox import Gearbox
-from gearbx_mlx.speculative import (
+from gearbx_mlx.speculative.acceptance import accept_block, make_log_dist
+from gearbx_mlx.speculative.calibration import auc, draft_stats, replay_speedup
+from gearbx_mlx.speculative.decode import (
     SpeculativeConfig,
     SpeculativeStats,
     speculative_generate_step,
     stream_speculative_generate,
 )
+from gearbx_mlx.speculative.draft import build_draft
 
 VOCAB = 64
 PROMPT = [1, 2, 3, 4, 5]
@@ -92,7 +92,7 @@ def test_mid_drafter_and_max_tokens_inside_a_block(tiny):
 @pytest.mark.slow
 def test_greedy_identical_on_the_default_model(default_model):
     """8 prompts x 24 tokens, 4-bit drafter (fixed and gated) and one 8-bit run."""
-    from gearbx_mlx.calibration import _encode
+    from gearbx_mlx.chat import encode_chat
 
     model, tok, gearbox = default_model
     prompts = [
@@ -108,7 +108,7 @@ def test_greedy_identical_on_the_default_model(default_model):
     configs = [SpeculativeConfig(max_draft=4), SpeculativeConfig(max_draft=6, draft_entropy_stop=2.0)]
     accepted = drafted = 0
     for i, text in enumerate(prompts):
-        ids = _encode(tok, text)
+        ids = encode_chat(tok, text)
         want = greedy_reference(model, ids, 24)
         config = configs[i % 2]
         got = []
@@ -118,7 +118,7 @@ def test_greedy_identical_on_the_default_model(default_model):
         assert got == want[: len(got)], text
         assert len(got) == 24 or got[-1] in tok.eos_token_ids
     mid_cfg = SpeculativeConfig("mid", max_draft=4)
-    ids = _encode(tok, prompts[1])
+    ids = encode_chat(tok, prompts[1])
     got = [r.token for r in stream_speculative_generate(model, tok, ids, gearbox, config=mid_cfg, max_tokens=24)]
     assert got == greedy_reference(model, ids, 24)[: len(got)]
     assert accepted > 0
@@ -326,7 +326,7 @@ def test_replay_speedup_counts_tokens_and_cost():
 
 
 def test_best_replay_prefers_long_blocks_for_a_good_drafter_and_stops_a_bad_one():
-    from gearbx_mlx.draft_calibration import DraftStats, best_replay
+    from gearbx_mlx.speculative.calibration import DraftStats, best_replay
 
     good = DraftStats([1.0] * 60, [1.0] * 60, [True] * 60, [1.0] * 60)
     r = best_replay(good, cost=0.2)
@@ -356,7 +356,7 @@ def test_cli_config_takes_flags_then_calibration_then_defaults(tiny):
 
     from gearbx_mlx.calibration import Calibration
     from gearbx_mlx.generate import build_parser
-    from gearbx_mlx.speculative_cli import speculative_config
+    from gearbx_mlx.speculative.cli import speculative_config
 
     cal = Calibration(low=1.0, high=3.0, strategy="median", n_samples=10, vocab_size=VOCAB,
                       extra={"speculative": {"low": {"stop_bits": 2.5, "max_draft": 3}}})
@@ -377,7 +377,7 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
 
     from mlx_lm import generate as mlx_generate
 
-    from gearbx_mlx.trace import read_trace
+    from gearbx_mlx.telemetry.trace import read_trace
 
     model, tok, _ = default_model
     text = "List three colours of the rainbow."
@@ -400,7 +400,7 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
 
 
 def _host_or_skip(model, gb, gear="low", **kw):
-    from gearbx_mlx import cpu
+    from gearbx_mlx.packed import cpu
 
     if mx.default_device() != mx.cpu or not cpu.available():
         pytest.skip("the host drafter needs the CPU device and the C kernels")
@@ -423,7 +423,7 @@ def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
     import numpy as np
     from mlx_lm.models.cache import KVCache
 
-    from gearbx_mlx import packed
+    from gearbx_mlx.packed import layers as packed
 
     monkeypatch.setattr(packed, "CPU_GEMV_PATH", "float")
     m = make_tiny_llama(vocab=VOCAB, hidden=64, seed=3)
@@ -454,7 +454,7 @@ def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
 def test_host_cache_grows_and_trims(monkeypatch, tiny_host):
     import numpy as np
 
-    from gearbx_mlx.draft import HostKVCache
+    from gearbx_mlx.speculative.draft import HostKVCache
 
     monkeypatch.setattr(HostKVCache, "step", 4)
     _, _, d = tiny_host
@@ -514,7 +514,7 @@ def test_numpy_entropy_matches_entropy_bits():
     import numpy as np
 
     from gearbx_mlx.entropy import entropy_bits
-    from gearbx_mlx.speculative import entropy_bits_np
+    from gearbx_mlx.speculative.decode import entropy_bits_np
 
     rng = np.random.default_rng(0)
     for scale in (0.1, 3.0, 30.0):
@@ -526,7 +526,7 @@ def test_numpy_entropy_matches_entropy_bits():
 
 @pytest.mark.slow
 def test_greedy_identical_on_the_default_model_with_the_host_drafter(default_model):
-    from gearbx_mlx.calibration import _encode
+    from gearbx_mlx.chat import encode_chat
 
     model, tok, _ = default_model
     gb = Gearbox(model, GearboxConfig(scope="all", kernel="packed"))
@@ -538,7 +538,7 @@ def test_greedy_identical_on_the_default_model_with_the_host_drafter(default_mod
     configs = [SpeculativeConfig(max_draft=4), SpeculativeConfig(max_draft=6, draft_entropy_stop=2.0)]
     accepted = 0
     for i, text in enumerate(prompts):
-        ids = _encode(tok, text)
+        ids = encode_chat(tok, text)
         want = greedy_reference(model, ids, 32)
         got = []
         for r in stream_speculative_generate(model, tok, ids, gb, config=configs[i % 2], draft=draft,

@@ -1,7 +1,8 @@
 """Plain perplexity of a model on token ids, scored in independent windows.
 
-The oracle for the default model's quality (FACTS.md scored 2,048 tokens of
-the Lee corpus in four windows of 512: 30.81) and for the converters.
+The oracle for the default model's quality (``scripts/check_default_model.py``
+scores 2,048 tokens of the Lee corpus in four windows of 512) and for the
+converters.
 """
 
 from __future__ import annotations

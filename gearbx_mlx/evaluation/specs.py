@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.convert import mixed_quant_predicate_builder
 
 from ..config import GEARS, SCOPES, GearboxConfig
+from ..gearbox import Gearbox
 from ..policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
 from .variants import ORIGINAL
 
@@ -126,8 +129,6 @@ def mixed_recipe_bits(model: nn.Module, paths: Sequence[str], group_size: int) -
     """
     modules = dict(model.named_modules())
     try:
-        from mlx_lm.convert import mixed_quant_predicate_builder
-
         predicate: Callable[[str, nn.Module], Any] = mixed_quant_predicate_builder(
             MIXED_RECIPE, model, group_size
         )
@@ -178,10 +179,6 @@ class ModelLayout:
 
     @classmethod
     def of(cls, model: nn.Module, config: GearboxConfig, vocab_size: int) -> "ModelLayout":
-        from mlx.utils import tree_flatten
-
-        from ..gearbox import Gearbox
-
         # Exactly the paths a Gearbox of each scope would swap in generation.
         scopes = {
             s: list(Gearbox(model, config.replace(scope=s), vocab_size).manager.paths) for s in SCOPES

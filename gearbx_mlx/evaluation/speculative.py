@@ -1,21 +1,21 @@
-"""The evaluation's ``speculative`` policy (issue 7): a lower gear drafts, the high gear verifies.
+"""The evaluation's ``speculative`` policy: a lower gear drafts, the high gear verifies.
 
 Quality is exact by construction: greedy speculative decoding
-(:mod:`gearbx_mlx.speculative`) emits the high gear's own tokens, so its
+(:mod:`gearbx_mlx.speculative.decode`) emits the high gear's own tokens, so its
 perplexity, KL and top-1 agreement are the static-high row's, copied here,
 never recomputed. What a drafter changes is the work per token, and that
 comes from the teacher-forced pass (:mod:`.teacher`) that scored the other
 policies:
 
 * acceptance: the drafter's row (``static-low/all`` or ``static-mid/all``;
-  ``all`` is :class:`~gearbx_mlx.speculative.SpeculativeConfig`'s draft
+  ``all`` is :class:`~gearbx_mlx.speculative.decode.SpeculativeConfig`'s draft
   scope) was fed the text token by token, like the high gear. At each
   position its greedy token equals the high gear's or not
   (``RowResult.hits``), and its float32 entropy is ``RowResult.entropy``.
   Greedy blocks are replayed along each window by
-  :func:`~gearbx_mlx.draft_calibration.replay_blocks`: fixed blocks of
+  :func:`~gearbx_mlx.speculative.calibration.replay_blocks`: fixed blocks of
   :data:`FIXED_BLOCKS` drafts, and the block cap and draft-entropy stop that
-  :func:`~gearbx_mlx.draft_calibration.calibrate_draft_stop` picks on its own
+  :func:`~gearbx_mlx.speculative.calibration.calibrate_draft_stop` picks on its own
   prompts (held out from this text). The context is the text, not the high
   gear's own continuation: acceptance of drafts on real text.
 * bytes (modeled, the §9 accounting of :class:`.specs.ModelLayout`): a verify
@@ -24,10 +24,10 @@ policies:
 * speed (modeled): ``c`` = a draft step over a high step, from the harness's
   speed runs (:mod:`.speed`: decode tokens/s of the drafter's static row and
   of static high) when they ran, else timed directly
-  (:func:`~gearbx_mlx.draft_calibration.measure_costs`); a verify of k+1
+  (:func:`~gearbx_mlx.speculative.calibration.measure_costs`); a verify of k+1
   tokens in high steps is timed directly (k = 0 and 8, linear between).
   Speed-up = produced / (drafted x c + sum of verify costs), tokens/s = that
-  x the measured static-high tokens/s. Issue 7's closed form
+  x the measured static-high tokens/s. The closed form
   (1 - a^(k+1)) / ((1 - a)(k c + 1)), a = the drafter's top-1 agreement, is
   listed beside it for the fixed blocks.
 """
@@ -41,13 +41,23 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.nn as nn
 
-from ..draft_calibration import CALIBRATION_TOKENS, REPLAY_MAX_DRAFT, auc, replay_blocks
+from ..gearbox import Gearbox
+from ..speculative.calibration import (
+    CALIBRATION_TOKENS,
+    REPLAY_MAX_DRAFT,
+    auc,
+    calibrate_draft_stop,
+    measure_costs,
+    replay_blocks,
+)
+from ..speculative.decode import SpeculativeConfig
+from ..speculative.draft import build_draft
 from .specs import ModelLayout
 from .teacher import RowResult
 
 #: Fixed block lengths (drafts per block) evaluated beside the calibrated setting.
 FIXED_BLOCKS = (2, 4, 6)
-#: Gears that draft in the evaluation (both of :data:`gearbx_mlx.draft.DRAFT_GEARS`).
+#: Gears that draft in the evaluation (both of :data:`gearbx_mlx.speculative.draft.DRAFT_GEARS`).
 DRAFT_GEARS = ("low", "mid")
 QUALITY_NOTE = (
     "exact by construction: greedy speculative decoding emits the high gear's tokens, so perplexity, "
@@ -55,7 +65,7 @@ QUALITY_NOTE = (
 )
 METHOD_NOTE = (
     "acceptance: the drafter's static row of the teacher-forced pass (fed the text, like the high gear); "
-    "greedy blocks replayed along each window (gearbx_mlx.draft_calibration.replay_blocks); a draft is "
+    "greedy blocks replayed along each window (gearbx_mlx.speculative.calibration.replay_blocks); a draft is "
     "accepted when its greedy token equals the high gear's and every earlier draft of its block was; "
     "a block ends after max_draft drafts or after a draft whose float32 entropy exceeds stop_bits. "
     "bytes (modeled, §9 accounting of the other rows): (drafted x drafter bytes + verify passes x high "
@@ -139,7 +149,7 @@ def replay(
 
 
 def formula_speedup(alpha: float, k: int, cost: float) -> float:
-    """Issue 7's expected speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)) (i.i.d. acceptance, verify = 1 step)."""
+    """The expected speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)) (i.i.d. acceptance, verify = 1 step)."""
     tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens / (k * cost + 1)
 
@@ -162,14 +172,11 @@ def measure_drafters(
         ids: a prompt for the timed calls (a few tokens of the text).
         step_cost: per gear, ``c`` from the speed runs (None: time it here).
         calibration_tokens: high-gear tokens per calibration prompt (None:
-            :data:`~gearbx_mlx.draft_calibration.CALIBRATION_TOKENS`).
+            :data:`~gearbx_mlx.speculative.calibration.CALIBRATION_TOKENS`).
 
     Returns:
         ``{gear: {"costs": {...}, "calibration": {...}}}``.
     """
-    from ..draft import build_draft
-    from ..draft_calibration import calibrate_draft_stop, measure_costs
-
     say = progress or (lambda _msg: None)
     out: Dict[str, Dict[str, Any]] = {}
     scope = gearbox.config.scope
@@ -269,9 +276,6 @@ def evaluate_speculative(
         speed: the speed runs by policy name (empty when skipped).
         ids: a prompt for the directly timed calls.
     """
-    from ..gearbox import Gearbox
-    from ..speculative import SpeculativeConfig
-
     scope = SpeculativeConfig().draft_scope or config.scope
     rows = {g: _static_row(first, g, scope) for g in DRAFT_GEARS}
     rows = {g: r for g, r in rows.items() if r is not None}

@@ -19,9 +19,11 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import stream_generate as mlx_stream
 
 from ..config import GearboxConfig
 from ..gearbox import Gearbox
+from ..generation import stream_generate
 from ..precision import mlx_quantizer
 from .specs import ModelLayout, PolicySpec
 
@@ -85,8 +87,6 @@ class SpeedBench:
 
     def run(self, spec: PolicySpec, tokens: Sequence[int], prompt_tokens: int, decode_tokens: int) -> Dict[str, Any]:
         """Decode ``decode_tokens`` forced tokens after a ``prompt_tokens`` prompt."""
-        from ..generation import stream_generate
-
         if len(tokens) < prompt_tokens + decode_tokens:
             raise ValueError(
                 f"speed run needs {prompt_tokens + decode_tokens} tokens of text, got {len(tokens)}"
@@ -119,8 +119,6 @@ class SpeedBench:
 
     def baseline(self, tokens: Sequence[int], prompt_tokens: int, decode_tokens: int) -> Dict[str, Any]:
         """Plain ``mlx_lm.stream_generate`` on the loaded model: no gearbox at all."""
-        from mlx_lm.generate import stream_generate as mlx_stream
-
         prompt = list(tokens[:prompt_tokens])
         forced = list(tokens[prompt_tokens : prompt_tokens + decode_tokens])
         last = None

@@ -13,8 +13,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.nn as nn
 
+from ..chat import apply_chat_template
 from ..config import GEARS, GearboxConfig
 from ..gearbox import Gearbox
+from ..generation import stream_generate
 from .specs import PolicySpec
 
 #: Prompts of each workload (ours; the paper names the workloads, not prompts).
@@ -34,14 +36,6 @@ WORKLOADS: Dict[str, List[str]] = {
 }
 
 
-def _chat(tokenizer: Any, prompt: str) -> Any:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
-    return prompt
-
-
 def gear_by_workload(
     model: nn.Module,
     tokenizer: Any,
@@ -58,8 +52,6 @@ def gear_by_workload(
         specs: entropy policies (thresholds and scope are taken from them).
         max_tokens: tokens generated per prompt.
     """
-    from ..generation import stream_generate
-
     workloads = workloads or WORKLOADS
     boxes: Dict[str, Gearbox] = {}
     out: Dict[str, Dict[str, Dict[str, int]]] = {w: {} for w in workloads}
@@ -77,7 +69,7 @@ def gear_by_workload(
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # double quantization: known, recorded
                     for resp in stream_generate(
-                        model, tokenizer, _chat(tokenizer, prompt), gb, policy=spec.make_policy(),
+                        model, tokenizer, apply_chat_template(tokenizer, prompt), gb, policy=spec.make_policy(),
                         lag=0, max_tokens=max_tokens, prompt_text=prompt,
                     ):
                         last = resp

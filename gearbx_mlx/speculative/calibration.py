@@ -27,10 +27,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .calibration import median_thresholds, percentile_thresholds
+from ..calibration import median_thresholds, percentile_thresholds
+from ..chat import encode_chat
+from ..config import CALIBRATION_PROMPTS
+from ..entropy import entropy_bits
+from ..gearbox import vocab_size_of
 from .draft import DraftModel
-from .entropy import entropy_bits
 
 #: Strategies of :func:`calibrate_draft_stop`.
 STOP_STRATEGIES = ("replay", "median", "percentile")
@@ -205,8 +210,6 @@ def step_seconds(model: Any, ids: Sequence[int], n_in: int, reps: int) -> List[f
     The cache holds ``ids`` first (the calls extend it and are trimmed back
     after each one); a first call to warm up is not counted.
     """
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(ids)[None], cache=cache))
     mx.eval([c.state for c in cache])
@@ -302,12 +305,6 @@ def calibrate_draft_stop(
         ``Calibration.extra["speculative"][draft gear]``; ``stop_bits`` is
         None when no stop pays, ``max_draft`` only with ``replay``.
     """
-    from mlx_lm.generate import generate_step
-
-    from .calibration import _encode
-    from .config import CALIBRATION_PROMPTS
-    from .gearbox import vocab_size_of
-
     if strategy not in STOP_STRATEGIES:
         raise ValueError(f"unknown stop strategy {strategy!r}: choose one of {STOP_STRATEGIES}")
     prompts = list(prompts or CALIBRATION_PROMPTS)
@@ -315,7 +312,7 @@ def calibrate_draft_stop(
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     first_ids: List[int] = []
     for prompt in prompts:
-        ids = _encode(tokenizer, prompt)
+        ids = encode_chat(tokenizer, prompt)
         first_ids = first_ids or ids
         gen: List[int] = []
         for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Union
 
-from .config import GEARS
+from ..config import GEARS
 from .trace import Trace
 
 GEAR_COLORS = {"low": "#2ca02c", "mid": "#ff7f0e", "high": "#d62728"}

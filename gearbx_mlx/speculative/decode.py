@@ -1,13 +1,13 @@
 """Entropy-gated self-speculative decoding: the low gear drafts, the high gear verifies.
 
-Each block, the drafter (:mod:`gearbx_mlx.draft`: the same model with its
+Each block, the drafter (:mod:`gearbx_mlx.speculative.draft`: the same model with its
 managed layers quantized, its own KV cache) proposes up to ``max_draft``
 tokens one by one; the high gear scores them all in one forward pass; the
 prefix it agrees with is kept, the first rejected draft is replaced by the
 high gear's token, and when all are accepted the high gear's next token comes
 free (the bonus). Both KV caches are trimmed back with mlx-lm's
 ``trim_prompt_cache``. The output is exactly the high gear's: token for token
-when greedy, in distribution when sampling (:mod:`gearbx_mlx.acceptance`).
+when greedy, in distribution when sampling (:mod:`gearbx_mlx.speculative.acceptance`).
 One floating-point caveat: a verify multiplies k+1 rows at once, which may
 round differently from one-row steps, so an exact near-tie of the top two
 logits could flip (none seen on the default model over the tests' prompts).
@@ -18,7 +18,7 @@ whose entropy (float32, :func:`~gearbx_mlx.entropy.entropy_bits`) exceeds
 of the block with it), and is capped at ``hard_max_draft`` while the monitor,
 fed the high gear's entropies of the emitted tokens, predicts a hard stretch
 (§3.5 look-ahead above the high threshold). Both are calibrated in
-:mod:`gearbx_mlx.draft_calibration`.
+:mod:`gearbx_mlx.speculative.calibration`.
 
 Why not mlx-lm's ``speculative_generate_step``: fixed block length, no
 per-step hook, and for ``temp > 0`` it accepts a draft only if it equals an
@@ -27,7 +27,7 @@ instead of ``sum min(p, q)``). Its cache helpers, sampling filters, stream
 and rewind rule are reused.
 
 On the CPU with the packed kernels, the drafter runs its decode steps
-through :class:`~gearbx_mlx.draft.HostForward` (numpy around the C GEMV, on
+through :class:`~gearbx_mlx.speculative.draft.HostForward` (numpy around the C GEMV, on
 a host KV cache), and greedy blocks are drafted without an MLX graph or sync:
 on the default model a draft step went from 24 ms (an ``mx.eval`` per packed
 linear) to 5 ms, c from 0.38 to 0.08 of a high step.
@@ -51,13 +51,16 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..config import SCOPES
+from ..entropy import NAN_GUARD, EntropyMonitor, entropy_bits
+from ..gearbox import Gearbox
+from ..generation import GearboxResponse, encode_prompt
 from .acceptance import accept_block, make_log_dist
-from .config import SCOPES
 from .draft import DraftModel, HostKVCache, build_draft, check_draft_gear
-from .entropy import NAN_GUARD, EntropyMonitor, entropy_bits
-from .generation import GearboxResponse, encode_prompt
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -207,7 +210,7 @@ def speculative_generate_step(
     Args:
         prompt: ``(P,)`` token ids, ``P >= 1``.
         model: the high gear (the loaded model, unmodified).
-        draft: from :func:`gearbx_mlx.draft.build_draft`.
+        draft: from :func:`gearbx_mlx.speculative.draft.build_draft`.
         max_tokens: tokens to generate (-1: no limit).
         log_dist: the sampling distribution (:func:`make_log_dist`); None: greedy.
         monitor: fed the high gear's entropy of each emitted token; it drives
@@ -218,8 +221,6 @@ def speculative_generate_step(
         single_token_drafts: feed the drafter one token per call (the packed
             kernels have a GEMV for one token only).
     """
-    from mlx_lm.generate import generation_stream
-
     config = config or SpeculativeConfig()
     stats = stats if stats is not None else SpeculativeStats()
     if prompt.size < 1:
@@ -439,10 +440,6 @@ def stream_speculative_generate(
         :class:`SpeculativeResponse`, one per generated token; the last one
         has ``finish_reason`` set (``"stop"`` at EOS, else ``"length"``).
     """
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    from .gearbox import Gearbox
-
     if max_tokens == 0 or max_tokens < -1:
         raise ValueError("max_tokens must be positive (or -1 for no limit)")
     config = config or SpeculativeConfig()

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 GGUF_GROUP = 32
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -120,8 +121,6 @@ def _config(meta: Dict[str, Any], has_output: bool) -> Dict[str, Any]:
 
 def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     """tokenizer.json and tokenizer_config.json from GGUF metadata (gpt2 BPE)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(
             f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported "
@@ -155,7 +154,6 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
         )
     elif pre == "qwen2":
         # Qwen2's tokenizer.json: NFC, then llama3's regex with single digits.
-        from tokenizers import normalizers
 
         qwen2 = (
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -173,7 +171,6 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     tok.decoder = decoders.ByteLevel()
     # Control tokens (type 3) are special: never split, skipped when decoding.
     # User-defined tokens (type 4, e.g. Qwen's <tool_call>) are never split either.
-    from tokenizers import AddedToken
 
     specials = [tokens[i] for i, t in enumerate(types) if t == 3]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])

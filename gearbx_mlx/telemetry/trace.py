@@ -13,10 +13,11 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Any, Dict, Iterable, List, Optional
 
-from .config import GEARS
+from ..config import GEARS
 
 FORMAT = "gearbx-trace"
 VERSION = 1
@@ -28,8 +29,6 @@ TOKEN_FIELDS = (
 
 
 def versions() -> Dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": platform.python_version()}
     for pkg in ("gearbx-mlx", "mlx", "mlx-lm"):
         try:

@@ -6,51 +6,38 @@ counts their bytes truthfully. The product is chosen at call time
 (:func:`backend_for`), in the order of §7.2:
 
 1. single-token input (``x.size == in_features``) on a GPU: the packed GEMV
-   kernel of :mod:`gearbx_mlx.kernels` (Metal, or its CUDA twin);
-2. single-token input on the CPU: the C kernels of ``gearbx_mlx.cpu`` (int4 and
+   kernel of :mod:`gearbx_mlx.packed.gpu` (Metal, or its CUDA twin);
+2. single-token input on the CPU: the C kernels of ``gearbx_mlx.packed.cpu`` (int4 and
    int8), when that module imports and reports ``available()``;
 3. with ``dequant_cache=True``: the §7.1 path, weights dequantized once into the
    input dtype and reused until the input dtype changes;
-4. otherwise the reference of :mod:`gearbx_mlx.quant`: dequantize, then matmul
+4. otherwise the reference of :mod:`gearbx_mlx.packed.formats`: dequantize, then matmul
    in float32. Multi-token input (prefill) always takes 3 or 4.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels, quant
+from . import cpu, formats, gpu as kernels
 
 #: Names :func:`backend_for` returns.
 BACKENDS = ("metal", "cuda", "cpu", "dequant-cache", "reference")
-#: Path of ``gearbx_mlx.cpu.gemv``: "auto" is its int8-activation integer dot
+#: Path of ``gearbx_mlx.packed.cpu.gemv``: "auto" is its int8-activation integer dot
 #: product (memory speed, adds activation rounding); "float" keeps float32
 #: activations at about a third of the speed.
 CPU_GEMV_PATH = "auto"
 
 
-@functools.lru_cache(maxsize=None)
-def _import_cpu() -> Optional[Any]:
-    try:
-        from . import cpu  # noqa: PLC0415
-    except ImportError:
-        return None
-    return cpu
+def cpu_backend() -> Optional[Any]:
+    """:mod:`gearbx_mlx.packed.cpu` if its C library loaded, else None.
 
-
-def _cpu_kernels() -> Optional[Any]:
-    """``gearbx_mlx.cpu`` if it imports and its C library loaded, else None.
-
-    Imported on first use (and only tried once), never at import time: the
-    module is optional.
+    The library is optional and loaded on first use (tried once), never at
+    import time.
     """
-    cpu = _import_cpu()
-    if cpu is None:
-        return None
     try:
         return cpu if cpu.available() else None
     except Exception:  # a broken build must not break the reference path
@@ -76,12 +63,12 @@ def backend_for(
         if gpu is not None:
             if kernels.supports(bits, group_size, in_features, out_features, x.dtype):
                 return gpu
-        elif bits in (4, 8) and _cpu_kernels() is not None:
+        elif bits in (4, 8) and cpu_backend() is not None:
             return "cpu"
     return "dequant-cache" if dequant_cache else "reference"
 
 
-class _Runtime:
+class KernelRuntime:
     """Per-layer state that is not a parameter: kernel launchers and the §7.1 cache.
 
     A plain object, not ``mx.array``/dict attributes of the module, so that it
@@ -99,7 +86,7 @@ class _Runtime:
 
         ``layer`` needs ``bits``, ``group_size``, ``in_features`` and
         ``out_features``; ``splits`` asks for the matrix-unit kernel with
-        2-3 outputs (a fused group, ``gearbx_mlx.fused``).
+        2-3 outputs (a fused group, ``gearbx_mlx.packed.fused``).
         """
         key = (backend, dtype, has_bias)
         run = self.launchers.get(key)
@@ -114,15 +101,15 @@ class _Runtime:
             self.launchers[key] = run
         return run
 
-    def dequantized(self, layer: "_PackedBase", dtype: mx.Dtype) -> mx.array:
+    def dequantized(self, layer: "PackedBase", dtype: mx.Dtype) -> mx.array:
         if self.weight is None or self.weight.dtype != dtype:
-            self.weight = quant.dequantize(
+            self.weight = formats.dequantize(
                 layer.weight, layer.scales, layer.bits, layer.group_size, layer.in_features, dtype
             )
         return self.weight
 
 
-class _PackedBase(nn.Module):
+class PackedBase(nn.Module):
     """Packed storage of an ``(out_features, in_features)`` matrix and its product."""
 
     def __init__(
@@ -134,17 +121,17 @@ class _PackedBase(nn.Module):
         dequant_cache: bool,
     ) -> None:
         super().__init__()
-        quant.check_shape(in_features, bits, group_size)
+        formats.check_shape(in_features, bits, group_size)
         self.in_features = in_features
         self.out_features = out_features
         self.bits = bits
         self.group_size = group_size
         self.dequant_cache = dequant_cache
-        self._rt = _Runtime()
+        self._rt = KernelRuntime()
         self.weight = mx.zeros(
-            quant.packed_shape(out_features, in_features, bits), dtype=quant.packed_dtype(bits)
+            formats.packed_shape(out_features, in_features, bits), dtype=formats.packed_dtype(bits)
         )
-        self.scales = mx.ones((out_features, quant.n_groups(in_features, group_size)))
+        self.scales = mx.ones((out_features, formats.n_groups(in_features, group_size)))
 
     def backend_for(self, x: mx.array) -> str:
         return backend_for(
@@ -157,7 +144,7 @@ class _PackedBase(nn.Module):
 
     def dequantized_weight(self, dtype: mx.Dtype = mx.float32) -> mx.array:
         """``(out_features, in_features)`` weights ``q * s`` in ``dtype``."""
-        return quant.dequantize(
+        return formats.dequantize(
             self.weight, self.scales, self.bits, self.group_size, self.in_features, dtype
         )
 
@@ -178,7 +165,7 @@ class _PackedBase(nn.Module):
             )
         path = self.backend_for(x)
         if path == "cpu":
-            y = _cpu_kernels().gemv(
+            y = cpu_backend().gemv(
                 self.weight, self.scales, x.reshape(self.in_features),
                 bits=self.bits, group_size=self.group_size, in_features=self.in_features,
                 path=CPU_GEMV_PATH,
@@ -189,7 +176,7 @@ class _PackedBase(nn.Module):
         if path == "dequant-cache":
             y = x @ self._rt.dequantized(self, x.dtype).T
             return y if bias is None else y + bias.astype(x.dtype)
-        return quant.reference_matmul(
+        return formats.reference_matmul(
             x, self.weight, self.scales, bits=self.bits, group_size=self.group_size,
             in_features=self.in_features, bias=bias,
         )
@@ -202,7 +189,7 @@ class _PackedBase(nn.Module):
         )
 
 
-class PackedLinear(_PackedBase):
+class PackedLinear(PackedBase):
     """A linear layer ``y = x W^T + b`` with ``W`` stored packed (int8/6/4/2).
 
     Args:
@@ -244,7 +231,7 @@ class PackedLinear(_PackedBase):
         out_features, in_features = linear.weight.shape
         has_bias = "bias" in linear
         layer = cls(in_features, out_features, has_bias, bits, group_size, dequant_cache)
-        layer.weight, layer.scales = quant.quantize_packed(linear.weight, bits, group_size)
+        layer.weight, layer.scales = formats.quantize_packed(linear.weight, bits, group_size)
         if has_bias:
             layer.bias = linear.bias
         layer.freeze()
@@ -255,7 +242,7 @@ class PackedLinear(_PackedBase):
         return self._product(x, self.get("bias"))
 
 
-class PackedEmbedding(_PackedBase):
+class PackedEmbedding(PackedBase):
     """An embedding table stored packed, usable as the tied output projection.
 
     ``__call__(ids)`` looks rows up and dequantizes them; ``as_linear(x)`` is
@@ -295,14 +282,14 @@ class PackedEmbedding(_PackedBase):
             )
         num, dims = embedding.weight.shape
         layer = cls(num, dims, bits, group_size, dequant_cache, embedding.weight.dtype)
-        layer.weight, layer.scales = quant.quantize_packed(embedding.weight, bits, group_size)
+        layer.weight, layer.scales = formats.quantize_packed(embedding.weight, bits, group_size)
         layer.freeze()
         return layer
 
     def __call__(self, ids: mx.array) -> mx.array:
         """Integer ``ids`` of any shape -> ``ids.shape + (dims,)`` in the table's dtype."""
         flat = ids.reshape(-1)
-        rows = quant.dequantize(
+        rows = formats.dequantize(
             self.weight[flat], self.scales[flat], self.bits, self.group_size, self.dims,
             self.lookup_dtype,
         )

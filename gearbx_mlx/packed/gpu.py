@@ -9,7 +9,7 @@ dtype, bias, and a hash of the source text) is in its name: MLX caches kernels
 by name, in memory and, on CUDA, as PTX on disk.
 
 The public entry point is :func:`gemv`; :func:`gpu_backend` and
-:func:`supports` tell a caller (``gearbx_mlx.packed``) whether it applies.
+:func:`supports` tell a caller (``gearbx_mlx.packed.layers``) whether it applies.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import quant
+from . import formats
 
 #: Bit widths with a GPU kernel (int6/int2 use the reference).
 KERNEL_BITS: Tuple[int, ...] = (4, 8)
@@ -79,7 +79,7 @@ _DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 def source_dir() -> Path:
     """The folder of kernel sources: inside the installed package, or the checkout's."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "metal_kernels", here.parent / "metal_kernels"):
+    for candidate in (here.parent / "metal_kernels", here.parent.parent / "metal_kernels"):
         if (candidate / "gemv_body.inc").is_file():
             return candidate
     raise FileNotFoundError(
@@ -420,8 +420,8 @@ def launcher(
     compiled by MLX on the first evaluation.
     """
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only, never evaluated
-    w = mx.zeros(quant.packed_shape(out_features, in_features, bits), quant.packed_dtype(bits))
-    s = mx.zeros((out_features, quant.n_groups(in_features, group_size)))
+    w = mx.zeros(formats.packed_shape(out_features, in_features, bits), formats.packed_dtype(bits))
+    s = mx.zeros((out_features, formats.n_groups(in_features, group_size)))
     b = mx.zeros((out_features,), dtype=dtype) if has_bias else None
     spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, tuning=tuning,
                        shared=shared, mma=mma, splits=splits)
@@ -483,7 +483,7 @@ def gemv(
     backend = backend or gpu_backend()
     if backend is None:
         raise ValueError(
-            "no GPU back end on the default device: call gearbx_mlx.quant.reference_matmul"
+            "no GPU back end on the default device: call gearbx_mlx.packed.formats.reference_matmul"
         )
     in_features = x.shape[-1]
     if x.size != in_features:

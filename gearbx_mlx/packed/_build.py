@@ -3,8 +3,8 @@
 Used two ways:
 
 * at install time through ``setup.py`` (``cffi_modules``), which builds the
-  extension module ``gearbx_mlx._gearbx_cpu``;
-* by hand, to build in place: ``python gearbx_mlx/_cpu_build.py``.
+  extension module ``gearbx_mlx.packed._gearbx_cpu``;
+* by hand, to build in place: ``python gearbx_mlx/packed/_build.py``.
 
 Per-platform flags (the C sources pick kernels with ``#if`` and run-time checks):
 
@@ -36,10 +36,10 @@ import tempfile
 
 from cffi import FFI
 
-MODULE_NAME = "gearbx_mlx._gearbx_cpu"
+MODULE_NAME = "gearbx_mlx.packed._gearbx_cpu"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
 _SOURCES = ("csrc/gearbx_packed.c", "csrc/gearbx_packed_ref.c")
 
 # What Python sees of csrc/gearbx_packed.h.  API mode checks it against the

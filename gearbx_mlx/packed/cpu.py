@@ -1,8 +1,8 @@
 """Packed int4/int8 GEMV on the CPU: a checked wrapper over the C kernels.
 
-The kernels (``csrc/``, built by cffi in API mode as ``gearbx_mlx._gearbx_cpu``)
+The kernels (``csrc/``, built by cffi in API mode as ``gearbx_mlx.packed._gearbx_cpu``)
 compute ``y = W x`` for one activation vector straight from the packed format
-of :mod:`gearbx_mlx.quant`: int8 ``(O, I)``, or uint8 ``(O, I/2)`` int4 with the
+of :mod:`gearbx_mlx.packed.formats`: int8 ``(O, I)``, or uint8 ``(O, I/2)`` int4 with the
 low nibble first and an offset of 8, with float32 scales ``(O, n_groups)``.
 
 Paths (``path=``):
@@ -24,6 +24,7 @@ callers (``PackedLinear``) use MLX instead.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ def _load() -> Optional[Any]:
         except ImportError as e:
             _load_error = (
                 f"gearbx_mlx: the C CPU kernels are not built ({e}); packed layers use the "
-                "pure-MLX path. Rebuild with `pip install -e .` or `python gearbx_mlx/_cpu_build.py`."
+                "pure-MLX path. Rebuild with `pip install -e .` or `python gearbx_mlx/packed/_build.py`."
             )
             warnings.warn(_load_error, RuntimeWarning, stacklevel=3)
             return None
@@ -111,7 +112,7 @@ def info() -> dict:
         "threads": i.threads,
         "max_threads": i.max_threads,
         "block": lib.GBX_QK,
-        "extension": getattr(ext, "__file__", None),
+        "extension": os.path.basename(getattr(ext, "__file__", "") or "") or None,
     }
 
 
@@ -234,7 +235,7 @@ class PreparedWeights:
             self.group_size or 0, PATHS[path], 0 if threads is None else int(threads),
         )
         if rc != 0:
-            _raise_for(ext, rc, "gearbx_mlx.cpu.gemv")
+            _raise_for(ext, rc, "gearbx_mlx.packed.cpu.gemv")
         # mx.array(numpy) copies (about 2 us for 11k floats); `out` avoids it
         return out if out is not None else mx.array(yv)
 
@@ -276,7 +277,7 @@ def prepare(
         raise ValueError(f"scales must have shape ({w.shape[0]}, {ng}), got {tuple(s.shape)}")
     rc = ext.lib.gbx_check_args(w.shape[0], int(in_features), bits, group_size or 0, 0)
     if rc != 0:
-        _raise_for(ext, rc, "gearbx_mlx.cpu.prepare")
+        _raise_for(ext, rc, "gearbx_mlx.packed.cpu.prepare")
     return PreparedWeights(w, s, bits, group_size, int(in_features))
 
 

@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels
-from .packed import PackedLinear, _Runtime
+from . import gpu as kernels
+from .layers import KernelRuntime, PackedLinear
 
 #: Sibling projections fused per parent module (attribute names as in mlx-lm's
 #: llama, mistral, qwen2, gemma and phi3-style blocks).
@@ -55,7 +55,7 @@ class _Group:
             bounds.append(total)
         self.splits = tuple(bounds)
         self.row_ranges = [(0,) + self.splits, self.splits + (self.out_features,)]
-        self._rt = _Runtime()
+        self._rt = KernelRuntime()
         self._last_x: Optional[mx.array] = None
         self._last: Optional[List[mx.array]] = None
 

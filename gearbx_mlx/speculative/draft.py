@@ -1,0 +1,259 @@
+"""The draft model of self-speculative decoding: the model tree, managed layers in a lower gear.
+
+:func:`build_draft` makes a second module tree that shares every array of
+the loaded model except the managed layers, which are quantized copies (the
+low or mid gear). Containers along the managed paths are shallow copies
+(``copy.copy`` of an ``nn.Module`` copies its child table, not the children),
+so norms, embeddings that are not managed, RoPE and every unmanaged linear
+are the very same objects in both trees. Both gears stay resident at once;
+only the quantized managed layers are extra, and :func:`resident_bytes`
+counts each array once.
+
+On the CPU with the packed kernels, :class:`HostForward` runs the drafter's
+decode steps in numpy around the C GEMV on a :class:`HostKVCache` (the
+drafter's ``make_cache`` returns one), bypassing the MLX graph; the MLX tree
+stays the oracle and the fallback.
+
+How well a drafter predicts the high gear, and where it should stop
+drafting, is measured in :mod:`gearbx_mlx.speculative.calibration`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from ..affine import fake_quantize
+from ..config import GearboxConfig, bits_for
+from ..precision import PrecisionManager, nbytes
+from .host import HOST_PREFILL_MAX, HostForward, HostKVCache, host_forward
+
+#: Gears that may draft: the high gear verifies, it cannot draft for itself.
+DRAFT_GEARS = ("low", "mid")
+#: How the draft's managed layers are built: the gearbox's kernels, or
+#: quantize-then-dequantize float weights (same values, fast multi-token
+#: products on the CPU; for analysis, never for speed).
+DRAFT_QUANTIZERS = ("gearbox", "fake")
+
+
+@dataclass
+class DraftModel:
+    """A drafter: the model tree with its managed layers in a lower gear.
+
+    Attributes:
+        module: callable like the mlx-lm model (``module(ids, cache=...)``).
+        gear: ``"low"`` or ``"mid"``.
+        bits: bit width of the managed layers.
+        scope: which layers are quantized (``attention`` or ``all``).
+        paths: the managed module paths.
+        quantizer: ``"gearbox"`` (the gearbox's kernel) or ``"fake"``.
+    """
+
+    module: nn.Module
+    gear: str
+    bits: int
+    scope: str
+    paths: List[str]
+    quantizer: str = "gearbox"
+    memory: Dict[str, int] = field(default_factory=dict)
+    host: Optional["HostForward"] = field(default=None, repr=False)
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, **kwargs: Any) -> mx.array:
+        """``(1, T)`` ids -> ``(1, T, V)`` logits, through the host forward when
+        ``cache`` is a host cache (:meth:`make_cache`), else the MLX tree."""
+        if cache and isinstance(cache[0], HostKVCache):
+            if self.host is None or kwargs:
+                raise ValueError("a host KV cache needs the drafter's host forward and token ids only")
+            if inputs.size > HOST_PREFILL_MAX:
+                return self._tree_prefill(inputs, cache)
+            return mx.array(self.host(inputs.reshape(-1).tolist(), cache))[None]
+        return self.module(inputs, cache=cache, **kwargs)
+
+    def _tree_prefill(self, inputs: mx.array, cache: List["HostKVCache"]) -> mx.array:
+        """A long input through the MLX tree (one multi-token pass instead of
+        a GEMV per token), on a KV cache seeded from the host cache and copied back."""
+        tmp = []
+        for c in cache:
+            kv = KVCache()
+            if c.offset:
+                kv.update_and_fetch(mx.array(c.keys[None, :, : c.offset]), mx.array(c.values[None, :, : c.offset]))
+            tmp.append(kv)
+        out = self.module(inputs, cache=tmp)
+        mx.eval(out, [(t.keys, t.values) for t in tmp])
+        n = inputs.shape[-1]
+        for c, t in zip(cache, tmp):
+            c.reserve(n)
+            c.keys[:, c.offset : c.offset + n] = np.asarray(t.keys[0, :, c.offset : t.offset])
+            c.values[:, c.offset : c.offset + n] = np.asarray(t.values[0, :, c.offset : t.offset])
+            c.offset += n
+        return out
+
+    def make_cache(self) -> List[Any]:
+        """The drafter's KV cache (mlx-lm's ``make_prompt_cache`` calls this):
+        host caches when the host forward applies, else the tree's own."""
+        if self.host is not None:
+            return self.host.make_cache()
+        if hasattr(self.module, "make_cache"):
+            return self.module.make_cache()
+        return [KVCache() for _ in self.module.layers]
+
+    def __getattr__(self, name: str) -> Any:
+        # ``layers``, ``make_cache``, ``args``...: the tree's own (make_prompt_cache reads them).
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+
+def check_draft_gear(gear: str) -> None:
+    if gear not in DRAFT_GEARS:
+        hint = " (the high gear verifies; it cannot draft for itself)" if gear == "high" else ""
+        raise ValueError(f"draft gear must be one of {DRAFT_GEARS}, got {gear!r}{hint}")
+
+
+def _path_tree(paths: Sequence[str], modules: Dict[str, nn.Module]) -> Dict[str, Any]:
+    """``{"model": {"layers": {"0": {...: module}}}}`` from dotted paths."""
+    tree: Dict[str, Any] = {}
+    for p in paths:
+        node = tree
+        *parents, leaf = p.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = modules[p]
+    return tree
+
+
+def graft(node: Any, tree: Dict[str, Any]) -> Any:
+    """A copy of ``node`` with the modules of ``tree`` installed at their paths.
+
+    Only containers on the way to a replaced module are copied (shallowly);
+    every other child is shared with ``node``, which is left untouched.
+    """
+    if isinstance(node, list):
+        new: Any = list(node)
+    elif isinstance(node, nn.Module):
+        new = copy.copy(node)
+    elif isinstance(node, dict):
+        new = dict(node)
+    else:
+        raise TypeError(f"cannot graft into a {type(node).__name__}")
+    for key, sub in tree.items():
+        k: Any = int(key) if isinstance(node, list) else key
+        new[k] = sub if isinstance(sub, nn.Module) else graft(node[k], sub)
+    return new
+
+
+def _fake_quantized(module: nn.Module, bits: int, group_size: int) -> nn.Module:
+    """A float layer holding quantize-then-dequantize weights (analysis only)."""
+    w = fake_quantize(module.weight, bits, group_size)
+    if isinstance(module, nn.Embedding):
+        out: nn.Module = nn.Embedding(*w.shape)
+    elif isinstance(module, nn.Linear):
+        out = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+        if "bias" in module:
+            out.bias = module.bias
+    else:
+        raise TypeError(f"cannot fake-quantize a {type(module).__name__}")
+    out.weight = w
+    return out
+
+
+def build_draft(
+    model: nn.Module,
+    gearbox: Any,
+    gear: str = "low",
+    scope: Optional[str] = None,
+    quantizer: str = "gearbox",
+    host: Optional[bool] = None,
+) -> DraftModel:
+    """Build the drafter of ``model`` in ``gear``, sharing all unmanaged arrays.
+
+    Args:
+        model: the loaded mlx-lm model (the high gear); it is not modified.
+        gearbox: its :class:`~gearbx_mlx.gearbox.Gearbox` (bits, group size,
+            kernel; its gear cache is reused when ``scope`` is the gearbox's).
+        gear: ``"low"`` or ``"mid"``.
+        scope: ``"attention"`` or ``"all"``; None means the gearbox's scope.
+        quantizer: ``"gearbox"`` or ``"fake"`` (see :data:`DRAFT_QUANTIZERS`).
+        host: decode steps through :class:`HostForward` (numpy around the C
+            kernels, no MLX graph): None uses it where it applies (the
+            gearbox's packed kernels on the CPU, a llama model), False never,
+            True requires it.
+
+    Raises:
+        ValueError: bad gear or quantizer, a pre-quantized model, or a model
+            whose gearbox is not in the high gear.
+    """
+    check_draft_gear(gear)
+    if quantizer not in DRAFT_QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {DRAFT_QUANTIZERS}, got {quantizer!r}")
+    config: GearboxConfig = gearbox.config
+    scope = scope or config.scope
+    mgr: PrecisionManager = gearbox.manager
+    if mgr.telemetry_only:
+        raise ValueError(
+            "speculative decoding needs a model whose gears can be built; this one is "
+            "pre-quantized (or telemetry-only): load its full-precision weights"
+        )
+    if mgr.gear != "high":
+        raise ValueError(f"the gearbox is in the {mgr.gear} gear: shift it to 'high' first")
+    bits = bits_for(gear, config)
+    if scope != config.scope:
+        # Another scope: a manager of our own, only to discover and quantize.
+        mgr = PrecisionManager(model, config.replace(scope=scope))
+    if not mgr.paths:
+        raise ValueError(f"scope {scope!r} manages no layer of this model: nothing to draft with")
+    if quantizer == "gearbox":
+        mgr.prepare(gear)
+        modules = dict(mgr.cache[gear])
+    else:
+        modules = {p: _fake_quantized(m, bits, config.group_size) for p, m in mgr.originals.items()}
+        mx.eval([m.parameters() for m in modules.values()])
+    module = graft(model, _path_tree(mgr.paths, modules))
+    draft = DraftModel(module, gear, int(bits), scope, list(mgr.paths), quantizer)
+    draft.memory = resident_bytes(model, draft)
+    if host or (host is None and quantizer == "gearbox" and config.kernel == "packed"):
+        draft.host = host_forward(module)
+        if host and draft.host is None:
+            raise ValueError("the host forward does not apply here (it needs the CPU device, the C "
+                             "kernels, an mlx-lm llama model and packed or float32 layers)")
+    return draft
+
+
+def resident_bytes(model: nn.Module, draft: DraftModel) -> Dict[str, int]:
+    """Bytes of both trees, each array counted once.
+
+    ``high_bytes``: the loaded model; ``draft_bytes``: the drafter's tree as
+    if alone; ``shared_bytes``: arrays in both; ``extra_bytes``: what the
+    drafter adds; ``resident_total``: high plus extra.
+    """
+    hi = {id(v): v.nbytes for _, v in tree_flatten(model.parameters())}
+    dr = {id(v): v.nbytes for _, v in tree_flatten(draft.module.parameters())}
+    shared = sum(n for k, n in dr.items() if k in hi)
+    extra = sum(n for k, n in dr.items() if k not in hi)
+    return {
+        "high_bytes": sum(hi.values()),
+        "draft_bytes": sum(dr.values()),
+        "shared_bytes": shared,
+        "extra_bytes": extra,
+        "resident_total": sum(hi.values()) + extra,
+        "managed_high_bytes": sum(nbytes(m) for m in _at(model, draft.paths)),
+        "managed_draft_bytes": sum(nbytes(m) for m in _at(draft.module, draft.paths)),
+    }
+
+
+def _at(model: nn.Module, paths: Sequence[str]) -> List[nn.Module]:
+    mods = dict(model.named_modules())
+    return [mods[p] for p in paths]
+
+
+__all__ = [
+    "DRAFT_GEARS", "DRAFT_QUANTIZERS", "DraftModel", "build_draft", "check_draft_gear", "graft",
+    "resident_bytes",
+]

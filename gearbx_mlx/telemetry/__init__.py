@@ -1,0 +1,12 @@
+"""What a run leaves behind and how to read it.
+
+:mod:`.trace` (the JSON Lines trace format, writer and reader),
+:mod:`.analyze` (statistics of traces, side by side), :mod:`.plots` (their
+figures, with the optional matplotlib), :mod:`.openai_client` and
+:mod:`.remote` (telemetry from OpenAI-compatible servers), :mod:`.bounds`
+(entropy bounds from top-k log-probabilities).
+"""
+
+from .trace import TraceWriter, read_trace
+
+__all__ = ["TraceWriter", "read_trace"]
