@@ -124,7 +124,9 @@ def tracked_text_files(root: Path) -> List[Path]:
 
 
 def test_every_citation_resolves_to_a_spec_heading():
-    files = tracked_text_files(ROOT)
+    # This file is left out: its examples cite missing sections on purpose.
+    this = Path(__file__).resolve()
+    files = [f for f in tracked_text_files(ROOT) if f.resolve() != this]
     assert SPEC.is_file(), "docs/SPEC.md is missing: the § citations have nothing to resolve to"
     headings = spec_headings(SPEC.read_text(encoding="utf-8"))
     bad, count = unresolved(files, ROOT, headings)
