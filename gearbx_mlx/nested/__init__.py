@@ -1,0 +1,5 @@
+"""Nested gears: all three gears of a weight in one buffer of bit planes.
+
+:mod:`.planes` (the planes and their pure-MLX product, the oracle of every
+fused kernel).
+"""

@@ -1,0 +1,189 @@
+"""Nested bit planes: every gear of a weight matrix in one buffer, in pure MLX.
+
+A weight ``W`` of shape ``(out, in)`` is stored as planes of MLX affine
+group quantization (``mx.quantize``, groups of ``group_size`` inputs), each
+quantizing what the planes before it left over:
+
+* plane 0 (4 bits): ``W`` itself; alone, it *is* MLX's 4-bit quantization
+  of ``W`` (same codes, scales and biases): the low gear;
+* plane 1 (4 bits): ``W - deq(p0)``; planes 0-1 are the mid gear;
+* plane 2 (8 bits): ``W - deq(p0) - deq(p1)``; planes 0-2 reconstruct ``W``
+  to within a few parts in a million of its norm: the high gear.
+
+A residual is small, and a float16 scale of a residual of a residual would
+fall below float16's normal range. Each residual plane therefore quantizes
+``residual * 2**e`` (``e`` chosen per plane and matrix so that the largest
+magnitude is about 1) and its products are multiplied by ``2**-e``, which is
+exact in floating point; scales and biases stay in the source's dtype, so
+the three planes cost 4.5 + 4.5 + 8.5 = 17.5 bits a weight at group 64 with
+half-precision scales (1.09x float16).
+
+A gear reads its first ``n`` planes, ``y = sum_p x @ deq(p_p).T``: one to
+three ``mx.quantized_matmul`` calls here (:func:`reference_matmul`, the
+oracle and the fallback of every fused kernel), or one launch of a kernel
+that reads ``n`` planes. Shifting gears changes ``n``; nothing is quantized
+or allocated at shift time.
+
+Built upward from the 4-bit gear, not downward from an 8-bit code: the top
+nibble of 8-bit codes cannot represent a group's extreme weights and makes a
+much worse low gear (``scripts/bench_nested.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+#: Bits of each plane, low gear first (the default nesting).
+DEFAULT_PLAN: Tuple[int, ...] = (4, 4, 8)
+#: Bits of the planes re-expressing an MLX 8-bit layer: a 4-bit low gear and a
+#: 4-bit residual (about 9 bits a weight with half-precision scales).
+QUANTIZED_SOURCE_PLAN: Tuple[int, ...] = (4, 4)
+#: Group sizes MLX's affine quantization supports.
+GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+#: Bit widths MLX's affine quantization supports.
+PLANE_BITS: Tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+
+
+@dataclass
+class Plane:
+    """One MLX affine quantization: ``deq = scales * q + biases`` per group.
+
+    Attributes:
+        weight: ``(out, in * bits / 32)`` uint32, MLX's packing.
+        scales, biases: ``(out, in / group_size)``, the source's float dtype.
+    """
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+    exponent: int = 0  #: the plane holds ``residual * 2**exponent``
+
+    @property
+    def factor(self) -> float:
+        """What the plane's products are multiplied by: ``2**-exponent`` (exact)."""
+        return 2.0 ** -self.exponent
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """``(out, in)`` of the matrix this plane quantizes."""
+        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def arrays(self) -> List[mx.array]:
+        return [self.weight, self.scales, self.biases]
+
+    def dequantize(self) -> mx.array:
+        """``(out, in)`` float32: the values this plane adds to the weight."""
+        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        w = w.astype(mx.float32)
+        return w * self.factor if self.exponent else w
+
+
+def check_plan(plan: Sequence[int], group_size: int, in_features: int) -> None:
+    """Raise ``ValueError`` unless MLX can quantize rows of ``in_features`` this way."""
+    if not plan or len(plan) > 3:
+        raise ValueError(f"a nesting plan has one to three planes, got {tuple(plan)!r}")
+    bad = [b for b in plan if b not in PLANE_BITS]
+    if bad:
+        raise ValueError(f"unsupported plane bits {bad}: MLX quantizes to {PLANE_BITS} bits")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if in_features % group_size:
+        raise ValueError(f"the input size {in_features} is not a multiple of the group size {group_size}")
+
+
+def quantize_plane(w: mx.array, bits: int, group_size: int, exponent: int = 0,
+                   dtype: Optional[mx.Dtype] = None) -> Plane:
+    """MLX's affine quantization of ``w * 2**exponent``, in ``dtype`` (default ``w``'s)."""
+    src = w * (2.0 ** exponent) if exponent else w
+    q, s, b = mx.quantize(src.astype(dtype or w.dtype), group_size=group_size, bits=bits)
+    return Plane(q, s, b, bits, group_size, exponent)
+
+
+def residual_exponent(r: mx.array) -> int:
+    """``e`` such that ``max|r| * 2**e`` lies in [0.5, 1) (0 for an all-zero residual)."""
+    m = float(mx.max(mx.abs(r)).item())
+    if not math.isfinite(m):
+        raise ValueError("the weight holds a NaN or an infinity: it cannot be quantized")
+    return 0 if m == 0.0 else -math.frexp(m)[1]
+
+
+def build_planes(
+    weight: mx.array, group_size: int = 64, plan: Sequence[int] = DEFAULT_PLAN
+) -> List[Plane]:
+    """Planes of ``weight`` ``(out, in)``, each quantizing the residual of those before.
+
+    Residuals are formed in float32 whatever the weight's dtype; every
+    plane's scales and biases are in the source's dtype, as MLX's quantized
+    layers of that source would hold them.
+    """
+    check_plan(plan, group_size, weight.shape[-1])
+    if weight.ndim != 2:
+        raise ValueError(f"planes quantize a matrix (out, in), got shape {tuple(weight.shape)}")
+    dtype = weight.dtype
+    planes: List[Plane] = []
+    residual = weight.astype(mx.float32)
+    for i, bits in enumerate(plan):
+        if i == 0:
+            p = quantize_plane(weight, bits, group_size)  # exactly MLX's quantization of the source
+        else:
+            p = quantize_plane(residual, bits, group_size, residual_exponent(residual), dtype)
+        planes.append(p)
+        if i + 1 < len(plan):
+            residual = residual - p.dequantize()
+            mx.eval(residual)
+    mx.eval([a for p in planes for a in p.arrays()])
+    return planes
+
+
+def reconstruct(planes: Sequence[Plane], n: Optional[int] = None, dtype: Optional[mx.Dtype] = None) -> mx.array:
+    """The sum of the first ``n`` planes' dequantizations, ``(out, in)``, summed in
+    float32 and returned in ``dtype`` (default: the planes' scale dtype)."""
+    n = len(planes) if n is None else n
+    w = planes[0].dequantize()
+    for p in planes[1:n]:
+        w = w + p.dequantize()
+    return w.astype(dtype or planes[0].scales.dtype)
+
+
+def reference_matmul(
+    x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None
+) -> mx.array:
+    """``x @ (deq(p0) + ... + deq(p_{n-1})).T (+ bias)``: one quantized product per plane.
+
+    Args:
+        x: ``(..., in)``.
+    Returns:
+        ``(..., out)`` in the dtype of ``x``.
+    """
+    if not 1 <= n <= len(planes):
+        raise ValueError(f"a gear reads 1 to {len(planes)} planes, got {n}")
+    y = None
+    for p in planes[:n]:
+        t = mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True, group_size=p.group_size, bits=p.bits)
+        if n == 1:
+            y = t
+            break
+        t = t.astype(mx.float32)
+        if p.exponent:
+            t = t * p.factor
+        y = t if y is None else y + t
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype)
+
+
+def bits_per_weight(planes: Sequence[Plane], n: Optional[int] = None) -> float:
+    """Stored bits per weight of the first ``n`` planes, scales and biases included."""
+    n = len(planes) if n is None else n
+    rows, cols = planes[0].shape
+    return 8 * sum(p.nbytes for p in planes[:n]) / (rows * cols)
