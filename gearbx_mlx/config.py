@@ -33,6 +33,17 @@ SCOPES: Tuple[str, ...] = ("attention", "all")
 #: Kernels for the low and mid gears: MLX's ``QuantizedLinear`` or our packed ones.
 KERNELS: Tuple[str, ...] = ("mlx", "packed")
 
+#: Where the gears' weights live: ``separate`` quantized copies beside the loaded
+#: weights (one per gear entered), or ``nested`` bit planes that every gear
+#: shares (:mod:`gearbx_mlx.nested`).
+STORES: Tuple[str, ...] = ("separate", "nested")
+
+#: What the high gear of the nested store reads: the loaded weights
+#: (``original``, bit-identical to the unmodified model) or all the planes
+#: (``planes``: the loaded weights are dropped; all three gears then fit in
+#: about 1.09x the float16 bytes).
+HIGH_SOURCES: Tuple[str, ...] = ("original", "planes")
+
 
 @dataclass(frozen=True)
 class CalibrationDefaults:
@@ -95,6 +106,9 @@ class GearboxConfig:
     group_size: int = 64
     bits: Dict[str, int] = field(default_factory=lambda: {"low": 4, "mid": 8})
     kernel: str = "mlx"
+    # Where the gears' weights live, and what the nested store's high gear reads.
+    store: str = "separate"
+    high: str = "original"
     telemetry_only: bool = False
     # A fixed gear (a baseline): the monitor still measures, nothing routes.
     static_gear: Optional[str] = None
@@ -138,6 +152,12 @@ class GearboxConfig:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.store not in STORES:
+            raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
+        if self.high not in HIGH_SOURCES:
+            raise ValueError(f"high must be one of {HIGH_SOURCES}, got {self.high!r}")
+        if self.high == "planes" and self.store != "nested":
+            raise ValueError("high='planes' reads the nested store's planes: give store='nested' too")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size!r}")
         if set(self.bits) != {"low", "mid"}:

@@ -8,6 +8,7 @@ One :class:`Gearbox` belongs to one loaded model. It is what
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.nn as nn
@@ -43,6 +44,7 @@ class Gearbox:
         vocab_size: output vocabulary size (read from the model if omitted).
         calibration: calibrated thresholds (override the scaled defaults).
         model_name: for telemetry.
+        planes_dir: the model's folder, where the nested store caches its planes.
     """
 
     def __init__(
@@ -52,12 +54,13 @@ class Gearbox:
         vocab_size: Optional[int] = None,
         calibration: Optional[Calibration] = None,
         model_name: str = "",
+        planes_dir: Optional[Path] = None,
     ) -> None:
         self.model = model
         self.config = config or GearboxConfig()
         self.vocab_size = vocab_size or vocab_size_of(model)
         self.model_name = model_name
-        self.manager = PrecisionManager(model, self.config)
+        self.manager = PrecisionManager(model, self.config, planes_dir)
         self.monitor = EntropyMonitor(self.vocab_size, self.config)
         self.calibration: Optional[Calibration] = None
         if calibration is not None:

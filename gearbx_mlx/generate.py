@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from .calibration import Calibration
 from .chat import apply_chat_template
-from .config import ANSI_RESET, GEAR_ANSI, GEARS, KERNELS, SCOPES, GearboxConfig
+from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, SCOPES, STORES, GearboxConfig
 from .console import print_stream, show_warning
 from .generation import load, stream_generate
 from .precision import default_kernel
@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kernel", choices=KERNELS, default=None,
                    help="low/mid gears through MLX's QuantizedLinear or our packed kernels "
                         "(default: packed on the CPU when the C kernels are built, else mlx)")
+    r.add_argument("--store", choices=STORES, default=GearboxConfig.store,
+                   help="where the gears' weights live: 'nested' bit planes that every gear shares (one "
+                        "buffer, nothing quantized at a shift) or 'separate' quantized copies per gear "
+                        f"(default {GearboxConfig.store})")
+    r.add_argument("--high", choices=HIGH_SOURCES, default=GearboxConfig.high,
+                   help="nested store only: the high gear reads the loaded weights ('original', exact) or "
+                        "every plane ('planes': the loaded weights are dropped, all gears in ~1.09x the "
+                        f"float16 bytes) (default {GearboxConfig.high})")
     r.add_argument("--thresholds", nargs=2, type=float, metavar=("LOW", "HIGH"),
                    help="entropy thresholds in bits of this model (no vocabulary scaling)")
     r.add_argument("--calibrate", nargs="?", const="median", choices=("median", "percentile"),
@@ -89,6 +97,8 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
         min_gear_duration=args.min_gear_duration,
         scope=args.scope,
         kernel=args.kernel or default_kernel(),
+        store=args.store,
+        high=args.high,
         telemetry_only=args.telemetry_only,
         static_gear=args.static_gear,
         lag=args.lag,
@@ -142,15 +152,21 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
             costs.append(f"{g}: " + ", ".join(parts))
     if costs:
         lines.append("Shift cost: " + "; ".join(costs))
-    mem = s["memory"]
-    lines.append(
-        "Managed layers resident: " + ", ".join(
-            f"{k[:-6]} {v / 2**20:.1f} MiB" for k, v in mem.items() if k.endswith("_bytes") and k != "active_bytes")
-        + " (unified memory: originals stay resident; nothing is offloaded)"
-    )
+    lines.append(memory_line(s["memory"], s.get("store", "separate"), s.get("high", "original")))
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)
+
+
+def memory_line(mem: Dict[str, Any], store: str, high: str) -> str:
+    """One line: what the managed layers hold, and what each built gear reads."""
+    mib = 2**20
+    gears = ", ".join(f"{g} {mem[f'{g}_bytes'] / mib:.1f}" for g in GEARS if f"{g}_bytes" in mem)
+    ratio = f" = {mem['resident_total'] / mem['fp16_bytes']:.2f}x their float16 bytes" if mem.get("fp16_bytes") else ""
+    where = (f"nested planes, high = {'all planes' if high == 'planes' else 'the loaded weights'}"
+             if store == "nested" else "separate copies beside the loaded weights")
+    return (f"Managed layers: {mem['resident_total'] / mib:.1f} MiB resident{ratio} ({where}; "
+            f"unified memory: nothing is offloaded); read per step, MiB: {gears}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,7 +229,8 @@ def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) ->
         "model": gearbox.model_name,
         "vocab_size": gearbox.vocab_size,
         "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1], "source": source},
-        "scope": c.scope, "kernel": c.kernel, "window": c.window, "hysteresis": c.hysteresis,
+        "scope": c.scope, "kernel": c.kernel, "store": c.store, "high": c.high,
+        "window": c.window, "hysteresis": c.hysteresis,
         "min_gear_duration": c.min_gear_duration, "lag": session.lag, "policy": session.policy.name,
         "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),
         "initial_gear": session.records[0].gear if session.records else None,

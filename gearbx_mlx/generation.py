@@ -83,8 +83,15 @@ def load(
     if options:
         config = config.replace(**options)
     path = resolve_model(model, dtype)
-    m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config)
-    gearbox = Gearbox(m, config, model_name=str(model or Path(path).name))
+    nested = config.store == "nested" and not config.telemetry_only
+    # Lazily, for the nested store: with high='planes' and a valid planes cache
+    # the managed float weights are never read from disk.
+    m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
+    local = Path(path).is_dir()
+    gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
+                      planes_dir=Path(path) if nested and local else None)
+    if nested:
+        mx.eval(m.parameters())
     if isinstance(calibration, Calibration):
         gearbox.set_calibration(calibration)
     elif calibration in ("median", "percentile"):

@@ -1,14 +1,22 @@
-"""The precision manager: discovery, lazy quantization, gear cache, swaps (§6).
+"""The precision manager: discovery, the gears' modules, swaps (§6).
 
 A gear shift is one ``model.update_modules`` call driven by a plan
-``{module path: module}``. The high gear re-installs the very module objects
-that were loaded, so its logits are bit-identical to the unmodified model.
+``{module path: module}``. Two stores hold the gears' weights:
+
+* ``separate``: each gear is quantized from the loaded weights the first time
+  it is entered (§6.2) and cached; the high gear re-installs the very module
+  objects that were loaded, so its logits are bit-identical to the
+  unmodified model.
+* ``nested``: every gear reads a prefix of one set of bit planes
+  (:mod:`gearbx_mlx.nested`), built (or read from the disk cache) when the
+  manager is made; a shift only installs other views of the same arrays.
+  The high gear is the loaded weights (``high='original'``) or every plane
+  (``high='planes'``, and the loaded weights are dropped).
 
 Memory, truthfully: MLX on Apple Silicon has one unified memory pool, and on
-the Linux CPU backend there is no device pool at all. The loaded originals are
-kept referenced (the high gear needs them), so they stay resident; each gear
-that was entered also keeps its quantized modules resident in the cache.
-:meth:`PrecisionManager.memory` reports exactly that, not an offload.
+the Linux CPU backend there is no device pool at all, so nothing is
+offloaded. :meth:`PrecisionManager.memory` counts every array the gears hold,
+each once.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import re
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -24,8 +33,22 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import GEARS, GearboxConfig, bits_for
+from .nested.layers import NestedWeights
+from .nested.store import (
+    PlanesCacheError,
+    build_nested,
+    cache_key,
+    cache_path,
+    fingerprint,
+    gear_views,
+    load_nested,
+    module_shape,
+    plan_for,
+    save_nested,
+)
 from .packed.fused import fuse_modules
 from .packed.layers import PackedEmbedding, PackedLinear, cpu_backend
+from .sources.cache import cache_dir
 
 #: Path components (lower-cased, underscores removed) that mark attention (§6.1).
 ATTENTION_NAMES = ("selfattn", "attention", "attn", "selfattention")
@@ -74,7 +97,7 @@ def _output_is_tied(model: nn.Module) -> bool:
 
 
 def discover(
-    model: nn.Module, scope: str, group_size: int
+    model: nn.Module, scope: str, group_size: int, quantized: bool = False
 ) -> Tuple[List[str], List[str]]:
     """Paths of the modules to manage, and of those skipped (and why).
 
@@ -82,23 +105,43 @@ def discover(
     ``all``: every ``nn.Linear``, plus the embedding of a tied-embedding model
     (its ``as_linear`` is the output projection, the largest matrix of a
     small model). Layers whose input size is not a multiple of the group size
-    cannot be quantized by MLX and stay in full precision.
+    cannot be quantized by MLX and stay in full precision. With ``quantized``,
+    MLX's quantized layers are managed instead of float ones (the nested store
+    re-expresses 8-bit layers).
     """
     managed, skipped = [], []
     tied = scope == "all" and _output_is_tied(model)
+    linear = nn.QuantizedLinear if quantized else nn.Linear
+    embedding = nn.QuantizedEmbedding if quantized else nn.Embedding
     for path, m in model.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, linear):
             if scope == "attention" and not _is_attention(path):
                 continue
-        elif isinstance(m, nn.Embedding) and tied:
+        elif isinstance(m, embedding) and tied:
             pass
         else:
             continue
-        if m.weight.shape[-1] % group_size:
-            skipped.append(f"{path} (input size {m.weight.shape[-1]} not a multiple of {group_size})")
+        cols = module_shape(m)[1]
+        if cols % group_size:
+            skipped.append(f"{path} (input size {cols} not a multiple of {group_size})")
             continue
         managed.append(path)
     return sorted(managed, key=_natural_key), skipped
+
+
+def _all_affine_8bit(model: nn.Module) -> bool:
+    """True if every quantized layer of the model is MLX 8-bit affine."""
+    found = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    return bool(found) and all(m.bits == 8 and getattr(m, "mode", "affine") == "affine" for m in found)
+
+
+def read_bytes(module: nn.Module) -> int:
+    """Bytes a forward pass through ``module`` reads: a nested view's planes, else every array."""
+    weights = getattr(module, "nested", None)
+    if isinstance(weights, NestedWeights):
+        bias = weights.get("bias")
+        return weights.plane_bytes(module.n) + (bias.nbytes if bias is not None else 0)
+    return nbytes(module)
 
 
 @dataclass
@@ -152,16 +195,39 @@ class PrecisionManager:
         config: scope, bits per gear, group size, kernel, telemetry-only.
     """
 
-    def __init__(self, model: nn.Module, config: Optional[GearboxConfig] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Optional[GearboxConfig] = None,
+        planes_dir: Optional[Path] = None,
+    ) -> None:
+        """
+        Args:
+            planes_dir: the loaded model's folder: the nested store reads its
+                planes from the disk cache there (or in the package's cache
+                folder) when a valid one exists, and writes them there after
+                building them.
+
+        Raises:
+            ValueError: ``store='nested'`` on a model quantized below 8 bits.
+        """
         self.model = model
         self.config = config or GearboxConfig()
-        self.telemetry_only = self.config.telemetry_only or is_prequantized(model)
+        c = self.config
+        quantized = is_prequantized(model)
+        self.source = "quantized-8bit" if quantized and _all_affine_8bit(model) else "quantized" if quantized else "float"
+        if c.store == "nested" and self.source == "quantized" and not c.telemetry_only:
+            raise ValueError(
+                "the nested store re-expresses float or MLX 8-bit weights; this model is quantized below "
+                "8 bits, so it has no room for finer gears: use the separate store (telemetry only)"
+            )
+        self.telemetry_only = c.telemetry_only or (quantized and not (c.store == "nested" and self.source == "quantized-8bit"))
         if self.telemetry_only:
             self.paths, self.skipped = [], []
         else:
-            self.paths, self.skipped = discover(model, self.config.scope, self.config.group_size)
+            self.paths, self.skipped = discover(model, c.scope, c.group_size, quantized=self.source != "float")
         modules = dict(model.named_modules())
-        # The very objects that were loaded: the high gear restores these.
+        # The very objects that were loaded: the high gear restores these (unless it reads planes).
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
         self.gear = "high"
@@ -169,16 +235,54 @@ class PrecisionManager:
         self.swaps: Dict[str, List[float]] = {g: [] for g in GEARS}
         self.quantize_seconds: Dict[str, float] = {}
         self.history: List[ShiftRecord] = []
-        self._quantizer: Quantizer = (
-            packed_quantizer if self.config.kernel == "packed" else mlx_quantizer
-        )
+        self._trees: Dict[str, Tuple[Dict[str, nn.Module], Dict[str, object]]] = {}
+        self._quantizer: Quantizer = packed_quantizer if c.kernel == "packed" else mlx_quantizer
+        self.nested: Optional[Dict[str, NestedWeights]] = None
+        self.planes_seconds = 0.0  # building (or reading) the nested planes
+        self.planes_file: Optional[Path] = None
+        self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
+        if c.store == "nested" and self.paths:
+            self._build_nested(planes_dir)
+
+    def _build_nested(self, planes_dir: Optional[Path]) -> None:
+        c = self.config
+        if c.bits != {"low": 4, "mid": 8}:
+            raise ValueError(f"the nested store's gears are 4-bit and 4+4-bit planes; bits={c.bits} needs store='separate'")
+        tic = time.perf_counter()
+        plan = plan_for(c.high, self.source == "quantized-8bit")
+        key = None
+        if planes_dir is not None:
+            key = cache_key(fingerprint(planes_dir), self.paths, plan, c.group_size)
+            self.planes_file = cache_path(planes_dir, key, cache_dir() / "planes")
+            if self.planes_file.exists():
+                shapes = {p: module_shape(m) for p, m in self.originals.items()}
+                try:
+                    self.nested = load_nested(self.planes_file, key, shapes, plan)
+                    self.planes_origin = "cache"
+                except PlanesCacheError as e:
+                    warnings.warn(f"{e}; rebuilding it", stacklevel=3)
+        if self.nested is None:
+            self.nested = build_nested(self.originals, c.group_size, plan)
+            self.planes_origin = "built"
+            if self.planes_file is not None and key is not None:
+                try:
+                    save_nested(self.planes_file, self.nested, key)
+                except OSError as e:
+                    self.planes_origin = f"built (cache not written: {e})"
+        self.cache = gear_views(self.nested, self.originals, c.high, fused=c.kernel == "packed")
+        mx.eval([w.parameters() for w in self.nested.values()])
+        self.planes_seconds = time.perf_counter() - tic
+        if c.high == "planes":
+            # The high gear reads the planes: install it now, and let the loaded weights go.
+            self.model.update_modules(self._tree("high"))
+            self.originals = {}
 
     # -- quantization -------------------------------------------------------
     def prepare(self, gear: str) -> float:
         """Quantize ``gear``'s modules if not yet cached; return seconds spent."""
         bits = bits_for(gear, self.config)
         if gear in self.cache or self.telemetry_only:
-            return 0.0
+            return 0.0  # a nested store built every gear with its planes
         tic = time.perf_counter()
         built = {
             p: self._quantizer(m, bits, self.config.group_size) for p, m in self.originals.items()
@@ -204,13 +308,23 @@ class PrecisionManager:
         first = gear not in self.cache and not self.telemetry_only
         q_dt = self.prepare(gear) if first else 0.0
         if not self.telemetry_only and self.paths:
-            self.model.update_modules(tree_unflatten(list(self.cache[gear].items())))
+            self.model.update_modules(self._tree(gear))
         dt = time.perf_counter() - tic
         record = ShiftRecord(self.gear, gear, dt, q_dt, first)
         self.swaps[gear].append(dt - q_dt)
         self.gear = gear
         self.history.append(record)
         return record
+
+    def _tree(self, gear: str) -> Dict[str, object]:
+        """The nested update of ``gear``'s modules, built once per cached gear
+        (flattening and unflattening the paths cost ten times the swap itself)."""
+        mods = self.cache[gear]
+        held = self._trees.get(gear)
+        if held is None or held[0] is not mods:
+            held = (mods, tree_unflatten(list(mods.items())))
+            self._trees[gear] = held
+        return held[1]
 
     # -- reporting ----------------------------------------------------------
     def installed(self) -> Dict[str, nn.Module]:
@@ -219,20 +333,32 @@ class PrecisionManager:
         return {p: modules[p] for p in self.paths}
 
     def memory(self) -> Dict[str, int]:
-        """Resident bytes: originals, each cached gear, what the tree uses now.
+        """Bytes of the managed layers: what each built gear reads, and what is resident.
 
-        ``resident_total`` counts every managed array that is referenced
-        (originals plus every built gear): on unified memory nothing is
-        offloaded, so this is what the managed layers hold.
+        ``<gear>_bytes``: the arrays a forward pass in that gear reads (for a
+        nested view, the planes it reads); ``active_bytes``: the installed
+        gear's; ``resident_total``: every array any built gear holds, each
+        counted once (shared planes and biases too) — on unified memory
+        nothing is offloaded, so this is what the managed layers hold;
+        ``fp16_bytes``: the managed weights at 2 bytes each, the yardstick of
+        the ratios people quote.
         """
-        out = {f"{g}_bytes": sum(nbytes(m) for m in mods.values()) for g, mods in self.cache.items()}
+        out = {f"{g}_bytes": sum(read_bytes(m) for m in mods.values()) for g, mods in self.cache.items()}
         out["active_bytes"] = out.get(f"{self.gear}_bytes", 0)
-        out["resident_total"] = sum(v for k, v in out.items() if k.endswith("_bytes") and k != "active_bytes")
+        seen: Dict[int, int] = {}
+        for mods in self.cache.values():
+            for m in mods.values():
+                for _, v in tree_flatten(m.parameters()):
+                    seen[id(v)] = v.nbytes
+        out["resident_total"] = sum(seen.values())
+        out["fp16_bytes"] = 2 * self.managed_parameters()
         return out
 
     def managed_parameters(self) -> int:
         """Number of weight elements in the managed modules (for §9 cost model)."""
-        return sum(m.weight.size for m in self.originals.values())
+        if self.nested is not None:
+            return sum(w.shape[0] * w.shape[1] for w in self.nested.values())
+        return sum(module_shape(m)[0] * module_shape(m)[1] for m in self.originals.values())
 
     def entries(self) -> Dict[str, Dict[str, object]]:
         """Per gear: one-time quantization seconds, entries, median swap seconds."""
@@ -249,6 +375,10 @@ class PrecisionManager:
     def summary(self) -> Dict[str, object]:
         return {
             "gear": self.gear,
+            "store": self.config.store,
+            "high": self.config.high if self.config.store == "nested" else "original",
+            "planes_seconds": self.planes_seconds,
+            "planes_origin": self.planes_origin,
             "managed_modules": len(self.paths),
             "skipped_modules": self.skipped,
             "telemetry_only": self.telemetry_only,

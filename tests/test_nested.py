@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gearbx_mlx.nested.planes import (
     DEFAULT_PLAN,
@@ -102,3 +101,113 @@ def test_reference_matmul_rejects_a_gear_beyond_its_planes():
     planes = build_planes(_weights(4, 64, mx.float32), plan=(4, 4))
     with pytest.raises(ValueError, match="1 to 2 planes"):
         reference_matmul(mx.zeros((1, 64)), planes, 3)
+
+
+# -- the nested store in the precision manager ---------------------------------------------------
+
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+from conftest import make_tiny_llama  # noqa: E402
+
+from gearbx_mlx.config import GearboxConfig  # noqa: E402
+from gearbx_mlx.nested.layers import NestedEmbedding, NestedLinear, NestedWeights  # noqa: E402
+from gearbx_mlx.precision import PrecisionManager  # noqa: E402
+
+IDS = (1, 5, 9, 42, 7, 3)
+#: Mean absolute logit difference of each nested gear from MLX's separate layers
+#: of the same bits on the tiny model (low must be equal to float rounding).
+LOW_VS_MLX4_ATOL = 1e-4
+#: Mean relative logit error of the high gear read from all planes (measured ~2e-5).
+PLANES_HIGH_LOGIT_RTOL = 1e-4
+
+
+def _logits(model) -> np.ndarray:
+    out = model(mx.array([list(IDS)]))
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+@pytest.mark.parametrize("scope", ["attention", "all"])
+def test_nested_gears_share_their_planes_and_shift_without_quantizing(scope):
+    model = make_tiny_llama()
+    ref = _logits(model)
+    sep = PrecisionManager(make_tiny_llama(), GearboxConfig(scope=scope))
+    sep.shift("low")
+    mlx_low = _logits(sep.model)
+    mgr = PrecisionManager(model, GearboxConfig(scope=scope, store="nested"))
+    assert mgr.nested and set(mgr.nested) == set(mgr.paths)
+    for gear in ("low", "mid", "high", "mid", "low", "high"):
+        rec = mgr.shift(gear)
+        assert rec is None or rec.quantize_seconds == 0.0
+        got = _logits(model)
+        if gear == "low":
+            assert np.abs(got - mlx_low).max() < LOW_VS_MLX4_ATOL  # nested low = MLX 4-bit
+        elif gear == "high":
+            assert np.array_equal(got, ref)  # high = the loaded weights, bit for bit
+    assert mgr.quantize_seconds == {}
+    low, mid = mgr.cache["low"], mgr.cache["mid"]
+    for p in mgr.paths:  # the same arrays under every view
+        assert low[p].nested is mid[p].nested and (low[p].n, mid[p].n) == (1, 2)
+        assert isinstance(low[p], NestedEmbedding if p.endswith("embed_tokens") else NestedLinear)
+
+
+def test_nested_mid_is_closer_than_low_and_planes_high_is_near_exact():
+    model = make_tiny_llama()
+    ref = _logits(model)
+    mgr = PrecisionManager(model, GearboxConfig(scope="all", store="nested", high="planes"))
+    assert mgr.originals == {} and mgr.gear == "high"
+    errs = {}
+    for gear in ("low", "mid", "high"):
+        mgr.shift(gear)
+        errs[gear] = np.abs(_logits(model) - ref).mean() / np.abs(ref).mean()
+    assert errs["low"] > errs["mid"] > errs["high"] and errs["high"] < PLANES_HIGH_LOGIT_RTOL, errs
+
+
+def test_nested_memory_counts_shared_planes_once():
+    model = make_tiny_llama(hidden=256)
+    sep = PrecisionManager(make_tiny_llama(hidden=256), GearboxConfig(scope="all"))
+    for g in ("low", "mid", "high"):
+        sep.shift(g)
+    orig = PrecisionManager(model, GearboxConfig(scope="all", store="nested")).memory()
+    planes = PrecisionManager(make_tiny_llama(hidden=256), GearboxConfig(scope="all", store="nested",
+                                                                         high="planes")).memory()
+    s = sep.memory()
+    assert s["resident_total"] == s["low_bytes"] + s["mid_bytes"] + s["high_bytes"]
+    # float32 source, float32 scales: planes 5 + 5 (+ 9) bits a weight; originals 32.
+    assert orig["resident_total"] < s["resident_total"]
+    assert orig["low_bytes"] < orig["mid_bytes"] < orig["high_bytes"]
+    assert planes["resident_total"] == planes["high_bytes"] < orig["resident_total"]
+    assert planes["resident_total"] / planes["fp16_bytes"] == pytest.approx(19 / 16, rel=0.02)
+
+
+def test_nested_store_of_an_8bit_model_gets_a_real_low_gear():
+    model = make_tiny_llama()
+    nn.quantize(model, group_size=64, bits=8)
+    ref = _logits(model)
+    mgr = PrecisionManager(model, GearboxConfig(scope="all", store="nested"))
+    assert not mgr.telemetry_only and mgr.source == "quantized-8bit"
+    assert all(w.bits == (4, 4) for w in mgr.nested.values())
+    mgr.shift("low")
+    low = _logits(model)
+    mgr.shift("high")
+    assert np.array_equal(_logits(model), ref) and not np.array_equal(low, ref)
+    assert PrecisionManager(make_tiny_llama(), GearboxConfig()).telemetry_only is False
+
+
+def test_nested_store_refuses_a_4bit_model_and_foreign_bits():
+    model = make_tiny_llama()
+    nn.quantize(model, group_size=64, bits=4)
+    assert PrecisionManager(model, GearboxConfig()).telemetry_only  # the separate store: telemetry only
+    with pytest.raises(ValueError, match="below 8 bits"):
+        PrecisionManager(model, GearboxConfig(store="nested"))
+    with pytest.raises(ValueError, match="store='separate'"):
+        PrecisionManager(make_tiny_llama(), GearboxConfig(store="nested", bits={"low": 3, "mid": 6}))
+    with pytest.raises(ValueError, match="store='nested'"):
+        GearboxConfig(high="planes")
+
+
+def test_nested_weights_reject_mismatched_planes():
+    a = build_planes(_weights(8, 64, mx.float32))
+    b = build_planes(_weights(8, 128, mx.float32))
+    with pytest.raises(ValueError, match="share its shape"):
+        NestedWeights([a[0], b[1]])

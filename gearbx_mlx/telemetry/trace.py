@@ -130,6 +130,9 @@ def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str,
         "telemetry_only": mgr.telemetry_only,
         "entries": mgr.entries(),
         "memory": mgr.memory(),
+        "store": mgr.config.store,
+        "high": mgr.config.high,
+        "planes_seconds": mgr.planes_seconds,
     }
 
 

@@ -1,0 +1,183 @@
+"""Layers that read the first ``n`` planes of shared nested weights.
+
+:class:`NestedWeights` holds the planes of one matrix (and its bias), once.
+:class:`NestedLinear` and :class:`NestedEmbedding` are *views*: each holds
+the same :class:`NestedWeights` object and a plane count ``n`` (1 = low,
+2 = mid, 3 = high). The precision manager builds one view per gear and path
+when the planes exist, and a gear shift installs the views of another ``n``
+with one ``update_modules`` call: nothing is quantized or allocated at shift
+time, and every view of a layer shares the very same arrays.
+
+Products go through :func:`nested_matmul`, which picks a fused kernel at call
+time where one applies and the pure-MLX oracle
+(:func:`~gearbx_mlx.nested.planes.reference_matmul`) otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, build_planes, reference_matmul
+
+
+def fused_matmul(x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array]) -> Optional[mx.array]:
+    """The fused kernel's product where one applies to this input and device, else None."""
+    return None
+
+
+def nested_matmul(
+    x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None, fused: bool = True
+) -> mx.array:
+    """``x @ (planes 0..n-1).T (+ bias)``: a fused kernel where one applies, else the oracle.
+
+    Args:
+        x: ``(..., in)``.
+    Returns:
+        ``(..., out)`` in the dtype of ``x``.
+    """
+    if fused:
+        y = fused_matmul(x, planes, n, bias)
+        if y is not None:
+            return y
+    return reference_matmul(x, planes, n, bias)
+
+
+class NestedWeights(nn.Module):
+    """The planes of one ``(out, in)`` matrix and its bias, shared by every view.
+
+    Attributes:
+        weights, scales, biases: one array per plane (see :class:`Plane`).
+        bits, exponents: one int per plane; group_size: of every plane.
+        bias: the layer's own bias ``(out,)``, if it has one.
+    """
+
+    def __init__(self, planes: Sequence[Plane], bias: Optional[mx.array] = None) -> None:
+        super().__init__()
+        if not planes:
+            raise ValueError("nested weights need at least one plane")
+        shapes = {p.shape for p in planes}
+        if len(shapes) != 1 or len({p.group_size for p in planes}) != 1:
+            raise ValueError(f"the planes of one matrix must share its shape and group size, got {shapes}")
+        self.weights = [p.weight for p in planes]
+        self.scales = [p.scales for p in planes]
+        self.biases = [p.biases for p in planes]
+        self.bits = tuple(p.bits for p in planes)
+        self.exponents = tuple(p.exponent for p in planes)
+        self.group_size = planes[0].group_size
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+    @property
+    def planes(self) -> List[Plane]:
+        return [
+            Plane(w, s, b, bits, self.group_size, e)
+            for w, s, b, bits, e in zip(self.weights, self.scales, self.biases, self.bits, self.exponents)
+        ]
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """``(out, in)``."""
+        return self.planes[0].shape
+
+    @property
+    def depth(self) -> int:
+        """Number of planes."""
+        return len(self.bits)
+
+    def plane_bytes(self, n: Optional[int] = None) -> int:
+        """Bytes the first ``n`` planes hold (what a gear of ``n`` planes reads), bias excluded."""
+        n = self.depth if n is None else n
+        return sum(p.nbytes for p in self.planes[:n])
+
+    @classmethod
+    def from_weight(
+        cls, weight: mx.array, bias: Optional[mx.array] = None, *, group_size: int = 64,
+        plan: Sequence[int] = DEFAULT_PLAN,
+    ) -> "NestedWeights":
+        return cls(build_planes(weight, group_size, plan), bias)
+
+
+class _View(nn.Module):
+    def __init__(self, weights: NestedWeights, n: int, fused: bool) -> None:
+        super().__init__()
+        if not 1 <= n <= weights.depth:
+            raise ValueError(f"a view reads 1 to {weights.depth} planes of these weights, got {n}")
+        self.nested = weights
+        self.n = n
+        self.fused = fused
+        self.freeze()
+
+    def matmul(self, x: mx.array) -> mx.array:
+        return nested_matmul(x, self.nested.planes, self.n, self.nested.get("bias"), self.fused)
+
+    def _extra_repr(self) -> str:
+        out, inp = self.nested.shape
+        return f"in={inp}, out={out}, planes={self.n}/{self.nested.depth}, bits={self.nested.bits[: self.n]}"
+
+
+class NestedLinear(_View):
+    """A linear layer reading the first ``n`` planes: ``(..., in) -> (..., out)``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.matmul(x)
+
+
+class NestedEmbedding(_View):
+    """A tied embedding reading the first ``n`` planes: ids -> rows, and ``as_linear``."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        """``(...)`` ids -> ``(..., dims)`` rows, summed over the planes read, in the scales' dtype."""
+        rows = None
+        for p in self.nested.planes[: self.n]:
+            r = mx.dequantize(p.weight[ids], p.scales[ids], p.biases[ids], group_size=p.group_size, bits=p.bits)
+            if self.n > 1:
+                r = r.astype(mx.float32) * p.factor if p.exponent else r.astype(mx.float32)
+            rows = r if rows is None else rows + r
+        return rows.astype(self.nested.scales[0].dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.matmul(x)
+
+
+def nested_weights_of(module: nn.Module, group_size: int = 64, plan: Optional[Sequence[int]] = None) -> NestedWeights:
+    """Planes of a float ``nn.Linear``/``nn.Embedding`` (default plan 4/4/8) or of an
+    MLX 8-bit ``QuantizedLinear``/``QuantizedEmbedding`` (re-expressed as 4/4 planes of
+    its dequantized weight).
+
+    Raises:
+        ValueError: a quantized source of another width, or a mode other than affine.
+    """
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        mode = getattr(module, "mode", "affine")
+        if mode != "affine" or module.bits != 8:
+            raise ValueError(
+                f"nested planes re-express MLX 8-bit affine layers only; this layer is {module.bits}-bit "
+                f"{mode}: a lower-precision source has no room for a finer gear (use the telemetry-only mode)"
+            )
+        w = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
+                          bits=module.bits)
+        return NestedWeights.from_weight(w, module.get("bias"), group_size=group_size,
+                                         plan=plan or QUANTIZED_SOURCE_PLAN)
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return NestedWeights.from_weight(module.weight, module.get("bias"), group_size=group_size,
+                                         plan=plan or DEFAULT_PLAN)
+    raise TypeError(f"cannot build nested planes of a {type(module).__name__}")
+
+
+def make_view(weights: NestedWeights, n: int, embedding: bool, fused: bool = True) -> _View:
+    """The view of ``weights`` that reads ``n`` planes, as a linear or a tied embedding."""
+    return (NestedEmbedding if embedding else NestedLinear)(weights, n, fused)
+
+
+def is_embedding(module: Any) -> bool:
+    return isinstance(module, (nn.Embedding, nn.QuantizedEmbedding, NestedEmbedding))
+
+
+__all__ = [
+    "NestedEmbedding", "NestedLinear", "NestedWeights", "fused_matmul", "is_embedding", "make_view",
+    "nested_matmul", "nested_weights_of",
+]

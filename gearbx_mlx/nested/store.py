@@ -1,0 +1,213 @@
+"""The nested store of a model: its planes, its gear views, and their disk cache.
+
+Building the planes of a model takes seconds on a CPU (every managed matrix
+is quantized three times); they are built once and cached on disk beside the
+converted model (or in the package's cache folder when that folder cannot be
+written), in one safetensors file keyed by the model's weight files. A later
+load of the ``planes`` store reads the planes and never materializes the
+managed float weights. A cache file is used only if its format version, key,
+plan and every tensor's shape and dtype match what the model needs; a
+missing, damaged or foreign file is rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import NestedWeights, is_embedding, make_view, nested_weights_of
+from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane
+
+#: Bumped whenever the file layout or the plane construction changes.
+FORMAT_VERSION = 1
+#: Plane counts of the gears (the high gear reads every plane of its store).
+GEAR_PLANES = {"low": 1, "mid": 2}
+#: Name of the cache folder beside a model.
+CACHE_FOLDER = "gearbx_planes"
+
+
+def plan_for(high: str, quantized_source: bool) -> Tuple[int, ...]:
+    """Planes to build: a float source keeps its loaded weights as the high gear
+    (``high='original'``: two planes) or reads a third, 8-bit plane
+    (``high='planes'``); an MLX 8-bit source gets a 4-bit low plane and a
+    4-bit residual."""
+    if quantized_source:
+        return QUANTIZED_SOURCE_PLAN
+    return DEFAULT_PLAN if high == "planes" else DEFAULT_PLAN[:2]
+
+
+def build_nested(
+    modules: Mapping[str, nn.Module], group_size: int, plan: Sequence[int]
+) -> Dict[str, NestedWeights]:
+    """``{path: NestedWeights}`` of every module (float, or MLX 8-bit)."""
+    out = {}
+    for path, m in modules.items():
+        out[path] = nested_weights_of(m, group_size, plan)
+    return out
+
+
+def gear_views(
+    weights: Mapping[str, NestedWeights],
+    originals: Mapping[str, nn.Module],
+    high: str,
+    fused: bool,
+) -> Dict[str, Dict[str, nn.Module]]:
+    """``{gear: {path: module}}``: low and mid views, and the high gear's modules
+    (the loaded ones, or the views reading every plane)."""
+    kinds = {p: is_embedding(originals[p]) for p in weights}
+    out: Dict[str, Dict[str, nn.Module]] = {}
+    for gear, n in GEAR_PLANES.items():
+        out[gear] = {p: make_view(w, min(n, w.depth), kinds[p], fused) for p, w in weights.items()}
+    if high == "original":
+        out["high"] = dict(originals)
+    else:
+        out["high"] = {p: make_view(w, w.depth, kinds[p], fused) for p, w in weights.items()}
+    return out
+
+
+def module_shape(module: nn.Module) -> Tuple[int, int]:
+    """``(out, in)`` of a float or MLX-quantized linear/embedding, without evaluating it."""
+    rows, cols = module.weight.shape
+    bits = getattr(module, "bits", None)
+    return (rows, cols * 32 // bits) if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else (rows, cols)
+
+
+# -- the disk cache ----------------------------------------------------------------------
+
+
+def fingerprint(model_dir: Path) -> str:
+    """SHA-256 over the model's weight files (names, sizes and contents).
+
+    Hashing reads the files once (about a second per GB); the digest is
+    remembered in a small sidecar file keyed by size and modification time.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no .safetensors weights: nothing to key a planes cache on")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}\0{_file_digest(f)}\0".encode())
+    return digest.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    side = path.with_name(f".{path.name}.sha256")
+    stamp = f"{st.st_size}:{st.st_mtime_ns}"
+    try:
+        saved = json.loads(side.read_text())
+        if saved.get("stamp") == stamp and isinstance(saved.get("sha256"), str):
+            return saved["sha256"]
+    except (OSError, ValueError):
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    try:
+        _atomic_write_text(side, json.dumps({"stamp": stamp, "sha256": h.hexdigest()}))
+    except OSError:
+        pass  # a read-only model folder: hash again next time
+    return h.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[int], group_size: int) -> str:
+    """What a planes file is valid for: the weights, the managed paths, the plan, the group size."""
+    text = json.dumps([FORMAT_VERSION, model_fingerprint, list(paths), list(plan), group_size])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def cache_path(model_dir: Path, key: str, fallback_dir: Path) -> Path:
+    """``<model>/gearbx_planes/<key>.safetensors``, or under ``fallback_dir`` when
+    the model folder cannot be written."""
+    beside = Path(model_dir) / CACHE_FOLDER
+    if os.access(model_dir, os.W_OK) and (not beside.exists() or os.access(beside, os.W_OK)):
+        return beside / f"{key}.safetensors"
+    return Path(fallback_dir) / f"{key}.safetensors"
+
+
+def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> Path:
+    """Write every plane to ``path`` atomically (a temporary file, then a rename)."""
+    arrays: Dict[str, mx.array] = {}
+    layout: Dict[str, Any] = {}
+    for p, w in weights.items():
+        for i, (q, s, b) in enumerate(zip(w.weights, w.scales, w.biases)):
+            arrays[f"{p}.{i}.q"], arrays[f"{p}.{i}.s"], arrays[f"{p}.{i}.b"] = q, s, b
+        if "bias" in w:
+            arrays[f"{p}.bias"] = w.bias
+        layout[p] = {"bits": list(w.bits), "exponents": list(w.exponents), "group_size": w.group_size,
+                     "bias": "bias" in w}
+    meta = {"format": "gearbx-planes", "version": str(FORMAT_VERSION), "key": key, "layout": json.dumps(layout)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".safetensors", dir=path.parent)
+    os.close(fd)
+    try:
+        mx.save_safetensors(tmp, arrays, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class PlanesCacheError(ValueError):
+    """A planes file that does not belong to this model or is damaged."""
+
+
+def load_nested(
+    path: Path, key: str, shapes: Mapping[str, Tuple[int, int]], plan: Sequence[int]
+) -> Dict[str, NestedWeights]:
+    """The planes saved at ``path`` for ``key``, checked against each path's ``(out, in)`` and the plan.
+
+    Raises:
+        PlanesCacheError: unreadable, truncated, another model's or another
+            plan's file, or a tensor missing or of the wrong shape.
+    """
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # noqa: BLE001  (MLX raises RuntimeError/ValueError for damaged files)
+        raise PlanesCacheError(f"planes cache {path} cannot be read ({e})") from None
+    if meta.get("format") != "gearbx-planes" or meta.get("version") != str(FORMAT_VERSION):
+        raise PlanesCacheError(f"{path} is not a planes cache of this version")
+    if meta.get("key") != key:
+        raise PlanesCacheError(f"planes cache {path} was made for other weights or settings")
+    try:
+        layout = json.loads(meta["layout"])
+    except (KeyError, ValueError):
+        raise PlanesCacheError(f"planes cache {path} has no readable layout") from None
+    out = {}
+    for p, want in shapes.items():
+        entry = layout.get(p)
+        if not isinstance(entry, dict) or list(entry.get("bits", [])) != list(plan):
+            raise PlanesCacheError(f"planes cache {path} lacks {p} with planes {tuple(plan)}")
+        planes = []
+        for i, bits in enumerate(entry["bits"]):
+            try:
+                q, s, b = arrays[f"{p}.{i}.q"], arrays[f"{p}.{i}.s"], arrays[f"{p}.{i}.b"]
+            except KeyError:
+                raise PlanesCacheError(f"planes cache {path} lacks plane {i} of {p}") from None
+            planes.append(Plane(q, s, b, int(bits), int(entry["group_size"]), int(entry["exponents"][i])))
+        got = {pl.shape for pl in planes}
+        if got != {tuple(want)}:
+            raise PlanesCacheError(f"planes cache {path}: {p} has planes of shape {got}, the model's is {tuple(want)}")
+        bias = arrays.get(f"{p}.bias") if entry.get("bias") else None
+        out[p] = NestedWeights(planes, bias)
+    return out
