@@ -211,3 +211,90 @@ def test_nested_weights_reject_mismatched_planes():
     b = build_planes(_weights(8, 128, mx.float32))
     with pytest.raises(ValueError, match="share its shape"):
         NestedWeights([a[0], b[1]])
+
+
+# -- the disk cache of the planes ----------------------------------------------------------------
+
+import os  # noqa: E402
+import warnings  # noqa: E402
+
+from gearbx_mlx.nested.store import CACHE_FOLDER, PlanesCacheError, load_nested, save_nested  # noqa: E402
+
+
+def _model_dir(tmp_path, seed: int = 0):
+    """A folder with a weights file, as a loaded model's folder would have."""
+    d = tmp_path / f"model{seed}"
+    d.mkdir()
+    m = make_tiny_llama(seed=seed)
+    m.save_weights(str(d / "model.safetensors"))
+    return d, m
+
+
+def _cfg(**kw):
+    return GearboxConfig(scope="all", store="nested", **kw)
+
+
+def test_planes_are_cached_beside_the_model_and_read_back(tmp_path):
+    d, m = _model_dir(tmp_path)
+    built = PrecisionManager(m, _cfg(), planes_dir=d)
+    assert built.planes_origin == "built" and built.planes_file.parent == d / CACHE_FOLDER
+    assert built.planes_file.is_file()
+    m2 = make_tiny_llama()
+    read = PrecisionManager(m2, _cfg(), planes_dir=d)
+    assert read.planes_origin == "cache" and read.planes_file == built.planes_file
+    for p in built.paths:
+        for a, b in zip(built.nested[p].planes, read.nested[p].planes):
+            assert mx.array_equal(a.weight, b.weight) and mx.array_equal(a.scales, b.scales)
+            assert a.exponent == b.exponent
+    # Another plan (high='planes' reads a third plane) is another cache entry.
+    third = PrecisionManager(make_tiny_llama(), _cfg(high="planes"), planes_dir=d)
+    assert third.planes_origin == "built" and third.planes_file != built.planes_file
+
+
+def test_a_damaged_or_foreign_planes_cache_is_rebuilt_never_trusted(tmp_path):
+    d, m = _model_dir(tmp_path)
+    first = PrecisionManager(m, _cfg(), planes_dir=d)
+    path = first.planes_file
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = PrecisionManager(make_tiny_llama(), _cfg(), planes_dir=d)
+    assert again.planes_origin == "built" and any("cannot be read" in str(w.message) for w in caught)
+    assert path.read_bytes() != data[: len(data) // 2]  # rewritten whole
+    # New weights: a new key, so the old file is never read for them.
+    os.remove(d / "model.safetensors")
+    make_tiny_llama(seed=5).save_weights(str(d / "model.safetensors"))
+    other = PrecisionManager(make_tiny_llama(seed=5), _cfg(), planes_dir=d)
+    assert other.planes_origin == "built" and other.planes_file != path
+
+
+def test_load_nested_checks_key_shapes_and_plan(tmp_path):
+    d, m = _model_dir(tmp_path)
+    mgr = PrecisionManager(m, _cfg(), planes_dir=d)
+    shapes = {p: w.shape for p, w in mgr.nested.items()}
+    key = mgr.planes_file.stem
+    assert set(load_nested(mgr.planes_file, key, shapes, (4, 4))) == set(shapes)
+    with pytest.raises(PlanesCacheError, match="other weights"):
+        load_nested(mgr.planes_file, "0" * 24, shapes, (4, 4))
+    with pytest.raises(PlanesCacheError, match="lacks"):
+        load_nested(mgr.planes_file, key, shapes, (4, 4, 8))
+    wrong = {p: (s[0] + 1, s[1]) for p, s in shapes.items()}
+    with pytest.raises(PlanesCacheError, match="shape"):
+        load_nested(mgr.planes_file, key, wrong, (4, 4))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(PlanesCacheError, match="cannot be read"):
+        load_nested(junk, key, shapes, (4, 4))
+    save_nested(tmp_path / "x.safetensors", mgr.nested, key)  # round trip through the writer
+    assert set(load_nested(tmp_path / "x.safetensors", key, shapes, (4, 4))) == set(shapes)
+
+
+def test_a_read_only_model_folder_caches_elsewhere(tmp_path, monkeypatch):
+    d, m = _model_dir(tmp_path)
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path / "cache"))
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p).startswith(str(d)) else real(p, mode))
+    mgr = PrecisionManager(m, _cfg(), planes_dir=d)
+    assert mgr.planes_file.is_relative_to(tmp_path / "cache" / "planes") and mgr.planes_file.is_file()
+    assert not (d / CACHE_FOLDER).exists()
