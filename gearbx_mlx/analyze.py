@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .plots import plot_all, require_matplotlib
+from .telemetry.plots import plot_all, require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
 from .telemetry.trace import TraceError
 
@@ -31,7 +31,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.plots:
-
             require_matplotlib()
         result = analyze(args.traces)
         print(format_table(result))
