@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
     print(report.table(results["policies"]))
-    if results.get("speculative"):  # absent from runs saved before issue 7
+    if results.get("speculative"):  # absent from runs saved before the speculative rows existed
         print()
         print(report.speculative_table(results["speculative"]))
     print()

@@ -158,7 +158,7 @@ def _num(x: Optional[float], fmt: str) -> str:
 
 
 def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
-    """The same table in Markdown, for the README."""
+    """The same table in Markdown, for docs/BENCHMARKS.md."""
     out = [
         "| policy | ppl | KL (nats) | top-1 | MB/token | × fp16 bytes | low/mid/high % | shifts | tok/s |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|",

@@ -33,7 +33,7 @@ def cache_dir() -> Path:
 
 def default_dtype() -> str:
     """float16, except on MLX's Linux CPU backend where half precision is
-    emulated and ~5x slower than float32 (FACTS.md): float32 there."""
+    emulated and several times slower than float32: float32 there."""
     on_cpu = mx.default_device() == mx.cpu
     return "float32" if on_cpu and platform.system() != "Darwin" else "float16"
 

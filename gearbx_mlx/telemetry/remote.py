@@ -2,7 +2,7 @@
 
 The server is opaque: its weights cannot be swapped mid-answer, and it reports
 only the top-k log-probabilities of each token. From those, every token gets
-entropy bounds (:mod:`.entropy_bounds`): ``lower <= H <= upper``, where
+entropy bounds (:mod:`.bounds`): ``lower <= H <= upper``, where
 ``upper`` is §12.3's uniform-residual estimate. The trace's ``entropy`` is the
 lower bound (the header says so and gives k); ``entropy_upper`` is beside it.
 
