@@ -30,6 +30,10 @@ _HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 #: ``[text](target)`` and ``![alt](target)``; the target up to a space or ``)``.
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _RESULT_PATH = re.compile(r"benchmarks/results/[\w.*/\-]*")
+#: A repository path in backticks: `scripts/x.py`, `gearbx_mlx/packed/`, `tests/test_*.py`.
+_REPO_PATH = re.compile(
+    r"`((?:gearbx_mlx|scripts|tests|docs|benchmarks|kernels|csrc|metal_kernels|\.ci)/[\w.*/\-]*)`"
+)
 
 # -- what the repository must not say ----------------------------------------------
 def _j(*parts: str) -> str:
@@ -152,6 +156,21 @@ def missing_results(doc: Path, root: Path) -> List[str]:
     return bad
 
 
+def missing_paths(doc: Path, root: Path) -> List[str]:
+    """``doc:line path`` for each repository path in backticks in ``doc`` that is absent.
+
+    Files move (kernel sources, modules); a document that names the old place
+    is caught here.
+    """
+    bad = []
+    for lineno, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+        for m in _REPO_PATH.finditer(line):
+            rel = m.group(1)
+            if not (glob.glob(str(root / rel)) if "*" in rel else (root / rel).exists()):
+                bad.append(f"{doc.relative_to(root).as_posix()}:{lineno} {rel}")
+    return bad
+
+
 def section(text: str, title: re.Pattern) -> List[str]:
     """The lines of the ``##`` section whose title matches ``title`` (without its heading)."""
     lines = text.splitlines()
@@ -234,6 +253,11 @@ def test_every_named_result_file_exists():
     assert not bad, "documents name result files that are not in benchmarks/results/:\n" + "\n".join(bad)
 
 
+def test_every_named_repository_path_exists():
+    bad = [b for d in documents() for b in missing_paths(d, ROOT)]
+    assert not bad, "documents name paths that are not in the repository (moved?):\n" + "\n".join(bad)
+
+
 def test_the_repository_speaks_of_itself_alone():
     this = Path(__file__).resolve()
     files = [f for f in tracked_files(ROOT) if f.resolve() != this]
@@ -286,6 +310,15 @@ def test_planted_missing_result_file_is_reported(tmp_path):
     doc.write_text("`benchmarks/results/a.json`, benchmarks/results/*.json and benchmarks/results/b.json.\n",
                    encoding="utf-8")
     assert missing_results(doc, tmp_path) == ["README.md:1 benchmarks/results/b.json"]
+
+
+def test_planted_moved_path_is_reported(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "a.py").write_text("", encoding="utf-8")
+    doc = tmp_path / "README.md"
+    doc.write_text("`scripts/a.py`, `scripts/*.py`, `scripts/`, `packed/x.py` and `scripts/gone.py`\n",
+                   encoding="utf-8")
+    assert missing_paths(doc, tmp_path) == ["README.md:1 scripts/gone.py"]
 
 
 def test_planted_third_setup_command_is_counted():
