@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("mlx-lm options")
     g.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
-                   "qwen2.5-coder-0.5b (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
+                   "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
     g.add_argument("--prompt", "-p", default="Explain in one paragraph why the sky is blue.",
                    help="the prompt, or '-' to read it from stdin")
     g.add_argument("--system-prompt", help="system message for the chat template")
