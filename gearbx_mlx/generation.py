@@ -171,6 +171,7 @@ def stream_generate(
 
     session = RoutingSession(gearbox, policy, lag)
     session.start(prompt_text)
+    session.quantize_marks["start"] = session.quantize_seconds
     processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
     proxy = RoutedModel(model, session)
     last = time.perf_counter()
@@ -178,6 +179,8 @@ def stream_generate(
         for n, resp in enumerate(
             _mlx_stream_generate(proxy, tokenizer, ids, logits_processors=processors, **kwargs)
         ):
+            if n == 0:  # mlx-lm's prompt timing ends and its generation timing starts here
+                session.quantize_marks["first_token"] = session.quantize_seconds
             session.commit(upto=n)
             rec = session.records[n]
             now = time.perf_counter()
