@@ -39,7 +39,10 @@ class GearboxResponse(GenerationResponse):
         entropy: bits of the distribution this token was sampled from.
         smoothed_entropy: rolling mean over the window.
         predicted_entropy: look-ahead estimate (§3.5).
-        gear: gear of the forward pass that produced this token's logits.
+        gear: gear of the forward pass that produced this token's logits
+            (the distribution whose entropy is ``entropy``).
+        next_gear: the gear the router chose after reading this entropy; it
+            governs the forward pass ``1 + lag`` tokens later.
         shifted: True if that gear differs from the previous token's.
         shift_seconds: cost of that shift (0 if none).
         step_seconds: wall time since the previous response.
@@ -50,6 +53,7 @@ class GearboxResponse(GenerationResponse):
     smoothed_entropy: float = math.nan
     predicted_entropy: float = math.nan
     gear: str = "high"
+    next_gear: Optional[str] = None
     shifted: bool = False
     shift_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -190,6 +194,7 @@ def stream_generate(
                 smoothed_entropy=rec.smoothed,
                 predicted_entropy=rec.predicted,
                 gear=rec.gear,
+                next_gear=rec.next_gear,
                 shifted=rec.shifted,
                 shift_seconds=rec.shift_seconds,
                 step_seconds=now - last,

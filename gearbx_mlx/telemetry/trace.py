@@ -25,7 +25,7 @@ VERSION = 1
 
 TOKEN_FIELDS = (
     "index", "token", "text", "entropy", "smoothed_entropy", "predicted_entropy",
-    "gear", "shift", "shift_seconds", "step_seconds",
+    "gear", "next_gear", "shift", "shift_seconds", "step_seconds",
 )
 
 
@@ -101,6 +101,7 @@ def token_record(resp: Any) -> Dict[str, Any]:
         "smoothed_entropy": resp.smoothed_entropy,
         "predicted_entropy": resp.predicted_entropy,
         "gear": resp.gear,
+        "next_gear": getattr(resp, "next_gear", None),
         "shift": bool(resp.shifted),
         "shift_seconds": resp.shift_seconds,
         "step_seconds": resp.step_seconds,
