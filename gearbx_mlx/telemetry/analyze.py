@@ -13,8 +13,15 @@ entropies, no timing). Fields a producer leaves out are reported as missing.
 
 Conventions, so that numbers can be recomputed by hand:
 
-* a gear's tokens are those whose ``gear`` field names it (the gear in force
-  when the token's distribution was computed);
+* a gear's tokens are those whose ``gear`` field names it: the gear of the
+  forward pass that produced the distribution whose entropy is recorded. The
+  entropy that *made* the router enter a gear was computed before the shift,
+  in the previous gear, so ``entropy.high`` can average less than
+  ``entropy.low`` (a spike is read in the low gear; the high gear then sees
+  what follows it). The decision view is kept apart: ``entropy.chose_G`` is
+  the entropy of the tokens after which the router chose gear G (the
+  ``next_gear`` field; for traces without it, the gear ``1 + lag`` tokens
+  later in the same generation, which is what the decision governed);
 * a shift is a token whose gear differs from the previous token's in the
   same generation; a run is a maximal stretch of one gear within one
   generation (a remote session's prompts and an evaluation's text windows
@@ -79,6 +86,25 @@ def _starts(tokens: Sequence[Dict[str, Any]]) -> List[bool]:
     return [i == 0 or t.get("prompt") != tokens[i - 1].get("prompt") for i, t in enumerate(tokens)]
 
 
+def chosen_gears(tokens: Sequence[Dict[str, Any]], lag: Optional[int], starts: Sequence[bool]) -> List[Optional[str]]:
+    """Per token, the gear the router chose after reading its entropy (None if unknown).
+
+    The ``next_gear`` field where the producer wrote it; else the gear of the
+    token ``1 + lag`` later within the same generation (lag 0 for evaluation
+    reports), which is the forward pass that decision governed.
+    """
+    if any("next_gear" in t for t in tokens):
+        return [t.get("next_gear") for t in tokens]
+    if lag not in (0, 1):
+        return [None] * len(tokens)
+    out: List[Optional[str]] = []
+    for i in range(len(tokens)):
+        j = i + 1 + lag
+        same = j < len(tokens) and not any(starts[i + 1 : j + 1])
+        out.append(tokens[j]["gear"] if same else None)
+    return out
+
+
 def _mean_ms(values: Sequence[Optional[float]]) -> float:
     v = [x for x in values if x is not None]
     return 1e3 * statistics.fmean(v) if v else math.nan
@@ -109,6 +135,7 @@ def _evaluation_traces(path: Path, report: Dict[str, Any]) -> List[Trace]:
                    "gear": _EVAL_GEARS[c], "shift": i % per != 0 and c != gears[i - 1]}
                   for i, c in enumerate(gears)]
         header = {"type": "header", "format": EVAL_FORMAT, "source": "evaluation", "label": f"{path.stem}:{name}",
+                  "lag": 0,  # the teacher-forced pass: step t's entropy decides step t+1's gear
                   "model": f"{path.stem} ({name})", "vocab_size": (report.get("model") or {}).get("vocab_size")}
         out.append(Trace(path, header, tokens, {"interrupted": False}))
     return out
@@ -158,6 +185,7 @@ def analyze_trace(trace: Union[Trace, str, Path]) -> Dict[str, Any]:
     shift_secs = [t.get("shift_seconds") for t in toks if t.get("shift")]
     shift_secs = [x for x in shift_secs if x is not None]
     shifted = set(shift_tokens)
+    chosen = chosen_gears(toks, h.get("lag"), starts)
     out: Dict[str, Any] = {
         "path": str(trace.path),
         "label": label_of(trace),
@@ -178,6 +206,8 @@ def analyze_trace(trace: Union[Trace, str, Path]) -> Dict[str, Any]:
                          if any(r == g for r, _ in run_list) else math.nan) for g in GEARS},
         "entropy": entropy_stats([t["entropy"] for t in toks]),
         "entropy_per_gear": {g: entropy_stats([t["entropy"] for t in toks if t["gear"] == g]) for g in GEARS},
+        "entropy_per_chosen_gear": {g: entropy_stats([t["entropy"] for t, c in zip(toks, chosen) if c == g])
+                                    for g in GEARS},
         "ms_per_token": _mean_ms([t.get("step_seconds") for t in steady]),
         "ms_per_token_per_gear": {g: _mean_ms([t.get("step_seconds") for t in steady if t["gear"] == g])
                                   for g in GEARS},
@@ -265,6 +295,10 @@ def flat_metrics(r: Dict[str, Any], comparison: Optional[Dict[str, Any]] = None)
     for g in GEARS:
         for s in ("mean", "p10", "p50", "p90"):
             out[f"{label}.{g}.{s}"] = r["entropy_per_gear"][g][s]
+    if "entropy_per_chosen_gear" in r and any(r["entropy_per_chosen_gear"][g]["n"] for g in GEARS):
+        for g in GEARS:
+            for s in ("mean", "p50"):
+                out[f"{label}.chose_{g}.{s}"] = r["entropy_per_chosen_gear"][g][s]
     out["ms_per_token"] = r["ms_per_token"]
     for g in GEARS:
         out[f"ms_per_token.{g}"] = r["ms_per_token_per_gear"][g]

@@ -39,14 +39,22 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def _routing(plt: Any, trace: Trace, label: str, out: Path) -> Path:
+#: Opacity of the gear bands (the key's swatches use the same).
+BAND_ALPHA = 0.15
+
+
+def routing_figure(plt: Any, trace: Trace, label: str) -> Any:
+    """Figure 5 for one trace: entropy over bands of the gear in force, with a
+    key for every line, threshold and gear colour."""
+    from matplotlib.patches import Patch
+
     toks = trace.tokens
     x = list(range(len(toks)))
     fig, ax = plt.subplots(figsize=(10, 3.6))
     start = 0
     for i in range(1, len(toks) + 1):
         if i == len(toks) or toks[i]["gear"] != toks[start]["gear"]:
-            ax.axvspan(start - 0.5, i - 0.5, color=GEAR_COLORS[toks[start]["gear"]], alpha=0.15, lw=0)
+            ax.axvspan(start - 0.5, i - 0.5, color=GEAR_COLORS[toks[start]["gear"]], alpha=BAND_ALPHA, lw=0)
             start = i
     ent = [t["entropy"] if t["entropy"] is not None else float("nan") for t in toks]
     if any("entropy_upper" in t for t in toks):
@@ -63,8 +71,16 @@ def _routing(plt: Any, trace: Trace, label: str, out: Path) -> Path:
     ax.set_xlabel("token")
     ax.set_ylabel("entropy (bits)")
     ax.set_title(f"{label}: routing trace (bands: gear in force)")
-    ax.legend(loc="upper right", fontsize=7)
+    handles, _ = ax.get_legend_handles_labels()
+    present = {t["gear"] for t in toks}
+    handles += [Patch(color=GEAR_COLORS[g], alpha=BAND_ALPHA, label=f"{g} gear") for g in GEARS if g in present]
+    ax.legend(handles=handles, loc="upper right", fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def _routing(plt: Any, trace: Trace, label: str, out: Path) -> Path:
+    fig = routing_figure(plt, trace, label)
     path = out / f"{label}_routing.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import IO, Any, Dict, Iterable, List, Optional
 
 from ..config import GEARS
+from ..precision import managed_bytes
 
 FORMAT = "gearbx-trace"
 VERSION = 1
 
 TOKEN_FIELDS = (
     "index", "token", "text", "entropy", "smoothed_entropy", "predicted_entropy",
-    "gear", "shift", "shift_seconds", "step_seconds",
+    "gear", "next_gear", "shift", "shift_seconds", "step_seconds",
 )
 
 
@@ -100,6 +101,7 @@ def token_record(resp: Any) -> Dict[str, Any]:
         "smoothed_entropy": resp.smoothed_entropy,
         "predicted_entropy": resp.predicted_entropy,
         "gear": resp.gear,
+        "next_gear": getattr(resp, "next_gear", None),
         "shift": bool(resp.shifted),
         "shift_seconds": resp.shift_seconds,
         "step_seconds": resp.step_seconds,
@@ -114,13 +116,25 @@ def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str,
     for r in recs:
         counts[r.gear] += 1
     mgr = session.gearbox.manager
+    # One-time quantization inside mlx-lm's timings: between the initial gear
+    # and the first token (prompt), and after it (generation).
+    marks = getattr(session, "quantize_marks", {})
+    q_total = session.quantize_seconds
+    q_first = marks.get("first_token", q_total)
+    q_prompt, q_gen = max(q_first - marks.get("start", q_first), 0.0), max(q_total - q_first, 0.0)
+    prompt_tokens, prompt_tps = getattr(last, "prompt_tokens", 0), getattr(last, "prompt_tps", 0.0)
+    gen_tokens, gen_tps = getattr(last, "generation_tokens", 0), getattr(last, "generation_tps", 0.0)
     return {
         "interrupted": interrupted,
         "finish_reason": getattr(last, "finish_reason", None),
-        "prompt_tokens": getattr(last, "prompt_tokens", 0),
-        "prompt_tps": getattr(last, "prompt_tps", 0.0),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tps": prompt_tps,
+        "prompt_quantize_seconds": q_prompt,
+        "prompt_tps_excluding_quantize": _rate_without(prompt_tokens, prompt_tps, q_prompt),
         "generation_tokens": len(recs),
-        "generation_tps": getattr(last, "generation_tps", 0.0),
+        "generation_tps": gen_tps,
+        "generation_quantize_seconds": q_gen,
+        "generation_tps_excluding_quantize": _rate_without(gen_tokens, gen_tps, q_gen),
         "peak_memory_gb": getattr(last, "peak_memory", 0.0),
         "tokens_per_gear": counts,
         "shifts": sum(1 for r in recs if r.shifted),
@@ -128,12 +142,30 @@ def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str,
         "quantize_seconds": session.quantize_seconds,
         "swap_seconds": session.shift_seconds,
         "telemetry_only": mgr.telemetry_only,
+        "telemetry_reason": mgr.telemetry_reason,
         "entries": mgr.entries(),
         "memory": mgr.memory(),
         "store": mgr.config.store,
         "high": mgr.config.high,
         "planes_seconds": mgr.planes_seconds,
+        "model_bytes": mgr.model_bytes,
+        "loaded_read_bytes": mgr.loaded_read_bytes,
+        "scope": mgr.config.scope,
+        "step_bytes": mgr.step_bytes(),
+        "managed_share": mgr.managed_share(),
+        "managed_share_scope_all": (
+            managed_bytes(session.gearbox.model, "all", mgr.config.group_size) / mgr.loaded_read_bytes
+            if mgr.loaded_read_bytes and not mgr.telemetry_only else None
+        ),
     }
+
+
+def _rate_without(tokens: int, rate: float, seconds: float) -> float:
+    """``rate`` (tokens / elapsed) with ``seconds`` taken out of the elapsed time."""
+    if not tokens or not rate or rate <= 0:
+        return rate
+    elapsed = tokens / rate - seconds
+    return tokens / elapsed if elapsed > 0 else rate
 
 
 class TraceError(ValueError):
