@@ -3,6 +3,7 @@ traced as it goes, and warnings as one plain line each."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
@@ -42,3 +43,36 @@ def print_stream(
 
 def show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
     print(f"[gearbx] warning: {message}", file=sys.stderr, flush=True)
+
+
+def error_line(e: BaseException) -> str:
+    """``error: MESSAGE`` on one line, whatever the message holds (a server's or a
+    template's text may carry newlines)."""
+    return "error: " + (" ".join(str(e).split()) or type(e).__name__)
+
+
+def read_stdin_text(what: str = "the prompt") -> str:
+    """All of stdin as UTF-8 text.
+
+    Raises:
+        ValueError: stdin is not UTF-8 (names the first bad byte and its offset).
+    """
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"stdin is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): pipe text as {what}"
+        ) from None
+
+
+def check_flag(ok: bool, flag: str, value: Any, want: str) -> None:
+    """Raise ``ValueError("FLAG must be WANT, got VALUE")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{flag} must be {want}, got {value!r}")
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
