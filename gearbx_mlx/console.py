@@ -8,6 +8,7 @@ import sys
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from .config import ANSI_RESET, GEAR_ANSI
+from .telemetry.trace import sigint_deferred
 
 
 def print_stream(
@@ -27,13 +28,16 @@ def print_stream(
     last, interrupted = None, False
     try:
         for resp in stream:
-            if last is None and writer and header:
-                writer.header(**header(resp))
-            last = resp
+            # Traced and counted together: Ctrl-C between the two would leave a
+            # summary that disagrees with the trace by one token.
+            with sigint_deferred():
+                if last is None and writer and header:
+                    writer.header(**header(resp))
+                if writer and record:
+                    writer.token(**record(resp))
+                last = resp
             text = f"{GEAR_ANSI[resp.gear]}{resp.text}{ANSI_RESET}" if color and resp.text else resp.text
             print(text, end="", flush=True)
-            if writer and record:
-                writer.token(**record(resp))
         print(flush=True)
     except KeyboardInterrupt:
         interrupted = True

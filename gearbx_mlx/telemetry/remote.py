@@ -41,6 +41,7 @@ from ..classifier import classify_prompt
 from ..config import GEAR_INDEX, GEARS, GearboxConfig
 from ..entropy import EntropyMonitor, scaled_thresholds
 from .bounds import entropy_bounds
+from .trace import sigint_deferred
 from .openai_client import Chunk, TokenInfo, api_base, parse_chunk
 from .transport import HTTPStatusError, Limits, Request, check_key_transport
 
@@ -302,10 +303,11 @@ class RemoteSession:
             "predicted_entropy": step.predicted, "gear": gear, "variant": res.variant,
             "shift": prev is not None and gear != prev, "shift_seconds": 0.0, "step_seconds": seconds,
         }
-        self.records.append(rec)
-        res.tokens += 1
-        res.entropies.append(b.lower)
-        self.on_token(rec)
+        with sigint_deferred():  # recorded and traced together, whatever Ctrl-C does
+            self.records.append(rec)
+            res.tokens += 1
+            res.entropies.append(b.lower)
+            self.on_token(rec)
 
     # -- requests -----------------------------------------------------------------
     def _body(self, prompt: str, chat: bool, stream: bool, legacy_logprobs: bool) -> Dict[str, Any]:
