@@ -11,14 +11,13 @@ FIFO) and while it decodes.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import importlib
 
 import pytest
 from fault_models import tiny_model_folder

@@ -41,8 +41,8 @@ from ..classifier import classify_prompt
 from ..config import GEAR_INDEX, GEARS, GearboxConfig
 from ..entropy import EntropyMonitor, scaled_thresholds
 from .bounds import entropy_bounds
-from .trace import sigint_deferred
 from .openai_client import Chunk, TokenInfo, api_base, parse_chunk
+from .trace import sigint_deferred
 from .transport import HTTPStatusError, Limits, Request, check_key_transport
 
 DEFAULT_TOP_K = 10  # within every server's cap (mlx-lm 11, OpenAI 20)
