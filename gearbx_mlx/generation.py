@@ -126,6 +126,10 @@ def load(
 
     Returns:
         ``(model, tokenizer, gearbox)``.
+
+    Raises:
+        FileNotFoundError: no such model, or a folder without its files.
+        ValueError: a folder or file that is not a model mlx-lm can load (names it).
     """
     config = config or GearboxConfig()
     if options:
@@ -134,7 +138,15 @@ def load(
     nested = config.store == "nested" and not config.telemetry_only
     # Lazily, for the nested store: with high='planes' and a valid planes cache
     # the managed float weights are never read from disk.
-    m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
+    try:
+        m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001  (mlx-lm, transformers and tokenizers raise many kinds on a broken folder)
+        raise ValueError(
+            f"cannot load the model at {path} ({type(e).__name__}: {str(e)[:300]}): is the folder complete and from "
+            "a model mlx-lm supports?"
+        ) from None
     local = Path(path).is_dir()
     gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
                       planes_dir=Path(path) if nested and local else None)

