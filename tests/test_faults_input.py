@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_models import copy_model, tiny_gguf, tiny_model_folder
+from fault_models import copy_model, tiny_model_folder
 
 from gearbx_mlx import analyze, evaluate
 from gearbx_mlx.calibration import Calibration
