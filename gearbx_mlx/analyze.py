@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from .console import error_line
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
 from .telemetry.plots import plot_all, require_matplotlib
 from .telemetry.trace import TraceError
@@ -42,8 +43,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for f in plot_all([t for p in args.traces for t in load_traces(p)], result, args.plots):
                 print(f"wrote {f}", file=sys.stderr)
     except (TraceError, ValueError, FileNotFoundError, ImportError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -20,7 +20,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -67,25 +67,65 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
+        """Read and check a saved calibration.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a calibration file, or a field of the wrong type or
+                out of range (the message names the file and the field).
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"calibration file not found: {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ValueError(f"{path} is not a calibration JSON file: {e}") from None
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
             raise ValueError(
                 f"{path}: not a gearbx calibration file of format {CALIBRATION_FORMAT}"
             )
         data.pop("format")
-        try:
-            cal = cls(**data)
-        except TypeError as e:
-            raise ValueError(f"{path}: malformed calibration file ({e})") from None
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: malformed calibration file (unknown fields {unknown})")
+        missing = [k for k in ("low", "high", "strategy", "n_samples", "vocab_size") if k not in data]
+        if missing:
+            raise ValueError(f"{path}: malformed calibration file (missing {missing})")
+        for name, (test, want) in _FIELD_TYPES.items():
+            if name in data and not test(data[name]):
+                raise ValueError(f"{path}: field {name!r} must be {want}, got {json.dumps(data[name])[:60]}")
+        cal = cls(**data)
         if not 0 <= cal.low < cal.high:
             raise ValueError(f"{path}: thresholds are in the wrong order ({cal.low}, {cal.high})")
+        vmax = math.log2(cal.vocab_size)
+        if cal.high > vmax:
+            raise ValueError(
+                f"{path}: the high threshold {cal.high:.6g} bits is above log2({cal.vocab_size}) = {vmax:.3f} "
+                "bits, the largest entropy possible: the high gear would be unreachable (calibrate again)"
+            )
         return cal
+
+
+def _is_bits(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _is_count(v: Any, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+#: Field -> (test, what it must be), checked where a saved file enters.
+_FIELD_TYPES = {
+    "low": (_is_bits, "a finite number of bits >= 0"),
+    "high": (_is_bits, "a finite number of bits >= 0"),
+    "strategy": (lambda v: isinstance(v, str) and v in STRATEGIES, f"one of {', '.join(STRATEGIES)}"),
+    "n_samples": (lambda v: _is_count(v, 0), "an integer >= 0"),
+    "vocab_size": (lambda v: _is_count(v, 2), "an integer >= 2 (the model's vocabulary size)"),
+    "model": (lambda v: isinstance(v, str), "text"),
+    "created": (lambda v: isinstance(v, str), "text"),
+    "extra": (lambda v: isinstance(v, dict), "an object"),
+}
 
 
 def _widen(low: float, high: float, min_band: float) -> Tuple[float, float]:

@@ -3,11 +3,13 @@ traced as it goes, and warnings as one plain line each."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import IO, Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 from .config import ANSI_RESET, GEAR_ANSI
+from .telemetry.trace import sigint_deferred
 
 #: ``--color`` values: ``auto`` (the flag alone) colours only a terminal.
 COLOR_MODES: Tuple[str, ...] = ("auto", "always", "never")
@@ -58,13 +60,16 @@ def print_stream(
     color = use_color(color)
     try:
         for resp in stream:
-            if last is None and writer and header:
-                writer.header(**header(resp))
-            last = resp
+            # Traced and counted together: Ctrl-C between the two would leave a
+            # summary that disagrees with the trace by one token.
+            with sigint_deferred():
+                if last is None and writer and header:
+                    writer.header(**header(resp))
+                if writer and record:
+                    writer.token(**record(resp))
+                last = resp
             text = f"{GEAR_ANSI[resp.gear]}{resp.text}{ANSI_RESET}" if color and resp.text else resp.text
             print(text, end="", flush=True)
-            if writer and record:
-                writer.token(**record(resp))
         print(flush=True)
     except KeyboardInterrupt:
         interrupted = True
@@ -74,3 +79,36 @@ def print_stream(
 
 def show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
     print(f"[gearbx] warning: {message}", file=sys.stderr, flush=True)
+
+
+def error_line(e: BaseException) -> str:
+    """``error: MESSAGE`` on one line, whatever the message holds (a server's or a
+    template's text may carry newlines)."""
+    return "error: " + (" ".join(str(e).split()) or type(e).__name__)
+
+
+def read_stdin_text(what: str = "the prompt") -> str:
+    """All of stdin as UTF-8 text.
+
+    Raises:
+        ValueError: stdin is not UTF-8 (names the first bad byte and its offset).
+    """
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"stdin is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): pipe text as {what}"
+        ) from None
+
+
+def check_flag(ok: bool, flag: str, value: Any, want: str) -> None:
+    """Raise ``ValueError("FLAG must be WANT, got VALUE")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{flag} must be {want}, got {value!r}")
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from mlx.utils import tree_flatten
 
+from .console import error_line
 from .evaluation import report
 from .evaluation.harness import (
     DEFAULT_SPEED_PROMPT,
@@ -94,13 +95,23 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
     if args.text is not None and not Path(args.text).expanduser().is_file():
         raise FileNotFoundError(f"text file not found: {args.text} (pass an existing UTF-8 text file to --text)")
-    if args.out and not Path(args.out).expanduser().parent.is_dir():
-        raise FileNotFoundError(f"directory of --out does not exist: {Path(args.out).parent} (create it first)")
+    if args.out:
+        _check_out(Path(args.out).expanduser())
     if args.plots:
         if not Path(args.plots).expanduser().is_dir():
             raise FileNotFoundError(f"--plots directory does not exist: {args.plots} (create it first)")
 
         require_matplotlib()
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must be writable before the run starts, not found unwritable after it."""
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"directory of --out does not exist: {out.parent} (create it first)")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: give a file name, e.g. {out / 'eval.json'}")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out {out} is not writable")
 
 
 def replot(args: argparse.Namespace) -> Dict[str, Any]:
@@ -109,18 +120,28 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"results file not found: {args.from_json}")
     try:
-        results = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{path} is not a JSON file ({e})") from None
     if not isinstance(results, dict) or results.get("format") != "gearbx-eval":
         raise ValueError(f"{path} is not a gearbx evaluation result (format 'gearbx-eval')")
+    try:  # everything the table and the figures read, before anything is drawn
+        results["verdict"] = report.verdict(results["comparisons"])
+        render(results, args)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        # The right format but not this version's shape (or edited by hand).
+        raise ValueError(
+            f"{path} is not a complete gearbx evaluation result ({type(e).__name__}: {e}); "
+            "was it written by another version?"
+        ) from None
     if args.plots:
         if not Path(args.plots).expanduser().is_dir():
             raise FileNotFoundError(f"--plots directory does not exist: {args.plots} (create it first)")
         require_matplotlib()
-        results["figures"] = [str(p) for p in make_all(results, Path(args.plots).expanduser(), PLOT_PREFIX)]
-
-    results["verdict"] = report.verdict(results["comparisons"])
+        try:
+            results["figures"] = [str(p) for p in make_all(results, Path(args.plots).expanduser(), PLOT_PREFIX)]
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValueError(f"cannot draw the figures of {path} ({type(e).__name__}: {e})") from None
     return results
 
 
@@ -167,29 +188,35 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
     return results
 
 
+def render(results: Dict[str, Any], args: argparse.Namespace) -> str:
+    """The tables and notes printed for ``results``."""
+    out = [report.table(results["policies"])]
+    if results.get("speculative"):  # absent from runs saved by earlier versions
+        out += ["", report.speculative_table(results["speculative"])]
+    out += ["", results["routing"]["lag_note"],
+            f"reference: {results['routing']['reference']}; KL in nats; bytes: §9 cost model"]
+    if results["verdict"]:
+        out += ["", results["verdict"]]
+    if results.get("figures"):
+        out.append("\nfigures: " + ", ".join(results["figures"]))
+    if args.out and not args.from_json:
+        out.append(f"results: {args.out}")
+    return "\n".join(str(x) for x in out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         results = replot(args) if args.from_json else run(args, argv)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+        print(error_line(e), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
-    print(report.table(results["policies"]))
-    if results.get("speculative"):  # absent from runs saved before the speculative rows existed
-        print()
-        print(report.speculative_table(results["speculative"]))
-    print()
-    print(results["routing"]["lag_note"])
-    print(f"reference: {results['routing']['reference']}; KL in nats; bytes: §9 cost model")
-    if results["verdict"]:
-        print()
-        print(results["verdict"])
-    if results.get("figures"):
-        print("\nfigures: " + ", ".join(results["figures"]))
-    if args.out and not args.from_json:
-        print(f"results: {args.out}")
+    print(render(results, args))
     return 0
 
 

@@ -7,6 +7,7 @@ stdout as it is generated; the summary goes to stderr after a separator.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -15,11 +16,20 @@ from typing import Any, Dict, List, Optional, Sequence
 from .calibration import Calibration
 from .chat import apply_chat_template
 from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, LITTLE_TO_GAIN, SCOPES, STORES, GearboxConfig
-from .console import add_color_arg, print_stream, show_warning, use_color
-from .generation import load, stream_generate
+from .console import (
+    add_color_arg,
+    check_flag,
+    error_line,
+    finite,
+    print_stream,
+    read_stdin_text,
+    show_warning,
+    use_color,
+)
+from .generation import check_generation_options, load, stream_generate
 from .precision import default_kernel
 from .speculative.cli import add_speculative_args, check_speculative_args, run_speculative
-from .telemetry.trace import TraceWriter, run_summary, token_record
+from .telemetry.trace import TraceWriter, empty_summary, run_summary, token_record
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -84,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_stdin_text() if args.prompt == "-" else args.prompt
     if not prompt or not prompt.strip():
         raise ValueError("the prompt is empty: pass --prompt TEXT (or '-' with text on stdin)")
     return prompt
@@ -109,6 +119,13 @@ def _check_args(args: argparse.Namespace) -> None:
     """Fail on bad input before anything slow happens."""
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise ValueError("--max-tokens must be positive (or -1 for no limit)")
+    check_generation_options(flags=True, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
+                             seed=args.seed, kv_bits=args.kv_bits, max_kv_size=args.max_kv_size)
+    check_flag(args.window >= 1, "--window", args.window, "an integer >= 1")
+    check_flag(finite(args.hysteresis) and args.hysteresis >= 0, "--hysteresis", args.hysteresis, "a number >= 0")
+    check_flag(args.min_gear_duration >= 1, "--min-gear-duration", args.min_gear_duration, "an integer >= 1")
+    if args.thresholds and not all(finite(t) for t in args.thresholds):
+        raise ValueError(f"--thresholds must be finite numbers of bits, got {args.thresholds[0]} {args.thresholds[1]}")
     if args.thresholds and not 0 <= args.thresholds[0] < args.thresholds[1]:
         raise ValueError(
             f"thresholds are in the wrong order: LOW={args.thresholds[0]} must be below "
@@ -118,10 +135,23 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("give --thresholds or --calibrate/--calibration, not both")
     if args.trace and not Path(args.trace).expanduser().parent.is_dir():
         raise FileNotFoundError(f"trace directory does not exist: {Path(args.trace).parent}")
+    if args.trace and Path(args.trace).expanduser().is_dir():
+        raise ValueError(f"--trace {args.trace} is a directory: give a file name")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")
     if args.calibrate and args.calibration and not Path(args.calibration).expanduser().parent.is_dir():
         raise FileNotFoundError(f"calibration directory does not exist: {Path(args.calibration).parent}")
+
+
+def _check_thresholds(gearbox: Any) -> None:
+    """Thresholds from a flag or a calibration file against this model's largest entropy."""
+    vmax = math.log2(gearbox.vocab_size)
+    low, high = gearbox.thresholds
+    if high > vmax:
+        raise ValueError(
+            f"the high threshold {high:.6g} bits is above log2({gearbox.vocab_size}) = {vmax:.3f} bits, the "
+            "largest entropy this model can have: the high gear would be unreachable (lower it, or calibrate again)"
+        )
 
 
 def _templated(tokenizer: Any, args: argparse.Namespace, prompt: str) -> Any:
@@ -192,6 +222,9 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
     if not s["telemetry_only"]:
         lines.append(memory_line(s["memory"], s.get("store", "separate"), s.get("high", "original")))
     lines += _bytes_lines(s)
+    if s.get("nonfinite_steps"):
+        lines.append(f"Non-finite logits: {s['nonfinite_steps']} steps (NaN or infinity; the NaN guard replaced "
+                     "them, so those steps' text and entropy mean nothing)")
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)
@@ -209,34 +242,48 @@ def memory_line(mem: Dict[str, Any], store: str, high: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate as the flags say; the trace, if any, is valid whenever this returns or raises.
+
+    Its header is written before the model loads (and rewritten with more
+    fields as they become known), so Ctrl-C at any point leaves a trace whose
+    summary says ``"interrupted": true``, with ``stage`` telling where.
+    """
     prompt = _read_prompt(args)
     _check_args(args)
     if args.speculative:
         check_speculative_args(args)
     config = _config(args)
-    model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype)
-    if args.thresholds:
-        gearbox.set_thresholds(*args.thresholds)
-    elif args.calibrate:
-        print(f"[gearbx] calibrating thresholds ({args.calibrate}) ...", file=sys.stderr, flush=True)
-        cal = gearbox.calibrate(tokenizer, args.calibrate)
-        if args.calibration:
-            cal.save(args.calibration)
-    elif args.calibration:
-        gearbox.set_calibration(Calibration.load(args.calibration))
-
-    if args.speculative:  # exact high-gear output, drafted by a lower gear
-        return run_speculative(args, model, tokenizer, gearbox, prompt, _templated(tokenizer, args, prompt))
-    if args.static_gear != "high":
-        gearbox.warn_if_prequantized_source()  # before the text starts streaming
-    if gearbox.manager.telemetry_only and not args.quiet:
-        print(f"[gearbx] telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
-              "but nothing is swapped: every token runs on the loaded weights.", file=sys.stderr, flush=True)
-    writer = TraceWriter(args.trace) if args.trace else None
-    last, interrupted = None, False
+    writer = TraceWriter(Path(args.trace).expanduser()) if args.trace else None
+    stage, last, interrupted, error = "loading", None, False, None
+    gearbox: Any = None
     try:
+        if writer:
+            writer.header(model=args.model or "default", sampling=_sampling(args))
+        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype)
+        if args.thresholds:
+            gearbox.set_thresholds(*args.thresholds)
+        elif args.calibrate:
+            stage = "calibrating"
+            print(f"[gearbx] calibrating thresholds ({args.calibrate}) ...", file=sys.stderr, flush=True)
+            cal = gearbox.calibrate(tokenizer, args.calibrate)
+            if args.calibration:
+                cal.save(args.calibration)
+        elif args.calibration:
+            gearbox.set_calibration(Calibration.load(args.calibration))
+        _check_thresholds(gearbox)
+        stage = "prefill"
+        templated = _templated(tokenizer, args, prompt)
+        if args.speculative:  # exact high-gear output, drafted by a lower gear
+            return run_speculative(args, model, tokenizer, gearbox, prompt, templated, writer=writer)
+        if writer:
+            writer.header(**_model_header(args, gearbox))
+        if args.static_gear != "high":
+            gearbox.warn_if_prequantized_source()  # before the text starts streaming
+        if gearbox.manager.telemetry_only and not args.quiet:
+            print(f"[gearbx] telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
+                  "but nothing is swapped: every token runs on the loaded weights.", file=sys.stderr, flush=True)
         stream = stream_generate(
-            model, tokenizer, _templated(tokenizer, args, prompt), gearbox,
+            model, tokenizer, templated, gearbox,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
             top_k=args.top_k, seed=args.seed, kv_bits=args.kv_bits, max_kv_size=args.max_kv_size,
             prompt_text=prompt,
@@ -247,39 +294,59 @@ def run(args: argparse.Namespace) -> int:
             stream, color=args.color, writer=writer, record=token_record,
             header=lambda first: _header(args, gearbox, first.session, first),
         )
+    except KeyboardInterrupt:
+        interrupted = True
+        doing = {"loading": "loading the model", "prefill": "preparing the prompt"}.get(stage, stage)
+        print(f"interrupted while {doing}", file=sys.stderr)
+    except Exception as e:
+        error = error_line(e)[len("error: "):]
+        raise
     finally:
         if last is not None:
-            summary = run_summary(last.session, last, interrupted)
-            if writer:
-                writer.summary(**summary)
-            if not args.quiet:
-                print("=" * 10, file=sys.stderr)
-                print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
-                if use_color(args.color):  # a key for the colours the text was written in
-                    print("Colours: " + " ".join(f"{GEAR_ANSI[g]}{g}{ANSI_RESET}" for g in GEARS), file=sys.stderr)
+            summary = run_summary(last.session, last, interrupted, error)
+        else:
+            summary = empty_summary(interrupted, error, stage)
+        if writer and not writer.summarized:
+            writer.summary(**summary)
+        if last is not None and not args.quiet:
+            print("=" * 10, file=sys.stderr)
+            print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
+            if use_color(args.color):  # a key for the colours the text was written in
+                print("Colours: " + " ".join(f"{GEAR_ANSI[g]}{g}{ANSI_RESET}" for g in GEARS), file=sys.stderr)
         if writer:
             writer.close()
     return 130 if interrupted else 0
 
 
-def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:
+def _sampling(args: argparse.Namespace) -> Dict[str, Any]:
+    return {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p, "top_k": args.top_k, "seed": args.seed}
+
+
+def _model_header(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
+    """Header fields known once the model is loaded and its thresholds set."""
     c = gearbox.config
     source = (f"calibration:{gearbox.calibration.strategy}" if gearbox.calibration
               else "manual" if args.thresholds else "default-scaled")
-    pc = gearbox.prompt_class
     return {
         "model": gearbox.model_name,
         "vocab_size": gearbox.vocab_size,
         "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1], "source": source},
         "scope": c.scope, "kernel": c.kernel, "store": c.store, "high": c.high,
         "window": c.window, "hysteresis": c.hysteresis,
-        "min_gear_duration": c.min_gear_duration, "lag": session.lag, "policy": session.policy.name,
+        "min_gear_duration": c.min_gear_duration,
         "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),
+    }
+
+
+def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:
+    pc = gearbox.prompt_class
+    return {
+        **_model_header(args, gearbox),
+        "lag": session.lag, "policy": session.policy.name,
         "initial_gear": session.records[0].gear if session.records else None,
         "prompt_class": {"gear": pc.gear, "score": pc.score} if pc else None,
         "prompt_tokens": first.prompt_tokens,
-        "sampling": {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p,
-                     "top_k": args.top_k, "seed": args.seed},
+        "sampling": _sampling(args),
     }
 
 
@@ -289,8 +356,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the run began (reading stdin): nothing to record
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -29,6 +29,51 @@ from .sources.models import resolve_model
 
 #: Keyword arguments that build a sampler, as in mlx-lm's CLI.
 SAMPLER_KEYS = ("temp", "top_p", "min_p", "top_k", "min_tokens_to_keep")
+#: Bit widths MLX quantizes a KV cache to (``mx.quantize``).
+KV_BITS = (1, 2, 3, 4, 5, 6, 8)
+_U64 = 2**64
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: option -> (test, what it must be). mlx-lm would take any of these silently
+#: (a negative temperature inverts sampling, top_p 2 is ignored) or fail
+#: thousands of tokens later (kv_bits 99 at the first quantized KV block).
+_OPTIONS: Dict[str, Tuple[Any, str]] = {
+    "temp": (lambda v: _number(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: _number(v) and 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "min_tokens_to_keep": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "kv_bits": (lambda v: v in KV_BITS and _integer(v), f"one of {', '.join(map(str, KV_BITS))}"),
+    "max_kv_size": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "seed": (lambda v: _integer(v) and 0 <= v < _U64, "an integer in [0, 2**64)"),
+    "max_tokens": (lambda v: _integer(v) and (v >= 1 or v == -1), "an integer >= 1 (or -1: no limit)"),
+}
+
+
+def check_generation_options(flags: bool = False, **options: Any) -> None:
+    """Check sampling and cache options; None means "not given" and passes.
+
+    Args:
+        flags: name the options as command-line flags (``--top-p``).
+
+    Raises:
+        ValueError: naming the first option out of range and its range.
+    """
+    for name, value in options.items():
+        if value is None or name not in _OPTIONS:
+            continue
+        test, want = _OPTIONS[name]
+        if not test(value):
+            shown = "--" + name.replace("_", "-") if flags else name
+            raise ValueError(f"{shown} must be {want}, got {value!r}")
 
 
 @dataclass
@@ -47,6 +92,8 @@ class GearboxResponse(GenerationResponse):
         shift_seconds: cost of that shift (0 if none).
         step_seconds: wall time since the previous response.
         index: 0-based position among the generated tokens.
+        nonfinite: this token's logits held NaN or infinity (the NaN guard
+            replaced them; a :class:`NonFiniteLogitsWarning` says so once).
     """
 
     entropy: float = math.nan
@@ -58,6 +105,7 @@ class GearboxResponse(GenerationResponse):
     shift_seconds: float = 0.0
     step_seconds: float = 0.0
     index: int = 0
+    nonfinite: bool = False
     session: Optional[RoutingSession] = field(default=None, repr=False, compare=False)
 
 
@@ -82,6 +130,10 @@ def load(
 
     Returns:
         ``(model, tokenizer, gearbox)``.
+
+    Raises:
+        FileNotFoundError: no such model, or a folder without its files.
+        ValueError: a folder or file that is not a model mlx-lm can load (names it).
     """
     config = config or GearboxConfig()
     if options:
@@ -90,7 +142,15 @@ def load(
     nested = config.store == "nested" and not config.telemetry_only
     # Lazily, for the nested store: with high='planes' and a valid planes cache
     # the managed float weights are never read from disk.
-    m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
+    try:
+        m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001  (mlx-lm, transformers and tokenizers raise many kinds on a broken folder)
+        raise ValueError(
+            f"cannot load the model at {path} ({type(e).__name__}: {str(e)[:300]}): is the folder complete and from "
+            "a model mlx-lm supports?"
+        ) from None
     local = Path(path).is_dir()
     gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
                       planes_dir=Path(path) if nested and local else None)
@@ -159,6 +219,7 @@ def stream_generate(
         :class:`GearboxResponse`, one per generated token; the last one has
         ``finish_reason`` set.
     """
+    check_generation_options(seed=seed, **{k: v for k, v in kwargs.items() if k in _OPTIONS})
     ids = encode_prompt(tokenizer, prompt)
     if prompt_text is None:
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids.tolist())
@@ -199,6 +260,7 @@ def stream_generate(
                 shift_seconds=rec.shift_seconds,
                 step_seconds=now - last,
                 index=n,
+                nonfinite=rec.nonfinite,
                 session=session,
             )
             last = now

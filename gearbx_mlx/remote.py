@@ -6,14 +6,16 @@ The command line over :mod:`gearbx_mlx.telemetry.remote`.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .config import ANSI_RESET, GEAR_ANSI, GearboxConfig
-from .console import add_color_arg, use_color
+from .console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
 from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, vocab_size_of
 from .telemetry.trace import TraceWriter
+from .telemetry.transport import Limits
 
 
 # -- command line ----------------------------------------------------------------------
@@ -44,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=GearboxConfig.window)
     p.add_argument("--hysteresis", type=float, default=GearboxConfig.hysteresis)
     p.add_argument("--min-gear-duration", type=int, default=GearboxConfig.min_gear_duration)
-    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a server")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each piece of an answer")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--connect-timeout", type=float, default=Limits.connect_timeout, help="seconds to reach a server")
+    p.add_argument("--timeout", type=float, default=Limits.idle_timeout,
+                   help="seconds a server may go without progress (a whole event, or the answer's start; "
+                   f"keep-alive comments do not count) (default {Limits.idle_timeout:g})")
+    p.add_argument("--deadline", type=float, default=Limits.deadline,
+                   help=f"seconds one answer may take in all (default {Limits.deadline:g})")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (over https, or plain http to this machine)")
+    p.add_argument("--allow-plain-http-key", action="store_true",
+                   help="send --api-key over plain http to another host too (readable on the way)")
     p.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
     add_color_arg(p)
     p.add_argument("--quiet", action="store_true", help="print the text only")
@@ -56,20 +64,49 @@ def build_parser() -> argparse.ArgumentParser:
 def _prompts(args: argparse.Namespace) -> List[str]:
     prompts: List[str] = []
     for p in args.prompt or ["Explain in one paragraph why the sky is blue."]:
-        prompts += [line for line in sys.stdin.read().splitlines() if line.strip()] if p == "-" else [p]
+        prompts += [line for line in read_stdin_text("prompts").splitlines() if line.strip()] if p == "-" else [p]
     if not prompts or any(not p.strip() for p in prompts):
         raise ValueError("a prompt is empty: pass --prompt TEXT (or '-' with one prompt per line on stdin)")
     return prompts
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.max_tokens < 1:
-        raise ValueError("--max-tokens must be positive")
-    if args.thresholds and not 0 <= args.thresholds[0] < args.thresholds[1]:
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag in its range, before any server is asked (one message naming the flag)."""
+    check_flag(args.max_tokens >= 1, "--max-tokens", args.max_tokens, "an integer >= 1")
+    for flag, v in (("--timeout", args.timeout), ("--connect-timeout", args.connect_timeout),
+                    ("--deadline", args.deadline)):
+        check_flag(finite(v) and v > 0, flag, v, "a positive number of seconds")
+    check_flag(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
+    if args.top_p is not None:
+        check_flag(finite(args.top_p) and 0 < args.top_p <= 1, "--top-p", args.top_p, "in (0, 1]")
+    check_flag(1 <= args.top_logprobs <= 20, "--top-k", args.top_logprobs,
+               "in 1..20 (servers cap top_logprobs; mlx-lm at 11)")
+    if args.vocab_size is not None:
+        check_flag(args.vocab_size >= 2, "--vocab-size", args.vocab_size, "an integer >= 2")
+    if args.thresholds:
         low, high = args.thresholds
-        raise ValueError(f"thresholds are in the wrong order: LOW={low} must be below HIGH={high}")
+        if not (finite(low) and finite(high) and 0 <= low < high):
+            raise ValueError(f"--thresholds LOW HIGH must be finite with 0 <= LOW < HIGH, got {low} {high}")
+    if args.api_key:
+        check_flag(args.api_key.strip() == args.api_key and "\n" not in args.api_key, "--api-key", "...",
+                   "one line without surrounding spaces")
+    if args.trace and not Path(args.trace).expanduser().parent.is_dir():
+        raise FileNotFoundError(f"trace directory does not exist: {Path(args.trace).expanduser().parent}")
+
+
+def _check_thresholds(thresholds: Optional[Sequence[float]], vocab: int) -> None:
+    if thresholds and thresholds[1] > math.log2(vocab):
+        raise ValueError(
+            f"--thresholds HIGH {thresholds[1]:.6g} is above log2({vocab}) = {math.log2(vocab):.3f} bits, "
+            "the largest entropy possible: the high gear would be unreachable"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
     variants = parse_variants(args.variant)
     vocab, vocab_source = vocab_size_of(variants, args.vocab_size)
+    _check_thresholds(args.thresholds, vocab)
     prompts = _prompts(args)
     config = GearboxConfig(window=args.window, hysteresis=args.hysteresis, min_gear_duration=args.min_gear_duration)
     sampling = {"temperature": args.temp}
@@ -94,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     session = RemoteSession(
         variants, vocab, config, tuple(args.thresholds) if args.thresholds else None, args.top_logprobs,
         args.max_tokens, sampling, args.stream, args.system_prompt, not args.no_history,
-        args.connect_timeout, args.timeout, args.api_key, on_token=record, on_text=show,
+        args.connect_timeout, args.timeout, args.api_key, deadline=args.deadline,
+        allow_plain_http_key=args.allow_plain_http_key, on_token=record, on_text=show,
         say=(lambda m: None) if args.quiet else None,
     )
     if writer:
@@ -109,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         print(flush=True)
     except (ConnectionError, ValueError, OSError) as e:
         print(flush=True)
-        error, code = str(e), 1
+        error, code = " ".join(str(e).split()), 1
         raise
     finally:
         summary = session.summary(interrupted, error)
@@ -141,8 +179,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return run(args)
     except (ConnectionError, ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the session started: nothing to summarise
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ initial gear.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -44,10 +45,15 @@ class StepRecord:
     predicted: float = math.nan
     next_gear: Optional[str] = None  # what the policy chose after seeing it
     catastrophic: bool = False
+    nonfinite: bool = False  # the logits held NaN or an infinity (the NaN guard replaced them)
 
     @property
     def committed(self) -> bool:
         return not math.isnan(self.entropy)
+
+
+class NonFiniteLogitsWarning(RuntimeWarning):
+    """A step's logits held NaN or infinities: the weights or the activations are broken."""
 
 
 class RoutingSession:
@@ -66,11 +72,12 @@ class RoutingSession:
         if self.lag not in (0, 1):
             raise ValueError(f"lag must be 0 or 1, got {lag!r}")
         self.records: List[StepRecord] = []
-        self._pending: List[Tuple[int, mx.array]] = []
+        self._pending: List[Tuple[int, mx.array, mx.array]] = []
         self._target = gearbox.manager.gear
         self._last_shift: Tuple[bool, float] = (False, 0.0)
         self._prev_gear: Optional[str] = None
         self.shift_seconds = 0.0
+        self.nonfinite_steps = 0
         self._quantized_before = sum(gearbox.manager.quantize_seconds.values())
         #: :attr:`quantize_seconds` when the initial gear is in (``"start"``) and
         #: when the first token is out (``"first_token"``): what falls inside
@@ -95,7 +102,10 @@ class RoutingSession:
         self.records.append(StepRecord(index, gear, shifted, cost if did_shift else 0.0))
         self._last_shift = (False, 0.0)
         self._prev_gear = gear
-        self._pending.append((index, entropy_bits(logits).reshape(())))
+        # Read with the entropy, in the same sync: a NaN guard that hides broken
+        # logits (every step then looks maximally uncertain) must not hide that it did.
+        bad = mx.logical_not(mx.all(mx.isfinite(logits)))
+        self._pending.append((index, entropy_bits(logits).reshape(()), bad))
         return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits
 
     def before_forward(self) -> None:
@@ -114,11 +124,23 @@ class RoutingSession:
         if not pending:
             return
         self._pending = self._pending[len(pending):]
-        mx.eval([h for _, h in pending])
+        mx.eval([x for _, h, bad in pending for x in (h, bad)])
         prewarm = isinstance(self.policy, EntropyPolicy)
-        for index, h in pending:
+        for index, h, bad in pending:
             seen = self.gearbox.observe(h.item(), prewarm=prewarm)
             rec = self.records[index]
+            if bad.item():
+                rec.nonfinite = True
+                self.nonfinite_steps += 1
+                if self.nonfinite_steps == 1:
+                    warnings.warn(
+                        f"step {index}: the logits hold NaN or infinity (broken weights, or an overflow in "
+                        f"{self.gearbox.manager.gear} gear?); "
+                        + ("the NaN guard sampled from finite stand-ins, so the text and the entropy of such "
+                           "steps mean nothing; they are counted as nonfinite_steps"
+                           if self.gearbox.config.nan_guard else "nan_guard is off"),
+                        NonFiniteLogitsWarning, stacklevel=2,
+                    )
             rec.entropy, rec.smoothed, rec.predicted = seen.entropy, seen.smoothed, seen.predicted
             rec.catastrophic = seen.catastrophic
             self._target = self.policy.next_gear(index, seen)

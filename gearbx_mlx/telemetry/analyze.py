@@ -121,24 +121,45 @@ def _evaluation_traces(path: Path, report: Dict[str, Any]) -> List[Trace]:
     traces = report.get("traces")
     if not isinstance(traces, dict) or not traces:
         raise TraceError(f"{path}: evaluation report without per-policy traces")
-    windows = (report.get("text") or {}).get("windows") or 1
+    text = report.get("text") if isinstance(report.get("text"), dict) else {}
+    windows = text.get("windows") or 1
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise TraceError(f"{path}: text.windows must be an integer >= 1, got {json.dumps(windows)[:40]}")
+    model = report.get("model") if isinstance(report.get("model"), dict) else {}
+    vocab = model.get("vocab_size")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2):
+        raise TraceError(f"{path}: model.vocab_size must be an integer >= 2, got {json.dumps(vocab)[:40]}")
     out = []
     for name, entry in traces.items():
         gears = entry.get("gears", "") if isinstance(entry, dict) else ""
+        if not isinstance(gears, str):
+            raise TraceError(f"{path}: policy {name!r}: 'gears' must be a string of l/m/h letters")
         bad = set(gears) - set(_EVAL_GEARS)
         if not gears or bad:
             raise TraceError(f"{path}: policy {name!r} has no gear trace or unknown gear letters {sorted(bad)}")
-        ent = entry.get("entropy") or [None] * len(gears)
-        sm = entry.get("smoothed") or [None] * len(gears)
+        ent = _series(entry.get("entropy"), len(gears), path, name, "entropy")
+        sm = _series(entry.get("smoothed"), len(gears), path, name, "smoothed")
         per = len(gears) // windows if len(gears) % windows == 0 else len(gears)
         tokens = [{"index": i, "prompt": i // per, "entropy": ent[i], "smoothed_entropy": sm[i],
                    "gear": _EVAL_GEARS[c], "shift": i % per != 0 and c != gears[i - 1]}
                   for i, c in enumerate(gears)]
         header = {"type": "header", "format": EVAL_FORMAT, "source": "evaluation", "label": f"{path.stem}:{name}",
                   "lag": 0,  # the teacher-forced pass: step t's entropy decides step t+1's gear
-                  "model": f"{path.stem} ({name})", "vocab_size": (report.get("model") or {}).get("vocab_size")}
+                  "model": f"{path.stem} ({name})", "vocab_size": vocab}
         out.append(Trace(path, header, tokens, {"interrupted": False}))
     return out
+
+
+def _series(values: Any, n: int, path: Path, name: str, field: str) -> List[Optional[float]]:
+    """A per-token series of an evaluation trace: ``n`` finite numbers or nulls (absent: all null)."""
+    if values is None or values == []:
+        return [None] * n
+    if not isinstance(values, list) or len(values) != n:
+        raise TraceError(f"{path}: policy {name!r}: {field!r} must be a list of {n} numbers (one per gear letter)")
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise TraceError(f"{path}: policy {name!r}: {field!r} holds {json.dumps(v)[:40]}, not a finite number")
+    return values
 
 
 def load_traces(path: Union[str, Path]) -> List[Trace]:
@@ -147,17 +168,20 @@ def load_traces(path: Union[str, Path]) -> List[Trace]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        first = f.readline()
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+    except UnicodeDecodeError:
+        return [read_trace(path)]  # says it is not text
     try:
         head = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         head = None
     if isinstance(head, dict) and "type" in head:
         return [read_trace(path)]
     try:  # an evaluation report is one (indented) JSON object
         report = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return [read_trace(path)]  # names the bad line
     if isinstance(report, dict) and report.get("format") == EVAL_FORMAT:
         return _evaluation_traces(path, report)

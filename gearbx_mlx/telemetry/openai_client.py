@@ -23,14 +23,17 @@ What the servers actually send (checked against mlx-lm 0.32.2's
 
 Transport failures raise :class:`ConnectionError` (refused, unreachable,
 timeout, HTTP error, a stream cut short); a stream whose content is not what
-the protocol says raises :class:`ValueError`. Both name the URL.
+the protocol says raises :class:`ValueError`. Both name the URL. The exchange
+itself, bounded in time, bytes and events, is :mod:`.transport`'s
+:class:`Request`; this module reads what it returns, checking every field's
+type (a server is untrusted input).
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
+import math
 import os
 import socket
 import subprocess
@@ -40,6 +43,13 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from .transport import HTTPStatusError, Limits, Request, raise_if_error
+
+__all__ = [
+    "Chunk", "HTTPStatusError", "Limits", "Request", "TokenInfo", "api_base", "free_port", "local_mlx_server",
+    "parse_chunk", "parse_logprobs", "piece_text", "raise_if_error",
+]
 
 #: (token text or None, token id or None, natural-log probability)
 TopEntry = Tuple[Optional[str], Optional[int], float]
@@ -84,193 +94,6 @@ def api_base(url: str) -> str:
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
 
 
-# -- requests -----------------------------------------------------------------------
-class Request:
-    """One POST to ``url`` with a JSON body; read it as SSE or as one JSON answer.
-
-    Args:
-        connect_timeout: seconds to open the connection (fail fast when the
-            server is down or unreachable).
-        read_timeout: seconds to wait for each piece of the answer.
-        api_key: sent as ``Authorization: Bearer``, if given.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        body: Dict[str, Any],
-        connect_timeout: float = 5.0,
-        read_timeout: float = 120.0,
-        api_key: Optional[str] = None,
-    ) -> None:
-        self.url = url
-        self.body = body
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.api_key = api_key
-        self._conn: Optional[http.client.HTTPConnection] = None
-        self._resp: Optional[http.client.HTTPResponse] = None
-
-    def open(self) -> "Request":
-        parsed = urllib.parse.urlsplit(self.url)
-        cls = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
-        self._conn = cls(parsed.hostname, parsed.port, timeout=self.connect_timeout)
-        data = json.dumps(self.body).encode()
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                   "Accept": "text/event-stream" if self.body.get("stream") else "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        try:
-            self._resp = self._send(parsed.path, data, headers)
-        except ConnectionError:
-            self.close()
-            raise
-        if self._resp.status != 200:
-            detail = self._read_all()[:300].decode("utf-8", "replace").strip()
-            status = self._resp.status
-            self.close()
-            raise HTTPStatusError(status, f"{self.url} answered HTTP {status}: {detail or '(no body)'}")
-        return self
-
-    def _send(self, path: str, data: bytes, headers: Dict[str, str]) -> http.client.HTTPResponse:
-        """Connect, send, and wait for the status line; every failure as ConnectionError."""
-        assert self._conn is not None
-        try:
-            self._conn.connect()
-        except (socket.timeout, TimeoutError):
-            raise ConnectionError(
-                f"could not connect to {self.url} within {self.connect_timeout} s: is the host up?"
-            ) from None
-        except ConnectionRefusedError:
-            raise ConnectionError(f"connection refused by {self.url}: is the server running on that port?") from None
-        except socket.gaierror as e:
-            raise ConnectionError(f"cannot resolve the host of {self.url}: {e.strerror}") from None
-        except OSError as e:
-            raise ConnectionError(f"cannot reach {self.url}: {e}") from None
-        try:
-            # Connected: from now on wait up to read_timeout for each piece.
-            self._conn.sock.settimeout(self.read_timeout)
-            self._conn.request("POST", path, body=data, headers=headers)
-            return self._conn.getresponse()
-        except (socket.timeout, TimeoutError):
-            raise ConnectionError(
-                f"no answer from {self.url} within {self.read_timeout} s: is the server busy? (--timeout)"
-            ) from None
-        except (OSError, http.client.HTTPException) as e:
-            raise ConnectionError(f"{self.url} closed the connection before answering ({e!r})") from None
-
-    def _read_all(self) -> bytes:
-        assert self._resp is not None
-        try:
-            return self._resp.read()
-        except (OSError, http.client.HTTPException):
-            return b""
-
-    def json(self) -> Dict[str, Any]:
-        """The whole answer as one JSON object."""
-        if self._resp is None:
-            self.open()
-        try:
-            raw = self._resp.read()
-        except (socket.timeout, TimeoutError):
-            raise ConnectionError(f"{self.url} stopped answering (read timeout {self.read_timeout} s)") from None
-        except (OSError, http.client.HTTPException) as e:
-            raise ConnectionError(f"the answer from {self.url} was cut short: {e}") from None
-        finally:
-            self.close()
-        try:
-            out = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"malformed JSON answer from {self.url}: {e.msg} in {raw[:80]!r}") from None
-        if not isinstance(out, dict):
-            raise ValueError(f"malformed answer from {self.url}: not a JSON object")
-        _raise_if_error(out, self.url)
-        return out
-
-    def events(self) -> Iterator[Dict[str, Any]]:
-        """The JSON objects of a server-sent event stream, until ``[DONE]``.
-
-        Comment lines (``: keepalive``) and ``event:``/``id:`` fields are
-        skipped. A stream that ends before ``[DONE]`` and before any
-        ``finish_reason`` raises ConnectionError (truncated).
-        """
-        if self._resp is None:
-            self.open()
-        data: List[str] = []
-        count, finished = 0, False
-        try:
-            while True:
-                try:
-                    raw = self._resp.readline()
-                except (socket.timeout, TimeoutError):
-                    raise ConnectionError(
-                        f"{self.url} stopped streaming after {count} events "
-                        f"(no data for {self.read_timeout} s)"
-                    ) from None
-                except (OSError, http.client.HTTPException) as e:
-                    raise ConnectionError(f"the stream from {self.url} was cut after {count} events: {e}") from None
-                if not raw:  # end of the body
-                    if data:
-                        raise ValueError(f"the stream from {self.url} ended inside event {count + 1} (truncated)")
-                    if not finished:
-                        raise ConnectionError(
-                            f"the stream from {self.url} ended after {count} events without "
-                            "[DONE] or a finish_reason (truncated)"
-                        )
-                    return
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if line:
-                    if line.startswith(":"):
-                        continue
-                    name, _, value = line.partition(":")
-                    if name == "data":
-                        data.append(value[1:] if value.startswith(" ") else value)
-                    elif name not in ("event", "id", "retry"):
-                        raise ValueError(f"malformed SSE line from {self.url} after {count} events: {line[:80]!r}")
-                    continue
-                if not data:
-                    continue
-                payload, data = "\n".join(data), []
-                if payload.strip() == "[DONE]":
-                    return
-                count += 1
-                try:
-                    event = json.loads(payload)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"malformed SSE event {count} from {self.url}: {e.msg} in {payload[:80]!r}"
-                    ) from None
-                if not isinstance(event, dict):
-                    raise ValueError(f"malformed SSE event {count} from {self.url}: not a JSON object")
-                _raise_if_error(event, self.url)
-                ch = event.get("choices")
-                if isinstance(ch, list) and ch and isinstance(ch[0], dict) and ch[0].get("finish_reason"):
-                    finished = True
-                yield event
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
-class HTTPStatusError(ConnectionError):
-    """The server answered with an HTTP error status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _raise_if_error(obj: Dict[str, Any], url: str) -> None:
-    if "error" in obj and "choices" not in obj:
-        err = obj["error"]
-        msg = err.get("message", err) if isinstance(err, dict) else err
-        raise ConnectionError(f"{url} reported an error: {msg}")
-
-
 # -- what is in a chunk -----------------------------------------------------------
 def _byte_decoder() -> Dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: vocabulary piece char -> byte."""
@@ -301,13 +124,43 @@ def piece_text(piece: str) -> str:
     return piece.replace("▁", " ")
 
 
+def _logprob(x: Any, where: str) -> float:
+    """A log-probability: a number <= 0 (-inf is probability 0; NaN is refused)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{where}: logprob is not a number: {str(x)[:80]}")
+    v = float(x)
+    if math.isnan(v) or v > 1e-6:
+        raise ValueError(f"{where}: not a log-probability: {v}")
+    return v
+
+
+def _opt_str(x: Any, where: str) -> Optional[str]:
+    if x is not None and not isinstance(x, str):
+        raise ValueError(f"{where}: token is not text: {str(x)[:80]}")
+    return x
+
+
+def _opt_id(x: Any, where: str) -> Optional[int]:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+        raise ValueError(f"{where}: token id is not a non-negative integer: {str(x)[:80]}")
+    return x
+
+
+def _list(x: Any, where: str) -> List[Any]:
+    if x is None:
+        return []
+    if not isinstance(x, list):
+        raise ValueError(f"{where} is not a list: {str(x)[:80]}")
+    return x
+
+
 def _entry_top(entry: Dict[str, Any]) -> List[TopEntry]:
-    top = entry.get("top_logprobs") or []
     out: List[TopEntry] = []
-    for t in top:
+    for t in _list(entry.get("top_logprobs"), "top_logprobs"):
         if not isinstance(t, dict) or "logprob" not in t:
             raise ValueError(f"top_logprobs entry without a logprob: {str(t)[:80]}")
-        out.append((t.get("token"), t.get("id"), float(t["logprob"])))
+        out.append((_opt_str(t.get("token"), "top_logprobs"), _opt_id(t.get("id"), "top_logprobs"),
+                    _logprob(t["logprob"], "top_logprobs")))
     return out
 
 
@@ -318,6 +171,9 @@ def parse_logprobs(choice: Dict[str, Any], greedy: bool) -> List[TokenInfo]:
         choice: ``event["choices"][0]``.
         greedy: the request was greedy (temperature 0), so a token the server
             does not name is the arg-max of its top-k.
+
+    Raises:
+        ValueError: a field of the wrong type or value (NaN, a positive log-probability).
     """
     lp = choice.get("logprobs")
     if not lp:
@@ -326,7 +182,7 @@ def parse_logprobs(choice: Dict[str, Any], greedy: bool) -> List[TokenInfo]:
         raise ValueError(f"logprobs is not an object: {str(lp)[:80]}")
     out: List[TokenInfo] = []
     if "content" in lp:  # chat completions
-        for entry in lp["content"] or []:
+        for entry in _list(lp["content"], "logprobs.content"):
             if not isinstance(entry, dict):
                 raise ValueError(f"logprobs.content entry is not an object: {str(entry)[:80]}")
             top = _entry_top(entry)
@@ -339,20 +195,38 @@ def parse_logprobs(choice: Dict[str, Any], greedy: bool) -> List[TokenInfo]:
                     [(piece_text(t) if t is not None else None, i, p) for t, i, p in top]))
             else:
                 logprob = entry.get("logprob")
-                out.append(TokenInfo(entry.get("token"), entry.get("id"),
-                                     float(logprob) if logprob is not None else None, top))
+                out.append(TokenInfo(_opt_str(entry.get("token"), "logprobs.content"),
+                                     _opt_id(entry.get("id"), "logprobs.content"),
+                                     _logprob(logprob, "logprobs.content") if logprob is not None else None, top))
     elif "tokens" in lp:  # legacy completions
-        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
-        for tok, logprob, top in zip(lp["tokens"], lp.get("token_logprobs") or [None] * len(lp["tokens"]), tops):
-            entries = [(t, None, float(p)) for t, p in (top or {}).items()]
-            out.append(TokenInfo(tok, None, float(logprob) if logprob is not None else None, entries))
+        tokens = _list(lp["tokens"], "logprobs.tokens")
+        n = len(tokens)
+        values = _list(lp.get("token_logprobs"), "logprobs.token_logprobs") or [None] * n
+        tops = _list(lp.get("top_logprobs"), "logprobs.top_logprobs") or [None] * n
+        if len(values) != n or len(tops) != n:
+            raise ValueError(f"logprobs has {n} tokens but {len(values)} token_logprobs and {len(tops)} top_logprobs")
+        for tok, logprob, top in zip(tokens, values, tops):
+            if top is not None and not isinstance(top, dict):
+                raise ValueError(f"logprobs.top_logprobs entry is not an object: {str(top)[:80]}")
+            entries = [(_opt_str(t, "logprobs.top_logprobs"), None, _logprob(p, "logprobs.top_logprobs"))
+                       for t, p in (top or {}).items()]
+            out.append(TokenInfo(_opt_str(tok, "logprobs.tokens"), None,
+                                 _logprob(logprob, "logprobs.token_logprobs") if logprob is not None else None,
+                                 entries))
     else:
         raise ValueError(f"logprobs in an unknown form (keys {sorted(lp)[:5]})")
     return out
 
 
 def parse_chunk(event: Dict[str, Any], greedy: bool) -> Chunk:
-    """Text, tokens and finish reason of one streamed event or whole answer."""
+    """Text, tokens and finish reason of one streamed event or whole answer.
+
+    Raises:
+        ValueError: the event is not what the protocol says (any field of the
+            wrong type); never another exception, whatever the JSON holds.
+    """
+    if not isinstance(event, dict):
+        raise ValueError(f"an answer that is not a JSON object: {str(event)[:80]}")
     choices = event.get("choices")
     if not isinstance(choices, list):
         raise ValueError(f"an answer without 'choices': {json.dumps(event)[:120]}")
@@ -367,8 +241,11 @@ def parse_chunk(event: Dict[str, Any], greedy: bool) -> Chunk:
         text = choice.get("text") or ""
     if not isinstance(text, str):
         raise ValueError(f"content is not text: {str(text)[:80]}")
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise ValueError(f"finish_reason is not text: {str(finish)[:80]}")
     tokens = parse_logprobs(choice, greedy)
-    return Chunk(text, tokens, choice.get("finish_reason"), bool(tokens) or not text)
+    return Chunk(text, tokens, finish, bool(tokens) or not text)
 
 
 # -- a local mlx_lm.server (tests and scripts) ---------------------------------------------

@@ -28,6 +28,7 @@ in telemetry-only mode); ``variant`` is the gear of the variant that served it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -40,7 +41,9 @@ from ..classifier import classify_prompt
 from ..config import GEAR_INDEX, GEARS, GearboxConfig
 from ..entropy import EntropyMonitor, scaled_thresholds
 from .bounds import entropy_bounds
-from .openai_client import Chunk, HTTPStatusError, Request, TokenInfo, api_base, parse_chunk
+from .openai_client import Chunk, TokenInfo, api_base, parse_chunk
+from .trace import sigint_deferred
+from .transport import HTTPStatusError, Limits, Request, check_key_transport
 
 DEFAULT_TOP_K = 10  # within every server's cap (mlx-lm 11, OpenAI 20)
 
@@ -97,10 +100,9 @@ def vocab_size_of(variants: Dict[str, Variant], given: Optional[int]) -> Tuple[i
     for v in variants.values():
         cfg = Path(v.model).expanduser() / "config.json" if v.model else None
         if cfg is not None and cfg.is_file():
-            c = json.loads(cfg.read_text())
-            size = c.get("vocab_size") or c.get("text_config", {}).get("vocab_size")
+            size = _config_vocab(cfg)
             if size:
-                found[v.model] = int(size)
+                found[v.model] = size
     if not found or len(found) < len({v.model for v in variants.values()}):
         raise ValueError(
             "cannot tell the model's vocabulary size (the entropy bounds need it): "
@@ -109,6 +111,23 @@ def vocab_size_of(variants: Dict[str, Variant], given: Optional[int]) -> Tuple[i
     if len(set(found.values())) > 1:
         raise ValueError(f"the variants have different vocabularies {found}: route among one model family")
     return next(iter(found.values())), "model config.json"
+
+
+def _config_vocab(path: Path) -> Optional[int]:
+    """``vocab_size`` of a model's ``config.json`` (or its ``text_config``); None if absent."""
+    try:
+        c = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e} (pass --vocab-size N instead)") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{path} is not a JSON object (pass --vocab-size N instead)")
+    text = c.get("text_config")
+    size = c.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        raise ValueError(f"{path}: vocab_size {size!r} is not an integer >= 2 (pass --vocab-size N instead)")
+    return size
 
 
 @dataclass
@@ -149,6 +168,10 @@ class RemoteSession:
         stream: ``auto`` (stream; fall back to one JSON answer if the server
             streams no logprobs, as mlx-lm 0.32 does), ``on`` or ``off``.
         history: send earlier prompts and answers along (chat endpoint only).
+        connect_timeout, read_timeout, deadline: seconds to connect, without
+            progress, and for a whole answer (:class:`~.transport.Limits`).
+        api_key: sent as a bearer token; over plain http only to this machine
+            unless ``allow_plain_http_key``.
         on_token: called with each token record as it arrives.
         on_text: called with answer text whose tokens are not known one by one
             (mlx-lm without greedy decoding) and the gear in force.
@@ -170,6 +193,9 @@ class RemoteSession:
         connect_timeout: float = 5.0,
         read_timeout: float = 120.0,
         api_key: Optional[str] = None,
+        *,
+        deadline: float = Limits.deadline,
+        allow_plain_http_key: bool = False,
         on_token: Optional[Callable[[Dict[str, Any]], None]] = None,
         on_text: Optional[Callable[[str, str], None]] = None,
         say: Optional[Callable[[str], None]] = None,
@@ -178,6 +204,15 @@ class RemoteSession:
             raise ValueError(f"top_k must be in 1..20 (servers cap it; mlx-lm at 11), got {top_k}")
         if stream not in ("auto", "on", "off"):
             raise ValueError(f"stream must be auto, on or off, got {stream!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+        self.limits = Limits(connect_timeout=connect_timeout, idle_timeout=read_timeout, deadline=deadline)
+        if api_key:
+            for v in variants.values():
+                check_key_transport(v.url, allow_plain_http_key)
+        self.allow_plain_http_key = allow_plain_http_key
         self.variants = variants
         self.vocab_size = vocab_size
         self.config = config or GearboxConfig()
@@ -186,7 +221,6 @@ class RemoteSession:
         self.sampling = {"temperature": 0.0, **(sampling or {})}
         self.greedy = self.sampling["temperature"] == 0
         self.system_prompt, self.history = system_prompt, history
-        self.timeouts = (connect_timeout, read_timeout)
         self.api_key = api_key
         self.on_token = on_token or (lambda rec: None)
         self.on_text = on_text or (lambda text, gear: None)
@@ -227,17 +261,26 @@ class RemoteSession:
         self.say(f"prompt {res.index}: {variant.gear} variant ({variant.model or 'server default'} at "
                  f"{variant.url}); classifier {pc.gear} ({pc.score:.2f}), session {session or '-'}")
         tic = last = time.perf_counter()
-        for chunk, streamed in self._chunks(variant, prompt):
-            now = time.perf_counter()
-            res.streamed = streamed
-            res.finish_reason = chunk.finish_reason or res.finish_reason
-            res.text += chunk.text
-            # A chunk's time is spread over its tokens (a whole answer's, when not streamed).
-            for tok in chunk.tokens:
-                self._token(tok, res, (now - last) / len(chunk.tokens))
-            if chunk.text and not any(t.text is not None for t in chunk.tokens):
-                self.on_text(chunk.text, self.monitor.gear)  # token texts unknown: show the answer's
-            last = now if chunk.tokens else last
+        with contextlib.closing(self._chunks(variant, prompt)) as chunks:
+            for chunk, streamed in chunks:
+                now = time.perf_counter()
+                res.streamed = streamed
+                res.finish_reason = chunk.finish_reason or res.finish_reason
+                # The client's own cap: a server that streams past max_tokens is cut off.
+                room = self.max_tokens - res.tokens
+                tokens = chunk.tokens[:room]
+                res.text += chunk.text if len(tokens) == len(chunk.tokens) else "".join(t.text or "" for t in tokens)
+                # A chunk's time is spread over its tokens (a whole answer's, when not streamed).
+                for tok in tokens:
+                    self._token(tok, res, (now - last) / len(tokens))
+                if chunk.text and not any(t.text is not None for t in chunk.tokens):
+                    self.on_text(chunk.text, self.monitor.gear)  # token texts unknown: show the answer's
+                last = now if tokens else last
+                if len(chunk.tokens) > room:
+                    self.say(f"{variant.url} sent more than {self.max_tokens} tokens (--max-tokens): "
+                             "stopped reading its answer")
+                    res.finish_reason = "length"
+                    break
         res.seconds = time.perf_counter() - tic
         if res.entropies:
             self.session_monitor.push(statistics.fmean(res.entropies))
@@ -260,10 +303,11 @@ class RemoteSession:
             "predicted_entropy": step.predicted, "gear": gear, "variant": res.variant,
             "shift": prev is not None and gear != prev, "shift_seconds": 0.0, "step_seconds": seconds,
         }
-        self.records.append(rec)
-        res.tokens += 1
-        res.entropies.append(b.lower)
-        self.on_token(rec)
+        with sigint_deferred():  # recorded and traced together, whatever Ctrl-C does
+            self.records.append(rec)
+            res.tokens += 1
+            res.entropies.append(b.lower)
+            self.on_token(rec)
 
     # -- requests -----------------------------------------------------------------
     def _body(self, prompt: str, chat: bool, stream: bool, legacy_logprobs: bool) -> Dict[str, Any]:
@@ -286,7 +330,8 @@ class RemoteSession:
             if variant.model:
                 body["model"] = variant.model
             path = "/chat/completions" if chat else "/completions"
-            req = Request(variant.url + path, body, *self.timeouts, api_key=self.api_key)
+            req = Request(variant.url + path, body, self.limits, api_key=self.api_key, max_tokens=self.max_tokens,
+                          allow_plain_http_key=self.allow_plain_http_key)
             try:
                 return req.open()
             except HTTPStatusError as e:
@@ -304,24 +349,31 @@ class RemoteSession:
         mode = "off" if variant.url in self._no_stream_logprobs else self.stream
         if mode != "off":
             seen_tokens = False
-            for event in self._open(variant, prompt, stream=True).events():
-                chunk = parse_chunk(event, self.greedy)
-                if not chunk.has_logprobs:
-                    if mode == "on" or seen_tokens:
-                        raise ValueError(
-                            f"{variant.url} streamed text without logprobs: it does not stream "
-                            "them (mlx-lm 0.32 does not); use --stream off or auto"
-                        )
-                    self.say(f"{variant.url} streams no logprobs (as mlx-lm 0.32's server): "
-                             "asking again without streaming")
-                    self._no_stream_logprobs.add(variant.url)
-                    break
-                seen_tokens = seen_tokens or bool(chunk.tokens)
-                yield chunk, True
-            else:
-                return
+            with contextlib.closing(self._open(variant, prompt, stream=True).events()) as events:
+                for event in events:
+                    chunk = self._parse(event, variant)
+                    if not chunk.has_logprobs:
+                        if mode == "on" or seen_tokens:
+                            raise ValueError(
+                                f"{variant.url} streamed text without logprobs: it does not stream "
+                                "them (mlx-lm 0.32 does not); use --stream off or auto"
+                            )
+                        self.say(f"{variant.url} streams no logprobs (as mlx-lm 0.32's server): "
+                                 "asking again without streaming")
+                        self._no_stream_logprobs.add(variant.url)
+                        break
+                    seen_tokens = seen_tokens or bool(chunk.tokens)
+                    yield chunk, True
+                else:
+                    return
         answer = self._open(variant, prompt, stream=False).json()
-        yield parse_chunk(answer, self.greedy), False
+        yield self._parse(answer, variant), False
+
+    def _parse(self, event: Dict[str, Any], variant: Variant) -> Chunk:
+        try:
+            return parse_chunk(event, self.greedy)
+        except ValueError as e:
+            raise ValueError(f"malformed answer from {variant.url}: {e}") from None
 
     # -- telemetry --------------------------------------------------------------------
     def header(self) -> Dict[str, Any]:

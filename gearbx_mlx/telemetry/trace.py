@@ -1,21 +1,30 @@
 """Per-token telemetry as JSON Lines: one header, one record per token, one summary.
 
 Written incrementally and flushed after every record, so a run stopped with
-Ctrl-C leaves a valid trace whose summary says ``"interrupted": true``.
-:func:`read_trace` validates a trace and names the line of any fault.
+Ctrl-C leaves a valid trace whose summary says ``"interrupted": true``. The
+file never exists without its header: the header is written into a temporary
+file renamed over the trace, and may be written again (more fields known,
+e.g. after the model loaded) until the first token, each time atomically.
+SIGINT is held back while a header or the summary is written, so Ctrl-C
+cannot cut one in half. :func:`read_trace` validates a trace, every field's
+type included, and names the line of any fault.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import platform
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import IO, Any, Dict, Iterable, List, Optional
+from typing import IO, Any, Dict, Iterable, Iterator, List, Optional
 
 from ..config import GEARS
 from ..precision import managed_bytes
@@ -46,8 +55,25 @@ def _clean(x: Any) -> Any:
     return x
 
 
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT back for the duration (main thread, POSIX); it is delivered after."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class TraceWriter:
     """Writes a trace file record by record (flushed each time).
+
+    Nothing is created until the first record; a token or summary written
+    before any header gets a minimal header first, so every file this writer
+    leaves is a valid trace.
 
     Args:
         path: the ``.jsonl`` file; its directory must exist.
@@ -57,32 +83,73 @@ class TraceWriter:
         path = Path(path)
         if not path.parent.is_dir():
             raise FileNotFoundError(f"trace directory does not exist: {path.parent}")
+        if path.is_dir():
+            raise ValueError(f"trace path {path} is a directory: give a file name")
         self.path = path
-        self._f: Optional[IO[str]] = open(path, "w", encoding="utf-8")
+        self._f: Optional[IO[str]] = None
+        self._fields: Dict[str, Any] = {}
+        self._start: Optional[str] = None
+        self._closed = False
         self.tokens = 0
+        self.summarized = False
+
+    @staticmethod
+    def _line(record: Dict[str, Any]) -> str:
+        return json.dumps({k: _clean(v) for k, v in record.items()}, ensure_ascii=False) + "\n"
 
     def _write(self, record: Dict[str, Any]) -> None:
-        if self._f is None:
+        if self._closed:
             raise ValueError(f"trace {self.path} is closed")
-        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}, ensure_ascii=False) + "\n")
+        if self._f is None:
+            self.header()
+        assert self._f is not None
+        self._f.write(self._line(record))
         self._f.flush()
 
     def header(self, **fields: Any) -> None:
-        self._write({"type": "header", "format": FORMAT, "version": VERSION,
-                     "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                     "versions": versions(), **fields})
+        """Write (or, before the first token, rewrite) the header with ``fields``
+        added to those given before."""
+        if self._closed:
+            raise ValueError(f"trace {self.path} is closed")
+        if self.tokens or self.summarized:
+            raise ValueError(f"trace {self.path}: the header must come before the first token")
+        self._fields.update(fields)
+        self._start = self._start or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        line = self._line({"type": "header", "format": FORMAT, "version": VERSION, "start_time": self._start,
+                           "versions": versions(), **self._fields})
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with sigint_deferred():
+            f = open(tmp, "w", encoding="utf-8")
+            try:
+                f.write(line)
+                f.flush()
+                os.replace(tmp, self.path)
+            except BaseException:
+                f.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            old, self._f = self._f, f
+            if old is not None:
+                old.close()
 
     def token(self, **fields: Any) -> None:
         self._write({"type": "token", **fields})
         self.tokens += 1
 
     def summary(self, **fields: Any) -> None:
-        self._write({"type": "summary", **fields})
+        """Write the summary (once)."""
+        if self.summarized:
+            raise ValueError(f"trace {self.path} already has its summary")
+        with sigint_deferred():
+            self._write({"type": "summary", **fields})
+            self.summarized = True
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        self._closed = True
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -105,10 +172,23 @@ def token_record(resp: Any) -> Dict[str, Any]:
         "shift": bool(resp.shifted),
         "shift_seconds": resp.shift_seconds,
         "step_seconds": resp.step_seconds,
+        "nonfinite": bool(getattr(resp, "nonfinite", False)),
     }
 
 
-def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str, Any]:
+def empty_summary(
+    interrupted: bool = False, error: Optional[str] = None, stage: Optional[str] = None
+) -> Dict[str, Any]:
+    """Summary of a run that produced no token (stopped while loading, calibrating, in the prefill)."""
+    return {
+        "interrupted": interrupted, "error": error, "stage": stage, "finish_reason": None,
+        "prompt_tokens": 0, "prompt_tps": 0.0, "generation_tokens": 0, "generation_tps": 0.0,
+        "peak_memory_gb": 0.0, "tokens_per_gear": {g: 0 for g in GEARS}, "shifts": 0, "mean_entropy": None,
+        "nonfinite_steps": 0,
+    }
+
+
+def run_summary(session: Any, last: Any, interrupted: bool = False, error: Optional[str] = None) -> Dict[str, Any]:
     """Summary of a generation from its routing session and last response."""
     recs = [r for r in session.records if r.committed][: (last.generation_tokens if last else 0)]
     ents = [r.entropy for r in recs]
@@ -126,6 +206,7 @@ def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str,
     gen_tokens, gen_tps = getattr(last, "generation_tokens", 0), getattr(last, "generation_tps", 0.0)
     return {
         "interrupted": interrupted,
+        "error": error,
         "finish_reason": getattr(last, "finish_reason", None),
         "prompt_tokens": prompt_tokens,
         "prompt_tps": prompt_tps,
@@ -139,6 +220,7 @@ def run_summary(session: Any, last: Any, interrupted: bool = False) -> Dict[str,
         "tokens_per_gear": counts,
         "shifts": sum(1 for r in recs if r.shifted),
         "mean_entropy": statistics.fmean(ents) if ents else None,
+        "nonfinite_steps": sum(1 for r in recs if getattr(r, "nonfinite", False)),
         "quantize_seconds": session.quantize_seconds,
         "swap_seconds": session.shift_seconds,
         "telemetry_only": mgr.telemetry_only,
@@ -181,13 +263,21 @@ class Trace:
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Read and validate a trace; raise :class:`TraceError` naming the bad line."""
+    """Read and validate a trace; raise :class:`TraceError` naming the bad line.
+
+    Every field a reader uses is type-checked (a number where a number
+    belongs, a gear name, a bool), so a hand-edited or foreign file fails
+    here, with its line, rather than somewhere in an analysis.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace not found: {path}")
     header, tokens, summary = None, [], None
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text (byte {e.start}): not a gearbx trace") from None
     if lines and lines[-1] == "":
         lines.pop()
     for no, line in enumerate(lines, 1):
@@ -197,6 +287,8 @@ def read_trace(path: str | Path) -> Trace:
         except json.JSONDecodeError as e:
             kind = "truncated" if no == len(lines) else "not JSON"
             raise TraceError(f"{where}: {kind} ({e.msg})") from None
+        except RecursionError:
+            raise TraceError(f"{where}: nested too deeply to be a trace record") from None
         if not isinstance(rec, dict) or "type" not in rec:
             raise TraceError(f"{where}: not a trace record (no 'type')")
         t = rec["type"]
@@ -207,12 +299,16 @@ def read_trace(path: str | Path) -> Trace:
                 raise TraceError(
                     f"{where}: trace version {rec.get('version')!r}, this gearbx_mlx reads {VERSION}"
                 )
+            _check_header(rec, where)
             header = rec
         elif t == "token":
             _check_token(rec, where, header)
             tokens.append(rec)
         elif t == "summary":
+            _check_fields(rec, where, _SUMMARY_FIELDS)
             summary = rec
+        elif t == "header":
+            raise TraceError(f"{where}: a second header (two traces written into one file?)")
         else:
             raise TraceError(f"{where}: unknown record type {t!r}")
     if header is None:
@@ -220,12 +316,63 @@ def read_trace(path: str | Path) -> Trace:
     return Trace(path, header, tokens, summary)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: What a field must be when present (None is always allowed: JSON's null for NaN).
+_KINDS = {
+    "number": (_is_number, "a number"),
+    "int": (_is_int, "an integer"),
+    "str": (lambda v: isinstance(v, str), "text"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "gear": (lambda v: v in GEARS, f"a gear ({', '.join(GEARS)})"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+}
+_HEADER_FIELDS = {
+    "vocab_size": "int", "model": "str", "label": "str", "source": "str", "top_k": "int",
+    "entropy_is_lower_bound": "bool", "telemetry_only": "bool", "thresholds": "object",
+}
+_TOKEN_FIELDS = {
+    "index": "int", "token": "int", "text": "str", "entropy": "number", "smoothed_entropy": "number",
+    "predicted_entropy": "number", "gear": "gear", "shift": "bool", "shift_seconds": "number",
+    "step_seconds": "number", "entropy_upper": "number", "logprob": "number", "residual_mass": "number",
+    "prompt": "int", "variant": "gear", "nonfinite": "bool",
+}
+_SUMMARY_FIELDS = {
+    "interrupted": "bool", "error": "str", "generation_tokens": "int", "tokens_per_gear": "object",
+    "mean_entropy": "number", "nonfinite_steps": "int",
+}
+
+
+def _check_fields(rec: Dict[str, Any], where: str, fields: Dict[str, str]) -> None:
+    for name, kind in fields.items():
+        v = rec.get(name)
+        test, want = _KINDS[kind]
+        if v is not None and not test(v):
+            raise TraceError(f"{where}: field {name!r} must be {want}, got {json.dumps(v)[:60]}")
+        if kind == "number" and v is not None and not math.isfinite(v):
+            raise TraceError(f"{where}: field {name!r} must be finite (write null for NaN), got {v}")
+
+
+def _check_header(rec: Dict[str, Any], where: str) -> None:
+    _check_fields(rec, where, _HEADER_FIELDS)
+    v = rec.get("vocab_size")
+    if v is not None and v < 2:
+        raise TraceError(f"{where}: vocab_size must be >= 2, got {v}")
+
+
 def _check_token(rec: Dict[str, Any], where: str, header: Optional[Dict[str, Any]]) -> None:
     missing = [k for k in ("index", "entropy", "gear", "shift") if k not in rec]
     if missing:
         raise TraceError(f"{where}: token record lacks {missing}")
     if rec["gear"] not in GEARS:
-        raise TraceError(f"{where}: unknown gear {rec['gear']!r}")
+        raise TraceError(f"{where}: unknown gear {json.dumps(rec['gear'])[:40]}")
+    _check_fields(rec, where, _TOKEN_FIELDS)
     h = rec["entropy"]
     vmax = math.log2(header["vocab_size"]) if header and header.get("vocab_size") else math.inf
     if h is not None and not (0 <= h <= vmax + 1e-6):

