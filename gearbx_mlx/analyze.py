@@ -9,8 +9,9 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .plots import plot_all, require_matplotlib
+from .plotting import require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
+from .telemetry.plots import plot_all
 from .telemetry.trace import TraceError
 
 

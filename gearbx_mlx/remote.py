@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .config import ANSI_RESET, GEAR_ANSI, GearboxConfig
-from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, vocab_size_of
+from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, resolve_vocab_size
 from .telemetry.trace import TraceWriter
 
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         low, high = args.thresholds
         raise ValueError(f"thresholds are in the wrong order: LOW={low} must be below HIGH={high}")
     variants = parse_variants(args.variant)
-    vocab, vocab_source = vocab_size_of(variants, args.vocab_size)
+    vocab, vocab_source = resolve_vocab_size(variants, args.vocab_size)
     prompts = _prompts(args)
     config = GearboxConfig(window=args.window, hysteresis=args.hysteresis, min_gear_duration=args.min_gear_duration)
     sampling = {"temperature": args.temp}

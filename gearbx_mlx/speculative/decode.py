@@ -62,7 +62,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..config import SCOPES
 from ..entropy import EntropyMonitor, MonitorStep, entropy_bits_np
 from ..gearbox import Gearbox
-from ..generation import GearboxResponse, encode_prompt
+from ..generation import GearboxResponse, collect_text, encode_prompt
 from .acceptance import accept_block, make_log_dist
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
@@ -457,14 +457,7 @@ def speculative_generate(
 
     ``kwargs`` go to :func:`stream_speculative_generate`.
     """
-    text = ""
-    for resp in stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs):
-        text += resp.text
-        if verbose:
-            print(resp.text, end="", flush=True)
-    if verbose:
-        print()
-    return text
+    return collect_text(stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs), verbose)
 
 
 def speculative_summary(last: Optional[SpeculativeResponse], interrupted: bool = False) -> Dict[str, Any]:
