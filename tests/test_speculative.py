@@ -13,6 +13,7 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.entropy import EntropyMonitor
 from gearbx_mlx.gearbox import Gearbox
@@ -381,7 +382,7 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
 
     model, tok, _ = default_model
     text = "List three colours of the rainbow."
-    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    prompt = apply_chat_template(tok, text)
     want = mlx_generate(model, tok, prompt, max_tokens=16)
     trace = tmp_path / "t.jsonl"
     p = subprocess.run([sys.executable, "-m", "gearbx_mlx.generate", "--prompt", text, "--max-tokens", "16",
@@ -513,8 +514,7 @@ def test_sampling_through_a_host_cache(tiny_host):
 def test_numpy_entropy_matches_entropy_bits():
     import numpy as np
 
-    from gearbx_mlx.entropy import entropy_bits
-    from gearbx_mlx.entropy import entropy_bits_np
+    from gearbx_mlx.entropy import entropy_bits, entropy_bits_np
 
     rng = np.random.default_rng(0)
     for scale in (0.1, 3.0, 30.0):
