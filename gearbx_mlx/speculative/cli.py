@@ -60,10 +60,11 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    help="draft with a quantized gear, verify every token with the high gear. 'auto' (the "
                         "default): first time a draft step and a verify against a high-gear step on the prompt, "
                         "and decode plainly in the high gear where the modeled speed-up is below "
-                        f"{MIN_MODELED_SPEEDUP}x; 'force': draft anyway. The fast drafter (a numpy decode step "
-                        "around the C kernels, no MLX graph) applies to greedy decoding of mlx-lm llama models "
-                        "in float32 on the CPU with --kernel packed (the default there); elsewhere drafts go "
-                        "through the MLX module tree. The summary and the trace say which path ran and why")
+                        f"{MIN_MODELED_SPEEDUP:g}x (drafting would be slower); 'force': draft anyway. The fast "
+                        "drafter (a numpy decode step around the C kernels, no MLX graph) applies to greedy "
+                        "decoding of mlx-lm llama models in float32 on the CPU with --kernel packed (the "
+                        "default there); elsewhere drafts go through the MLX module tree. The summary and the "
+                        "trace say which path ran and why")
     g.add_argument("--draft-gear", choices=DRAFT_GEARS, default=d.draft_gear,
                    help="gear that drafts: low (4-bit) or mid (8-bit)")
     g.add_argument("--max-draft", type=_positive_int, default=None, metavar="N",
@@ -150,7 +151,10 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
         f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.3f} tokens-per-sec",
         f"Peak memory: {s['peak_memory_gb']:.3f} GB",
         f"Speculative: {s['draft_gear']} gear drafts ({s['draft_bits']}-bit, scope {s['draft_scope']}), "
-        f"high verifies; max draft {config.max_draft}, entropy stop {stop}",
+        f"high verifies; max draft {config.max_draft}, entropy stop {stop}"
+        if (s.get("drafter") or {}).get("path") != "none" else
+        f"Speculative: no drafts, the high gear decoded alone (the {s['draft_gear']} gear, "
+        f"{s['draft_bits']}-bit, would have drafted)",
         _drafter_line(s.get("drafter") or {}),
         f"Blocks: {s['blocks']}; drafted {s['drafted']}, accepted {s['accepted']} "
         f"(acceptance {'n/a' if rate is None else f'{100 * rate:.1f}%'}); "
