@@ -10,8 +10,9 @@ import sys
 from typing import Optional, Sequence
 
 from .console import error_line
+from .plotting import require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
-from .telemetry.plots import plot_all, require_matplotlib
+from .telemetry.plots import plot_all
 from .telemetry.trace import TraceError
 
 

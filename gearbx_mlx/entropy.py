@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Deque, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .config import GEAR_INDEX, GEARS, GearboxConfig
 
@@ -47,6 +48,22 @@ def entropy_bits(logits: mx.array) -> mx.array:
     logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
     h = -mx.sum(mx.exp(logp) * logp, axis=-1) / LN2
     return mx.clip(h, 0.0, math.log2(logits.shape[-1]))
+
+
+def entropy_bits_np(z: np.ndarray) -> float:
+    """:func:`entropy_bits` of one ``(V,)`` float32 numpy vector, on the host.
+
+    For logits already in host memory (the speculative verify reads k+1 rows
+    at once; the host drafter's logits never leave numpy): MLX's CPU exp over
+    those rows cost more than this.
+    """
+    if not np.isfinite(z).all():
+        z = np.nan_to_num(z, nan=NAN_GUARD[0], posinf=NAN_GUARD[1], neginf=NAN_GUARD[2])
+    zm = z - z.max()
+    e = np.exp(zm)
+    s = float(e.sum())
+    h = (math.log(s) - float(np.dot(e, zm)) / s) / math.log(2.0)
+    return min(max(h, 0.0), math.log2(z.size))
 
 
 def scaled_thresholds(config: GearboxConfig, vocab_size: int) -> Tuple[float, float]:

@@ -31,9 +31,10 @@ from .evaluation.harness import (
     evaluate,
     read_text,
 )
-from .evaluation.plots import make_all, require_matplotlib
+from .evaluation.plots import make_all
 from .evaluation.teacher import stderr_progress
 from .generation import load
+from .plotting import require_matplotlib
 from .telemetry.trace import versions
 
 # -- CLI ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -278,8 +278,13 @@ def generate(
     **kwargs: Any,
 ) -> str:
     """Generate a complete response; with ``verbose``, stream it to stdout."""
+    return collect_text(stream_generate(model, tokenizer, prompt, gearbox, **kwargs), verbose)
+
+
+def collect_text(responses: Iterable[GenerationResponse], verbose: bool = False) -> str:
+    """The text of a stream of responses; with ``verbose``, printed to stdout as it streams."""
     text = ""
-    for resp in stream_generate(model, tokenizer, prompt, gearbox, **kwargs):
+    for resp in responses:
         text += resp.text
         if verbose:
             print(resp.text, end="", flush=True)

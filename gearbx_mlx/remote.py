@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .config import ANSI_RESET, GEAR_ANSI, GearboxConfig
 from .console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
-from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, vocab_size_of
+from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, resolve_vocab_size
 from .telemetry.trace import TraceWriter
 from .telemetry.transport import Limits
 
@@ -105,7 +105,7 @@ def _check_thresholds(thresholds: Optional[Sequence[float]], vocab: int) -> None
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     variants = parse_variants(args.variant)
-    vocab, vocab_source = vocab_size_of(variants, args.vocab_size)
+    vocab, vocab_source = resolve_vocab_size(variants, args.vocab_size)
     _check_thresholds(args.thresholds, vocab)
     prompts = _prompts(args)
     config = GearboxConfig(window=args.window, hysteresis=args.hysteresis, min_gear_duration=args.min_gear_duration)

@@ -123,7 +123,7 @@ def llc_bytes() -> int:
 
 
 def bench_bandwidth(cold_bytes: int, seconds: float) -> Dict[str, Any]:
-    ext = cpu._require()
+    ext = cpu.require()
     buf = np.ones(cold_bytes, dtype=np.uint8)  # written once: pages are real
     ptr = ext.ffi.from_buffer(buf)
     n = cold_bytes // PIECE
@@ -142,7 +142,7 @@ def _pack_int4(q: np.ndarray) -> np.ndarray:
 
 
 def bench_gemv(shape: tuple, cold_bytes: int, seconds: float, rng: np.random.Generator) -> List[Dict[str, Any]]:
-    ext = cpu._require()
+    ext = cpu.require()
     ffi, lib = ext.ffi, ext.lib
     o, i = shape
     x = rng.standard_normal(i).astype(np.float32)

@@ -47,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
+from gearbx_mlx.speculative.calibration import modeled_speedup  # noqa: E402
+
 PROMPTS = (
     "Explain in one paragraph why the sky is blue.",
     "Write the days of the week in order, separated by commas.",
@@ -67,14 +69,6 @@ SHAPES: Dict[str, Dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                       tie_word_embeddings=False, rope_theta=500000.0),
 }
-
-
-def modeled_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
-    """Expected tokens per block over its cost in high-gear steps."""
-    if k == 0:
-        return 1.0 / v
-    tokens = float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + v)
 
 
 def machine() -> Dict[str, Any]:

@@ -22,6 +22,7 @@ from mlx_lm import generate, load
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_default_model import RESULTS  # noqa: E402
 
+from gearbx_mlx.chat import apply_chat_template  # noqa: E402
 from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity  # noqa: E402
 from gearbx_mlx.sources.models import corpus_path, resolve_model  # noqa: E402
 
@@ -35,9 +36,7 @@ def main() -> None:
     rows = []
     for name in args.models:
         model, tok = load(resolve_model(name))
-        chat = tok.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
-        )
+        chat = apply_chat_template(tok, "What is the capital of France?")
         answer = generate(model, tok, chat, max_tokens=30)
         ids = tok.encode(corpus_path().read_text())[: args.tokens + 1]
         tic = time.perf_counter()

@@ -21,6 +21,7 @@ import numpy as np
 from mlx_lm import load
 
 from gearbx_mlx import remote
+from gearbx_mlx.chat import encode_chat
 from gearbx_mlx.entropy import entropy_bits
 from gearbx_mlx.sources.models import default_model_path
 from gearbx_mlx.telemetry.openai_client import local_mlx_server
@@ -47,7 +48,7 @@ def main() -> None:
                                          stream="off", say=lambda m: None)
                 s.ask(p)
                 ids = [r["token"] for r in s.records]
-                pre = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                pre = encode_chat(tok, p)
                 h += entropy_bits(model(mx.array(pre + ids[:-1])[None])[0, len(pre) - 1:]).tolist()
                 lo += [r["entropy"] for r in s.records]
                 up += [r["entropy_upper"] for r in s.records]

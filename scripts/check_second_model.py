@@ -45,6 +45,7 @@ def main() -> int:
     from mlx_lm import generate
 
     import gearbx_mlx
+    from gearbx_mlx.chat import apply_chat_template
     from gearbx_mlx.config import GearboxConfig
     from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
     from gearbx_mlx.sources.models import corpus_path, resolve_model
@@ -54,7 +55,7 @@ def main() -> int:
     model, tok, gb = gearbx_mlx.load(path, config=GearboxConfig(scope="all"))
     answers = []
     for q in PROMPTS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompt = apply_chat_template(tok, q)
         tic = time.perf_counter()
         text = generate(model, tok, prompt, max_tokens=args.max_tokens)
         answers.append({"prompt": q, "greedy": text, "seconds": time.perf_counter() - tic})

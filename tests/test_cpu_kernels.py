@@ -104,7 +104,7 @@ def abs_terms(q: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
 def ext():
     if not cpu.available():
         pytest.skip("C extension not built: `pip install -e .` or `python gearbx_mlx/_cpu_build.py`")
-    return cpu._require()
+    return cpu.require()
 
 
 @pytest.fixture(params=[0, 1, 2], ids=["best-isa", "plain-avx2", "no-avx512vnni"])
@@ -330,9 +330,15 @@ def test_info(ext) -> None:
     assert cpu.set_threads(None) == os.cpu_count() or os.cpu_count() > 64
 
 
-def test_missing_extension_warns_once_and_reports_unavailable(monkeypatch) -> None:
-    monkeypatch.setattr(cpu, "_ext", None)
-    monkeypatch.setattr(cpu, "_load_error", None)
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """The library not loaded yet; loaded afresh after the test (teardown runs before monkeypatch's)."""
+    cpu.reset()
+    yield
+    cpu.reset()
+
+
+def test_missing_extension_warns_once_and_reports_unavailable(monkeypatch, fresh_loader) -> None:
     monkeypatch.setitem(sys.modules, "gearbx_mlx.packed._gearbx_cpu", None)  # import raises ImportError
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

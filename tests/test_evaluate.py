@@ -26,10 +26,10 @@ from gearbx_mlx.evaluation.harness import evaluate, text_tokens
 from gearbx_mlx.evaluation.specs import (
     ModelLayout,
     PolicySpec,
-    _mixed_4_6_rule,
     base_specs,
     format_bytes_per_param,
     matched_specs,
+    mixed_4_6_rule,
 )
 from gearbx_mlx.evaluation.speculative import (
     FIXED_BLOCKS,
@@ -131,7 +131,7 @@ def test_mixed_recipe_comes_from_mlx_lm():
     assert layout.mixed_bits["model.layers.2.self_attn.v_proj"] == 4  # (2 - 1) % 3 != 2
     assert layout.mixed_bits["model.layers.3.self_attn.v_proj"] == 6  # (3 - 1) % 3 == 2
     # The fallback reproduction of the rule agrees with mlx-lm on every path.
-    rule = _mixed_4_6_rule(8, 64)
+    rule = mixed_4_6_rule(8, 64)
     modules = dict(model.named_modules())
     assert {p: rule(p, modules[p])["bits"] for p in layout.paths} == layout.mixed_bits
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.telemetry.trace import read_trace
 
 PROMPT = "List three colours of the rainbow."
@@ -49,7 +50,7 @@ def test_static_high_matches_plain_mlx_lm(default_model):
     from mlx_lm import generate as mlx_generate
 
     model, tok, _ = default_model
-    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    prompt = apply_chat_template(tok, PROMPT)
     want = mlx_generate(model, tok, prompt, max_tokens=20)
     p = cli("--prompt", PROMPT, "--max-tokens", "20", "--static-gear", "high", "--quiet")
     assert p.returncode == 0, p.stderr

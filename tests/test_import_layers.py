@@ -30,7 +30,8 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
                                              "speculative.acceptance", "speculative.draft", "speculative.host",
                                              "speculative.calibration", "speculative.*")),
     ("command lines, evaluation and telemetry", (
-        "", "speculative.cli", "console", "generate", "evaluate", "analyze", "remote", "selftest", "bench",
+        "", "speculative.cli", "console", "plotting", "generate", "evaluate", "analyze", "remote", "selftest",
+        "bench",
         "evaluation", "evaluation.*", "telemetry", "telemetry.*",
     )),
 )

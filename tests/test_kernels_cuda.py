@@ -114,7 +114,7 @@ def test_kernel_names_differ_by_source_text(tmp_path):
     shutil.copytree(kernels.source_dir(), copy)
     a = kernels.kernel_sources("cuda", False, copy)
     (copy / "gemv_body.inc").write_text((copy / "gemv_body.inc").read_text() + "\n// edit\n")
-    kernels._read.cache_clear()
+    kernels.read_source.cache_clear()
     b = kernels.kernel_sources("cuda", False, copy)
     assert a != b
 
@@ -162,7 +162,7 @@ def _mma_host_kernels(first_case: int) -> Tuple[List[str], List[str]]:
         params += [f"const {t}* bias"] if bias else []
         params += [f"{t}* {name}" for name in kernels.output_names(len(splits) + 1)]
         _, body = kernels.kernel_sources("cuda", bias, mma=True, n_out=len(splits) + 1)
-        body = body.replace(kernels._read(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
+        body = body.replace(kernels.read_source(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
         consts = "".join(f"  constexpr int OUT{k + 1} = {b};\n" for k, b in enumerate(splits))
         parts.append(
             f"void kernel_{i}({', '.join(params)}) {{\n"
@@ -195,7 +195,7 @@ def _host_unit() -> str:
         params += [f"const {t}* bias"] if bias else []
         params += [f"{t}* y"]
         _, body = kernels.kernel_sources("cuda", bias)
-        body = body.replace(kernels._read(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
+        body = body.replace(kernels.read_source(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
         parts.append(
             f"void kernel_{i}({', '.join(params)}) {{\n"
             f"  using T = {t};\n  constexpr int BITS = {bits};\n"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
 from gearbx_mlx.sources import models
 from gearbx_mlx.sources.gguf import convert_gguf, unpermute_qk
@@ -104,9 +105,7 @@ def test_default_model_chat_answer_is_coherent(default_model):
     from mlx_lm import generate
 
     model, tok, _ = default_model
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
-    )
+    prompt = apply_chat_template(tok, "What is the capital of France?")
     assert "Paris" in generate(model, tok, prompt, max_tokens=20)
 
 
@@ -389,7 +388,7 @@ def test_qwen2_tokenizer_from_gguf_metadata(tmp_path):
     _, tok = load(str(convert_gguf(tmp_path / "t.gguf", tmp_path / "m", dtype="float32")))
     text = "Hello the 2024<|im_end|><tool_call>"
     ids = tok.encode(text)
-    pieces = [tok._tokenizer.convert_ids_to_tokens(i) for i in ids]
+    pieces = [tok.convert_ids_to_tokens(i) for i in ids]
     # Merges apply, every digit is its own token, special and user tokens stay whole.
     assert pieces == ["Hell", "o", "Ġthe", "Ġ", "2", "0", "2", "4", "<|im_end|>", "<tool_call>"]
     assert tok.decode(ids) == text

@@ -88,7 +88,7 @@ def fake_gpu(monkeypatch):
         pytest.skip("a real CUDA GPU is present: the real twin runs instead")
     calls = []
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "_build",
+    monkeypatch.setattr(kernels, "build_kernel",
                         lambda backend, name, has_bias, consts, mma=False, n_out=1:
                         FakeKernel(name, has_bias, consts, calls))
     kernels.launcher.cache_clear()
@@ -253,18 +253,18 @@ def test_dequant_cache_reuses_and_invalidates():
     layer = PackedLinear.from_linear(lin, 4, 32, dequant_cache=True)
     x = mx.random.normal((2, 96)).astype(mx.bfloat16)
     y = layer(x)
-    cached = layer._rt.weight
+    cached = layer.runtime.weight
     assert cached is not None and cached.dtype == mx.bfloat16
     layer(x)
-    assert layer._rt.weight is cached  # reused
+    assert layer.runtime.weight is cached  # reused
     ref = quant.reference_matmul(x, layer.weight, layer.scales, bits=4, group_size=32,
                                  in_features=96, bias=lin.bias)
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32)),
                                rtol=CACHE_RTOL[mx.bfloat16], atol=0.05)
     layer(x.astype(mx.float32))
-    assert layer._rt.weight.dtype == mx.float32  # rebuilt for the new dtype
+    assert layer.runtime.weight.dtype == mx.float32  # rebuilt for the new dtype
     layer.clear_cache()
-    assert layer._rt.weight is None
+    assert layer.runtime.weight is None
 
 
 # -- embeddings and a tied-embedding model ---------------------------------------------

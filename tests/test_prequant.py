@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.sources import prequant
 from gearbx_mlx.sources.gguf import GGUF_GROUP, unpermute_qk
 
@@ -106,9 +107,7 @@ def test_prequantized_chat_answer_is_coherent(q4_model):
     from mlx_lm import generate
 
     model, tok, _ = q4_model
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
-    )
+    prompt = apply_chat_template(tok, "What is the capital of France?")
     assert "Paris" in generate(model, tok, prompt, max_tokens=12)
 
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gearbx_mlx import remote
+from gearbx_mlx.chat import encode_chat
 from gearbx_mlx.telemetry import remote as remote_lib
 from gearbx_mlx.telemetry.bounds import entropy_bounds, max_slack
 from gearbx_mlx.telemetry.openai_client import api_base, free_port, local_mlx_server, parse_chunk, piece_text
@@ -235,7 +236,7 @@ def test_bounds_hold_against_a_real_server(mlx_server, default_model, tmp_path):
 
     # Teacher-force the server's greedy tokens through the same model here.
     model, tok, _ = default_model
-    prefix = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    prefix = encode_chat(tok, prompt)
     logits = model(mx.array(prefix + ids[:-1])[None])[0, len(prefix) - 1:]
     exact = entropy_bits(logits).tolist()
     assert mx.argmax(logits, axis=-1).tolist() == ids  # the same greedy continuation

@@ -13,6 +13,7 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.entropy import EntropyMonitor
 from gearbx_mlx.gearbox import Gearbox
@@ -381,7 +382,7 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
 
     model, tok, _ = default_model
     text = "List three colours of the rainbow."
-    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    prompt = apply_chat_template(tok, text)
     want = mlx_generate(model, tok, prompt, max_tokens=16)
     trace = tmp_path / "t.jsonl"
     p = subprocess.run([sys.executable, "-m", "gearbx_mlx.generate", "--prompt", text, "--max-tokens", "16",
@@ -439,7 +440,7 @@ def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
     np.testing.assert_allclose(many, a, atol=1e-5, rtol=1e-5)
     assert all(c.offset == len(seq) for c in hc)
     # A long input goes through the MLX tree once; the host cache continues from it.
-    from gearbx_mlx import draft as draft_mod
+    from gearbx_mlx.speculative import draft as draft_mod
 
     monkeypatch.setattr(draft_mod, "HOST_PREFILL_MAX", 4)
     pc = d.make_cache()
@@ -513,8 +514,7 @@ def test_sampling_through_a_host_cache(tiny_host):
 def test_numpy_entropy_matches_entropy_bits():
     import numpy as np
 
-    from gearbx_mlx.entropy import entropy_bits
-    from gearbx_mlx.speculative.decode import entropy_bits_np
+    from gearbx_mlx.entropy import entropy_bits, entropy_bits_np
 
     rng = np.random.default_rng(0)
     for scale in (0.1, 3.0, 30.0):
@@ -547,3 +547,22 @@ def test_greedy_identical_on_the_default_model_with_the_host_drafter(default_mod
             accepted += r.accepted
         assert got == want[: len(got)], text
     assert accepted > 0
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["mlx-tree", "host-step"])
+def test_a_drafter_equal_to_the_high_gear_has_every_draft_accepted(host):
+    """Every draft of the high gear's own weights is accepted, block after block:
+    the drafter's context is rolled back to exactly the emitted tokens (a gap
+    or a repeat after a fully accepted block would make drafts diverge)."""
+    from gearbx_mlx.speculative.draft import DraftModel, attach_host
+
+    model = chaotic_llama()
+    same = DraftModel(model, "low", 32, "all", [], kernel="packed" if host else "mlx")
+    if host:
+        _host_or_skip(model, Gearbox(model, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB))
+        attach_host(same, True)
+    stats = SpeculativeStats()
+    got = run(model, same, SpeculativeConfig(max_draft=4), 30, stats=stats, single_token_drafts=True)
+    assert got == greedy_reference(model, PROMPT, 30)
+    assert stats.drafter["path"] == ("host" if host else "mlx")
+    assert stats.accepted == stats.drafted == 24  # 6 blocks of 4 drafts and a bonus each

@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..plotting import require_matplotlib
+
 GEAR_COLORS = {"low": "#4caf50", "mid": "#ffb300", "high": "#e53935"}
 KIND_MARKERS = {"static": "s", "entropy": "o", "mixed": "D", "position": "^", "random": "x"}
 SCOPE_COLORS = {"attention": "#1e88e5", "all": "#8e24aa"}
@@ -22,21 +24,6 @@ SCOPE_COLORS = {"attention": "#1e88e5", "all": "#8e24aa"}
 KL_FLOOR = 1e-5
 #: Speculative rows (quality exact by construction), coloured by drafter gear.
 SPECULATIVE_MARKER = "*"
-
-
-def require_matplotlib():
-    """Import matplotlib with a headless backend, or say how to get it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError(
-            "figures need matplotlib: pip install 'gearbx-mlx[plot]' (or pip install matplotlib), "
-            "or leave out --plots"
-        ) from None
-    return plt
 
 
 def pareto(results: Dict[str, Any], path: Path) -> Path:

@@ -134,7 +134,7 @@ def mixed_recipe_bits(model: nn.Module, paths: Sequence[str], group_size: int) -
         )
         source = "mlx_lm.convert.mixed_quant_predicate_builder('mixed_4_6')"
     except ImportError:
-        predicate = _mixed_4_6_rule(len(model.layers), group_size)
+        predicate = mixed_4_6_rule(len(model.layers), group_size)
         source = "gearbx_mlx reproduction of mlx-lm's mixed_4_6 rule (mlx_lm.convert not importable)"
     out = {}
     for p in paths:
@@ -143,7 +143,7 @@ def mixed_recipe_bits(model: nn.Module, paths: Sequence[str], group_size: int) -
     return out, source
 
 
-def _mixed_4_6_rule(num_layers: int, group_size: int) -> Callable[[str, nn.Module], Dict[str, int]]:
+def mixed_4_6_rule(num_layers: int, group_size: int) -> Callable[[str, nn.Module], Dict[str, int]]:
     def rule(path: str, module: nn.Module) -> Dict[str, int]:
         parts = path.split(".")
         index = next((int(p) for p in parts if p.isdigit()), 0)

@@ -48,6 +48,7 @@ from ..speculative.calibration import (
     auc,
     calibrate_draft_stop,
     measure_costs,
+    modeled_speedup,
     replay_blocks,
 )
 from ..speculative.decode import SpeculativeConfig
@@ -150,8 +151,7 @@ def replay(
 
 def formula_speedup(alpha: float, k: int, cost: float) -> float:
     """The expected speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)) (i.i.d. acceptance, verify = 1 step)."""
-    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * cost + 1)
+    return modeled_speedup(alpha, k, cost)
 
 
 def measure_drafters(

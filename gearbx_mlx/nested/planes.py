@@ -42,6 +42,8 @@ DEFAULT_PLAN: Tuple[int, ...] = (4, 4, 8)
 #: Bits of the planes re-expressing an MLX 8-bit layer: a 4-bit low gear and a
 #: 4-bit residual (about 9 bits a weight with half-precision scales).
 QUANTIZED_SOURCE_PLAN: Tuple[int, ...] = (4, 4)
+#: Residual planes of these widths use the error-minimizing clipping (:func:`quantize_residual`).
+CLIPPED_PLANE_BITS: Tuple[int, ...] = (2, 4)
 #: Group sizes MLX's affine quantization supports.
 GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
 #: Bit widths MLX's affine quantization supports.
@@ -102,11 +104,76 @@ def check_plan(plan: Sequence[int], group_size: int, in_features: int) -> None:
 
 
 def quantize_plane(w: mx.array, bits: int, group_size: int, exponent: int = 0,
-                   dtype: Optional[mx.Dtype] = None) -> Plane:
-    """MLX's affine quantization of ``w * 2**exponent``, in ``dtype`` (default ``w``'s)."""
+                   dtype: Optional[mx.Dtype] = None, clip: bool = False) -> Plane:
+    """Affine quantization of ``w * 2**exponent`` in ``dtype`` (default ``w``'s):
+    MLX's own (min-max), or with ``clip`` the least-squares clipping of
+    :func:`quantize_residual`."""
     src = w * (2.0 ** exponent) if exponent else w
-    q, s, b = mx.quantize(src.astype(dtype or w.dtype), group_size=group_size, bits=bits)
+    if clip:
+        q, s, b = quantize_residual(src, bits, group_size, dtype or w.dtype)
+    else:
+        q, s, b = mx.quantize(src.astype(dtype or w.dtype), group_size=group_size, bits=bits)
     return Plane(q, s, b, bits, group_size, exponent)
+
+
+#: Shrink factors of a group's range tried by :func:`quantize_residual`, per side.
+CLIP_SHRINKS: Tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
+#: Rows quantized at once by :func:`quantize_residual` (bounds its temporary memory).
+RESIDUAL_ROW_CHUNK = 4096
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """``(out, in)`` integer codes -> MLX's packing: uint32 words, least significant first."""
+    if 32 % bits:
+        raise ValueError(f"codes of {bits} bits do not pack whole into 32-bit words")
+    per = 32 // bits
+    shifts = mx.arange(per, dtype=mx.uint32) * bits
+    rows = codes.shape[0]
+    return (codes.astype(mx.uint32).reshape(rows, -1, per) << shifts).sum(axis=-1).astype(mx.uint32)
+
+
+def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> Tuple[mx.array, mx.array, mx.array]:
+    """Affine group quantization of a residual with the clipping that minimizes its squared error.
+
+    The residual of MLX's 4-bit quantization is not spread evenly over each
+    group's range: MLX aligns its grid so that zero is exact, which leaves a
+    few elements of many groups up to a whole step off while the rest lie
+    within half a step. Min-max quantization spends its levels on those few;
+    this tries each shrink of :data:`CLIP_SHRINKS` from either end of the
+    range and keeps, per group, the one with the least error, computed with
+    the scales and biases rounded to ``dtype`` as they are stored.
+
+    Returns:
+        ``(weight, scales, biases)`` in MLX's format (readable by
+        ``mx.dequantize`` and ``mx.quantized_matmul``).
+    """
+    rows, cols = r.shape
+    levels = 2**bits - 1
+    outs = []
+    for start in range(0, rows, RESIDUAL_ROW_CHUNK):
+        x = r[start : start + RESIDUAL_ROW_CHUNK].astype(mx.float32)
+        x = x.reshape(x.shape[0], cols // group_size, group_size)
+        lo0, hi0 = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+        span = hi0 - lo0
+        best = None
+        for shrink in CLIP_SHRINKS:
+            for lo_w, hi_w in ((shrink, 0.0), (0.0, shrink)):
+                if shrink == 0.0 and hi_w == 0.0 and lo_w == 0.0 and best is not None:
+                    continue
+                lo = (lo0 + lo_w * span).astype(dtype).astype(mx.float32)
+                scale = mx.maximum((hi0 - hi_w * span - lo) / levels, 1e-30).astype(dtype).astype(mx.float32)
+                scale = mx.where(scale > 0, scale, 1.0)  # a constant group: any scale, code 0
+                q = mx.clip(mx.round((x - lo) / scale), 0, levels)
+                err = ((scale * q + lo - x) ** 2).sum(axis=-1, keepdims=True)
+                if best is None:
+                    best = (err, q, scale, lo)
+                else:
+                    keep = err < best[0]
+                    best = tuple(mx.where(keep, new, old) for new, old in zip((err, q, scale, lo), best))
+            mx.eval(best)
+        _, q, scale, lo = best
+        outs.append((pack_codes(q.reshape(q.shape[0], cols), bits), scale[..., 0].astype(dtype), lo[..., 0].astype(dtype)))
+    return tuple(mx.concatenate([o[i] for o in outs]) for i in range(3))
 
 
 def residual_exponent(r: mx.array) -> int:
@@ -136,7 +203,10 @@ def build_planes(
         if i == 0:
             p = quantize_plane(weight, bits, group_size)  # exactly MLX's quantization of the source
         else:
-            p = quantize_plane(residual, bits, group_size, residual_exponent(residual), dtype)
+            # A 4-bit residual is what the mid gear adds: quantize it with the
+            # clipping that minimizes its error; wider planes are near-exact anyway.
+            p = quantize_plane(residual, bits, group_size, residual_exponent(residual), dtype,
+                               clip=bits in CLIPPED_PLANE_BITS)
         planes.append(p)
         if i + 1 < len(plan):
             residual = residual - p.dequantize()

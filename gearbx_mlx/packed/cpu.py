@@ -33,7 +33,8 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["available", "gemv", "prepare", "PreparedWeights", "set_threads", "get_threads", "info"]
+__all__ = ["available", "gemv", "prepare", "PreparedWeights", "require", "reset", "set_threads", "get_threads",
+           "info"]
 
 PATHS = {"auto": 0, "float": 1, "intdot": 2, "ref": 3, "intdot_ref": 4}
 GROUP_SIZES = (None, 32, 64, 128)
@@ -76,22 +77,35 @@ def available() -> bool:
     return _load() is not None
 
 
-def _require() -> Any:
+def require() -> Any:
+    """The compiled module (``.lib``, ``.ffi``); RuntimeError saying why when it did not load."""
     ext = _load()
     if ext is None:
         raise RuntimeError(_load_error or "gearbx_mlx: C CPU kernels unavailable")
     return ext
 
 
+def reset() -> None:
+    """Forget the loaded library and its load error: the next call loads it again.
+
+    For a process that rebuilt the library, and for tests of the missing-library
+    path (the warning is issued once per load attempt).
+    """
+    global _ext, _load_error
+    with _lock:
+        _ext = None
+        _load_error = None
+
+
 def set_threads(n: Optional[int]) -> int:
     """Threads a call uses by default (None or <= 0: all online CPUs). Returns the value set."""
     if n is not None and not isinstance(n, (int, np.integer)):
         raise TypeError(f"threads must be an int or None, got {type(n).__name__}")
-    return int(_require().lib.gbx_set_threads(0 if n is None else int(n)))
+    return int(require().lib.gbx_set_threads(0 if n is None else int(n)))
 
 
 def get_threads() -> int:
-    return int(_require().lib.gbx_get_threads())
+    return int(require().lib.gbx_get_threads())
 
 
 def info() -> dict:
@@ -212,7 +226,7 @@ class PreparedWeights:
         out: Optional[mx.array] = None,
     ) -> mx.array:
         """``W x`` as a float32 ``(O,)`` array; see :func:`gemv`."""
-        ext = _require()
+        ext = require()
         if path not in PATHS:
             raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
         if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
@@ -253,7 +267,7 @@ def prepare(
         group_size: None (per row), 32, 64 or 128; must divide ``in_features``.
         in_features: I (the packed shape alone cannot tell it for int4 with padding).
     """
-    ext = _require()
+    ext = require()
     if bits not in (4, 8):
         raise ValueError(f"the CPU kernels handle bits 4 and 8, got {bits}")
     if group_size not in GROUP_SIZES:

@@ -55,7 +55,7 @@ class _Group:
             bounds.append(total)
         self.splits = tuple(bounds)
         self.row_ranges = [(0,) + self.splits, self.splits + (self.out_features,)]
-        self._rt = KernelRuntime()
+        self.runtime = KernelRuntime()
         self._last_x: Optional[mx.array] = None
         self._last: Optional[List[mx.array]] = None
 
@@ -68,7 +68,7 @@ class _Group:
         backend = kernels.gpu_backend()
         if backend is None:
             return None
-        run = self._rt.launcher(self, backend, x.dtype, self.bias is not None, self.splits)
+        run = self.runtime.launcher(self, backend, x.dtype, self.bias is not None, self.splits)
         if not run:
             return None
         self._last = run(x, self.weight, self.scales, self.bias)

@@ -89,7 +89,8 @@ def source_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _read(directory: Path, name: str) -> str:
+def read_source(directory: Path, name: str) -> str:
+    """One kernel source file of ``directory`` (read once per process; ``read_source.cache_clear()`` rereads)."""
     return (directory / name).read_text()
 
 
@@ -125,15 +126,15 @@ def kernel_sources(
     """
     d = Path(directory) if directory is not None else source_dir()
     if backend == "metal":
-        prelude, entry = _read(d, "prelude_metal.h"), _read(d, "entry_metal.inc")
+        prelude, entry = read_source(d, "prelude_metal.h"), read_source(d, "entry_metal.inc")
     elif backend == "cuda":
-        prelude, entry = _read(d, "prelude_cuda.cuh"), _read(d, "entry_cuda.inc")
+        prelude, entry = read_source(d, "prelude_cuda.cuh"), read_source(d, "entry_cuda.inc")
     else:
         raise ValueError(f"no GPU kernel for backend {backend!r}: use 'metal' or 'cuda'")
     if n_out not in (1, 2, 3) or (n_out > 1 and not mma):
         raise ValueError(f"n_out must be 1, or 2-3 with the matrix-unit body, got {n_out}")
-    header = prelude + "\n" + _read(d, "gemv_common.h")
-    body = _read(d, "gemv_mma_body.inc" if mma else "gemv_body.inc")
+    header = prelude + "\n" + read_source(d, "gemv_common.h")
+    body = read_source(d, "gemv_mma_body.inc" if mma else "gemv_body.inc")
     # The bias and the output count are preprocessor switches, not template
     # arguments: without a bias input there is no `bias` name to refer to.
     source = f"#define GBX_HAS_BIAS {int(has_bias)}\n#define GBX_NOUT {n_out}\n" + entry + body
@@ -299,8 +300,9 @@ def _tuning_for(bits: int, tuning: Optional[Tuning], in_features: int) -> Tuning
 
 
 @functools.lru_cache(maxsize=None)
-def _build(backend: str, name: str, has_bias: bool, consts_source: str, mma: bool = False,
-           n_out: int = 1) -> Callable:
+def build_kernel(backend: str, name: str, has_bias: bool, consts_source: str, mma: bool = False,
+                 n_out: int = 1) -> Callable:
+    """The ``mx.fast`` kernel object of one variant, built once per process (cached by its arguments)."""
     header, source = kernel_sources(backend, has_bias, mma=mma, n_out=n_out, compact=True)
     kwargs = dict(
         name=name,
@@ -425,7 +427,7 @@ def launcher(
     b = mx.zeros((out_features,), dtype=dtype) if has_bias else None
     spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, tuning=tuning,
                        shared=shared, mma=mma, splits=splits)
-    kernel = _build(backend, spec["name"], has_bias,
+    kernel = build_kernel(backend, spec["name"], has_bias,
                     constants_source(backend, spec["constants"]), spec["mma"], spec["n_out"])
     grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
     tails = [shape[-1:] for shape in spec["output_shapes"]]

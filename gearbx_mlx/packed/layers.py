@@ -127,7 +127,7 @@ class PackedBase(nn.Module):
         self.bits = bits
         self.group_size = group_size
         self.dequant_cache = dequant_cache
-        self._rt = KernelRuntime()
+        self.runtime = KernelRuntime()
         self.weight = mx.zeros(
             formats.packed_shape(out_features, in_features, bits), dtype=formats.packed_dtype(bits)
         )
@@ -140,7 +140,7 @@ class PackedBase(nn.Module):
 
     def clear_cache(self) -> None:
         """Drop the dequantized weights of the §7.1 cache (a gear shift does this)."""
-        self._rt.weight = None
+        self.runtime.weight = None
 
     def dequantized_weight(self, dtype: mx.Dtype = mx.float32) -> mx.array:
         """``(out_features, in_features)`` weights ``q * s`` in ``dtype``."""
@@ -156,7 +156,7 @@ class PackedBase(nn.Module):
         if x.size == self.in_features and x.shape[-1] == self.in_features:
             gpu = kernels.gpu_backend()
             if gpu is not None:
-                run = self._rt.launcher(self, gpu, x.dtype, bias is not None)
+                run = self.runtime.launcher(self, gpu, x.dtype, bias is not None)
                 if run:
                     return run(x, self["weight"], self["scales"], bias)
         if x.shape[-1] != self.in_features:
@@ -174,7 +174,7 @@ class PackedBase(nn.Module):
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if path == "dequant-cache":
-            y = x @ self._rt.dequantized(self, x.dtype).T
+            y = x @ self.runtime.dequantized(self, x.dtype).T
             return y if bias is None else y + bias.astype(x.dtype)
         return formats.reference_matmul(
             x, self.weight, self.scales, bits=self.bits, group_size=self.group_size,

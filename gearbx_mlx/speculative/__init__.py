@@ -2,9 +2,11 @@
 
 :mod:`.draft` (the drafter: the model tree with its managed layers in a lower
 gear), :mod:`.host` (the drafter's decode step in numpy around the C kernels),
+:mod:`.drafter` (the draft paths: host step, MLX tree, none),
 :mod:`.acceptance` (greedy and rejection-sampling acceptance), :mod:`.decode`
 (the block loop and the streaming API), :mod:`.calibration` (measured step
-costs, acceptance, the entropy stop), :mod:`.cli` (``--speculative``).
+costs, acceptance, the entropy stop), :mod:`.plan` (whether drafting pays
+here, measured at start), :mod:`.cli` (``--speculative``).
 """
 
 from .decode import (
@@ -14,8 +16,9 @@ from .decode import (
     stream_speculative_generate,
 )
 from .draft import DraftModel, build_draft
+from .plan import SpeculativePlan, plan_speculative
 
 __all__ = [
-    "DraftModel", "SpeculativeConfig", "SpeculativeResponse", "build_draft", "speculative_generate",
-    "stream_speculative_generate",
+    "DraftModel", "SpeculativeConfig", "SpeculativePlan", "SpeculativeResponse", "build_draft", "plan_speculative",
+    "speculative_generate", "stream_speculative_generate",
 ]

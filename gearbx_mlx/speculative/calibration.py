@@ -204,15 +204,21 @@ def replay_speedup(
     return sum(a + 1 for _, a in blocks) / spent if spent else 1.0
 
 
-def step_seconds(model: Any, ids: Sequence[int], n_in: int, reps: int) -> List[float]:
+def step_seconds(model: Any, ids: Sequence[int], n_in: int, reps: int,
+                 cache: Optional[List[Any]] = None) -> List[float]:
     """Seconds of ``reps`` synchronous calls of ``model`` on ``n_in`` tokens.
 
     The cache holds ``ids`` first (the calls extend it and are trimmed back
     after each one); a first call to warm up is not counted.
+
+    Args:
+        cache: a KV cache of ``model`` already holding ``ids`` (else one is
+            made and filled here).
     """
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array(ids)[None], cache=cache))
-    mx.eval([c.state for c in cache])
+    if cache is None:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array(ids)[None], cache=cache))
+        mx.eval([c.state for c in cache])
     x = mx.array((list(ids) * (n_in // max(len(ids), 1) + 1))[:n_in])[None]
     times = []
     for _ in range(reps + 1):
@@ -223,22 +229,53 @@ def step_seconds(model: Any, ids: Sequence[int], n_in: int, reps: int) -> List[f
     return times[1:]
 
 
+def step_costs(
+    model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = 3,
+    caches: Optional[Tuple[List[Any], List[Any]]] = None,
+) -> Dict[str, float]:
+    """Seconds of one high-gear step, one draft step and one verify of ``max_k + 1`` tokens.
+
+    Best of ``reps`` synchronous calls on a warm cache (the best call is the
+    closest to an idle machine).
+
+    Args:
+        caches: ``(high, draft)`` KV caches already holding ``ids`` (else made).
+    """
+    hc, dc = caches if caches is not None else (None, None)
+    return {
+        "high": min(step_seconds(model, ids, 1, reps, hc)),
+        "draft": min(step_seconds(draft, ids, 1, reps, dc)),
+        "verify": min(step_seconds(model, ids, max_k + 1, reps, hc)),
+    }
+
+
+def cost_ratios(seconds: Dict[str, float], max_k: int) -> Tuple[float, List[float]]:
+    """``(c, v)`` in high-gear steps from :func:`step_costs`: ``v[k]`` for k = 0..max_k,
+    linear between 1 (k = 0, a plain step) and the measured verify at ``max_k``."""
+    high = seconds["high"]
+    v_max = seconds["verify"] / high
+    return seconds["draft"] / high, [1.0 + (v_max - 1.0) * k / max(max_k, 1) for k in range(max_k + 1)]
+
+
 def measure_costs(
     model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = 3
 ) -> Tuple[float, List[float]]:
-    """``(c, v)``: a draft step and verifies of ``k + 1`` tokens (k = 0..max_k), in high steps.
+    """``(c, v)``: a draft step and verifies of ``k + 1`` tokens (k = 0..max_k), in high steps
+    (:func:`step_costs`, :func:`cost_ratios`)."""
+    return cost_ratios(step_costs(model, draft, ids, max_k, reps), max_k)
 
-    Best of ``reps`` synchronous calls on a warm cache (the best call is the
-    closest to an idle machine). ``v`` is measured at k = 0 and ``max_k`` and
-    interpolated linearly in between.
+
+def modeled_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
+    """Expected tokens per block over its cost in high-gear steps (i.i.d. acceptance).
+
+    ``(1 - α^(k+1)) / ((1 - α)(k c + v))``: a block of ``k`` drafts emits the
+    accepted prefix plus one token and costs ``k`` draft steps (``c`` each)
+    and a verify of ``k + 1`` tokens (``v``), all in high-gear steps.
     """
-    def best(m: Any, n_in: int) -> float:
-        return min(step_seconds(m, ids, n_in, reps))
-
-    high = best(model, 1)
-    c = best(draft, 1) / high
-    v_max = best(model, max_k + 1) / high
-    return c, [1.0 + (v_max - 1.0) * k / max_k for k in range(max_k + 1)]
+    if k == 0:
+        return 1.0 / v
+    tokens = float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + v)
 
 
 def stop_threshold(draft_entropies: Sequence[float], strategy: str, vocab_size: int) -> float:
@@ -344,6 +381,6 @@ def calibrate_draft_stop(
 
 __all__ = [
     "CALIBRATION_TOKENS", "DraftStats", "STOP_STRATEGIES", "auc", "best_replay",
-    "calibrate_draft_stop", "compare_logits", "draft_stats", "measure_costs", "replay_blocks",
-    "replay_speedup", "stop_threshold",
+    "calibrate_draft_stop", "compare_logits", "cost_ratios", "draft_stats", "measure_costs", "modeled_speedup",
+    "replay_blocks", "replay_speedup", "step_costs", "step_seconds", "stop_threshold",
 ]

@@ -16,10 +16,12 @@ from typing import Any, Dict, Optional
 
 from ..config import SCOPES
 from ..console import print_stream
+from ..generation import encode_prompt
 from ..telemetry.trace import TraceWriter, token_record as routed_record
 from .calibration import calibrate_draft_stop
 from .decode import SpeculativeConfig, SpeculativeResponse, get_draft, speculative_summary, stream_speculative_generate
 from .draft import DRAFT_GEARS
+from .plan import MIN_MODELED_SPEEDUP, MODES, SpeculativePlan, plan_speculative
 
 #: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
 CALIBRATION_KEY = "speculative"
@@ -54,8 +56,15 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "speculative decoding (output exactly the high gear's; the low gear drafts)"
     )
-    g.add_argument("--speculative", action="store_true",
-                   help="draft with a quantized gear, verify every token with the high gear")
+    g.add_argument("--speculative", nargs="?", const="auto", choices=MODES, default=None,
+                   help="draft with a quantized gear, verify every token with the high gear. 'auto' (the "
+                        "default): first time a draft step and a verify against a high-gear step on the prompt, "
+                        "and decode plainly in the high gear where the modeled speed-up is below "
+                        f"{MIN_MODELED_SPEEDUP:g}x (drafting would be slower); 'force': draft anyway. The fast "
+                        "drafter (a numpy decode step around the C kernels, no MLX graph) applies to greedy "
+                        "decoding of mlx-lm llama models in float32 on the CPU with --kernel packed (the "
+                        "default there); elsewhere drafts go through the MLX module tree. The summary and the "
+                        "trace say which path ran and why")
     g.add_argument("--draft-gear", choices=DRAFT_GEARS, default=d.draft_gear,
                    help="gear that drafts: low (4-bit) or mid (8-bit)")
     g.add_argument("--max-draft", type=_positive_int, default=None, metavar="N",
@@ -142,7 +151,11 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
         f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.3f} tokens-per-sec",
         f"Peak memory: {s['peak_memory_gb']:.3f} GB",
         f"Speculative: {s['draft_gear']} gear drafts ({s['draft_bits']}-bit, scope {s['draft_scope']}), "
-        f"high verifies; max draft {config.max_draft}, entropy stop {stop}",
+        f"high verifies; max draft {config.max_draft}, entropy stop {stop}"
+        if (s.get("drafter") or {}).get("path") != "none" else
+        f"Speculative: no drafts, the high gear decoded alone (the {s['draft_gear']} gear, "
+        f"{s['draft_bits']}-bit, would have drafted)",
+        _drafter_line(s.get("drafter") or {}),
         f"Blocks: {s['blocks']}; drafted {s['drafted']}, accepted {s['accepted']} "
         f"(acceptance {'n/a' if rate is None else f'{100 * rate:.1f}%'}); "
         f"mean accepted length {s['mean_accepted_length']:.2f}, tokens per block {s['tokens_per_block']:.2f}",
@@ -153,9 +166,20 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
             f"Resident: {mem['resident_total'] / 1e6:.1f} MB (high {mem['high_bytes'] / 1e6:.1f} MB "
             f"+ draft extra {mem['extra_bytes'] / 1e6:.1f} MB; shared {mem['shared_bytes'] / 1e6:.1f} MB)"
         )
+    plan = s.get("plan")
+    if plan:
+        lines.append(f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, alpha {plan['alpha']:.2f} "
+                     f"({plan['alpha_source']}), modeled {plan['best_speedup']:.2f}x at best (block of "
+                     f"{plan['best_k']}) -> " + ("drafted" if plan["speculate"] else
+                                                 f"below {plan['threshold']:.2f}x: decoded plainly"))
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)
+
+
+def _drafter_line(d: Dict[str, Any]) -> str:
+    why = f"; {d['reason']}" if d.get("reason") else ""
+    return f"Drafter: {d.get('path', '?')} path ({d.get('detail', '')}{why})"
 
 
 def run_speculative(
@@ -178,13 +202,19 @@ def run_speculative(
         if args.calibration:
             gearbox.calibration.save(args.calibration)
     config = speculative_config(args, gearbox)
+    print("[gearbx] timing the drafter against the high gear on the prompt ...", file=sys.stderr, flush=True)
+    plan = plan_speculative(
+        model, draft, encode_prompt(tokenizer, templated).tolist(), config.max_draft, greedy=args.temp == 0,
+        mode=args.speculative, calibration=calibrated_stop(gearbox, args.draft_gear),
+    )
+    print(f"[gearbx] {plan.message()}", file=sys.stderr, flush=True)
     if writer is None and args.trace:
         writer = TraceWriter(args.trace)
     last: Optional[SpeculativeResponse] = None
     interrupted = False
     try:
         stream = stream_speculative_generate(
-            model, tokenizer, templated, gearbox, config=config, draft=draft,
+            model, tokenizer, templated, gearbox, config=config, draft=draft, plain=not plan.speculate,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
             top_k=args.top_k, seed=args.seed,
         )
@@ -192,10 +222,10 @@ def run_speculative(
             print("=" * 10, file=sys.stderr, flush=True)
         last, interrupted = print_stream(
             stream, color=args.color, writer=writer, record=token_record,
-            header=lambda first: _header(args, gearbox, config, draft, first, prompt),
+            header=lambda first: _header(args, gearbox, config, draft, first, prompt, plan),
         )
     finally:
-        summary = speculative_summary(last, interrupted)
+        summary = {**speculative_summary(last, interrupted), "plan": plan.to_dict()}
         if writer:
             writer.summary(**summary)
             writer.close()
@@ -206,7 +236,7 @@ def run_speculative(
 
 
 def _header(args: argparse.Namespace, gearbox: Any, config: SpeculativeConfig, draft: Any,
-            first: SpeculativeResponse, prompt: str) -> Dict[str, Any]:
+            first: SpeculativeResponse, prompt: str, plan: SpeculativePlan) -> Dict[str, Any]:
     c = gearbox.config
     return {
         "model": gearbox.model_name,
@@ -217,7 +247,8 @@ def _header(args: argparse.Namespace, gearbox: Any, config: SpeculativeConfig, d
         "speculative": {
             "draft_gear": draft.gear, "draft_bits": draft.bits, "draft_scope": draft.scope,
             "max_draft": config.max_draft, "draft_entropy_stop": config.draft_entropy_stop,
-            "hard_max_draft": config.hard_max_draft,
+            "hard_max_draft": config.hard_max_draft, "mode": plan.mode, "drafting": plan.speculate,
+            "drafter": first.stats.drafter if first.stats else plan.drafter, "plan": plan.to_dict(),
         },
         "prompt_tokens": first.prompt_tokens,
         "sampling": {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p,

@@ -26,11 +26,15 @@ independent sample of the high gear (exact, but acceptance ``sum p·q``
 instead of ``sum min(p, q)``). Its cache helpers, sampling filters, stream
 and rewind rule are reused.
 
-On the CPU with the packed kernels, the drafter runs its decode steps
-through :class:`~gearbx_mlx.speculative.draft.HostForward` (numpy around the C GEMV, on
-a host KV cache), and greedy blocks are drafted without an MLX graph or sync:
-on the default model a draft step went from 24 ms (an ``mx.eval`` per packed
-linear) to 5 ms, c from 0.38 to 0.08 of a high step.
+How a block is drafted is a strategy (:mod:`gearbx_mlx.speculative.drafter`);
+the block loop here is the same for all. On the CPU with the packed kernels
+the greedy drafter of a llama model runs its decode steps through
+:class:`~gearbx_mlx.speculative.host.HostForward` (numpy around the C GEMV,
+on a host KV cache) without an MLX graph or sync: on the default model a
+draft step went from 24 ms (an ``mx.eval`` per packed linear) to 5 ms, c
+from 0.38 to 0.08 of a high step. Elsewhere it drafts through the MLX tree.
+Whether drafting can pay at all is measured before decoding
+(:mod:`gearbx_mlx.speculative.plan`).
 
 On a GPU: MLX-CUDA (0.32) hands a multi-row attention call over a key length
 it has not seen to cuDNN, which builds a new execution plan each time, tens
@@ -56,11 +60,12 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import SCOPES
-from ..entropy import NAN_GUARD, EntropyMonitor, entropy_bits
+from ..entropy import EntropyMonitor, MonitorStep, entropy_bits_np
 from ..gearbox import Gearbox
-from ..generation import GearboxResponse, encode_prompt
+from ..generation import GearboxResponse, collect_text, encode_prompt
 from .acceptance import accept_block, make_log_dist
-from .draft import DraftModel, HostKVCache, build_draft, check_draft_gear
+from .draft import DraftModel, build_draft, check_draft_gear
+from .drafter import make_drafter, prefill
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -112,8 +117,8 @@ class SpeculativeConfig:
 
 
 @dataclass
-class TokenInfo:
-    """What happened to one emitted token."""
+class SpeculativeToken:
+    """What happened to one emitted token of speculative decoding."""
 
     token: int
     index: int  # 0-based among generated tokens
@@ -139,10 +144,12 @@ class BlockRecord:
 
 @dataclass
 class SpeculativeStats:
-    """Counters of one speculative generation."""
+    """Counters of one speculative generation, and the draft path that ran
+    (``drafter``: ``{"path", "detail", "reason"}`` of :meth:`Drafter.describe`)."""
 
     blocks: List[BlockRecord] = field(default_factory=list)
     tokens: int = 0
+    drafter: Dict[str, Optional[str]] = field(default_factory=dict)
 
     @property
     def drafted(self) -> int:
@@ -167,34 +174,28 @@ class SpeculativeStats:
             "mean_drafted_length": drafted / nb,
             "tokens_per_block": self.tokens / nb,
             "stops": stops,
+            "drafter": dict(self.drafter),
         }
 
 
-def entropy_bits_np(z: np.ndarray) -> float:
-    """:func:`~gearbx_mlx.entropy.entropy_bits` of one ``(V,)`` float32 numpy vector."""
-    if not np.isfinite(z).all():
-        z = np.nan_to_num(z, nan=NAN_GUARD[0], posinf=NAN_GUARD[1], neginf=NAN_GUARD[2])
-    zm = z - z.max()
-    e = np.exp(zm)
-    s = float(e.sum())
-    h = (math.log(s) - float(np.dot(e, zm)) / s) / math.log(2.0)
-    return min(max(h, 0.0), math.log2(z.size))
+def block_cap(config: SpeculativeConfig, monitor: Optional[EntropyMonitor], seen: Optional[MonitorStep],
+              remaining: Optional[int]) -> Tuple[int, str]:
+    """How many tokens the next block may draft, and the stop it ends by at that cap.
 
-
-def _prefill(model: Any, cache: List[Any], y: mx.array, step: int) -> mx.array:
-    """Feed all but the last token of ``y``; return the last (as mlx-lm)."""
-    while y.size > 1:
-        n = min(step, y.size - 1)
-        model(y[:n][None], cache=cache)
-        mx.eval([c.state for c in cache])
-        y = y[n:]
-    return y
+    ``remaining``: tokens left to generate (None: no limit); the verify adds one.
+    """
+    cap, stop = config.max_draft, "max"
+    if config.hard_max_draft is not None and seen is not None and seen.predicted >= monitor.high:
+        cap, stop = config.hard_max_draft, "predicted"
+    if remaining is not None and remaining - 1 < cap:
+        cap, stop = remaining - 1, "limit"
+    return cap, stop
 
 
 def speculative_generate_step(
     prompt: mx.array,
     model: nn.Module,
-    draft: DraftModel,
+    draft: Optional[DraftModel],
     config: Optional[SpeculativeConfig] = None,
     *,
     max_tokens: int = 256,
@@ -204,13 +205,19 @@ def speculative_generate_step(
     draft_cache: Optional[List[Any]] = None,
     stats: Optional[SpeculativeStats] = None,
     single_token_drafts: bool = False,
-) -> Generator[TokenInfo, None, None]:
-    """Yield the generated tokens of speculative decoding, one :class:`TokenInfo` each.
+) -> Generator[SpeculativeToken, None, None]:
+    """Yield the generated tokens of speculative decoding, one :class:`SpeculativeToken` each.
+
+    Each block the drafter (:func:`~gearbx_mlx.speculative.drafter.make_drafter`
+    picks its path) proposes up to the block cap; the high gear scores its
+    pending token and the drafts in one pass; the accepted prefix and one
+    token of the high gear's are emitted, and both caches keep just those.
 
     Args:
         prompt: ``(P,)`` token ids, ``P >= 1``.
         model: the high gear (the loaded model, unmodified).
-        draft: from :func:`gearbx_mlx.speculative.draft.build_draft`.
+        draft: from :func:`gearbx_mlx.speculative.draft.build_draft`; None
+            decodes with the high gear alone (blocks of no draft).
         max_tokens: tokens to generate (-1: no limit).
         log_dist: the sampling distribution (:func:`make_log_dist`); None: greedy.
         monitor: fed the high gear's entropy of each emitted token; it drives
@@ -218,6 +225,7 @@ def speculative_generate_step(
         prompt_cache, draft_cache: trimmable KV caches (made if None). On exit
             (also when the consumer stops early) ``prompt_cache`` holds the
             prompt and every generated token but the last, like mlx-lm's.
+        stats: filled with the blocks and the draft path (``stats.drafter``).
         single_token_drafts: feed the drafter one token per call (the packed
             kernels have a GEMV for one token only).
     """
@@ -228,130 +236,54 @@ def speculative_generate_step(
     if config.hard_max_draft is not None and monitor is None:
         raise ValueError("hard_max_draft needs a monitor (the high gear's entropy history)")
     hcache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    dcache = draft_cache if draft_cache is not None else make_prompt_cache(draft)
-    for name, c in (("prompt_cache", hcache), ("draft_cache", dcache)):
-        if not can_trim_prompt_cache(c):
-            kinds = sorted({type(x).__name__ for x in c if not x.is_trimmable()})
-            raise ValueError(f"speculative decoding needs a trimmable {name} (got {kinds})")
-
-    # Greedy drafts through the host forward (numpy around the C kernels): the
-    # draft loop then runs without an MLX graph or sync (draft.HostForward).
-    host = draft.host if (log_dist is None and isinstance(dcache[0], HostKVCache)) else None
-
-    def host_drafts(feed: List[int], cap: int) -> Tuple[List[int], List[float], str]:
-        out: List[int] = []
-        ents: List[float] = []
-        for _ in range(cap):
-            for t in feed[:-1]:
-                host.step(t, dcache, logits=False)
-            z = host.step(feed[-1], dcache)
-            out.append(int(z.argmax()))
-            ents.append(entropy_bits_np(z))
-            if config.draft_entropy_stop is not None and ents[-1] > config.draft_entropy_stop and len(out) < cap:
-                return out, ents, "entropy"
-            feed = out[-1:]
-        return out, ents, ""
-
-    def draft_logits(tokens: mx.array) -> mx.array:
-        if single_token_drafts:
-            for i in range(tokens.size - 1):
-                draft(tokens[i : i + 1][None], cache=dcache)
-            tokens = tokens[-1:]
-        return draft(tokens[None], cache=dcache)[0, -1].astype(mx.float32)
-
-    ntoks = 0
+    if not can_trim_prompt_cache(hcache):
+        kinds = sorted({type(x).__name__ for x in hcache if not x.is_trimmable()})
+        raise ValueError(f"speculative decoding needs a trimmable prompt_cache (got {kinds})")
+    drafter = make_drafter(draft, draft_cache, log_dist=log_dist, entropy_stop=config.draft_entropy_stop,
+                           single_token=single_token_drafts, prefill_step=config.prefill_step_size)
+    stats.drafter = drafter.describe()
+    draft_gear = draft.gear if draft is not None else "high"
+    ntoks, seen = 0, None  # seen: the monitor's last step
     with mx.stream(generation_stream):
-        y = _prefill(model, hcache, prompt.astype(mx.uint32), config.prefill_step_size)
-        dpend = _prefill(draft, dcache, prompt.astype(mx.uint32), config.prefill_step_size)
-        seen = None  # last MonitorStep
+        y = prefill(model, hcache, prompt.astype(mx.uint32), config.prefill_step_size)
+        drafter.prefill(prompt.astype(mx.uint32))
         while max_tokens < 0 or ntoks < max_tokens:
             tic = time.perf_counter()
-            remaining = max_tokens - ntoks if max_tokens >= 0 else config.max_draft + 1
-            cap, stop = config.max_draft, "max"
-            if config.hard_max_draft is not None and seen is not None and seen.predicted >= monitor.high:
-                cap, stop = config.hard_max_draft, "predicted"
-            if remaining - 1 < cap:
-                cap, stop = remaining - 1, "limit"
-            # -- draft ---------------------------------------------------------
-            drafts: List[mx.array] = []
-            log_qs: List[mx.array] = []
-            d_ent: List[mx.array] = []
-            inp = dpend
-            if host is not None and cap:
-                dl, hl, why = host_drafts(dpend.tolist(), cap)
-                drafts, d_ent, stop = [mx.array(dl, dtype=mx.uint32)], [mx.array(hl)], why or stop
-                cap = 0  # drafted: skip the MLX loop below
-            for _ in range(cap):
-                logits = draft_logits(inp)
-                if log_dist is None:
-                    d = mx.argmax(logits)
-                else:
-                    lq = log_dist(logits[None])[0]
-                    d = mx.random.categorical(lq)
-                    log_qs.append(lq)
-                h = entropy_bits(logits)
-                drafts.append(d)
-                d_ent.append(h)
-                if config.draft_entropy_stop is not None:
-                    mx.eval(d, h)  # the stop decision needs the value now
-                    if h.item() > config.draft_entropy_stop and len(drafts) < cap:
-                        stop = "entropy"
-                        break
-                else:
-                    mx.async_eval(d)
-                inp = d.reshape(1)
-            if host is not None:
-                dvec = drafts[0] if drafts else mx.array([], dtype=mx.uint32)
-                d_h = d_ent[0] if d_ent else mx.zeros((0,))
-            else:
-                dvec = mx.stack(drafts).astype(mx.uint32) if drafts else mx.array([], dtype=mx.uint32)
-                d_h = mx.stack(d_ent) if drafts else mx.zeros((0,))
-            k = dvec.size
-            # -- verify --------------------------------------------------------
-            x = mx.concatenate([y, dvec])
-            logits = model(x[None], cache=hcache)[0, -(k + 1):].astype(mx.float32)
-            n, tok = accept_block(logits, dvec, mx.stack(log_qs) if log_qs else None, log_dist)
-            mx.eval(n, tok, logits, dvec, d_h)
+            cap, stop = block_cap(config, monitor, seen, max_tokens - ntoks if max_tokens >= 0 else None)
+            block = drafter.draft(cap)
+            stop, k = block.stop or stop, block.tokens.size
+            logits = model(mx.concatenate([y, block.tokens])[None], cache=hcache)[0, -(k + 1):].astype(mx.float32)
+            n, tok = accept_block(logits, block.tokens, block.log_q, log_dist)
+            mx.eval(n, tok, logits, block.tokens, block.entropies)
             n, tok = int(n.item()), int(tok.item())
             # The high gear's entropies of the emitted positions, in numpy: MLX's
             # CPU exp over (k+1) x V took ~4 ms a block on the default model.
             lnp = np.asarray(logits)
             hh = [entropy_bits_np(lnp[i]) for i in range(n + 1)]
-            dlist, dh = dvec.tolist(), d_h.tolist()
-            emitted = dlist[:n] + [tok]
+            drafts, dh = block.tokens.tolist(), block.entropies.tolist()
+            emitted = drafts[:n] + [tok]
             stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
-            block_no = len(stats.blocks) - 1
             j = 0
             try:
                 for j, t in enumerate(emitted, 1):
-                    if monitor is not None:
-                        seen = monitor.push(hh[j - 1])
+                    seen = monitor.push(hh[j - 1]) if monitor is not None else None
                     ntoks += 1
                     stats.tokens += 1
-                    accepted = j <= n
-                    yield TokenInfo(
-                        token=t, index=ntoks - 1, block=block_no, drafted=k, accepted=accepted,
-                        gear=draft.gear if accepted else "high", entropy=hh[j - 1],
+                    yield SpeculativeToken(
+                        token=t, index=ntoks - 1, block=len(stats.blocks) - 1, drafted=k, accepted=j <= n,
+                        gear=draft_gear if j <= n else "high", entropy=hh[j - 1],
                         draft_entropy=dh[j - 1] if j <= k else math.nan,
                         smoothed=seen.smoothed if seen else math.nan,
                         predicted=seen.predicted if seen else math.nan,
-                        stop=stop,
-                        logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]),
+                        stop=stop, logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]),
                     )
                     if ntoks == max_tokens:
                         break
             finally:
-                # Keep what precedes the last emitted token: the high cache
-                # took y + k drafts, the drafter dpend + the first k-1 drafts.
+                # Keep what precedes the last emitted token (the high cache took y + k drafts).
                 trim_prompt_cache(hcache, k + 1 - j)
-                trim_prompt_cache(dcache, max(k - j, 0) if k else 0)
+                drafter.rewind(drafts, emitted[:j])
             y = mx.array([tok], dtype=mx.uint32)
-            if k == 0:
-                dpend = mx.concatenate([dpend, y])
-            elif n == k:
-                dpend = mx.array([dlist[-1], tok], dtype=mx.uint32)
-            else:
-                dpend = y
 
 
 # -- the library API ------------------------------------------------------------------
@@ -420,6 +352,7 @@ def stream_speculative_generate(
     min_tokens_to_keep: int = 1,
     seed: Optional[int] = None,
     prompt_cache: Optional[List[Any]] = None,
+    plain: bool = False,
     **options: Any,
 ) -> Generator[SpeculativeResponse, None, None]:
     """Stream tokens like ``gearbx_mlx.stream_generate``, drafted low and verified high.
@@ -435,6 +368,9 @@ def stream_speculative_generate(
         temp, top_p, min_p, top_k: the high gear's sampling distribution; the
             output follows it exactly (greedy when ``temp == 0``).
         prompt_cache: the high gear's trimmable KV cache, updated in place.
+        plain: draft nothing: the high gear decodes alone through the same
+            loop, with the same responses (what the CLI does where drafting
+            cannot pay, :func:`~gearbx_mlx.speculative.plan.plan_speculative`).
 
     Yields:
         :class:`SpeculativeResponse`, one per generated token; the last one
@@ -449,9 +385,9 @@ def stream_speculative_generate(
     if gearbox.model is not model:
         raise ValueError("this gearbox manages another model: pass the model it was made for")
     gearbox.manager.shift("high")  # the verifier is the loaded model itself
-    if draft is None:
+    if draft is None and not plain:
         draft = get_draft(model, gearbox, config.draft_gear, config.draft_scope)
-    elif draft.gear != config.draft_gear:
+    elif draft is not None and draft.gear != config.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {config.draft_gear}")
     log_dist = make_log_dist(temp, top_p, min_p, top_k, min_tokens_to_keep)
     if seed is not None:
@@ -465,7 +401,7 @@ def stream_speculative_generate(
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
     steps = speculative_generate_step(
-        ids, model, draft, config, max_tokens=max_tokens, log_dist=log_dist, monitor=monitor,
+        ids, model, None if plain else draft, config, max_tokens=max_tokens, log_dist=log_dist, monitor=monitor,
         prompt_cache=prompt_cache, stats=stats,
         single_token_drafts=single_token_drafts(gearbox.config),
     )
@@ -494,7 +430,7 @@ def stream_speculative_generate(
                     time.perf_counter() - last, stats, draft, reason)
 
 
-def _response(info: TokenInfo, text: str, prompt_tokens: int, prompt_tps: float, n: int,
+def _response(info: SpeculativeToken, text: str, prompt_tokens: int, prompt_tps: float, n: int,
               tic: float, step: float, stats: SpeculativeStats, draft: DraftModel,
               reason: Optional[str]) -> SpeculativeResponse:
     return SpeculativeResponse(
@@ -521,14 +457,7 @@ def speculative_generate(
 
     ``kwargs`` go to :func:`stream_speculative_generate`.
     """
-    text = ""
-    for resp in stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs):
-        text += resp.text
-        if verbose:
-            print(resp.text, end="", flush=True)
-    if verbose:
-        print()
-    return text
+    return collect_text(stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs), verbose)
 
 
 def speculative_summary(last: Optional[SpeculativeResponse], interrupted: bool = False) -> Dict[str, Any]:

@@ -32,8 +32,9 @@ from mlx_lm.models.cache import KVCache
 
 from ..affine import fake_quantize
 from ..config import GearboxConfig, bits_for
+from ..packed import cpu as cpu_kernels
 from ..precision import PrecisionManager, nbytes
-from .host import HOST_PREFILL_MAX, HostForward, HostKVCache, host_forward
+from .host import HOST_PREFILL_MAX, HostForward, HostKVCache, host_support
 
 #: Gears that may draft: the high gear verifies, it cannot draft for itself.
 DRAFT_GEARS = ("low", "mid")
@@ -54,6 +55,9 @@ class DraftModel:
         scope: which layers are quantized (``attention`` or ``all``).
         paths: the managed module paths.
         quantizer: ``"gearbox"`` (the gearbox's kernel) or ``"fake"``.
+        kernel: the managed layers' kernel (the gearbox's, or ``"fake"``).
+        host: the decode step in numpy around the C GEMV (:class:`HostForward`),
+            where it applies; ``host_reason`` says why not where it does not.
     """
 
     module: nn.Module
@@ -62,8 +66,10 @@ class DraftModel:
     scope: str
     paths: List[str]
     quantizer: str = "gearbox"
+    kernel: str = "mlx"
     memory: Dict[str, int] = field(default_factory=dict)
     host: Optional["HostForward"] = field(default=None, repr=False)
+    host_reason: Optional[str] = None
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, **kwargs: Any) -> mx.array:
         """``(1, T)`` ids -> ``(1, T, V)`` logits, through the host forward when
@@ -216,14 +222,31 @@ def build_draft(
         modules = {p: _fake_quantized(m, bits, config.group_size) for p, m in mgr.originals.items()}
         mx.eval([m.parameters() for m in modules.values()])
     module = graft(model, _path_tree(mgr.paths, modules))
-    draft = DraftModel(module, gear, int(bits), scope, list(mgr.paths), quantizer)
+    kernel = config.kernel if quantizer == "gearbox" else "fake"
+    draft = DraftModel(module, gear, int(bits), scope, list(mgr.paths), quantizer, kernel)
     draft.memory = resident_bytes(model, draft)
-    if host or (host is None and quantizer == "gearbox" and config.kernel == "packed"):
-        draft.host = host_forward(module)
-        if host and draft.host is None:
-            raise ValueError("the host forward does not apply here (it needs the CPU device, the C "
-                             "kernels, an mlx-lm llama model and packed or float32 layers)")
+    attach_host(draft, host)
     return draft
+
+
+def attach_host(draft: DraftModel, host: Optional[bool] = None) -> None:
+    """Give ``draft`` its host step where it applies, or say why not (``draft.host_reason``).
+
+    ``host``: None attaches it to a drafter of the gearbox's packed kernels
+    wherever :func:`~gearbx_mlx.speculative.host.host_support` allows; True
+    requires it (ValueError naming the reason otherwise); False never.
+    """
+    if host is False:
+        reason: Optional[str] = "the host step was turned off (host=False)"
+    elif host is None and draft.kernel != "packed":
+        reason = (f"the drafter's kernel is {draft.kernel!r}: the host step runs the packed kernels "
+                  "(--kernel packed, the default on a CPU with the C kernels built)")
+    else:
+        reason = host_support(draft.module)
+    if host and reason is not None:
+        raise ValueError(f"the host forward does not apply here: {reason}")
+    draft.host = HostForward(draft.module, cpu_kernels.require()) if reason is None else None
+    draft.host_reason = reason
 
 
 def resident_bytes(model: nn.Module, draft: DraftModel) -> Dict[str, int]:
@@ -254,6 +277,6 @@ def _at(model: nn.Module, paths: Sequence[str]) -> List[nn.Module]:
 
 
 __all__ = [
-    "DRAFT_GEARS", "DRAFT_QUANTIZERS", "DraftModel", "build_draft", "check_draft_gear", "graft",
-    "resident_bytes",
+    "DRAFT_GEARS", "DRAFT_QUANTIZERS", "DraftModel", "attach_host", "build_draft", "check_draft_gear",
+    "graft", "resident_bytes",
 ]

@@ -251,46 +251,55 @@ class HostForward:
         return out
 
 
-def host_forward(module: nn.Module) -> Optional[HostForward]:
-    """A :class:`HostForward` of ``module``, or None where it does not apply.
+def host_support(module: nn.Module) -> Optional[str]:
+    """Why :class:`HostForward` cannot run ``module``, or None when it can.
 
-    It applies on the CPU device with the C kernels built, to mlx-lm's llama
-    models (full attention, plain RoPE, no bias in the norms) whose linears
-    are all packed int4/int8 or float32, embedding included.
+    It runs on the CPU device with the C kernels built, mlx-lm's llama models
+    (full attention, plain RoPE, float32 norms) whose linears are all packed
+    int4/int8 or float32, embedding included. The reason names the first
+    condition that fails, for the user (``--speculative`` prints it).
     """
     if mx.default_device() != mx.cpu:
-        return None
-    cpu = cpu_backend()
-    if cpu is None or type(module).__module__ != "mlx_lm.models.llama":
-        return None
+        return f"the device is {mx.default_device()}: the host step runs on the CPU only"
+    if cpu_backend() is None:
+        return "the C kernels are not built (pip install -e . builds them)"
+    kind = type(module).__module__
+    if kind != "mlx_lm.models.llama":
+        return f"the model is {kind.rsplit('.', 1)[-1]!r}: the host step covers mlx-lm's llama only"
     inner, a = getattr(module, "model", None), getattr(module, "args", None)
     if inner is None or a is None or not getattr(inner, "layers", None):
-        return None
+        return "the model has no llama layer stack (model.layers) or args"
     if a.num_attention_heads % a.num_key_value_heads:
-        return None
+        return "the attention heads are not a multiple of the key/value heads"
     emb = inner.embed_tokens
     if isinstance(emb, PackedEmbedding):
         if emb.bits not in (4, 8) or emb.lookup_dtype != mx.float32:
-            return None
+            return f"the packed embedding is {emb.bits}-bit or not float32"
     elif type(emb) is not nn.Embedding or emb.weight.dtype != mx.float32:
-        return None
+        return "the embedding is neither packed nor a float32 table"
     if not a.tie_word_embeddings and not _supported_linear(getattr(module, "lm_head", None)):
-        return None
+        return "the output head is neither packed int4/int8 nor float32"
     if inner.norm.weight.dtype != mx.float32:
-        return None
+        return f"the norms are {inner.norm.weight.dtype}, not float32 (load with --dtype float32)"
     for layer in inner.layers:
         at, mlp = layer.self_attn, layer.mlp
         if getattr(layer, "use_sliding", False) or type(at.rope) is not nn.RoPE or at.rope.traditional:
-            return None
+            return "a layer uses sliding-window attention or a RoPE other than plain nn.RoPE"
         if at.rope.dims % 2 or at.rope.dims > (a.head_dim or a.hidden_size // a.num_attention_heads):
-            return None
+            return "a layer's RoPE dimensions are odd or exceed the head dimension"
         if not all(_supported_linear(m) for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj,
                                                   mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            return None
+            return "a layer's linears are neither packed int4/int8 nor float32 (load with --dtype float32)"
         if any(n.weight.dtype != mx.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return None
-    return HostForward(module, cpu._require())
+            return "a layer's norms are not float32 (load with --dtype float32)"
+    return None
 
 
+def host_forward(module: nn.Module) -> Optional[HostForward]:
+    """A :class:`HostForward` of ``module``, or None where it does not apply (:func:`host_support`)."""
+    if host_support(module) is not None:
+        return None
+    return HostForward(module, cpu_kernels.require())
 
-__all__ = ["HOST_PREFILL_MAX", "HostForward", "HostKVCache", "host_forward"]
+
+__all__ = ["HOST_PREFILL_MAX", "HostForward", "HostKVCache", "host_forward", "host_support"]

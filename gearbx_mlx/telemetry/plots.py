@@ -19,24 +19,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence, Union
 
 from ..config import GEARS
+from ..plotting import require_matplotlib
 from .trace import Trace
 
 GEAR_COLORS = {"low": "#2ca02c", "mid": "#ff7f0e", "high": "#d62728"}
-
-
-def require_matplotlib() -> Any:
-    """matplotlib's pyplot on the Agg backend, or ImportError saying how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError(
-            "--plots needs matplotlib: pip install matplotlib (or the package's 'plot' extra: "
-            "pip install 'gearbx-mlx[plot]')"
-        ) from None
-    return plt
 
 
 #: Opacity of the gear bands (the key's swatches use the same).

@@ -89,7 +89,7 @@ def more_precise(a: str, b: Optional[str]) -> str:
     return a if b is None or GEAR_INDEX[a] >= GEAR_INDEX[b] else b
 
 
-def vocab_size_of(variants: Dict[str, Variant], given: Optional[int]) -> Tuple[int, str]:
+def resolve_vocab_size(variants: Dict[str, Variant], given: Optional[int]) -> Tuple[int, str]:
     """``V`` from ``--vocab-size``, else from the variants' model folders (mlx-lm
     servers name models by path). Returns ``(V, where it came from)``."""
     if given is not None:

@@ -1,0 +1,221 @@
+"""Draft paths and the decision to draft: which drafter runs and why, the
+measured costs at start, decoding plainly where drafting cannot pay."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+from conftest import make_tiny_llama
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+
+from gearbx_mlx.config import GearboxConfig
+from gearbx_mlx.gearbox import Gearbox
+from gearbx_mlx.packed import cpu
+from gearbx_mlx.speculative import plan as plan_mod
+from gearbx_mlx.speculative.acceptance import make_log_dist
+from gearbx_mlx.speculative.calibration import modeled_speedup
+from gearbx_mlx.speculative.decode import (
+    SpeculativeConfig,
+    SpeculativeStats,
+    speculative_generate_step,
+    stream_speculative_generate,
+)
+from gearbx_mlx.speculative.draft import build_draft
+from gearbx_mlx.speculative.drafter import make_drafter
+from gearbx_mlx.speculative.plan import (
+    FALLBACK_ALPHA,
+    MIN_MODELED_SPEEDUP,
+    StartMeasurement,
+    measure_start,
+    plan_speculative,
+)
+
+VOCAB = 64
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def scaled(model):
+    """Layers' weights times 3: greedy output varies, the 4-bit copy disagrees often."""
+    model.model.update({"layers": tree_map(lambda a: 3 * a, model.model.parameters()["layers"])})
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen2(seed: int = 0):
+    """A tiny mlx-lm qwen2 (attention biases): a model the host step does not cover."""
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2)
+    m = qwen2.Model(args)
+    m.update({"model": {"embed_tokens": {"weight": mx.random.normal((VOCAB, 64)) * 0.5}}})
+    mx.eval(m.parameters())
+    return scaled(m)
+
+
+def greedy_reference(model, prompt, n):
+    return [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))]
+
+
+def needs_host():
+    if mx.default_device() != mx.cpu or not cpu.available():
+        pytest.skip("the host drafter needs the CPU device and the C kernels")
+
+
+@pytest.fixture(scope="module")
+def llama_packed():
+    m = scaled(make_tiny_llama(vocab=VOCAB, hidden=64, seed=0))
+    gb = Gearbox(m, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB)
+    return m, gb, build_draft(m, gb, "low")
+
+
+# -- which path drafts, and why ------------------------------------------------------
+
+
+def test_paths_and_reasons_on_llama(llama_packed):
+    needs_host()
+    model, gb, draft = llama_packed
+    host = make_drafter(draft).describe()
+    assert host["path"] == "host" and "C GEMV" in host["detail"] and host["reason"] is None
+    sampled = make_drafter(draft, log_dist=make_log_dist(1.0)).describe()
+    assert sampled["path"] == "mlx" and "sampling" in sampled["reason"]
+    mlx_box = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=VOCAB)
+    tree = make_drafter(build_draft(model, mlx_box, "low")).describe()
+    assert tree["path"] == "mlx" and "'mlx'" in tree["reason"] and "--kernel packed" in tree["reason"]
+    assert make_drafter(None).describe()["path"] == "none"
+
+
+def test_a_model_the_host_step_does_not_cover_drafts_through_the_tree_exactly():
+    """qwen2 with the packed kernel: the MLX tree drafts, the reason names the
+    architecture, and greedy output is still the high gear's."""
+    model = tiny_qwen2()
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB)
+    draft = build_draft(model, gb, "low")
+    assert draft.host is None
+    if mx.default_device() == mx.cpu and cpu.available():
+        assert "'qwen2'" in draft.host_reason and "llama only" in draft.host_reason
+    stats = SpeculativeStats()
+    got = [t.token for t in speculative_generate_step(mx.array(PROMPT), model, draft, SpeculativeConfig(max_draft=3),
+                                                      max_tokens=24, stats=stats, single_token_drafts=True)]
+    assert got == greedy_reference(model, PROMPT, 24)
+    assert stats.drafter["path"] == "mlx" and stats.drafter["reason"] == draft.host_reason
+    assert 0 < stats.accepted < stats.drafted
+    with pytest.raises(ValueError, match="llama only|CPU|not built"):
+        build_draft(model, gb, "low", host=True)
+
+
+def test_plain_decoding_is_the_high_gears_with_no_drafts(llama_packed):
+    model, gb, draft = llama_packed
+    tok = CharTokenizer()
+    got = list(stream_speculative_generate(model, tok, PROMPT, gb, draft=draft, plain=True, max_tokens=12))
+    assert [r.token for r in got] == greedy_reference(model, PROMPT, 12)
+    assert all(r.drafted == 0 and not r.accepted and r.gear == "high" for r in got)
+    s = got[-1].stats
+    assert s.drafter["path"] == "none" and len(s.blocks) == 12 and s.drafted == 0
+
+
+# -- the decision ---------------------------------------------------------------------
+
+
+def test_modeled_speedup_closed_form():
+    assert modeled_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + a + a^2 tokens for one step
+    assert modeled_speedup(1.0, 3, 0.25, 1.5) == pytest.approx(4 / 2.25)
+    assert modeled_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)  # every draft wasted
+    assert modeled_speedup(0.7, 0, 0.1, 1.0) == 1.0
+
+
+def measured(c: float, v_max: float, alpha: float = 0.8, positions: int = 40, max_k: int = 4) -> StartMeasurement:
+    return StartMeasurement({"high": 0.01, "draft": c * 0.01, "verify": v_max * 0.01}, max_k, alpha, alpha - 0.1,
+                            positions)
+
+
+def test_cheap_drafter_drafts_and_costly_one_decodes_plainly(llama_packed):
+    model, _, draft = llama_packed
+    cheap = plan_speculative(model, draft, PROMPT, 4, measured=measured(0.08, 1.3))
+    want = max(modeled_speedup(0.8, k, 0.08, 1 + 0.3 * k / 4) for k in range(1, 5))
+    assert cheap.speculate and cheap.best_speedup == pytest.approx(want) and want >= MIN_MODELED_SPEEDUP
+    assert "drafting." in cheap.message() and "prompt positions" in cheap.alpha_source
+    costly = plan_speculative(model, draft, PROMPT, 4, measured=measured(0.9, 1.6))
+    assert not costly.speculate and costly.best_speedup < MIN_MODELED_SPEEDUP
+    assert "decoding plainly" in costly.message() and "--speculative force" in costly.message()
+    forced = plan_speculative(model, draft, PROMPT, 4, mode="force", measured=measured(0.9, 1.6))
+    assert forced.speculate and "forced" in forced.message()
+    assert costly.speedups == forced.speedups and len(costly.speedups) == 4
+    with pytest.raises(ValueError, match="mode"):
+        plan_speculative(model, draft, PROMPT, 4, mode="always", measured=measured(0.1, 1.0))
+
+
+def test_alpha_comes_from_the_calibration_then_the_prompt_then_a_guess(llama_packed):
+    model, _, draft = llama_packed
+    cal = {"alpha_greedy": 0.95, "alpha_sampled": 0.9, "n_samples": 144}
+    p = plan_speculative(model, draft, PROMPT, 4, calibration=cal, measured=measured(0.3, 1.3, alpha=0.2))
+    assert p.alpha == 0.95 and "144" in p.alpha_source
+    p = plan_speculative(model, draft, PROMPT, 4, greedy=False, calibration=cal, measured=measured(0.3, 1.3))
+    assert p.alpha == 0.9
+    p = plan_speculative(model, draft, PROMPT, 4, measured=measured(0.3, 1.3, alpha=0.2))
+    assert p.alpha == 0.2
+    p = plan_speculative(model, draft, PROMPT, 4, measured=measured(0.3, 1.3, alpha=0.2, positions=3))
+    assert p.alpha == FALLBACK_ALPHA and "assumed" in p.alpha_source
+
+
+def test_measure_start_times_both_gears_on_the_prompt(llama_packed):
+    model, _, draft = llama_packed
+    m = measure_start(model, draft, PROMPT, 3, reps=1)
+    assert m.positions == len(PROMPT) and m.max_k == 3
+    assert all(s > 0 and math.isfinite(s) for s in m.seconds.values())
+    assert 0 <= m.alpha_greedy <= 1 and 0 <= m.alpha_sampled <= 1
+    p = plan_speculative(model, draft, PROMPT, 3, measured=m)
+    assert p.draft_cost == pytest.approx(m.seconds["draft"] / m.seconds["high"])
+    assert len(p.verify_cost) == 4 and p.verify_cost[0] == 1.0
+
+
+# -- the command line: both decisions end to end ----------------------------------
+
+
+class CharTokenizer:
+    """A tokenizer without special tokens: token i prints as a letter."""
+
+    eos_token_id = None
+    bos_token = None
+    chat_template = None
+
+    def get_vocab(self):
+        return {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(ch) % VOCAB for ch in text]
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def apply_chat_template(self, messages, **kwargs):
+        raise ValueError("no chat template")
+
+
+@pytest.mark.parametrize("c, mode, drafts", [(0.05, "auto", True), (0.95, "auto", False), (0.95, "force", True)])
+def test_cli_follows_the_measured_decision(monkeypatch, capsys, tmp_path, llama_packed, c, mode, drafts):
+    from gearbx_mlx.generate import build_parser
+    from gearbx_mlx.speculative.cli import run_speculative
+    from gearbx_mlx.telemetry.trace import read_trace
+
+    model, gb, _ = llama_packed
+    monkeypatch.setattr(plan_mod, "measure_start", lambda *a, **k: measured(c, 1.3, max_k=a[3]))
+    trace = tmp_path / "t.jsonl"
+    argv = ["--speculative", mode, "--max-tokens", "16", "--max-draft", "3", "--draft-scope", "all",
+            "--trace", str(trace)]
+    args = build_parser().parse_args(argv)
+    text = "abcdefghij"
+    assert run_speculative(args, model, CharTokenizer(), gb, text, text) == 0
+    out, err = capsys.readouterr()
+    want = greedy_reference(model, CharTokenizer().encode(text), 16)
+    assert out.rstrip("\n") == CharTokenizer().decode(want)
+    t = read_trace(trace)
+    ran = t.summary["drafter"]["path"]
+    assert t.header["speculative"]["drafting"] is drafts and t.summary["plan"]["speculate"] is drafts
+    assert (ran != "none") is drafts and (t.summary["drafted"] > 0) is drafts
+    assert f"Drafter: {ran} path" in err and "Decision (" + mode in err
+    assert ("decoding plainly" in err) is (not drafts)
