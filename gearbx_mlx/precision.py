@@ -284,10 +284,10 @@ class PrecisionManager:
         if c.bits != {"low": 4, "mid": 8}:
             raise ValueError(f"the nested store's gears are 4-bit and 4+4-bit planes; bits={c.bits} needs store='separate'")
         tic = time.perf_counter()
-        plan = plan_for(c.high, self.source == "quantized-8bit")
+        plan = plan_for(c.high, self.source == "quantized-8bit", c.group_size)
         key = None
         if planes_dir is not None:
-            key = cache_key(fingerprint(planes_dir), self.paths, plan, c.group_size)
+            key = cache_key(fingerprint(planes_dir), self.paths, plan)
             self.planes_file = cache_path(planes_dir, key, cache_dir() / "planes")
             if self.planes_file.exists():
                 shapes = {p: module_shape(m) for p, m in self.originals.items()}
@@ -297,7 +297,7 @@ class PrecisionManager:
                 except PlanesCacheError as e:
                     warnings.warn(f"{e}; rebuilding it", stacklevel=3)
         if self.nested is None:
-            self.nested = build_nested(self.originals, c.group_size, plan)
+            self.nested = build_nested(self.originals, plan)
             self.planes_origin = "built"
             if self.planes_file is not None and key is not None:
                 try:

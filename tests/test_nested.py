@@ -18,8 +18,8 @@ from gearbx_mlx.nested.planes import (
 )
 
 #: Relative RMS error of each gear's reconstruction on Gaussian weights (measured
-#: about 9.1e-2, 6.4e-3 and 2.8e-5 in float32; float16 and bfloat16 alike).
-GEAR_REL_RMSE = {1: 0.1, 2: 0.008, 3: 6e-5}
+#: about 9.1e-2, 5.6e-3 and 3.8e-4 in float32; float16 and bfloat16 alike).
+GEAR_REL_RMSE = {1: 0.1, 2: 0.007, 3: 5e-4}
 #: Product of x against the summed planes vs against their reconstruction, by dtype.
 MATMUL_RTOL = {mx.float32: 1e-5, mx.float16: 1e-2, mx.bfloat16: 8e-2}
 
@@ -65,9 +65,9 @@ def test_reference_matmul_is_the_product_with_the_reconstruction(dtype, rows, co
 
 def test_plane_costs_in_bits_per_weight():
     half = build_planes(_weights(8, 256, mx.float16))
-    assert [bits_per_weight(half, n) for n in (1, 2, 3)] == [4.5, 9.0, 17.5]
+    assert [bits_per_weight(half, n) for n in (1, 2, 3)] == [4.5, 9.5, 14.5]
     full = build_planes(_weights(8, 256, mx.float32))
-    assert [bits_per_weight(full, n) for n in (1, 2, 3)] == [5.0, 10.0, 19.0]
+    assert [bits_per_weight(full, n) for n in (1, 2, 3)] == [5.0, 11.0, 17.0]
 
 
 @settings(max_examples=25, deadline=None)
@@ -85,20 +85,21 @@ def test_residual_exponent_of_zero_and_of_nan():
         residual_exponent(mx.array([1.0, float("nan")]))
 
 
-@pytest.mark.parametrize("plan,group,cols,match", [
-    ((), 64, 128, "one to three"),
-    ((4, 4, 8, 8), 64, 128, "one to three"),
-    ((4, 7), 64, 128, "unsupported plane bits"),
-    (DEFAULT_PLAN, 48, 96, "group_size"),
-    (DEFAULT_PLAN, 64, 96, "not a multiple"),
+@pytest.mark.parametrize("plan,cols,match", [
+    ((), 128, "one to three"),
+    (DEFAULT_PLAN + ((4, 32),), 128, "one to three"),
+    (((4, 64), (7, 32)), 128, "unsupported plane bits"),
+    (((4, 48),), 96, "group size must be"),
+    (DEFAULT_PLAN, 96, "not a multiple"),
+    ((4, 4), 128, "bits, group size"),
 ])
-def test_bad_plans_fail_with_one_clear_error(plan, group, cols, match):
+def test_bad_plans_fail_with_one_clear_error(plan, cols, match):
     with pytest.raises(ValueError, match=match):
-        check_plan(plan, group, cols)
+        check_plan(plan, cols)
 
 
 def test_reference_matmul_rejects_a_gear_beyond_its_planes():
-    planes = build_planes(_weights(4, 64, mx.float32), plan=(4, 4))
+    planes = build_planes(_weights(4, 64, mx.float32), plan=((4, 64), (4, 32)))
     with pytest.raises(ValueError, match="1 to 2 planes"):
         reference_matmul(mx.zeros((1, 64)), planes, 3)
 
@@ -117,8 +118,8 @@ IDS = (1, 5, 9, 42, 7, 3)
 #: Mean absolute logit difference of each nested gear from MLX's separate layers
 #: of the same bits on the tiny model (low must be equal to float rounding).
 LOW_VS_MLX4_ATOL = 1e-4
-#: Mean relative logit error of the high gear read from all planes (measured ~2e-5).
-PLANES_HIGH_LOGIT_RTOL = 1e-4
+#: Mean relative logit error of the high gear read from all planes (measured ~6e-4).
+PLANES_HIGH_LOGIT_RTOL = 1.5e-3
 
 
 def _logits(model) -> np.ndarray:
@@ -173,11 +174,11 @@ def test_nested_memory_counts_shared_planes_once():
                                                                          high="planes")).memory()
     s = sep.memory()
     assert s["resident_total"] == s["low_bytes"] + s["mid_bytes"] + s["high_bytes"]
-    # float32 source, float32 scales: planes 5 + 5 (+ 9) bits a weight; originals 32.
+    # float32 source, float32 scales: planes 5 + 6 (+ 6) bits a weight; originals 32.
     assert orig["resident_total"] < s["resident_total"]
     assert orig["low_bytes"] < orig["mid_bytes"] < orig["high_bytes"]
     assert planes["resident_total"] == planes["high_bytes"] < orig["resident_total"]
-    assert planes["resident_total"] / planes["fp16_bytes"] == pytest.approx(19 / 16, rel=0.02)
+    assert planes["resident_total"] / planes["fp16_bytes"] == pytest.approx(17 / 16, rel=0.02)
 
 
 def test_nested_store_of_an_8bit_model_gets_a_real_low_gear():
@@ -186,7 +187,7 @@ def test_nested_store_of_an_8bit_model_gets_a_real_low_gear():
     ref = _logits(model)
     mgr = PrecisionManager(model, GearboxConfig(scope="all", store="nested"))
     assert not mgr.telemetry_only and mgr.source == "quantized-8bit"
-    assert all(w.bits == (4, 4) for w in mgr.nested.values())
+    assert all(w.bits == (4, 4) and w.group_sizes == (64, 32) for w in mgr.nested.values())
     mgr.shift("low")
     low = _logits(model)
     mgr.shift("high")
@@ -219,6 +220,9 @@ import os  # noqa: E402
 import warnings  # noqa: E402
 
 from gearbx_mlx.nested.store import CACHE_FOLDER, PlanesCacheError, load_nested, save_nested  # noqa: E402
+
+
+TWO = DEFAULT_PLAN[:2]
 
 
 def _model_dir(tmp_path, seed: int = 0):
@@ -274,20 +278,20 @@ def test_load_nested_checks_key_shapes_and_plan(tmp_path):
     mgr = PrecisionManager(m, _cfg(), planes_dir=d)
     shapes = {p: w.shape for p, w in mgr.nested.items()}
     key = mgr.planes_file.stem
-    assert set(load_nested(mgr.planes_file, key, shapes, (4, 4))) == set(shapes)
+    assert set(load_nested(mgr.planes_file, key, shapes, TWO)) == set(shapes)
     with pytest.raises(PlanesCacheError, match="other weights"):
-        load_nested(mgr.planes_file, "0" * 24, shapes, (4, 4))
+        load_nested(mgr.planes_file, "0" * 24, shapes, TWO)
     with pytest.raises(PlanesCacheError, match="lacks"):
-        load_nested(mgr.planes_file, key, shapes, (4, 4, 8))
+        load_nested(mgr.planes_file, key, shapes, DEFAULT_PLAN)
     wrong = {p: (s[0] + 1, s[1]) for p, s in shapes.items()}
     with pytest.raises(PlanesCacheError, match="shape"):
-        load_nested(mgr.planes_file, key, wrong, (4, 4))
+        load_nested(mgr.planes_file, key, wrong, TWO)
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(PlanesCacheError, match="cannot be read"):
-        load_nested(junk, key, shapes, (4, 4))
+        load_nested(junk, key, shapes, TWO)
     save_nested(tmp_path / "x.safetensors", mgr.nested, key)  # round trip through the writer
-    assert set(load_nested(tmp_path / "x.safetensors", key, shapes, (4, 4))) == set(shapes)
+    assert set(load_nested(tmp_path / "x.safetensors", key, shapes, TWO)) == set(shapes)
 
 
 def test_a_read_only_model_folder_caches_elsewhere(tmp_path, monkeypatch):

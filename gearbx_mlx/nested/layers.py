@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, build_planes, reference_matmul
+from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, PlaneSpec, build_planes, reference_matmul
 
 
 def fused_matmul(x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array]) -> Optional[mx.array]:
@@ -50,7 +50,7 @@ class NestedWeights(nn.Module):
 
     Attributes:
         weights, scales, biases: one array per plane (see :class:`Plane`).
-        bits, exponents: one int per plane; group_size: of every plane.
+        bits, group_sizes, exponents: one int per plane.
         bias: the layer's own bias ``(out,)``, if it has one.
     """
 
@@ -59,14 +59,14 @@ class NestedWeights(nn.Module):
         if not planes:
             raise ValueError("nested weights need at least one plane")
         shapes = {p.shape for p in planes}
-        if len(shapes) != 1 or len({p.group_size for p in planes}) != 1:
-            raise ValueError(f"the planes of one matrix must share its shape and group size, got {shapes}")
+        if len(shapes) != 1:
+            raise ValueError(f"the planes of one matrix must share its shape, got {shapes}")
         self.weights = [p.weight for p in planes]
         self.scales = [p.scales for p in planes]
         self.biases = [p.biases for p in planes]
         self.bits = tuple(p.bits for p in planes)
         self.exponents = tuple(p.exponent for p in planes)
-        self.group_size = planes[0].group_size
+        self.group_sizes = tuple(p.group_size for p in planes)
         if bias is not None:
             self.bias = bias
         self.freeze()
@@ -74,8 +74,9 @@ class NestedWeights(nn.Module):
     @property
     def planes(self) -> List[Plane]:
         return [
-            Plane(w, s, b, bits, self.group_size, e)
-            for w, s, b, bits, e in zip(self.weights, self.scales, self.biases, self.bits, self.exponents)
+            Plane(w, s, b, bits, g, e)
+            for w, s, b, bits, g, e in zip(self.weights, self.scales, self.biases, self.bits, self.group_sizes,
+                                           self.exponents)
         ]
 
     @property
@@ -95,10 +96,9 @@ class NestedWeights(nn.Module):
 
     @classmethod
     def from_weight(
-        cls, weight: mx.array, bias: Optional[mx.array] = None, *, group_size: int = 64,
-        plan: Sequence[int] = DEFAULT_PLAN,
+        cls, weight: mx.array, bias: Optional[mx.array] = None, *, plan: Sequence[PlaneSpec] = DEFAULT_PLAN,
     ) -> "NestedWeights":
-        return cls(build_planes(weight, group_size, plan), bias)
+        return cls(build_planes(weight, plan), bias)
 
 
 class _View(nn.Module):
@@ -143,10 +143,10 @@ class NestedEmbedding(_View):
         return self.matmul(x)
 
 
-def nested_weights_of(module: nn.Module, group_size: int = 64, plan: Optional[Sequence[int]] = None) -> NestedWeights:
-    """Planes of a float ``nn.Linear``/``nn.Embedding`` (default plan 4/4/8) or of an
-    MLX 8-bit ``QuantizedLinear``/``QuantizedEmbedding`` (re-expressed as 4/4 planes of
-    its dequantized weight).
+def nested_weights_of(module: nn.Module, plan: Optional[Sequence[PlaneSpec]] = None) -> NestedWeights:
+    """Planes of a float ``nn.Linear``/``nn.Embedding`` (default :data:`DEFAULT_PLAN`) or of an
+    MLX 8-bit ``QuantizedLinear``/``QuantizedEmbedding`` (re-expressed as the planes of
+    :data:`QUANTIZED_SOURCE_PLAN` of its dequantized weight).
 
     Raises:
         ValueError: a quantized source of another width, or a mode other than affine.
@@ -160,11 +160,9 @@ def nested_weights_of(module: nn.Module, group_size: int = 64, plan: Optional[Se
             )
         w = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
                           bits=module.bits)
-        return NestedWeights.from_weight(w, module.get("bias"), group_size=group_size,
-                                         plan=plan or QUANTIZED_SOURCE_PLAN)
+        return NestedWeights.from_weight(w, module.get("bias"), plan=plan or QUANTIZED_SOURCE_PLAN)
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        return NestedWeights.from_weight(module.weight, module.get("bias"), group_size=group_size,
-                                         plan=plan or DEFAULT_PLAN)
+        return NestedWeights.from_weight(module.weight, module.get("bias"), plan=plan or DEFAULT_PLAN)
     raise TypeError(f"cannot build nested planes of a {type(module).__name__}")
 
 

@@ -1,32 +1,35 @@
 """Nested bit planes: every gear of a weight matrix in one buffer, in pure MLX.
 
-A weight ``W`` of shape ``(out, in)`` is stored as planes of MLX affine
-group quantization (``mx.quantize``, groups of ``group_size`` inputs), each
-quantizing what the planes before it left over:
+A weight ``W`` of shape ``(out, in)`` is stored as planes of affine group
+quantization in MLX's format (codes packed in uint32 words, a float scale and
+bias per group), each quantizing what the planes before it left over:
 
-* plane 0 (4 bits): ``W`` itself; alone, it *is* MLX's 4-bit quantization
-  of ``W`` (same codes, scales and biases): the low gear;
-* plane 1 (4 bits): ``W - deq(p0)``; planes 0-1 are the mid gear;
-* plane 2 (8 bits): ``W - deq(p0) - deq(p1)``; planes 0-2 reconstruct ``W``
-  to within a few parts in a million of its norm: the high gear.
+* plane 0 (4 bits, groups of 64): ``W`` itself; alone, it *is* MLX's 4-bit
+  quantization of ``W`` (``mx.quantize``: same codes, scales and biases): the
+  low gear;
+* plane 1 (4 bits, groups of 32): ``W - deq(p0)``; planes 0-1 are the mid
+  gear, closer to ``W`` than MLX's 8-bit quantization (as KL to the loaded
+  weights: ``scripts/bench_nested.py``);
+* plane 2 (4 bits, groups of 32): what remains; planes 0-2 are the high
+  gear, within about 1e-5 nats of the loaded weights.
 
-A residual is small, and a float16 scale of a residual of a residual would
-fall below float16's normal range. Each residual plane therefore quantizes
-``residual * 2**e`` (``e`` chosen per plane and matrix so that the largest
-magnitude is about 1) and its products are multiplied by ``2**-e``, which is
-exact in floating point; scales and biases stay in the source's dtype, so
-the three planes cost 4.5 + 4.5 + 8.5 = 17.5 bits a weight at group 64 with
-half-precision scales (1.09x float16).
+With half-precision scales the planes cost 4.5 + 5 + 5 = 14.5 bits a weight
+(0.91x float16) for all three gears. The residual planes choose, per group,
+the clipping of the residual's range that minimizes the squared error
+(:func:`quantize_residual`): MLX aligns its grid so that zero is exact, which
+leaves a few elements of many groups up to a whole step off. A residual is
+small, and a float16 scale of a residual of a residual would fall below
+float16's normal range, so each residual plane quantizes ``residual * 2**e``
+(``e`` chosen per plane and matrix so that the largest magnitude is about 1)
+and its products are multiplied by ``2**-e``, which is exact in floating point.
 
 A gear reads its first ``n`` planes, ``y = sum_p x @ deq(p_p).T``: one to
 three ``mx.quantized_matmul`` calls here (:func:`reference_matmul`, the
 oracle and the fallback of every fused kernel), or one launch of a kernel
 that reads ``n`` planes. Shifting gears changes ``n``; nothing is quantized
-or allocated at shift time.
-
-Built upward from the 4-bit gear, not downward from an 8-bit code: the top
-nibble of 8-bit codes cannot represent a group's extreme weights and makes a
-much worse low gear (``scripts/bench_nested.py`` measures both).
+or allocated at shift time. The planes are built upward from the 4-bit gear,
+not downward from 8-bit codes: the top nibble of 8-bit codes cannot represent
+a group's extreme weights and makes a much worse low gear.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-#: Bits of each plane, low gear first (the default nesting).
-DEFAULT_PLAN: Tuple[int, ...] = (4, 4, 8)
-#: Bits of the planes re-expressing an MLX 8-bit layer: a 4-bit low gear and a
-#: 4-bit residual (about 9 bits a weight with half-precision scales).
-QUANTIZED_SOURCE_PLAN: Tuple[int, ...] = (4, 4)
+#: ``(bits, group size)`` of each plane, low gear first: the default nesting.
+PlaneSpec = Tuple[int, int]
+DEFAULT_PLAN: Tuple[PlaneSpec, ...] = ((4, 64), (4, 32), (4, 32))
+#: The planes re-expressing an MLX 8-bit layer: a 4-bit low gear and a 4-bit
+#: residual (9.5 bits a weight with half-precision scales).
+QUANTIZED_SOURCE_PLAN: Tuple[PlaneSpec, ...] = DEFAULT_PLAN[:2]
 #: Residual planes of these widths use the error-minimizing clipping (:func:`quantize_residual`).
-CLIPPED_PLANE_BITS: Tuple[int, ...] = (2, 4)
+CLIPPED_PLANE_BITS: Tuple[int, ...] = (2, 4, 8)
 #: Group sizes MLX's affine quantization supports.
 GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
 #: Bit widths MLX's affine quantization supports.
@@ -90,17 +94,20 @@ class Plane:
         return w * self.factor if self.exponent else w
 
 
-def check_plan(plan: Sequence[int], group_size: int, in_features: int) -> None:
+def check_plan(plan: Sequence[PlaneSpec], in_features: int) -> None:
     """Raise ``ValueError`` unless MLX can quantize rows of ``in_features`` this way."""
     if not plan or len(plan) > 3:
         raise ValueError(f"a nesting plan has one to three planes, got {tuple(plan)!r}")
-    bad = [b for b in plan if b not in PLANE_BITS]
-    if bad:
-        raise ValueError(f"unsupported plane bits {bad}: MLX quantizes to {PLANE_BITS} bits")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
-    if in_features % group_size:
-        raise ValueError(f"the input size {in_features} is not a multiple of the group size {group_size}")
+    for spec in plan:
+        if not (isinstance(spec, tuple) and len(spec) == 2):
+            raise ValueError(f"a plane is (bits, group size), got {spec!r}")
+        bits, group = spec
+        if bits not in PLANE_BITS:
+            raise ValueError(f"unsupported plane bits {bits}: MLX quantizes to {PLANE_BITS} bits")
+        if group not in GROUP_SIZES:
+            raise ValueError(f"a plane's group size must be one of {GROUP_SIZES}, got {group!r}")
+        if in_features % group:
+            raise ValueError(f"the input size {in_features} is not a multiple of the group size {group}")
 
 
 def quantize_plane(w: mx.array, bits: int, group_size: int, exponent: int = 0,
@@ -184,27 +191,23 @@ def residual_exponent(r: mx.array) -> int:
     return 0 if m == 0.0 else -math.frexp(m)[1]
 
 
-def build_planes(
-    weight: mx.array, group_size: int = 64, plan: Sequence[int] = DEFAULT_PLAN
-) -> List[Plane]:
+def build_planes(weight: mx.array, plan: Sequence[PlaneSpec] = DEFAULT_PLAN) -> List[Plane]:
     """Planes of ``weight`` ``(out, in)``, each quantizing the residual of those before.
 
     Residuals are formed in float32 whatever the weight's dtype; every
     plane's scales and biases are in the source's dtype, as MLX's quantized
     layers of that source would hold them.
     """
-    check_plan(plan, group_size, weight.shape[-1])
+    check_plan(plan, weight.shape[-1])
     if weight.ndim != 2:
         raise ValueError(f"planes quantize a matrix (out, in), got shape {tuple(weight.shape)}")
     dtype = weight.dtype
     planes: List[Plane] = []
     residual = weight.astype(mx.float32)
-    for i, bits in enumerate(plan):
+    for i, (bits, group_size) in enumerate(plan):
         if i == 0:
             p = quantize_plane(weight, bits, group_size)  # exactly MLX's quantization of the source
         else:
-            # A 4-bit residual is what the mid gear adds: quantize it with the
-            # clipping that minimizes its error; wider planes are near-exact anyway.
             p = quantize_plane(residual, bits, group_size, residual_exponent(residual), dtype,
                                clip=bits in CLIPPED_PLANE_BITS)
         planes.append(p)

@@ -23,34 +23,28 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layers import NestedWeights, is_embedding, make_view, nested_weights_of
-from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane
+from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, PlaneSpec
 
 #: Bumped whenever the file layout or the plane construction changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Plane counts of the gears (the high gear reads every plane of its store).
 GEAR_PLANES = {"low": 1, "mid": 2}
 #: Name of the cache folder beside a model.
 CACHE_FOLDER = "gearbx_planes"
 
 
-def plan_for(high: str, quantized_source: bool) -> Tuple[int, ...]:
+def plan_for(high: str, quantized_source: bool, group_size: int = 64) -> Tuple[PlaneSpec, ...]:
     """Planes to build: a float source keeps its loaded weights as the high gear
-    (``high='original'``: two planes) or reads a third, 8-bit plane
-    (``high='planes'``); an MLX 8-bit source gets a 4-bit low plane and a
-    4-bit residual."""
-    if quantized_source:
-        return QUANTIZED_SOURCE_PLAN
-    return DEFAULT_PLAN if high == "planes" else DEFAULT_PLAN[:2]
+    (``high='original'``: two planes) or reads a third plane (``high='planes'``);
+    an MLX 8-bit source gets a 4-bit low plane and a 4-bit residual. Plane 0
+    takes the gearbox's group size (MLX's 4-bit layers: 64)."""
+    plan = QUANTIZED_SOURCE_PLAN if quantized_source else DEFAULT_PLAN if high == "planes" else DEFAULT_PLAN[:2]
+    return ((plan[0][0], group_size),) + tuple(plan[1:])
 
 
-def build_nested(
-    modules: Mapping[str, nn.Module], group_size: int, plan: Sequence[int]
-) -> Dict[str, NestedWeights]:
+def build_nested(modules: Mapping[str, nn.Module], plan: Sequence[PlaneSpec]) -> Dict[str, NestedWeights]:
     """``{path: NestedWeights}`` of every module (float, or MLX 8-bit)."""
-    out = {}
-    for path, m in modules.items():
-        out[path] = nested_weights_of(m, group_size, plan)
-    return out
+    return {path: nested_weights_of(m, plan) for path, m in modules.items()}
 
 
 def gear_views(
@@ -129,9 +123,9 @@ def _atomic_write_text(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
-def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[int], group_size: int) -> str:
-    """What a planes file is valid for: the weights, the managed paths, the plan, the group size."""
-    text = json.dumps([FORMAT_VERSION, model_fingerprint, list(paths), list(plan), group_size])
+def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[PlaneSpec]) -> str:
+    """What a planes file is valid for: the weights, the managed paths, the plan."""
+    text = json.dumps([FORMAT_VERSION, model_fingerprint, list(paths), [list(s) for s in plan]])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -153,7 +147,7 @@ def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> P
             arrays[f"{p}.{i}.q"], arrays[f"{p}.{i}.s"], arrays[f"{p}.{i}.b"] = q, s, b
         if "bias" in w:
             arrays[f"{p}.bias"] = w.bias
-        layout[p] = {"bits": list(w.bits), "exponents": list(w.exponents), "group_size": w.group_size,
+        layout[p] = {"bits": list(w.bits), "group_sizes": list(w.group_sizes), "exponents": list(w.exponents),
                      "bias": "bias" in w}
     meta = {"format": "gearbx-planes", "version": str(FORMAT_VERSION), "key": key, "layout": json.dumps(layout)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +167,7 @@ class PlanesCacheError(ValueError):
 
 
 def load_nested(
-    path: Path, key: str, shapes: Mapping[str, Tuple[int, int]], plan: Sequence[int]
+    path: Path, key: str, shapes: Mapping[str, Tuple[int, int]], plan: Sequence[PlaneSpec]
 ) -> Dict[str, NestedWeights]:
     """The planes saved at ``path`` for ``key``, checked against each path's ``(out, in)`` and the plan.
 
@@ -196,7 +190,8 @@ def load_nested(
     out = {}
     for p, want in shapes.items():
         entry = layout.get(p)
-        if not isinstance(entry, dict) or list(entry.get("bits", [])) != list(plan):
+        want_plan = [list(s) for s in plan]
+        if not isinstance(entry, dict) or [list(s) for s in zip(entry.get("bits", []), entry.get("group_sizes", []))] != want_plan:
             raise PlanesCacheError(f"planes cache {path} lacks {p} with planes {tuple(plan)}")
         planes = []
         for i, bits in enumerate(entry["bits"]):
@@ -204,7 +199,7 @@ def load_nested(
                 q, s, b = arrays[f"{p}.{i}.q"], arrays[f"{p}.{i}.s"], arrays[f"{p}.{i}.b"]
             except KeyError:
                 raise PlanesCacheError(f"planes cache {path} lacks plane {i} of {p}") from None
-            planes.append(Plane(q, s, b, int(bits), int(entry["group_size"]), int(entry["exponents"][i])))
+            planes.append(Plane(q, s, b, int(bits), int(entry["group_sizes"][i]), int(entry["exponents"][i])))
         got = {pl.shape for pl in planes}
         if got != {tuple(want)}:
             raise PlanesCacheError(f"planes cache {path}: {p} has planes of shape {got}, the model's is {tuple(want)}")
