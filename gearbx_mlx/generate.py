@@ -105,7 +105,9 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
         window=args.window,
         hysteresis=args.hysteresis,
         min_gear_duration=args.min_gear_duration,
-        scope=args.scope,
+        # Speculative decoding drafts from the nested store's planes: build the
+        # store over the layers the drafter quantizes, so there is one copy.
+        scope=args.draft_scope if args.speculative and args.store == "nested" else args.scope,
         kernel=args.kernel or default_kernel(),
         store=args.store,
         high=args.high,

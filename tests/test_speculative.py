@@ -261,8 +261,24 @@ def test_draft_shares_every_unmanaged_array(tiny):
         elif not on_the_way:
             assert low[path] is m, path  # norms, RoPE, unmanaged layers: the same objects
     mem = draft.memory
-    assert mem["shared_bytes"] > 0 and mem["extra_bytes"] == mem["managed_draft_bytes"]
-    assert mem["resident_total"] == mem["high_bytes"] + mem["extra_bytes"]
+    assert mem["shared_bytes"] > 0
+    assert mem["resident_total"] == mem["high_bytes"] + mem["store_bytes"] + mem["extra_bytes"]
+    assert mem["store_bytes"] + mem["extra_bytes"] == mem["managed_draft_bytes"]  # the low copy, once
+
+
+@pytest.mark.parametrize("high", ["original", "planes"])
+def test_a_nested_store_drafts_from_its_own_planes_at_no_memory_cost(high):
+    model = make_tiny_llama(vocab=VOCAB, hidden=64, seed=3)
+    gb = Gearbox(model, GearboxConfig(scope="all", store="nested", high=high), vocab_size=VOCAB)
+    before = gb.manager.memory()["resident_total"]
+    draft = build_draft(model, gb, "low", scope="all")
+    assert draft.memory["extra_bytes"] == 0 and gb.manager.memory()["resident_total"] == before
+    low = gb.manager.cache["low"]
+    mods = dict(draft.module.named_modules())
+    assert all(mods[p] is low[p] for p in draft.paths)  # the store's own views
+    # Greedy speculative output is the high gear's, token for token.
+    ref = greedy_reference(model, PROMPT, 12)
+    assert run(model, draft, SpeculativeConfig(max_draft=3), 12) == ref
 
 
 def test_draft_stats_and_auc(tiny):

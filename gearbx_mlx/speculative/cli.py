@@ -163,8 +163,9 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
     ]
     if mem:
         lines.append(
-            f"Resident: {mem['resident_total'] / 1e6:.1f} MB (high {mem['high_bytes'] / 1e6:.1f} MB "
-            f"+ draft extra {mem['extra_bytes'] / 1e6:.1f} MB; shared {mem['shared_bytes'] / 1e6:.1f} MB)"
+            f"Resident: {mem['resident_total'] / 1e6:.1f} MB (model {mem['high_bytes'] / 1e6:.1f} MB "
+            f"+ gear store {mem.get('store_bytes', 0) / 1e6:.1f} MB + drafter's own {mem['extra_bytes'] / 1e6:.1f} MB; "
+            f"the drafter shares {mem['shared_bytes'] / 1e6:.1f} MB)"
         )
     plan = s.get("plan")
     if plan:

@@ -211,8 +211,11 @@ def build_draft(
         raise ValueError(f"the gearbox is in the {mgr.gear} gear: shift it to 'high' first")
     bits = bits_for(gear, config)
     if scope != config.scope:
-        # Another scope: a manager of our own, only to discover and quantize.
-        mgr = PrecisionManager(model, config.replace(scope=scope))
+        # Another scope: a manager of our own, only to discover and quantize
+        # (reading the loaded weights as its high gear, so it never touches
+        # the model). With the nested store this builds planes of its own:
+        # give the gearbox the drafter's scope to share one store.
+        mgr = PrecisionManager(model, config.replace(scope=scope, high="original"))
     if not mgr.paths:
         raise ValueError(f"scope {scope!r} manages no layer of this model: nothing to draft with")
     if quantizer == "gearbox":
@@ -224,7 +227,10 @@ def build_draft(
     module = graft(model, _path_tree(mgr.paths, modules))
     kernel = config.kernel if quantizer == "gearbox" else "fake"
     draft = DraftModel(module, gear, int(bits), scope, list(mgr.paths), quantizer, kernel)
-    draft.memory = resident_bytes(model, draft)
+    # With the nested store the drafter's layers are views of the store's
+    # planes, and with the separate store of the gearbox's own gear cache:
+    # count what is already resident there as resident, not as the drafter's.
+    draft.memory = resident_bytes(model, draft, held=[gearbox.manager, mgr])
     attach_host(draft, host)
     return draft
 
@@ -249,23 +255,33 @@ def attach_host(draft: DraftModel, host: Optional[bool] = None) -> None:
     draft.host_reason = reason
 
 
-def resident_bytes(model: nn.Module, draft: DraftModel) -> Dict[str, int]:
+def resident_bytes(model: nn.Module, draft: DraftModel, held: Sequence[Any] = ()) -> Dict[str, int]:
     """Bytes of both trees, each array counted once.
 
     ``high_bytes``: the loaded model; ``draft_bytes``: the drafter's tree as
-    if alone; ``shared_bytes``: arrays in both; ``extra_bytes``: what the
-    drafter adds; ``resident_total``: high plus extra.
+    if alone; ``shared_bytes``: its arrays the model or the gear stores in
+    ``held`` (precision managers) already hold; ``extra_bytes``: what the
+    drafter adds; ``store_bytes``: the stores' arrays outside the model tree;
+    ``resident_total``: the model, the stores and the drafter's extra.
     """
     hi = {id(v): v.nbytes for _, v in tree_flatten(model.parameters())}
+    store: Dict[int, int] = {}
+    for mgr in held:
+        for mods in getattr(mgr, "cache", {}).values():
+            for m in mods.values():
+                for _, v in tree_flatten(m.parameters()):
+                    if id(v) not in hi:
+                        store[id(v)] = v.nbytes
     dr = {id(v): v.nbytes for _, v in tree_flatten(draft.module.parameters())}
-    shared = sum(n for k, n in dr.items() if k in hi)
-    extra = sum(n for k, n in dr.items() if k not in hi)
+    shared = sum(n for k, n in dr.items() if k in hi or k in store)
+    extra = sum(n for k, n in dr.items() if k not in hi and k not in store)
     return {
         "high_bytes": sum(hi.values()),
+        "store_bytes": sum(store.values()),
         "draft_bytes": sum(dr.values()),
         "shared_bytes": shared,
         "extra_bytes": extra,
-        "resident_total": sum(hi.values()) + extra,
+        "resident_total": sum(hi.values()) + sum(store.values()) + extra,
         "managed_high_bytes": sum(nbytes(m) for m in _at(model, draft.paths)),
         "managed_draft_bytes": sum(nbytes(m) for m in _at(draft.module, draft.paths)),
     }
