@@ -41,7 +41,7 @@ STORES: Tuple[str, ...] = ("separate", "nested")
 #: What the high gear of the nested store reads: the loaded weights
 #: (``original``, bit-identical to the unmodified model) or all the planes
 #: (``planes``: the loaded weights are dropped; all three gears then fit in
-#: about 0.91x the float16 bytes).
+#: about 1.0x the float16 bytes).
 HIGH_SOURCES: Tuple[str, ...] = ("original", "planes")
 
 #: Our choice: a low gear that still reads this share of the high gear's

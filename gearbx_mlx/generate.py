@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {GearboxConfig.store})")
     r.add_argument("--high", choices=HIGH_SOURCES, default=GearboxConfig.high,
                    help="nested store only: the high gear reads the loaded weights ('original', exact) or "
-                        "every plane ('planes': the loaded weights are dropped, all gears in ~0.91x the "
+                        "every plane ('planes': the loaded weights are dropped, all gears in ~1.0x the "
                         f"float16 bytes) (default {GearboxConfig.high})")
     r.add_argument("--thresholds", nargs=2, type=float, metavar=("LOW", "HIGH"),
                    help="entropy thresholds in bits of this model (no vocabulary scaling)")

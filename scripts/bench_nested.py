@@ -151,7 +151,7 @@ def run_quality(args: argparse.Namespace) -> List[Dict[str, Any]]:
     sep = gb.manager
     sep.prepare("low")
     sep.prepare("mid")
-    views = gear_views(build_nested(sep.originals, 64, DEFAULT_PLAN), sep.originals, "planes", fused=False)
+    views = gear_views(build_nested(sep.originals, DEFAULT_PLAN), sep.originals, "planes", fused=False)
     variants = {
         "reference": sep.originals, "mlx-4bit": sep.cache["low"], "mlx-8bit": sep.cache["mid"],
         "nested-low": views["low"], "nested-mid": views["mid"], "nested-high-planes": views["high"],

@@ -10,11 +10,11 @@ bias per group), each quantizing what the planes before it left over:
 * plane 1 (4 bits, groups of 32): ``W - deq(p0)``; planes 0-1 are the mid
   gear, closer to ``W`` than MLX's 8-bit quantization (as KL to the loaded
   weights: ``scripts/bench_nested.py``);
-* plane 2 (4 bits, groups of 32): what remains; planes 0-2 are the high
-  gear, within about 1e-5 nats of the loaded weights.
+* plane 2 (6 bits, groups of 64): what remains; planes 0-2 are the high
+  gear, within about 1e-6 nats of the loaded weights.
 
-With half-precision scales the planes cost 4.5 + 5 + 5 = 14.5 bits a weight
-(0.91x float16) for all three gears. The residual planes choose, per group,
+With half-precision scales the planes cost 4.5 + 5 + 6.5 = 16 bits a weight
+(1.0x float16) for all three gears. The residual planes choose, per group,
 the clipping of the residual's range that minimizes the squared error
 (:func:`quantize_residual`): MLX aligns its grid so that zero is exact, which
 leaves a few elements of many groups up to a whole step off. A residual is
@@ -42,12 +42,12 @@ import mlx.core as mx
 
 #: ``(bits, group size)`` of each plane, low gear first: the default nesting.
 PlaneSpec = Tuple[int, int]
-DEFAULT_PLAN: Tuple[PlaneSpec, ...] = ((4, 64), (4, 32), (4, 32))
+DEFAULT_PLAN: Tuple[PlaneSpec, ...] = ((4, 64), (4, 32), (6, 64))
 #: The planes re-expressing an MLX 8-bit layer: a 4-bit low gear and a 4-bit
 #: residual (9.5 bits a weight with half-precision scales).
 QUANTIZED_SOURCE_PLAN: Tuple[PlaneSpec, ...] = DEFAULT_PLAN[:2]
 #: Residual planes of these widths use the error-minimizing clipping (:func:`quantize_residual`).
-CLIPPED_PLANE_BITS: Tuple[int, ...] = (2, 4, 8)
+CLIPPED_PLANE_BITS: Tuple[int, ...] = (2, 4)
 #: Group sizes MLX's affine quantization supports.
 GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
 #: Bit widths MLX's affine quantization supports.
