@@ -1,6 +1,6 @@
 """Build hook for the optional C CPU kernels; all metadata is in pyproject.toml.
 
-``cffi_modules`` builds ``gearbx_mlx.packed._gearbx_cpu`` from ``csrc/`` (API mode,
+``cffi_modules`` builds ``gearbx_mlx.packed._gearbx_cpu`` from ``kernels/cpu/`` (API mode,
 see ``gearbx_mlx/packed/_build.py`` for the per-platform flags). The extension is
 optional: if it cannot be compiled, installation still succeeds with a
 warning, ``gearbx_mlx.packed.cpu.available()`` is False and packed layers run on MLX.

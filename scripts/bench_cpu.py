@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from gearbx_mlx import cpu  # noqa: E402
+from gearbx_mlx.packed import cpu  # noqa: E402
 
 SHAPES = ((4096, 4096), (11008, 4096))
 PIECE = 8 << 20  # bytes per bandwidth-probe call, about one int4 4096x4096 matrix
@@ -258,7 +258,7 @@ def bench_decode(args: argparse.Namespace) -> Dict[str, Any]:
     """
     from mlx_lm import load  # noqa: PLC0415
 
-    from gearbx_mlx import models  # noqa: PLC0415
+    from gearbx_mlx.sources import models  # noqa: PLC0415
     from gearbx_mlx.config import GearboxConfig  # noqa: PLC0415
     from gearbx_mlx.precision import PrecisionManager  # noqa: PLC0415
 

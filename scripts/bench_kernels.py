@@ -53,7 +53,7 @@ import mlx.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gearbx_mlx import kernels, quant  # noqa: E402
+from gearbx_mlx.packed import formats as quant, gpu as kernels  # noqa: E402
 from gearbx_mlx.packed.fused import fuse_plan  # noqa: E402
 from gearbx_mlx.packed.layers import PackedEmbedding, PackedLinear  # noqa: E402
 
@@ -286,7 +286,7 @@ def bench_dispatch(n_layers: int = 200, dim: int = 256) -> Dict[str, Dict[str, f
     layers = {
         "linear_bf16": linears,
         "mlx_4_g64": [nn.QuantizedLinear.from_linear(m, 64, 4) for m in linears],
-        "packed_4_row": [PackedLinear.from_linear(m, 4) for m in linears],
+        "packed_4_row": [PackedLinear.from_linear(m, bits=4) for m in linears],
     }
     mx.eval([m.parameters() for ms in layers.values() for m in ms])
     layers["null_kernel"] = [NullLinear(NullGroup((dim,)), 0) for _ in range(n_layers)]
@@ -534,10 +534,10 @@ def swap_plan(model, variant: str) -> List[Tuple[str, nn.Module]]:
     for path, m in model.named_modules():
         if isinstance(m, nn.Linear):
             new = (nn.QuantizedLinear.from_linear(m, 64, bits) if kind == "mlx"
-                   else PackedLinear.from_linear(m, bits, gs))
+                   else PackedLinear.from_linear(m, bits=bits, group_size=gs))
         elif isinstance(m, nn.Embedding) and tied:
             new = (nn.QuantizedEmbedding.from_embedding(m, 64, bits) if kind == "mlx"
-                   else PackedEmbedding.from_embedding(m, bits, gs))
+                   else PackedEmbedding.from_embedding(m, bits=bits, group_size=gs))
         else:
             continue
         mx.eval(new.parameters())

@@ -8,7 +8,7 @@ thread-position attributes it names (and, given template arguments, which
 these kernels do not use, a template and its explicit instantiation). This
 script writes that same translation unit, constants included, for every
 kernel variant and compiles it with
-``clang -fsyntax-only -x c++ -std=c++17 -include metal_kernels/check/metal_stub.h``,
+``clang -fsyntax-only -x c++ -std=c++17 -include kernels/gpu/check/metal_stub.h``,
 the stub standing in for ``<metal_stdlib>`` and MLX's Metal utils.
 
 With ``--cuda`` it also checks the CUDA twin: compiled for sm_90 by nvcc when
@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gearbx_mlx import kernels  # noqa: E402  (needs the checkout on sys.path)
+from gearbx_mlx.packed import gpu as kernels  # noqa: E402  (needs the checkout on sys.path)
 
 # MLX's Metal type names (get_type_string) and CUDA type names (dtype_to_cuda_type).
 METAL_TYPES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t",
@@ -215,7 +215,7 @@ def compile_unit(clang: str, backend: str, text: str, workdir: Path, stub_dir: P
 
 def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = False,
           nvcc: Optional[str] = None) -> int:
-    stub_dir = Path(directory) / "check"
+    stub_dir = Path(directory) / kernels.GPU_DIR / "check"
     failures = 0
     with tempfile.TemporaryDirectory(prefix="gbx_syntax_") as tmp:
         for backend in backends:
@@ -235,7 +235,7 @@ def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source-dir", type=Path, default=None,
-                    help="kernel sources (default: the package's metal_kernels/)")
+                    help="kernel sources: the folder of gearbx_format.h and gpu/ (default: the package's)")
     ap.add_argument("--clang", default=None, help="clang executable (default: search PATH)")
     ap.add_argument("--cuda", action="store_true",
                     help="also check the CUDA twin (with nvcc if on PATH, else clang)")

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gearbx_mlx.packed import cpu
+from gearbx_mlx.packed import _build, cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOAT_RTOL = 2e-5
@@ -103,7 +103,7 @@ def abs_terms(q: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def ext():
     if not cpu.available():
-        pytest.skip("C extension not built: `pip install -e .` or `python gearbx_mlx/_cpu_build.py`")
+        pytest.skip("C extension not built: `pip install -e .` or `python gearbx_mlx/packed/_build.py`")
     return cpu.require()
 
 
@@ -391,7 +391,7 @@ def _build_driver(tmp_path: Path, *defines: str) -> Path:
     if cc is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "gbx_driver"
-    srcs = [ROOT / "csrc" / f for f in ("gearbx_packed.c", "gearbx_packed_ref.c", "test_main.c")]
+    srcs = [ROOT / p for p in _build.SOURCES + (_build.TEST_DRIVER,)]
     r = subprocess.run([cc, "-O3", "-std=gnu11", "-pthread", *defines, *map(str, srcs), "-lm", "-o", str(exe)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -4,7 +4,7 @@ Three layers, from anywhere to the GPU:
 
 * argument plumbing (`kernels.launch_spec`): every machine;
 * the shared kernel body run on the host through a CPU emulation of the GPU
-  prelude (metal_kernels/check/host_emulation.h, one std::thread per GPU
+  prelude (kernels/gpu/check/host_emulation.h, one std::thread per GPU
   thread, address sanitizer on): wherever g++ is installed;
 * the CUDA twin through `mx.fast.cuda_kernel` and `PackedLinear`: only where
   MLX has a CUDA GPU (skipped with a reason elsewhere).
@@ -25,7 +25,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from gearbx_mlx.packed import formats as quant, gpu as kernels
+from gearbx_mlx.packed import formats as quant, gpu as kernels, kernel_files
 from gearbx_mlx.packed.layers import PackedLinear, backend_for
 
 #: One unit in the last place of each output dtype, relative to |y|: kernel and
@@ -110,10 +110,11 @@ def test_launch_spec_refuses_unsupported_layers():
 
 def test_kernel_names_differ_by_source_text(tmp_path):
     """Names carry a hash of the text: an edited kernel never hits a stale cache."""
-    copy = tmp_path / "metal_kernels"
+    copy = tmp_path / "kernels"
     shutil.copytree(kernels.source_dir(), copy)
     a = kernels.kernel_sources("cuda", False, copy)
-    (copy / "gemv_body.inc").write_text((copy / "gemv_body.inc").read_text() + "\n// edit\n")
+    body = copy / "gpu" / "gemv_body.inc"
+    body.write_text(body.read_text() + "\n// edit\n")
     kernels.read_source.cache_clear()
     b = kernels.kernel_sources("cuda", False, copy)
     assert a != b
@@ -162,7 +163,7 @@ def _mma_host_kernels(first_case: int) -> Tuple[List[str], List[str]]:
         params += [f"const {t}* bias"] if bias else []
         params += [f"{t}* {name}" for name in kernels.output_names(len(splits) + 1)]
         _, body = kernels.kernel_sources("cuda", bias, mma=True, n_out=len(splits) + 1)
-        body = body.replace(kernels.read_source(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
+        body = body.replace(kernels.backend_files("cuda", d)[1], "GBX_HOST_ENTRY\n")
         consts = "".join(f"  constexpr int OUT{k + 1} = {b};\n" for k, b in enumerate(splits))
         parts.append(
             f"void kernel_{i}({', '.join(params)}) {{\n"
@@ -183,8 +184,9 @@ def _mma_host_kernels(first_case: int) -> Tuple[List[str], List[str]]:
 def _host_unit() -> str:
     d = kernels.source_dir()
     parts = [
-        (d / "check" / "host_emulation.h").read_text(),
-        (d / "gemv_common.h").read_text(),
+        (d / kernel_files.FORMAT_HEADER).read_text(),
+        (d / "gpu" / "check" / "host_emulation.h").read_text(),
+        (d / "gpu" / "gemv_common.h").read_text(),
         "using Shape = std::array<int, 10>;",
     ]
     calls = []
@@ -195,7 +197,7 @@ def _host_unit() -> str:
         params += [f"const {t}* bias"] if bias else []
         params += [f"{t}* y"]
         _, body = kernels.kernel_sources("cuda", bias)
-        body = body.replace(kernels.read_source(d, "entry_cuda.inc"), "GBX_HOST_ENTRY\n")
+        body = body.replace(kernels.backend_files("cuda", d)[1], "GBX_HOST_ENTRY\n")
         parts.append(
             f"void kernel_{i}({', '.join(params)}) {{\n"
             f"  using T = {t};\n  constexpr int BITS = {bits};\n"
@@ -419,7 +421,7 @@ def test_cuda_gemv_every_tuning(bits, tuning):
 def test_packed_linear_runs_the_cuda_twin(bits):
     lin = nn.Linear(4104, 33, bias=True)
     lin.set_dtype(mx.bfloat16)
-    layer = PackedLinear.from_linear(lin, bits)
+    layer = PackedLinear.from_linear(lin, bits=bits)
     x = mx.random.normal((1, 1, 4104)).astype(mx.bfloat16)
     assert backend_for(x, bits, 4104, 33) == "cuda"
     y = layer(x)
@@ -456,7 +458,7 @@ def test_fused_members_match_separate_layers_on_cuda():
     for name, n in sizes.items():
         lin = nn.Linear(576, n, bias=False)
         lin.set_dtype(mx.bfloat16)
-        setattr(parent, name, PackedLinear.from_linear(lin, 4))
+        setattr(parent, name, PackedLinear.from_linear(lin, bits=4))
     separate = {n: getattr(parent, n) for n in sizes}
     x = mx.random.normal((1, 1, 576)).astype(mx.bfloat16)
     want = {n: m(x) for n, m in separate.items()}

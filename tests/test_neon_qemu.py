@@ -1,6 +1,6 @@
 """NEON kernels, cross-compiled for AArch64 and run under qemu-aarch64.
 
-Each build runs ``csrc/test_main.c``, which checks every fast kernel against
+Each build runs ``kernels/cpu/test_main.c``, which checks every fast kernel against
 the scalar oracles (bit-exact on integer data, within a tolerance on float
 data) and reports ``OK`` or ``MISMATCH`` lines.
 
@@ -17,9 +17,10 @@ from typing import Dict, List
 
 import pytest
 
+from gearbx_mlx.packed import _build
+
 ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
-SOURCES = [CSRC / "gearbx_packed.c", CSRC / "gearbx_packed_ref.c", CSRC / "test_main.c"]
+SOURCES = [ROOT / p for p in _build.SOURCES + (_build.TEST_DRIVER,)]
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 APT = "apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"

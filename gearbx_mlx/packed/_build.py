@@ -1,4 +1,4 @@
-"""cffi build script (API mode) for the packed-GEMV CPU kernels in ``csrc/``.
+"""cffi build script (API mode) for the CPU kernels in ``kernels/cpu/``.
 
 Used two ways:
 
@@ -40,9 +40,30 @@ MODULE_NAME = "gearbx_mlx.packed._gearbx_cpu"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
-_SOURCES = ("csrc/gearbx_packed.c", "csrc/gearbx_packed_ref.c")
+#: The library's C sources, relative to the checkout's root. Every file is
+#: compiled on every platform: each arch/ file guards its body with the
+#: instruction set it needs (kernels/cpu/internal.h), so a macOS universal2
+#: build compiles the same list for both halves.
+SOURCES = (
+    "kernels/cpu/ref.c",
+    "kernels/cpu/dispatch.c",
+    "kernels/cpu/pool.c",
+    "kernels/cpu/bandwidth.c",
+    "kernels/cpu/arch/x86/packed.c",
+    "kernels/cpu/arch/arm/packed.c",
+)
+#: The self-test driver (not in the extension): built by the tests with SOURCES.
+TEST_DRIVER = "kernels/cpu/test_main.c"
+#: Headers a change of which must rebuild the extension.
+HEADERS = (
+    "kernels/gearbx_format.h",
+    "kernels/cpu/gearbx_cpu.h",
+    "kernels/cpu/internal.h",
+    "kernels/cpu/arch/x86/simd.h",
+    "kernels/cpu/arch/arm/simd.h",
+)
 
-# What Python sees of csrc/gearbx_packed.h.  API mode checks it against the
+# What Python sees of kernels/cpu/gearbx_cpu.h.  API mode checks it against the
 # real header when it compiles, so a drift is a build error, not a crash.
 CDEF = """
 enum {
@@ -173,12 +194,12 @@ def make_ffibuilder(absolute_paths: bool = False) -> FFI:
     ffi.cdef(CDEF)
     ffi.set_source(
         MODULE_NAME,
-        '#include "gearbx_packed.h"\n',
-        sources=[path(s) for s in _SOURCES],
-        include_dirs=[path("csrc")],
+        '#include "gearbx_cpu.h"\n',
+        sources=[path(s) for s in SOURCES],
+        include_dirs=[path("kernels/cpu")],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
-        depends=[path("csrc/gearbx_packed.h")],
+        depends=[path(h) for h in HEADERS],
     )
     return ffi
 

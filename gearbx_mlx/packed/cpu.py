@@ -1,6 +1,6 @@
 """Packed int4/int8 GEMV on the CPU: a checked wrapper over the C kernels.
 
-The kernels (``csrc/``, built by cffi in API mode as ``gearbx_mlx.packed._gearbx_cpu``)
+The kernels (``kernels/cpu/``, built by cffi in API mode as ``gearbx_mlx.packed._gearbx_cpu``)
 compute ``y = W x`` for one activation vector straight from the packed format
 of :mod:`gearbx_mlx.packed.formats`: int8 ``(O, I)``, or uint8 ``(O, I/2)`` int4 with the
 low nibble first and an offset of 8, with float32 scales ``(O, n_groups)``.

@@ -1,7 +1,8 @@
 """Packed int4/int8 decode GEMV kernels for Metal and CUDA, built lazily.
 
-The kernel text lives in ``metal_kernels/`` (one shared body, a small prelude
-and entry per backend; see its README). This module assembles it, builds
+The kernel text lives in ``kernels/gpu/`` (one shared body, a small prelude
+and entry per backend; see its README), after the format header
+``kernels/gearbx_format.h`` that the C kernels include too. This module assembles it, builds
 ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` objects on first use and
 caches them; nothing is compiled at import. Every parameter baked into a
 kernel (backend, bits, group size, rows per SIMD group, unroll, load width, variant, input
@@ -23,23 +24,20 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from . import formats
+from .kernel_files import FORMAT_HEADER, format_constant, read as read_source, source_dir
 
 #: Bit widths with a GPU kernel (int6/int2 use the reference).
 KERNEL_BITS: Tuple[int, ...] = (4, 8)
 #: Threads per threadgroup: eight 32-lane SIMD groups (§8.1, §16.2).
 THREADS = 256
 SIMD_GROUPS = 8
-#: Largest K whose input vector is staged in threadgroup memory (§8.1); must
-#: match GBX_SHARED_K in metal_kernels/gemv_common.h.
-SHARED_K = 6144
 #: Input dtypes the kernels read.
 KERNEL_DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 #: The matrix-unit variant (gemv_mma_body.inc): int4, 16-bit inputs, K a
-#: multiple of 64 up to MMA_MAX_K (must match GBX_MMA_MAX_K in gemv_common.h),
-#: per-row scales or groups of a multiple of 64. Elsewhere the SIMT body runs.
+#: multiple of 64 up to ``MMA_MAX_K``, per-row scales or groups of a multiple
+#: of 64. Elsewhere the SIMT body runs.
 MMA_BITS = 4
 MMA_DTYPES: Tuple[mx.Dtype, ...] = (mx.float16, mx.bfloat16)
-MMA_MAX_K = 14336
 #: Rows of a matrix-unit threadgroup (two 8-row halves of a 16x16 operand).
 MMA_ROWS = 16
 #: Iterations (64 inputs each) whose loads a SIMD group issues together, per
@@ -72,26 +70,24 @@ TUNING: Dict[int, Tuning] = {4: Tuning(rows=4, unroll=1, vec=4), 8: Tuning(rows=
 
 _DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 
+#: Limits the kernels' threadgroup memory sets, read from the format header:
+#: the largest K whose input vector the SIMT body stages (§8.1), and the
+#: largest K of the matrix-unit variant.
+_HEADER_LIMITS = {"SHARED_K": "GBX_SHARED_K", "MMA_MAX_K": "GBX_MMA_MAX_K"}
+
+
+def __getattr__(name: str) -> int:
+    # SHARED_K and MMA_MAX_K are read from kernels/gearbx_format.h on first
+    # use (not at import, and never restated here).
+    if name in _HEADER_LIMITS:
+        return format_constant(_HEADER_LIMITS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # -- sources --------------------------------------------------------------------
 
-
-def source_dir() -> Path:
-    """The folder of kernel sources: inside the installed package, or the checkout's."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "metal_kernels", here.parent.parent / "metal_kernels"):
-        if (candidate / "gemv_body.inc").is_file():
-            return candidate
-    raise FileNotFoundError(
-        "kernel sources (metal_kernels/gemv_body.inc) not found next to gearbx_mlx: "
-        "reinstall the package; the wheel must ship metal_kernels/"
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def read_source(directory: Path, name: str) -> str:
-    """One kernel source file of ``directory`` (read once per process; ``read_source.cache_clear()`` rereads)."""
-    return (directory / name).read_text()
+#: Where the GPU files lie under :func:`source_dir`.
+GPU_DIR = "gpu"
 
 
 def _compact(text: str) -> str:
@@ -106,6 +102,19 @@ def _compact(text: str) -> str:
         if code:
             out.append(code)
     return "\n".join(out) + "\n"
+
+
+def backend_files(backend: str, directory: Path) -> Tuple[str, str]:
+    """``(header prelude, entry)`` of ``backend``: the format header, then the
+    backend's spellings of the ``GBX_*`` macros; and its thread-index entry."""
+    if backend == "metal":
+        names = ("prelude_metal.h", "entry_metal.inc")
+    elif backend == "cuda":
+        names = ("prelude_cuda.cuh", "entry_cuda.inc")
+    else:
+        raise ValueError(f"no GPU kernel for backend {backend!r}: use 'metal' or 'cuda'")
+    prelude = read_source(directory, FORMAT_HEADER) + "\n" + read_source(directory, f"{GPU_DIR}/{names[0]}")
+    return prelude, read_source(directory, f"{GPU_DIR}/{names[1]}")
 
 
 def kernel_sources(
@@ -125,16 +134,11 @@ def kernel_sources(
     compile a copy with a planted error); ``compact`` strips comments.
     """
     d = Path(directory) if directory is not None else source_dir()
-    if backend == "metal":
-        prelude, entry = read_source(d, "prelude_metal.h"), read_source(d, "entry_metal.inc")
-    elif backend == "cuda":
-        prelude, entry = read_source(d, "prelude_cuda.cuh"), read_source(d, "entry_cuda.inc")
-    else:
-        raise ValueError(f"no GPU kernel for backend {backend!r}: use 'metal' or 'cuda'")
     if n_out not in (1, 2, 3) or (n_out > 1 and not mma):
         raise ValueError(f"n_out must be 1, or 2-3 with the matrix-unit body, got {n_out}")
-    header = prelude + "\n" + read_source(d, "gemv_common.h")
-    body = read_source(d, "gemv_mma_body.inc" if mma else "gemv_body.inc")
+    prelude, entry = backend_files(backend, d)
+    header = prelude + "\n" + read_source(d, f"{GPU_DIR}/gemv_common.h")
+    body = read_source(d, f"{GPU_DIR}/gemv_mma_body.inc" if mma else f"{GPU_DIR}/gemv_body.inc")
     # The bias and the output count are preprocessor switches, not template
     # arguments: without a bias input there is no `bias` name to refer to.
     source = f"#define GBX_HAS_BIAS {int(has_bias)}\n#define GBX_NOUT {n_out}\n" + entry + body
@@ -234,7 +238,7 @@ def supports_mma(
         return False
     if bits != MMA_BITS or dtype not in MMA_DTYPES:
         return False
-    if in_features % 64 or in_features > MMA_MAX_K:
+    if in_features % 64 or in_features > format_constant("GBX_MMA_MAX_K"):
         return False
     return group_size is None or group_size % 64 == 0
 
@@ -354,7 +358,7 @@ def launch_spec(
     elif mma and not can_mma:
         raise ValueError(
             f"the matrix-unit variant takes int4, float16/bfloat16 inputs and K % 64 == 0, "
-            f"K <= {MMA_MAX_K}: got int{bits}, {x.dtype}, K={in_features}, "
+            f"K <= {format_constant('GBX_MMA_MAX_K')}: got int{bits}, {x.dtype}, K={in_features}, "
             f"group_size={group_size}")
     splits = tuple(int(b) for b in splits)
     if splits and (not mma or len(splits) > 2
@@ -373,10 +377,11 @@ def launch_spec(
     else:
         t = _tuning_for(bits, tuning, in_features)
         if shared is None:
-            shared = in_features <= SHARED_K
-        elif shared and in_features > SHARED_K:
+            shared = in_features <= format_constant("GBX_SHARED_K")
+        elif shared and in_features > format_constant("GBX_SHARED_K"):
             raise ValueError(
-                f"the threadgroup-memory variant holds K <= {SHARED_K}, got {in_features}")
+                f"the threadgroup-memory variant holds K <= {format_constant('GBX_SHARED_K')}, "
+                f"got {in_features}")
         n_groups = -(-out_features // (SIMD_GROUPS * t.rows))
         consts = constants(x.dtype, bits, group_size, t, shared)
     return dict(

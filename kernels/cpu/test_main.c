@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "gearbx_packed.h"
+#include "gearbx_cpu.h"
 
 static unsigned long long g_rng = 0x9E3779B97F4A7C15ull;
 static unsigned rnd(void)

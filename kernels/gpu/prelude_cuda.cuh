@@ -42,6 +42,8 @@ typedef unsigned int gbx_apair;
 // into the mantissa of a value whose mantissa unit is 1 (1024.0 in half,
 // 128.0 in bfloat16), then one paired fma by 1.0 subtracts that value plus 8
 // (the storage offset). Exact: every result is an integer in [-8, 7].
+// The `neg` words below spell -(1024 + 8) and -(128 + 8): the offset is in them.
+static_assert(GBX_INT4_OFFSET == 8, "gbx_mma_consts encode the int4 storage offset 8");
 template <typename T>
 struct gbx_mma_consts;
 template <>

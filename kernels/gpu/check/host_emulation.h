@@ -122,7 +122,7 @@ typedef float2 gbx_apair;
 
 template <typename T>
 inline gbx_apair gbx_i4_pair(unsigned int u) {
-  return float2{float(u & 0xFu) - 8.0f, float((u >> 16) & 0xFu) - 8.0f};
+  return float2{float(u & 0xFu) - float(GBX_INT4_OFFSET), float((u >> 16) & 0xFu) - float(GBX_INT4_OFFSET)};
 }
 
 template <typename T>

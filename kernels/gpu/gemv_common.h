@@ -1,17 +1,15 @@
 // Shared helpers of the packed decode GEMV (Metal and CUDA alike).
 //
-// Needs the GBX_* macros and gbx_half_t / gbx_bfloat_t of a prelude.
-// Packed format (gearbx_mlx/quant.py): int8 is two's complement; int4 holds
-// q+8, element j in byte j/2, low nibble for even j. Weights are read as
-// little-endian 32-bit words, so element k of a word sits at bits
-// [k*BITS, (k+1)*BITS).
+// Needs the GBX_* macros and gbx_half_t / gbx_bfloat_t of a prelude, and the
+// format header (../gearbx_format.h: int8 is two's complement; int4 holds
+// q + GBX_INT4_OFFSET, element j in byte j/2, low nibble for even j).
+// Weights are read as little-endian 32-bit words, so element k of a word
+// sits at bits [k*BITS, (k+1)*BITS).
 
 typedef unsigned int gbx_u32;
 
-// Inputs staged in threadgroup/shared memory up to this K (§8.1, §16.2): as
-// float32 that is 24 KB, leaving room for several threadgroups per core.
-#define GBX_SHARED_K 6144
-// float4 slots of the staged x: K/4, plus one slot of padding per 8.
+// Inputs are staged in threadgroup/shared memory up to GBX_SHARED_K (format
+// header). float4 slots of the staged x: K/4, plus one slot of padding per 8.
 #define GBX_SHARED_F4 (GBX_SHARED_K / 4 + GBX_SHARED_K / 32)
 
 // Slot of float4 number f of x in the padded threadgroup copy.
@@ -69,20 +67,27 @@ GBX_FN float gbx_field(gbx_u32 w) {
   return GBX_AS_FLOAT(exponent | (w & mask)) - bias;
 }
 
-// The eight signed int4 values of a word (nibbles hold q+8).
-GBX_FN gbx_f8 gbx_unpack_int4(gbx_u32 w) {
+// The eight int4 fields of a word minus OFFSET: the signed values of the
+// packed format (OFFSET = GBX_INT4_OFFSET), or MLX's unsigned codes (0).
+template <int OFFSET>
+GBX_FN gbx_f8 gbx_unpack4(gbx_u32 w) {
   // Nibbles 5..7 lie above the 23-bit mantissa: shift them down once.
   const gbx_u32 hi = w >> 12;
   gbx_f8 r;
-  r.v[0] = gbx_field<0, 4, 8>(w);
-  r.v[1] = gbx_field<4, 4, 8>(w);
-  r.v[2] = gbx_field<8, 4, 8>(w);
-  r.v[3] = gbx_field<12, 4, 8>(w);
-  r.v[4] = gbx_field<16, 4, 8>(w);
-  r.v[5] = gbx_field<8, 4, 8>(hi);
-  r.v[6] = gbx_field<12, 4, 8>(hi);
-  r.v[7] = gbx_field<16, 4, 8>(hi);
+  r.v[0] = gbx_field<0, 4, OFFSET>(w);
+  r.v[1] = gbx_field<4, 4, OFFSET>(w);
+  r.v[2] = gbx_field<8, 4, OFFSET>(w);
+  r.v[3] = gbx_field<12, 4, OFFSET>(w);
+  r.v[4] = gbx_field<16, 4, OFFSET>(w);
+  r.v[5] = gbx_field<8, 4, OFFSET>(hi);
+  r.v[6] = gbx_field<12, 4, OFFSET>(hi);
+  r.v[7] = gbx_field<16, 4, OFFSET>(hi);
   return r;
+}
+
+// The eight signed int4 values of a word of the packed format.
+GBX_FN gbx_f8 gbx_unpack_int4(gbx_u32 w) {
+  return gbx_unpack4<GBX_INT4_OFFSET>(w);
 }
 
 // The four int8 values of a word.
@@ -162,9 +167,7 @@ GBX_FN gbx_f4 gbx_load_x4(const GBX_DEVICE gbx_half_t* x, int e) {
 
 // -- matrix-unit variant (gemv_mma_body.inc) -----------------------------------
 
-// Largest K whose input vector the matrix-unit variant stages in threadgroup
-// memory: 14336 16-bit inputs are 28 KB, under Metal's 32 KB.
-#define GBX_MMA_MAX_K 14336
+// The variant stages at most GBX_MMA_MAX_K inputs (format header).
 
 // Eight 16-bit inputs x0..x7 (as loaded: x0 | x1 << 16, ...) reordered into
 // the pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7): the k order of the

@@ -1,5 +1,5 @@
 /*
- * gearbx_packed_ref.c -- scalar oracles for every kernel in gearbx_packed.c.
+ * ref.c -- scalar oracles for every fast kernel (arch/x86, arch/arm).
  *
  * Plain loops in natural element order, kept forever: each fast kernel is
  * tested against these, and they define the rounding of the activation
@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "gearbx_packed.h"
+#include "gearbx_cpu.h"
 
 static int effective_group(int in_features, int group_size)
 {

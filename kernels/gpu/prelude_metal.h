@@ -35,10 +35,10 @@ GBX_FN float2 gbx_half2_bits_to_float2(uint u) {
 // A weight pair: (q0, q1) as floats (the emulation needs no 16-bit form).
 typedef float2 gbx_apair;
 
-// Nibbles at bits [0, 4) and [16, 20) of u as (q0, q1), q = n - 8.
+// Nibbles at bits [0, 4) and [16, 20) of u as (q0, q1), q = n - GBX_INT4_OFFSET.
 template <typename T>
 GBX_FN gbx_apair gbx_i4_pair(uint u) {
-  return float2(float(u & 0xFu) - 8.0f, float((u >> 16) & 0xFu) - 8.0f);
+  return float2(float(u & 0xFu) - float(GBX_INT4_OFFSET), float((u >> 16) & 0xFu) - float(GBX_INT4_OFFSET));
 }
 
 // Two 16-bit inputs of type T packed in a word, as floats.

@@ -1,0 +1,280 @@
+/*
+ * internal.h -- what the C kernel sources share and the API does not show:
+ * which instruction sets this build can carry, the call context handed to
+ * row kernels, the scalar tails, and the kernels each arch/ file defines.
+ *
+ * Build-time switches:
+ *   GEARBX_PLANT_NIBBLE_BUG  swap low/high nibbles in every fast 4-bit kernel
+ *                            (tests must catch it; never set in a release)
+ *   GEARBX_NO_THREADS        no pthreads: every call runs on the caller
+ *   GEARBX_NO_DOTPROD        leave the AArch64 vdotq_s32 kernels out
+ *   GBX_PREFETCH_BYTES       x86 software-prefetch distance (default 2048)
+ */
+#ifndef GEARBX_CPU_INTERNAL_H
+#define GEARBX_CPU_INTERNAL_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "gearbx_cpu.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GBX_X86 1
+#include <immintrin.h>
+/* AVX2 code is compiled per function, so the rest of the library (and the
+ * oracles) stays baseline x86-64 and a CPU without AVX2 never meets it. */
+#define GBX_AVX2_FN __attribute__((target("avx2,fma")))
+/* vpdpbusd does vpmaddubsw + vpmaddwd + add in one instruction: the 256-bit
+ * EVEX form (AVX512-VNNI + VL: Zen 4, Ice Lake and later Xeons) or the VEX
+ * form (AVX-VNNI: Alder Lake and later).  Each needs a compiler that can
+ * both target it and ask the CPU for it. */
+#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define GBX_VNNI512 1
+#define GBX_VNNI512_FN __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+#else
+#define GBX_VNNI512 0
+#endif
+#if (defined(__clang__) && __clang_major__ >= 17) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define GBX_AVXVNNI 1
+#define GBX_AVXVNNI_FN __attribute__((target("avx2,fma,avxvnni")))
+#else
+#define GBX_AVXVNNI 0
+#endif
+#else
+#define GBX_X86 0
+#define GBX_VNNI512 0
+#define GBX_AVXVNNI 0
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define GBX_NEON 1
+#include <arm_neon.h>
+/*
+ * vdotq_s32 kernels.  With GCC they are compiled per function (target
+ * "arch=armv8.2-a+dotprod", the target arm_neon.h gives vdotq_s32) and
+ * chosen at run time from HWCAP, so the rest of the binary stays baseline:
+ * a whole-file -march=armv8.2-a+dotprod lets GCC turn plain int8 loops
+ * (scalar tails, the oracle) into sdot, which faults on a Cortex-A72
+ * whatever the dispatcher does.  Other compilers get the kernels only when
+ * the whole build targets dotprod (e.g. -mcpu=apple-m1).
+ */
+#if defined(GEARBX_NO_DOTPROD)
+#define GBX_DOTPROD 0
+#elif defined(__ARM_FEATURE_DOTPROD)
+#define GBX_DOTPROD 1
+#define GBX_DOTPROD_FN
+#elif defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define GBX_DOTPROD 1
+#define GBX_DOTPROD_FN __attribute__((target("arch=armv8.2-a+dotprod")))
+#else
+#define GBX_DOTPROD 0
+#endif
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#else
+#define GBX_NEON 0
+#define GBX_DOTPROD 0
+#endif
+
+#if defined(_WIN32) && !defined(GEARBX_NO_THREADS)
+#define GEARBX_NO_THREADS 1
+#endif
+
+#define GBX_INLINE static inline __attribute__((always_inline))
+#define GBX_MAX_THREADS 64
+
+#ifdef GEARBX_PLANT_NIBBLE_BUG
+#define GBX_NIBBLE_ORDER(T, lo, hi) \
+    do {                            \
+        T t_ = lo;                  \
+        lo = hi;                    \
+        hi = t_;                    \
+    } while (0)
+#else
+#define GBX_NIBBLE_ORDER(T, lo, hi) ((void)0)
+#endif
+
+/* Symbols shared between the library's files, kept out of its exports. */
+#if defined(__GNUC__) || defined(__clang__)
+#define GBX_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define GBX_HIDDEN
+#endif
+
+/*
+ * int4 kernels split nibbles without re-interleaving them: the low nibbles of
+ * the 32 weight bytes of a span are elements 0,2,..,62 and the high nibbles
+ * 1,3,..,63.  So the activations of each full span are stored once per call
+ * in that "split order"; a SIMD lane of low nibbles then meets its x directly.
+ * Elements after the last full span (I % 64 of them) stay in natural order
+ * and are handled by the scalar tail.
+ */
+typedef struct {
+    int8_t even[GBX_SPAN / 2]; /* xq[64p + 0], xq[64p + 2], ..., xq[64p + 62] */
+    int8_t odd[GBX_SPAN / 2];  /* xq[64p + 1], xq[64p + 3], ..., xq[64p + 63] */
+} gbx_span_q8;
+
+typedef struct {
+    float even[GBX_SPAN / 2];
+    float odd[GBX_SPAN / 2];
+} gbx_span_f32;
+
+GBX_STATIC_ASSERT(sizeof(gbx_span_q8) == GBX_SPAN, "span of int8 activations is 64 bytes");
+GBX_STATIC_ASSERT(sizeof(gbx_span_f32) == 4 * GBX_SPAN, "span of fp32 activations is 256 bytes");
+GBX_STATIC_ASSERT(sizeof(float) == 4, "scales and activations are IEEE binary32");
+
+/*
+ * Activations of one intdot call, built once by the calling thread and read by
+ * every worker.  Arrays are owned by the call (one allocation).
+ */
+typedef struct {
+    int n;               /* in_features */
+    int nblocks;         /* ceil(n / GBX_QK); the last block may be partial */
+    int nspans;          /* n / GBX_SPAN full spans */
+    int8_t *qs;          /* [n]        natural order, |q| <= 127 */
+    float *d;            /* [nblocks]  x ~= d[b] * qs */
+    int32_t *sum;        /* [nblocks]  sum of qs in the block */
+    gbx_span_q8 *split;  /* [nspans]   int4 kernels only: split order */
+    /* x86 kernels multiply the stored nibbles u = q + 8 (unsigned, as
+     * vpmaddubsw / vpdpbusd want) and remove sum(8 * xq) afterwards; these
+     * hold that offset per int32 lane (lane l of a span covers bytes 4l..4l+3
+     * of both halves: lanes 0-3 block 2p, lanes 4-7 block 2p+1). */
+    float *span_d;        /* [nspans*8] d of the lane's block */
+    int32_t *span_nbias;  /* [nspans*8] -8 * (lane's sum of xq): VNNI accumulator start */
+    float *span_corr;     /* [nspans*8] 8 * d * (lane's sum of xq): AVX2 correction */
+    float corr_total;     /* sum of span_corr over all lanes (per-row scales) */
+} gbx_act_q8;
+
+
+/* ------------------------------------------------------------------------ */
+/* Call context shared (read-only) by the threads of one call               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    const uint8_t *w;        /* row i starts at w + i * row_bytes */
+    size_t row_bytes;
+    const float *s;          /* row i scales at s + i * ng */
+    int ng;
+    int I;
+    int gs;                  /* effective group size (I when per row) */
+    int gshift;              /* group of block b = b >> gshift */
+    const float *x;          /* natural order fp32 */
+    const gbx_span_f32 *xf;  /* int4 float kernels: split order */
+    const gbx_act_q8 *a;     /* intdot kernels */
+    float *y;
+    uint64_t *sums;          /* gbx_read_bandwidth: one checksum per row */
+} gbx_ctx;
+
+typedef void (*gbx_rows_fn)(const gbx_ctx *c, int r0, int r1);
+
+/* ------------------------------------------------------------------------ */
+/* Scalar tails: the part of a row after the last full SIMD step.  With     */
+/* start 0 they are also the kernels of a CPU without SIMD.  Always inlined: */
+/* a call from AVX2 code into SSE-encoded code with dirty upper registers   */
+/* cost 40% of a small product here (AVX-SSE transition).                   */
+/* ------------------------------------------------------------------------ */
+
+GBX_INLINE float tail_float(const gbx_ctx *c, const uint8_t *w, const float *s, int bits, int j0)
+{
+    float y = 0.0f;
+    for (int j = j0; j < c->I;) {
+        const int g = j / c->gs;
+        const int j1 = (g + 1) * c->gs;
+        float acc = 0.0f;
+        if (bits == 4) {
+            for (; j < j1; j += 2) {
+                const uint8_t b = w[j >> 1];
+                acc += (float)GBX_INT4_LO(b) * c->x[j];
+                acc += (float)GBX_INT4_HI(b) * c->x[j + 1];
+            }
+        } else {
+            for (; j < j1; ++j)
+                acc += (float)((const int8_t *)w)[j] * c->x[j];
+        }
+        y += s[g] * acc;
+    }
+    return y;
+}
+
+GBX_INLINE float tail_intdot(const gbx_ctx *c, const uint8_t *w, const float *s, int bits, int b0)
+{
+    const gbx_act_q8 *a = c->a;
+    float y = 0.0f;
+    for (int b = b0; b < a->nblocks; ++b) {
+        const int j0 = b * GBX_QK;
+        const int j1 = j0 + GBX_QK < c->I ? j0 + GBX_QK : c->I;
+        int32_t isum = 0;
+        if (bits == 4) {
+            for (int j = j0; j < j1; j += 2) {
+                const uint8_t q = w[j >> 1];
+                isum += GBX_INT4_LO(q) * a->qs[j] + GBX_INT4_HI(q) * a->qs[j + 1];
+            }
+        } else {
+            for (int j = j0; j < j1; ++j)
+                isum += ((const int8_t *)w)[j] * a->qs[j];
+        }
+        y += s[b >> c->gshift] * (a->d[b] * (float)isum);
+    }
+    return y;
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* CPU features (dispatch.c) and the thread pool (pool.c)                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    int avx2;
+    int vnni512; /* AVX512-VNNI with 256-bit (VL) forms */
+    int avxvnni;
+    int dotprod;
+} gbx_cpu_features;
+
+/* Filled once by gbx_cpu_init(); read-only afterwards. */
+GBX_HIDDEN extern gbx_cpu_features gbx_cpu;
+GBX_HIDDEN void gbx_cpu_init(void);
+/* 0 the best x86 intdot kernels; 1 plain AVX2; 2 no AVX512-VNNI (gbx_set_isa_limit). */
+GBX_HIDDEN extern int gbx_isa_limit;
+
+/* Threads for a product of `weights` weights over `rows` rows: nthreads (<= 0:
+ * the default), fewer where each would get less than the minimum work. */
+GBX_HIDDEN int gbx_pool_parts(int nthreads, long long weights, int rows);
+/* fn(c, r0, r1) over rows [0, rows) on `parts` threads (the caller among
+ * them); returns when every row is done. */
+GBX_HIDDEN int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights);
+
+/* ------------------------------------------------------------------------ */
+/* Kernels of arch/x86 and arch/arm (chosen in dispatch.c)                  */
+/* ------------------------------------------------------------------------ */
+
+#if GBX_X86
+GBX_HIDDEN void gbx_quantize_blocks_avx2(const float *x, int nfull, int8_t *qs, float *d, int32_t *sum);
+GBX_HIDDEN void gbx_q4_float_avx2(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_float_avx2(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q4_intdot_avx2(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_intdot_avx2(const gbx_ctx *c, int r0, int r1);
+#if GBX_VNNI512
+GBX_HIDDEN void gbx_q4_intdot_vnni512(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_intdot_vnni512(const gbx_ctx *c, int r0, int r1);
+#endif
+#if GBX_AVXVNNI
+GBX_HIDDEN void gbx_q4_intdot_avxvnni(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_intdot_avxvnni(const gbx_ctx *c, int r0, int r1);
+#endif
+GBX_HIDDEN void gbx_read_rows_avx2(const gbx_ctx *c, int r0, int r1);
+#endif
+
+#if GBX_NEON
+GBX_HIDDEN void gbx_quantize_blocks_neon(const float *x, int nfull, int8_t *qs, float *d, int32_t *sum);
+GBX_HIDDEN void gbx_q4_float_neon(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_float_neon(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q4_intdot_neon(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_intdot_neon(const gbx_ctx *c, int r0, int r1);
+#if GBX_DOTPROD
+GBX_HIDDEN void gbx_q4_intdot_dotprod(const gbx_ctx *c, int r0, int r1);
+GBX_HIDDEN void gbx_q8_intdot_dotprod(const gbx_ctx *c, int r0, int r1);
+#endif
+#endif
+
+#endif /* GEARBX_CPU_INTERNAL_H */
