@@ -192,8 +192,8 @@ def mlx_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module:
 def packed_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module:
     """Our packed int4/int8 layers (``PackedLinear`` / ``PackedEmbedding``)."""
     if isinstance(module, nn.Embedding):
-        return PackedEmbedding.from_embedding(module, bits, group_size)
-    return PackedLinear.from_linear(module, bits, group_size)
+        return PackedEmbedding.from_embedding(module, bits=bits, group_size=group_size)
+    return PackedLinear.from_linear(module, bits=bits, group_size=group_size)
 
 
 def default_kernel() -> str:

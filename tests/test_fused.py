@@ -29,7 +29,7 @@ def tiny_llama():
 
 def packed_model(bits=4, group_size=None):
     model = tiny_llama()
-    plan = [(p, PackedLinear.from_linear(m, bits, group_size))
+    plan = [(p, PackedLinear.from_linear(m, bits=bits, group_size=group_size))
             for p, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in p]
     model.update_modules(tree_unflatten(plan))
     return model
@@ -60,12 +60,12 @@ def test_fusion_keeps_logits_and_bytes(group_size):
 
 def test_only_alike_packed_int4_siblings_fuse():
     lin = [nn.Linear(128, 64, bias=False) for _ in range(3)]
-    assert fusable([PackedLinear.from_linear(m, 4) for m in lin])
-    assert not fusable([PackedLinear.from_linear(m, 8) for m in lin])      # int8: no mma body
-    assert not fusable([PackedLinear.from_linear(lin[0], 4),
-                        PackedLinear.from_linear(lin[1], 4, 64)])          # mixed scales
+    assert fusable([PackedLinear.from_linear(m, bits=4) for m in lin])
+    assert not fusable([PackedLinear.from_linear(m, bits=8) for m in lin])      # int8: no mma body
+    assert not fusable([PackedLinear.from_linear(lin[0], bits=4),
+                        PackedLinear.from_linear(lin[1], bits=4, group_size=64)])  # mixed scales
     assert not fusable(lin)                                                 # not packed
-    assert not fusable([PackedLinear.from_linear(nn.Linear(96, 64), 4)] * 2)  # K % 64
+    assert not fusable([PackedLinear.from_linear(nn.Linear(96, 64), bits=4)] * 2)  # K % 64
     model = packed_model(8)
     assert fuse_plan(model) == []
 
@@ -95,7 +95,7 @@ def test_siblings_share_one_launch_per_input(monkeypatch):
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "launcher", fake)
     lin = [nn.Linear(128, n, bias=True) for n in (64, 32, 32)]
-    layers = [PackedLinear.from_linear(m, 4) for m in lin]
+    layers = [PackedLinear.from_linear(m, bits=4) for m in lin]
     parent = nn.Module()
     parent.q_proj, parent.k_proj, parent.v_proj = layers
     plan = fuse_plan(parent)
@@ -148,7 +148,7 @@ def test_packed_gears_of_the_precision_manager_are_fused():
     fused_logits = model(tokens)
     # The same gear without fusion: same numbers (prefill and one decode token).
     plain = tiny_llama()
-    built = {p: PackedLinear.from_linear(m, 4, 64) for p, m in plain.named_modules()
+    built = {p: PackedLinear.from_linear(m, bits=4, group_size=64) for p, m in plain.named_modules()
              if isinstance(m, nn.Linear)}
     plain.update_modules(tree_unflatten(list(built.items())))
     assert mx.allclose(fused_logits, plain(tokens), atol=1e-5)

@@ -109,7 +109,7 @@ def float_cpu_path(monkeypatch):
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
 @pytest.mark.parametrize("group_size", [None, 32])
 def test_parameters_are_the_packed_bytes(bits, group_size):
-    layer = PackedLinear.from_linear(linear(67, 96), bits, group_size)
+    layer = PackedLinear.from_linear(linear(67, 96), bits=bits, group_size=group_size)
     params = dict(tree_flatten(layer.parameters()))
     assert set(params) == {"weight", "scales", "bias"}
     n_groups = 1 if group_size is None else 96 // group_size
@@ -120,22 +120,28 @@ def test_parameters_are_the_packed_bytes(bits, group_size):
 
 
 def test_dequant_cache_is_not_a_parameter():
-    layer = PackedLinear.from_linear(linear(67, 96), 4, dequant_cache=True)
+    layer = PackedLinear.from_linear(linear(67, 96), bits=4, dequant_cache=True)
     layer(mx.ones((2, 96), dtype=mx.bfloat16))
     assert set(dict(tree_flatten(layer.parameters()))) == {"weight", "scales", "bias"}
 
 
 def test_bad_arguments():
     with pytest.raises(TypeError, match="nn.Linear"):
-        PackedLinear.from_linear(nn.Embedding(10, 64), 4)
+        PackedLinear.from_linear(nn.Embedding(10, 64), bits=4)
     with pytest.raises(TypeError, match="nn.Embedding"):
-        PackedEmbedding.from_embedding(nn.Linear(64, 10), 4)
+        PackedEmbedding.from_embedding(nn.Linear(64, 10), bits=4)
     with pytest.raises(ValueError, match="bit width"):
-        PackedLinear.from_linear(linear(8, 64), 3)
+        PackedLinear.from_linear(linear(8, 64), bits=3)
     with pytest.raises(ValueError, match="multiple of group_size"):
-        PackedLinear.from_linear(linear(8, 96), 4, 64)
+        PackedLinear.from_linear(linear(8, 96), bits=4, group_size=64)
     with pytest.raises(ValueError, match="expects 96"):
-        PackedLinear.from_linear(linear(8, 96), 4)(mx.ones((1, 64)))
+        PackedLinear.from_linear(linear(8, 96), bits=4)(mx.ones((1, 64)))
+    # bits and group_size are keywords, as nn.QuantizedLinear.from_linear names
+    # them (its positional order is the opposite: group size first).
+    with pytest.raises(TypeError):
+        PackedLinear.from_linear(linear(8, 64), 4, 64)
+    with pytest.raises(TypeError):
+        PackedEmbedding.from_embedding(nn.Embedding(10, 64), 4)
 
 
 # -- dispatch ------------------------------------------------------------------------
@@ -172,7 +178,7 @@ def test_backend_for_a_gpu_is_decided_at_call_time(monkeypatch):
 def test_single_token_and_prefill_match_the_oracle(bits, shape, dtype):
     out_features, in_features = shape
     lin = linear(out_features, in_features, dtype=dtype)
-    layer = PackedLinear.from_linear(lin, bits)
+    layer = PackedLinear.from_linear(lin, bits=bits)
     for x_shape in ((1, 1, in_features), (in_features,), (2, 3, in_features)):
         x = mx.random.normal(x_shape).astype(dtype)
         y = layer(x)
@@ -188,7 +194,7 @@ def test_gpu_call_site_through_the_reference(fake_gpu, bits, group_size, shape):
     if group_size and in_features % group_size:
         pytest.skip("K not a multiple of the group")
     lin = linear(out_features, in_features, bias=bits == 4)
-    layer = PackedLinear.from_linear(lin, bits, group_size)
+    layer = PackedLinear.from_linear(lin, bits=bits, group_size=group_size)
     x = mx.random.normal((1, 1, in_features)).astype(mx.bfloat16)
     assert layer.backend_for(x) == "cuda"
     y = layer(x)
@@ -216,7 +222,7 @@ def test_cpu_call_site_with_a_stand_in(monkeypatch):
     monkeypatch.setattr(packed, "cpu_backend", lambda: stand_in)
     monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
     lin = linear(33, 4104)
-    layer = PackedLinear.from_linear(lin, 8)
+    layer = PackedLinear.from_linear(lin, bits=8)
     x = mx.random.normal((1, 1, 4104)).astype(mx.bfloat16)
     assert layer.backend_for(x) == "cpu"
     y = layer(x)
@@ -236,7 +242,7 @@ def test_cpu_kernels_int8_activation_path(monkeypatch, bits):
     monkeypatch.setattr(packed, "CPU_GEMV_PATH", "auto")
     monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
     lin = linear(67, 96)
-    layer = PackedLinear.from_linear(lin, bits, 32)
+    layer = PackedLinear.from_linear(lin, bits=bits, group_size=32)
     x = mx.random.normal((1, 96)).astype(mx.float32)
     assert layer.backend_for(x) == "cpu"
     y = np.array(layer(x).astype(mx.float32))[0]
@@ -250,7 +256,7 @@ def test_cpu_kernels_int8_activation_path(monkeypatch, bits):
 
 def test_dequant_cache_reuses_and_invalidates():
     lin = linear(67, 96)
-    layer = PackedLinear.from_linear(lin, 4, 32, dequant_cache=True)
+    layer = PackedLinear.from_linear(lin, bits=4, group_size=32, dequant_cache=True)
     x = mx.random.normal((2, 96)).astype(mx.bfloat16)
     y = layer(x)
     cached = layer.runtime.weight
@@ -275,7 +281,7 @@ def test_packed_embedding_lookup_and_as_linear(bits):
     mx.random.seed(1)
     emb = nn.Embedding(100, 64)
     emb.set_dtype(mx.bfloat16)
-    pe = PackedEmbedding.from_embedding(emb, bits, 32)
+    pe = PackedEmbedding.from_embedding(emb, bits=bits, group_size=32)
     ids = mx.array([[3, 99, 0], [5, 5, 7]])
     rows = pe(ids)
     assert rows.shape == (2, 3, 64) and rows.dtype == mx.bfloat16
@@ -301,9 +307,9 @@ def test_tied_llama_runs_fully_packed():
     swaps = []
     for path, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            swaps.append((path, PackedLinear.from_linear(m, 8)))
+            swaps.append((path, PackedLinear.from_linear(m, bits=8)))
         elif isinstance(m, nn.Embedding):
-            swaps.append((path, PackedEmbedding.from_embedding(m, 8)))
+            swaps.append((path, PackedEmbedding.from_embedding(m, bits=8)))
     model.update_modules(tree_unflatten(swaps))
     assert isinstance(model.model.embed_tokens, PackedEmbedding)
     out = model(tokens)

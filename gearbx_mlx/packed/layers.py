@@ -218,12 +218,17 @@ class PackedLinear(PackedBase):
     def from_linear(
         cls,
         linear: nn.Module,
-        bits: int,
-        group_size: Optional[int] = None,
         *,
+        bits: int = 4,
+        group_size: Optional[int] = None,
         dequant_cache: bool = False,
     ) -> "PackedLinear":
-        """Quantize an ``nn.Linear`` (its weight is ``(O, I)``)."""
+        """Quantize an ``nn.Linear`` (its weight is ``(O, I)``).
+
+        Keyword arguments, as ``nn.QuantizedLinear.from_linear(linear,
+        group_size=..., bits=...)`` takes them by name (its positional order is
+        group size first).
+        """
         if not isinstance(linear, nn.Linear):
             raise TypeError(
                 f"PackedLinear.from_linear takes an nn.Linear, got {type(linear).__name__}"
@@ -269,12 +274,13 @@ class PackedEmbedding(PackedBase):
     def from_embedding(
         cls,
         embedding: nn.Module,
-        bits: int,
-        group_size: Optional[int] = None,
         *,
+        bits: int = 4,
+        group_size: Optional[int] = None,
         dequant_cache: bool = False,
     ) -> "PackedEmbedding":
-        """Quantize an ``nn.Embedding`` (its weight is ``(num_embeddings, dims)``)."""
+        """Quantize an ``nn.Embedding`` (its weight is ``(num_embeddings, dims)``);
+        keyword arguments as :meth:`PackedLinear.from_linear`."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(
                 "PackedEmbedding.from_embedding takes an nn.Embedding, "
