@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gearbx_mlx.packed import gpu as kernels  # noqa: E402  (needs the checkout on sys.path)
+from gearbx_mlx.packed import gpu as kernels, nested_gpu  # noqa: E402  (needs the checkout on sys.path)
 
 # MLX's Metal type names (get_type_string) and CUDA type names (dtype_to_cuda_type).
 METAL_TYPES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t",
@@ -89,24 +89,17 @@ def _constants(backend: str, bits: int, group_size: Optional[int], shared: bool,
     return kernels.constants_source(backend, consts)
 
 
-def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
-                      shared: bool, dtype: str, has_bias: bool, vec: int = 1,
-                      consts: Optional[str] = None, outputs: Sequence[str] = ("y",)) -> str:
-    """The generated Metal kernel, as MLX's write_signature builds it.
-
-    The kernels pass no template arguments (their constants are declared in
-    the source), so MLX writes a plain ``[[kernel]]`` function.
-    """
-    if consts is None:
-        consts = _constants("metal", bits, group_size, shared, dtype, vec)
-    source = consts + source
-    lines = [f"[[kernel]] void {fname}("]
+def metal_signature(source: str, fname: str, inputs: Sequence[Tuple[str, str]],
+                    outputs: Sequence[Tuple[str, str]]) -> str:
+    """The generated Metal kernel around ``source``, as MLX's write_signature builds
+    it: one buffer per input (plus the ``*_shape`` etc. buffers the source names),
+    one per output, then the thread-position attributes the source names. The
+    kernels pass no template arguments (their constants are declared in the
+    source), so MLX writes a plain ``[[kernel]]`` function."""
     params = []
     index = 0
-    in_types = {"w": METAL_TYPES["uint8" if bits == 4 else "int8"], "scales": "float",
-                "x": METAL_TYPES[dtype], "bias": METAL_TYPES[dtype]}
-    for name in kernels.input_names(has_bias):
-        params.append(f"  const device {in_types[name]}* {name} [[buffer({index})]]")
+    for name, typ in inputs:
+        params.append(f"  const device {typ}* {name} [[buffer({index})]]")
         index += 1
         if f"{name}_shape" in source:
             params.append(f"  const constant int* {name}_shape [[buffer({index})]]")
@@ -117,36 +110,55 @@ def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[i
         if f"{name}_ndim" in source:
             params.append(f"  const constant int& {name}_ndim [[buffer({index})]]")
             index += 1
-    for out in outputs:
-        params.append(f"  device {METAL_TYPES[dtype]}* {out} [[buffer({index})]]")
+    for name, typ in outputs:
+        params.append(f"  device {typ}* {name} [[buffer({index})]]")
         index += 1
     for attr, kind in METAL_ATTRIBUTES:
         if attr in source:
             params.append(f"  {kind} {attr} [[{attr}]]")
-    lines.append(",\n".join(params) + ") {")
-    lines.append(source)
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return f"[[kernel]] void {fname}(\n" + ",\n".join(params) + ") {\n" + source + "\n}\n"
+
+
+def cuda_signature(source: str, fname: str, inputs: Sequence[Tuple[str, str]],
+                   outputs: Sequence[Tuple[str, str]]) -> str:
+    """The generated CUDA kernel, as MLX's cuda custom_kernel build_kernel writes it."""
+    params = []
+    for name, typ in inputs:
+        params.append(f"    const {typ}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+    params += [f"    {typ}* {name}" for name, typ in outputs]
+    return ("namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {fname}(\n" + ",\n".join(params) + ") {\n"
+            + source + "\n}\n} // namespace mlx::core::cu\n")
+
+
+def _packed_io(types: dict, bits: int, dtype: str, has_bias: bool,
+               outputs: Sequence[str]) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
+    in_types = {"w": types["uint8" if bits == 4 else "int8"], "scales": "float",
+                "x": types[dtype], "bias": types[dtype]}
+    return ([(n, in_types[n]) for n in kernels.input_names(has_bias)],
+            [(o, types[dtype]) for o in outputs])
+
+
+def metal_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
+                      shared: bool, dtype: str, has_bias: bool, vec: int = 1,
+                      consts: Optional[str] = None, outputs: Sequence[str] = ("y",)) -> str:
+    """A packed GEMV kernel as MLX generates it for Metal (constants included)."""
+    if consts is None:
+        consts = _constants("metal", bits, group_size, shared, dtype, vec)
+    ins, outs = _packed_io(METAL_TYPES, bits, dtype, has_bias, outputs)
+    return metal_signature(consts + source, fname, ins, outs)
 
 
 def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[int],
                      shared: bool, dtype: str, has_bias: bool, vec: int = 1,
                      consts: Optional[str] = None, outputs: Sequence[str] = ("y",)) -> str:
-    """The generated CUDA kernel, as MLX's cuda custom_kernel build_kernel writes it."""
+    """A packed GEMV kernel as MLX generates it for CUDA (constants included)."""
     if consts is None:
         consts = _constants("cuda", bits, group_size, shared, dtype, vec)
-    source = consts + source
-    in_types = {"w": CUDA_TYPES["uint8" if bits == 4 else "int8"], "scales": "float",
-                "x": CUDA_TYPES[dtype], "bias": CUDA_TYPES[dtype]}
-    params = []
-    for name in kernels.input_names(has_bias):
-        params.append(f"    const {in_types[name]}* {name}")
-        if f"{name}_shape" in source:
-            params.append(f"    const __grid_constant__ Shape {name}_shape")
-    params += [f"    {CUDA_TYPES[dtype]}* {out}" for out in outputs]
-    return ("namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void {fname}(\n" + ",\n".join(params) + ") {\n"
-            + source + "\n}\n} // namespace mlx::core::cu\n")
+    ins, outs = _packed_io(CUDA_TYPES, bits, dtype, has_bias, outputs)
+    return cuda_signature(consts + source, fname, ins, outs)
 
 
 def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
@@ -174,7 +186,30 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
         build = metal_kernel_text if backend == "metal" else cuda_kernel_text
         parts.append(build(mma_source, fname, 4, gs, False, dtype, has_bias, 1, consts,
                            kernels.output_names(len(splits) + 1)))
+    # The nested-plane body: every plan, the dtypes and both staging variants.
+    nested_header, _ = nested_gpu.kernel_sources(backend, 1, has_bias, directory, compact=True)
+    parts.append(nested_header[len(header):] if nested_header.startswith(header) else nested_header)
+    types = METAL_TYPES if backend == "metal" else CUDA_TYPES
+    signature = metal_signature if backend == "metal" else cuda_signature
+    for bits, dtype, sdtype, gs, shared, vec in nested_variants():
+        _, nsource = nested_gpu.kernel_sources(backend, len(bits), has_bias, directory, compact=True)
+        consts = kernels.constants_source(backend, nested_gpu.constants(
+            getattr(mx, dtype), getattr(mx, sdtype), bits, gs, nested_gpu.NestedTuning(2, vec), shared))
+        ins = [(n, {"x": types[dtype], "factors": "float", "bias": types[dtype]}.get(
+            n, "uint32_t" if n.startswith("w") else types[sdtype]))
+            for n in nested_gpu.input_names(len(bits), has_bias)]
+        fname = (f"custom_kernel_gbx_nested_{'_'.join(map(str, bits))}_g{gs}_{dtype}_s{sdtype}_"
+                 f"{'shared' if shared else 'device'}_v{vec}")
+        parts.append(signature(consts + nsource, fname, ins, [("y", types[dtype])]))
     return "\n".join(parts)
+
+
+def nested_variants() -> List[Tuple[Tuple[int, ...], str, str, int, bool, int]]:
+    """(plane bits, x dtype, scale dtype, group size, shared, vec) of the nested kernels checked."""
+    plans = ((4,), (8,), (4, 4), (4, 4, 8))
+    dtypes = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("float16", "float32"))
+    return [(bits, dt, sdt, gs, shared, vec) for bits in plans for dt, sdt in dtypes
+            for gs, shared, vec in ((64, True, 4), (32, False, 2), (128, False, 4))]
 
 
 def mma_variants() -> List[Tuple[str, Optional[int], Tuple[int, ...]]]:
@@ -223,7 +258,8 @@ def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = 
                 tag = "bias" if has_bias else "nobias"
                 text = translation_unit(backend, Path(directory), has_bias)
                 ok, log = compile_unit(clang, backend, text, Path(tmp), stub_dir, tag, nvcc)
-                n = sum(1 for v in variants() if v[4] == has_bias) + len(mma_variants())
+                n = (sum(1 for v in variants() if v[4] == has_bias) + len(mma_variants())
+                     + len(nested_variants()))
                 how = "nvcc sm_90" if backend == "cuda" and nvcc else "clang"
                 print(f"{'ok  ' if ok else 'FAIL'} {backend:5s} {tag:6s} ({n} kernels, {how})")
                 if not ok or verbose:

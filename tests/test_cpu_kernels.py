@@ -323,7 +323,9 @@ def test_errors(ext, kwargs, exc, match) -> None:
 
 def test_info(ext) -> None:
     info = cpu.info()
-    assert info["available"] and info["abi_version"] == 1 and info["block"] == QK
+    assert info["available"] and info["abi_version"] == cpu.ABI_VERSION and info["block"] == QK
+    assert info["nested_float_isa"] in ("avx2", "neon", "scalar")
+    assert info["nested_intdot_isa"] in ("avx512vnni", "avxvnni", "avx2", "neon-dotprod", "neon", "scalar")
     assert info["float_isa"] in ("avx2", "neon", "scalar")
     assert info["intdot_isa"] in ("avx512vnni", "avxvnni", "avx2", "neon-dotprod", "neon", "scalar")
     assert cpu.set_threads(3) == 3 and cpu.get_threads() == 3
@@ -409,6 +411,9 @@ def test_c_driver_native_catches_planted_nibble_bug(tmp_path) -> None:
     r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "SUMMARY float bits=4" in r.stdout and "SUMMARY intdot bits=4" in r.stdout
+    # the nested-plane kernels read MLX's nibbles in the same order: caught too
+    assert "SUMMARY nested-float bits=4" in r.stdout and "SUMMARY nested-intdot bits=4" in r.stdout
+    assert " bits=8 " not in r.stdout  # 8-bit kernels have no nibbles to swap
 
 
 def test_c_driver_pool_stress(tmp_path) -> None:

@@ -55,6 +55,14 @@ def test_a_planted_syntax_error_in_the_body_fails(tmp_path):
     assert "FAIL metal" in proc.stdout and "error" in proc.stdout
 
 
+def test_a_planted_error_in_the_nested_body_fails(tmp_path):
+    # Read a plane the kernel has no buffer for: the nested body is checked too.
+    copy = planted_copy(tmp_path, "gpu/nested_gemv_body.inc", "const GBX_DEVICE S* gbx_s0 = s0;",
+                        "const GBX_DEVICE S* gbx_s0 = s9;")
+    proc = run_check("--source-dir", str(copy))
+    assert proc.returncode == 1 and "s9" in proc.stdout
+
+
 def test_a_planted_type_error_in_the_metal_prelude_fails(tmp_path):
     # A Metal spelling that does not exist: the prelude is checked too.
     copy = planted_copy(tmp_path, "gpu/prelude_metal.h", "metal::simd_sum(v)", "metal::simd_summ(v)")
@@ -84,6 +92,7 @@ def test_built_wheel_ships_the_kernel_sources(tmp_path):
     code = ("from gearbx_mlx.packed import gpu as kernels; d = kernels.source_dir(); "
             "assert str(d).startswith(%r), d; kernels.kernel_sources('metal', True); "
             "kernels.kernel_sources('cuda', False); kernels.kernel_sources('metal', False, mma=True); "
+            "from gearbx_mlx.packed import nested_gpu; nested_gpu.kernel_sources('cuda', 3, True); "
             "print(d)" % str(site))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=tmp_path, env=dict(env, PYTHONPATH=str(site)), timeout=120)

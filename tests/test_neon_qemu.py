@@ -101,7 +101,10 @@ def test_planted_nibble_order_bug_is_caught(binaries: Dict[str, Path], name: str
     r = run(binaries[name])
     assert r.returncode != 0, "a swapped nibble order went unnoticed"
     summary = [ln for ln in r.stdout.splitlines() if ln.startswith("SUMMARY ")]
-    # both int4 fast paths must be caught; int8 has no nibbles and must pass
+    # every 4-bit fast path must be caught (packed int4 and nested planes);
+    # 8-bit kernels have no nibbles and must pass
     assert any(ln.startswith("SUMMARY float bits=4 ") for ln in summary), r.stdout[-2000:]
     assert any(ln.startswith("SUMMARY intdot bits=4 ") for ln in summary), r.stdout[-2000:]
+    assert any(ln.startswith("SUMMARY nested-float bits=4 ") for ln in summary), r.stdout[-2000:]
+    assert any(ln.startswith("SUMMARY nested-intdot bits=4 ") for ln in summary), r.stdout[-2000:]
     assert not any(" bits=8 " in ln for ln in summary), r.stdout[-2000:]

@@ -49,8 +49,11 @@ SOURCES = (
     "kernels/cpu/dispatch.c",
     "kernels/cpu/pool.c",
     "kernels/cpu/bandwidth.c",
+    "kernels/cpu/nested.c",
     "kernels/cpu/arch/x86/packed.c",
+    "kernels/cpu/arch/x86/nested.c",
     "kernels/cpu/arch/arm/packed.c",
+    "kernels/cpu/arch/arm/nested.c",
 )
 #: The self-test driver (not in the extension): built by the tests with SOURCES.
 TEST_DRIVER = "kernels/cpu/test_main.c"
@@ -68,7 +71,8 @@ HEADERS = (
 CDEF = """
 enum {
     GBX_OK = 0, GBX_E_BITS = -1, GBX_E_GROUP = -2, GBX_E_SHAPE = -3,
-    GBX_E_PATH = -4, GBX_E_NOMEM = -5, GBX_E_NULL = -6, GBX_E_THREADS = -7
+    GBX_E_PATH = -4, GBX_E_NOMEM = -5, GBX_E_NULL = -6, GBX_E_THREADS = -7,
+    GBX_E_PLANES = -8
 };
 enum {
     GBX_PATH_AUTO = 0, GBX_PATH_FLOAT = 1, GBX_PATH_INTDOT = 2,
@@ -76,6 +80,12 @@ enum {
 };
 #define GBX_ABI_VERSION ...
 #define GBX_QK ...
+#define GBX_MAX_PLANES ...
+#define GBX_PLANE_BITS_LO ...
+#define GBX_PLANE_BITS_HI ...
+#define GBX_DTYPE_F32 ...
+#define GBX_DTYPE_F16 ...
+#define GBX_DTYPE_BF16 ...
 
 typedef struct {
     int abi_version;
@@ -89,7 +99,18 @@ typedef struct {
     int max_threads;
     const char *float_isa;
     const char *intdot_isa;
+    const char *nested_float_isa;
+    const char *nested_intdot_isa;
 } gbx_info_t;
+
+typedef struct {
+    const uint32_t *codes;
+    const void *scales;
+    const void *biases;
+    int bits;
+    int dtype;
+    float factor;
+} gbx_plane;
 
 int gbx_gemv(const void *w, const float *scales, const float *x, float *y,
              int out_features, int in_features, int bits, int group_size,
@@ -104,6 +125,10 @@ const char *gbx_strerror(int code);
 int gbx_check_args(int out_features, int in_features, int bits, int group_size, int path);
 void gbx_quantize_act_ref(const float *x, int n, int8_t *qs, float *d, int32_t *sum);
 void gbx_quantize_act(const float *x, int n, int8_t *qs, float *d, int32_t *sum);
+int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m,
+                    int out_features, int in_features, int group_size, int path, int nthreads);
+int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features,
+                     int group_size, int path);
 """
 
 

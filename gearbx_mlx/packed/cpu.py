@@ -37,6 +37,8 @@ __all__ = ["available", "gemv", "prepare", "PreparedWeights", "require", "reset"
            "info"]
 
 PATHS = {"auto": 0, "float": 1, "intdot": 2, "ref": 3, "intdot_ref": 4}
+#: GBX_ABI_VERSION of the C library this wrapper speaks to (kernels/cpu/gearbx_cpu.h).
+ABI_VERSION = 2
 GROUP_SIZES = (None, 32, 64, 128)
 
 ArrayLike = Union[mx.array, np.ndarray]
@@ -64,8 +66,9 @@ def _load() -> Optional[Any]:
             warnings.warn(_load_error, RuntimeWarning, stacklevel=3)
             return None
         version = _gearbx_cpu.lib.GBX_ABI_VERSION
-        if version != 1:
-            _load_error = f"gearbx_mlx: C CPU kernels have ABI {version}, this wrapper expects 1; rebuild them"
+        if version != ABI_VERSION:
+            _load_error = (f"gearbx_mlx: C CPU kernels have ABI {version}, this wrapper expects {ABI_VERSION}; "
+                           "rebuild them (`python gearbx_mlx/packed/_build.py` or `pip install -e .`)")
             warnings.warn(_load_error, RuntimeWarning, stacklevel=3)
             return None
         _ext = _gearbx_cpu
@@ -123,6 +126,8 @@ def info() -> dict:
         "cpu": {"avx2_fma": bool(i.cpu_avx2), "vnni": bool(i.cpu_vnni), "dotprod": bool(i.cpu_dotprod)},
         "float_isa": ffi.string(i.float_isa).decode(),
         "intdot_isa": ffi.string(i.intdot_isa).decode(),
+        "nested_float_isa": ffi.string(i.nested_float_isa).decode(),
+        "nested_intdot_isa": ffi.string(i.nested_intdot_isa).decode(),
         "threads": i.threads,
         "max_threads": i.max_threads,
         "block": lib.GBX_QK,
@@ -191,7 +196,7 @@ def _activations(x: ArrayLike, in_features: int) -> np.ndarray:
 def _raise_for(ext: Any, rc: int, what: str) -> None:
     lib = ext.lib
     msg = f"{what}: {ext.ffi.string(lib.gbx_strerror(rc)).decode()}"
-    if rc in (lib.GBX_E_BITS, lib.GBX_E_GROUP, lib.GBX_E_SHAPE, lib.GBX_E_PATH):
+    if rc in (lib.GBX_E_BITS, lib.GBX_E_GROUP, lib.GBX_E_SHAPE, lib.GBX_E_PATH, lib.GBX_E_PLANES):
         raise ValueError(msg)
     raise RuntimeError(msg)
 

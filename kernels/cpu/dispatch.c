@@ -16,6 +16,9 @@
 #ifndef GEARBX_NO_THREADS
 #include <pthread.h>
 #endif
+#if GBX_X86
+#include <cpuid.h>
+#endif
 
 /* ------------------------------------------------------------------------ */
 /* Kernels of a CPU without SIMD: the scalar tails from element 0           */
@@ -45,10 +48,19 @@ gbx_cpu_features gbx_cpu;
 
 static void detect_cpu(void)
 {
+#if defined(GEARBX_FORCE_SCALAR)
+    return; /* test builds: the scalar kernels, on any x86 CPU */
+#endif
 #if GBX_X86
     __builtin_cpu_init();
     /* libgcc/compiler-rt also check that the OS saves the YMM registers */
     gbx_cpu.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    {
+        /* F16C (CPUID.1:ECX bit 29): not every compiler's __builtin_cpu_supports
+         * knows the name.  Every AVX2 CPU seen so far has it; checked anyway. */
+        unsigned a, b, c, d;
+        gbx_cpu.f16c = gbx_cpu.avx2 && __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    }
 #if GBX_VNNI512
     gbx_cpu.vnni512 = gbx_cpu.avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 #endif
@@ -154,7 +166,7 @@ void gbx_quantize_act(const float *x, int n, int8_t *qs, float *d, int32_t *sum)
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* int4 float kernels: x in split order, span by span */
-static gbx_span_f32 *build_split_f32(const float *x, int n, void **mem)
+gbx_span_f32 *gbx_build_split_f32(const float *x, int n, void **mem)
 {
     const int nspans = n / GBX_SPAN;
     *mem = malloc(align64(sizeof(gbx_span_f32) * (size_t)nspans) + 64);
@@ -169,7 +181,7 @@ static gbx_span_f32 *build_split_f32(const float *x, int n, void **mem)
     return xf;
 }
 
-static int build_act(const float *x, int n, int bits, gbx_act_q8 *a, void **mem)
+int gbx_build_act(const float *x, int n, int bits, gbx_act_q8 *a, void **mem)
 {
     a->n = n;
     a->nblocks = (n + GBX_QK - 1) / GBX_QK;
@@ -277,14 +289,14 @@ int gbx_gemv(const void *w, const float *scales, const float *x, float *y, int o
         const gbx_kernels k = pick_float();
         fn = bits == 4 ? k.q4 : k.q8;
         if (bits == 4) {
-            c.xf = build_split_f32(x, in_features, &mem);
+            c.xf = gbx_build_split_f32(x, in_features, &mem);
             if (!c.xf)
                 return GBX_E_NOMEM;
         }
     } else { /* AUTO, INTDOT */
         const gbx_kernels k = pick_intdot();
         fn = bits == 4 ? k.q4 : k.q8;
-        rc = build_act(x, in_features, bits, &act, &mem);
+        rc = gbx_build_act(x, in_features, bits, &act, &mem);
         if (rc != GBX_OK)
             return rc;
         c.a = &act;
@@ -311,6 +323,7 @@ void gbx_get_info(gbx_info_t *info)
     info->max_threads = GBX_MAX_THREADS;
     info->float_isa = pick_float().name;
     info->intdot_isa = pick_intdot().name;
+    gbx_nested_isa_names(&info->nested_float_isa, &info->nested_intdot_isa);
 }
 
 const char *gbx_strerror(int code)
@@ -318,12 +331,14 @@ const char *gbx_strerror(int code)
     switch (code) {
     case GBX_OK: return "ok";
     case GBX_E_BITS: return "bits must be 4 or 8";
-    case GBX_E_GROUP: return "group_size must be None/0, 32, 64 or 128 and divide in_features";
+    case GBX_E_GROUP: return "group_size must be None/0 (packed only), 32, 64 or 128 and divide in_features";
     case GBX_E_SHAPE: return "bad shape: in_features >= 1 (even for int4), out_features >= 0";
     case GBX_E_PATH: return "unknown kernel path";
     case GBX_E_NOMEM: return "out of memory for the activation buffers";
     case GBX_E_NULL: return "a buffer pointer is NULL";
     case GBX_E_THREADS: return "could not start a worker thread";
+    case GBX_E_PLANES:
+        return "a gear reads 1 to 3 planes of 4 or 8 bits, float32/float16/bfloat16 scales and a finite factor";
     default: return "unknown gearbx error";
     }
 }

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define GBX_ABI_VERSION 1
+#define GBX_ABI_VERSION 2
 
 /* ---- activation blocks of the intdot path ------------------------------- */
 #define GBX_QK 32             /* values per activation scale d_b */
@@ -49,7 +49,10 @@ enum {
     GBX_E_PATH = -4,    /* unknown path */
     GBX_E_NOMEM = -5,
     GBX_E_NULL = -6,    /* a required pointer is NULL */
-    GBX_E_THREADS = -7  /* worker thread could not be started */
+    GBX_E_THREADS = -7, /* worker thread could not be started */
+    GBX_E_PLANES = -8   /* nested: not 1..GBX_MAX_PLANES planes, a plane of bits
+                           other than 4/8, an unknown scale dtype, or a factor
+                           that is not finite */
 };
 
 enum {
@@ -73,6 +76,8 @@ typedef struct {
     const char *float_isa;  /* behind GBX_PATH_FLOAT: "avx2", "neon", "scalar" */
     const char *intdot_isa; /* behind GBX_PATH_INTDOT: "avx512vnni", "avxvnni",
                                "avx2", "neon-dotprod", "neon", "scalar" */
+    const char *nested_float_isa;  /* gbx_nested_gemv's float kernels: "avx2", "neon", "scalar" */
+    const char *nested_intdot_isa; /* and its intdot kernels (names as intdot_isa) */
 } gbx_info_t;
 
 /*
@@ -116,6 +121,43 @@ int gbx_gemv_intdot_ref(const void *w, const float *scales, const float *x, floa
 
 /* Argument check shared by gbx_gemv and the Python wrapper's messages. */
 int gbx_check_args(int out_features, int in_features, int bits, int group_size, int path);
+
+/* ---- nested gears: MLX affine planes (gearbx_format.h) ------------------ */
+
+/* One plane of an (O, I) matrix: what it adds to each weight is
+ * factor * (scale * q + bias), q the unsigned code. */
+typedef struct {
+    const uint32_t *codes; /* (O, I * bits / 32), codes least significant first */
+    const void *scales;    /* (O, I / group_size) in `dtype` */
+    const void *biases;    /* (O, I / group_size) in `dtype` */
+    int bits;              /* 4 or 8 */
+    int dtype;             /* GBX_DTYPE_F32, GBX_DTYPE_F16 or GBX_DTYPE_BF16 */
+    float factor;          /* 2^-exponent of the plane (any finite value) */
+} gbx_plane;
+
+/*
+ * y[k][O] = sum_{p < n} factor_p * deq(plane p) x[k] for k < m: the gear that
+ * reads the first n planes, for m activation rows x[k][I] (m > 1: a verify
+ * of m tokens reads each weight row from memory once).  No layer bias: the
+ * caller adds it.  group_size (32, 64 or 128) is every plane's.  Paths as
+ * gbx_gemv's, except that GBX_PATH_AUTO is GBX_PATH_FLOAT here: a gear that
+ * accepts the error of int8 activations asks for GBX_PATH_INTDOT.  The
+ * intdot path computes each group's product sum_{b in g} d_b * isum_b from
+ * the int8 activations and its bias term from the float ones.  Threads and
+ * results as gbx_gemv (independent of the thread count).
+ */
+int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m,
+                    int out_features, int in_features, int group_size, int path, int nthreads);
+
+/* Scalar oracles of gbx_nested_gemv (arguments already checked; one thread). */
+int gbx_nested_float_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
+                         int out_features, int in_features, int group_size);
+int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
+                          int out_features, int in_features, int group_size);
+
+/* Argument check of gbx_nested_gemv (pointers aside). */
+int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features,
+                     int group_size, int path);
 
 #ifdef __cplusplus
 }

@@ -8,6 +8,8 @@
  *                            (tests must catch it; never set in a release)
  *   GEARBX_NO_THREADS        no pthreads: every call runs on the caller
  *   GEARBX_NO_DOTPROD        leave the AArch64 vdotq_s32 kernels out
+ *   GEARBX_FORCE_SCALAR      report no x86 SIMD, so the scalar kernels run
+ *                            (tests of the fallback of CPUs without AVX2)
  *   GBX_PREFETCH_BYTES       x86 software-prefetch distance (default 2048)
  */
 #ifndef GEARBX_CPU_INTERNAL_H
@@ -164,6 +166,7 @@ typedef struct {
     const gbx_act_q8 *a;     /* intdot kernels */
     float *y;
     uint64_t *sums;          /* gbx_read_bandwidth: one checksum per row */
+    const struct gbx_nested_ctx *nest; /* gbx_nested_gemv */
 } gbx_ctx;
 
 typedef void (*gbx_rows_fn)(const gbx_ctx *c, int r0, int r1);
@@ -221,6 +224,147 @@ GBX_INLINE float tail_intdot(const gbx_ctx *c, const uint8_t *w, const float *s,
 
 
 /* ------------------------------------------------------------------------ */
+/* Nested planes (nested.c, arch/x86/nested.c, arch/arm/nested.c)         */
+/* ------------------------------------------------------------------------ */
+
+/* A half-precision scale or bias as float: exact for every value, subnormals,
+ * infinities and NaN included. */
+GBX_INLINE float gbx_f16_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0) {
+        const float v = (float)man * 5.9604644775390625e-8f; /* man * 2^-24 */
+        memcpy(&u, &v, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+GBX_INLINE float gbx_bf16_to_f32(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Element i of a scale or bias row of `dtype` (GBX_DTYPE_*). */
+GBX_INLINE float gbx_scale_at(const void *p, size_t i, int dtype)
+{
+    if (dtype == GBX_DTYPE_F32)
+        return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    return dtype == GBX_DTYPE_F16 ? gbx_f16_to_f32(h) : gbx_bf16_to_f32(h);
+}
+
+/* Code j of a row of codes at `bits` (4 or 8): byte j/2's low nibble for even
+ * j at 4 bits (MLX packs least significant first, words little-endian). */
+GBX_INLINE int gbx_code_at(const uint8_t *row, int bits, int j)
+{
+    if (bits == 8)
+        return row[j];
+    const uint8_t b = row[j >> 1];
+    return (j & 1) ? b >> 4 : b & 0x0F;
+}
+
+typedef struct gbx_nested_ctx gbx_nested_ctx;
+typedef struct gbx_plane_rt gbx_plane_rt;
+
+/* The contribution of one plane to output row r for activation row k,
+ * before its factor: sum_g s_g * (codes . x)_g + b_g * xsum_g. */
+typedef float (*gbx_plane_fn)(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k);
+
+/* One plane as the kernels read it. */
+struct gbx_plane_rt {
+    const uint8_t *codes; /* row r at codes + r * row_bytes */
+    size_t row_bytes;
+    const void *scales, *biases; /* row r at element r * ng */
+    int bits, dtype;
+    float factor;
+    gbx_plane_fn fn;      /* the kernel chosen for this plane */
+};
+
+/* Everything one nested call shares (read-only) between its threads; per
+ * activation row k the arrays below start at k * their row length. */
+struct gbx_nested_ctx {
+    gbx_plane_rt p[GBX_MAX_PLANES];
+    int n;                   /* planes read */
+    int m;                   /* activation rows */
+    int O, I, gs, ng;
+    int gshift;              /* group of block b = b >> gshift */
+    int nspans;              /* I / GBX_SPAN: 4-bit kernels' full spans */
+    const float *x;          /* [m][I] natural order */
+    const float *xsum;       /* [m][ng] sum of x over each group (float, natural order) */
+    const gbx_span_f32 *xf;  /* [m][nspans] float path: split order */
+    const gbx_act_q8 *a;     /* [m] intdot path */
+    const float *k128;       /* [m][ng] intdot: 128 * sum_{b in g} d_b * sum_b (the signed 8-bit trick) */
+    float *y;                /* [m][O] */
+};
+
+/* Scalar parts of a plane's row, blocks [b0, b1) of GBX_QK codes, without the
+ * bias term: the kernels of a CPU without SIMD and the tails of the others. */
+GBX_INLINE float gbx_nested_tail_float(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, int b0, int b1)
+{
+    const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
+    const float *x = c->x + (size_t)k * c->I;
+    float y = 0.0f;
+    for (int b = b0; b < b1; ++b) {
+        float acc = 0.0f;
+        for (int j = b * GBX_QK; j < (b + 1) * GBX_QK; ++j)
+            acc += (float)gbx_code_at(row, p->bits, j) * x[j];
+        y += gbx_scale_at(p->scales, (size_t)r * c->ng + (size_t)(b >> c->gshift), p->dtype) * acc;
+    }
+    return y;
+}
+
+GBX_INLINE float gbx_nested_tail_intdot(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, int b0, int b1)
+{
+    const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
+    const gbx_act_q8 *a = c->a + k;
+    float y = 0.0f;
+    for (int b = b0; b < b1; ++b) {
+        int32_t isum = 0;
+        for (int j = b * GBX_QK; j < (b + 1) * GBX_QK; ++j)
+            isum += gbx_code_at(row, p->bits, j) * a->qs[j];
+        y += gbx_scale_at(p->scales, (size_t)r * c->ng + (size_t)(b >> c->gshift), p->dtype) * (a->d[b] * (float)isum);
+    }
+    return y;
+}
+
+/* sum_g v_g * w_g over a row of ng scales or biases (v) against floats (w). */
+GBX_INLINE float gbx_group_dot_scalar(const void *v, size_t off, int dtype, const float *w, int ng)
+{
+    float y = 0.0f;
+    for (int g = 0; g < ng; ++g)
+        y += gbx_scale_at(v, off + (size_t)g, dtype) * w[g];
+    return y;
+}
+
+/* xs[g] = sum of x over group g, natural order (ref.c; every nested path). */
+GBX_HIDDEN void gbx_nested_group_sums(const float *x, int in_features, int gs, float *xs);
+
+/* Build the activation buffers of an intdot call (dispatch.c). */
+GBX_HIDDEN int gbx_build_act(const float *x, int n, int bits, gbx_act_q8 *a, void **mem);
+GBX_HIDDEN gbx_span_f32 *gbx_build_split_f32(const float *x, int n, void **mem);
+
+/* Names of the nested families this CPU gets (nested.c, for gbx_get_info). */
+GBX_HIDDEN void gbx_nested_isa_names(const char **float_isa, const char **intdot_isa);
+
+/* A family of nested kernels: one function per (bits, dtype) of a plane.
+ * [0][dtype] 4-bit, [1][dtype] 8-bit; NULL where none. */
+typedef struct {
+    const char *name;
+    gbx_plane_fn fn[2][3];
+} gbx_nested_kernels;
+
+/* ------------------------------------------------------------------------ */
 /* CPU features (dispatch.c) and the thread pool (pool.c)                   */
 /* ------------------------------------------------------------------------ */
 
@@ -229,6 +373,7 @@ typedef struct {
     int vnni512; /* AVX512-VNNI with 256-bit (VL) forms */
     int avxvnni;
     int dotprod;
+    int f16c;    /* x86 half-precision conversions (the nested kernels' scales) */
 } gbx_cpu_features;
 
 /* Filled once by gbx_cpu_init(); read-only afterwards. */
@@ -263,6 +408,14 @@ GBX_HIDDEN void gbx_q4_intdot_avxvnni(const gbx_ctx *c, int r0, int r1);
 GBX_HIDDEN void gbx_q8_intdot_avxvnni(const gbx_ctx *c, int r0, int r1);
 #endif
 GBX_HIDDEN void gbx_read_rows_avx2(const gbx_ctx *c, int r0, int r1);
+/* nested: AVX2+FMA+F16C float and intdot, and the VNNI intdot where compiled */
+GBX_HIDDEN extern const gbx_nested_kernels gbx_nested_float_avx2, gbx_nested_intdot_avx2;
+#if GBX_VNNI512
+GBX_HIDDEN extern const gbx_nested_kernels gbx_nested_intdot_vnni512;
+#endif
+#if GBX_AVXVNNI
+GBX_HIDDEN extern const gbx_nested_kernels gbx_nested_intdot_avxvnni;
+#endif
 #endif
 
 #if GBX_NEON
@@ -274,6 +427,10 @@ GBX_HIDDEN void gbx_q8_intdot_neon(const gbx_ctx *c, int r0, int r1);
 #if GBX_DOTPROD
 GBX_HIDDEN void gbx_q4_intdot_dotprod(const gbx_ctx *c, int r0, int r1);
 GBX_HIDDEN void gbx_q8_intdot_dotprod(const gbx_ctx *c, int r0, int r1);
+#endif
+GBX_HIDDEN extern const gbx_nested_kernels gbx_nested_float_neon, gbx_nested_intdot_neon;
+#if GBX_DOTPROD
+GBX_HIDDEN extern const gbx_nested_kernels gbx_nested_intdot_dotprod;
 #endif
 #endif
 

@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "gearbx_cpu.h"
+#include "internal.h" /* gbx_scale_at, gbx_code_at: plain scalar helpers */
 
 static int effective_group(int in_features, int group_size)
 {
@@ -109,5 +109,102 @@ int gbx_gemv_intdot_ref(const void *w, const float *scales, const float *x, floa
         y[i] = acc;
     }
     free(qs), free(d), free(sum);
+    return GBX_OK;
+}
+
+/* ---- nested planes ------------------------------------------------------ */
+
+/* The sum of x over each group of gs inputs, in natural order (every nested
+ * path takes the bias term from these same sums). */
+void gbx_nested_group_sums(const float *x, int in_features, int gs, float *xs)
+{
+    for (int g = 0; g < in_features / gs; ++g) {
+        float t = 0.0f;
+        for (int j = g * gs; j < (g + 1) * gs; ++j)
+            t += x[j];
+        xs[g] = t;
+    }
+}
+
+/* One plane's part of y[i]: sum_g s_g * dot_g + b_g * xs_g, dot_g from `dots`. */
+static float plane_row(const gbx_plane *p, int i, int ng, const float *dots, const float *xs)
+{
+    float acc = 0.0f;
+    for (int g = 0; g < ng; ++g) {
+        const size_t at = (size_t)i * ng + (size_t)g;
+        acc += gbx_scale_at(p->scales, at, p->dtype) * dots[g] + gbx_scale_at(p->biases, at, p->dtype) * xs[g];
+    }
+    return acc;
+}
+
+int gbx_nested_float_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
+                         int out_features, int in_features, int group_size)
+{
+    const int gs = group_size, ng = in_features / gs;
+    float *xs = malloc(sizeof(float) * (size_t)ng), *dots = malloc(sizeof(float) * (size_t)ng);
+    if (!xs || !dots) {
+        free(xs), free(dots);
+        return GBX_E_NOMEM;
+    }
+    for (int k = 0; k < m; ++k) {
+        const float *xk = x + (size_t)k * in_features;
+        gbx_nested_group_sums(xk, in_features, gs, xs);
+        for (int i = 0; i < out_features; ++i) {
+            float acc = 0.0f;
+            for (int pi = 0; pi < n; ++pi) {
+                const gbx_plane *p = planes + pi;
+                const uint8_t *row = (const uint8_t *)p->codes + (size_t)i * in_features * p->bits / 8;
+                for (int g = 0; g < ng; ++g) {
+                    float t = 0.0f;
+                    for (int j = g * gs; j < (g + 1) * gs; ++j)
+                        t += (float)gbx_code_at(row, p->bits, j) * xk[j];
+                    dots[g] = t;
+                }
+                acc += p->factor * plane_row(p, i, ng, dots, xs);
+            }
+            y[(size_t)k * out_features + i] = acc;
+        }
+    }
+    free(xs), free(dots);
+    return GBX_OK;
+}
+
+int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
+                          int out_features, int in_features, int group_size)
+{
+    const int gs = group_size, ng = in_features / gs, nb = in_features / GBX_QK;
+    float *xs = malloc(sizeof(float) * (size_t)ng), *dots = malloc(sizeof(float) * (size_t)ng);
+    int8_t *qs = malloc((size_t)in_features);
+    float *d = malloc(sizeof(float) * (size_t)nb);
+    int32_t *sum = malloc(sizeof(int32_t) * (size_t)nb);
+    if (!xs || !dots || !qs || !d || !sum) {
+        free(xs), free(dots), free(qs), free(d), free(sum);
+        return GBX_E_NOMEM;
+    }
+    for (int k = 0; k < m; ++k) {
+        const float *xk = x + (size_t)k * in_features;
+        gbx_nested_group_sums(xk, in_features, gs, xs);
+        gbx_quantize_act_ref(xk, in_features, qs, d, sum);
+        for (int i = 0; i < out_features; ++i) {
+            float acc = 0.0f;
+            for (int pi = 0; pi < n; ++pi) {
+                const gbx_plane *p = planes + pi;
+                const uint8_t *row = (const uint8_t *)p->codes + (size_t)i * in_features * p->bits / 8;
+                for (int g = 0; g < ng; ++g) {
+                    float t = 0.0f;
+                    for (int b = g * gs / GBX_QK; b < (g + 1) * gs / GBX_QK; ++b) {
+                        int32_t isum = 0; /* exact: |code * xq| <= 255 * 127 */
+                        for (int j = b * GBX_QK; j < (b + 1) * GBX_QK; ++j)
+                            isum += gbx_code_at(row, p->bits, j) * qs[j];
+                        t += d[b] * (float)isum;
+                    }
+                    dots[g] = t;
+                }
+                acc += p->factor * plane_row(p, i, ng, dots, xs);
+            }
+            y[(size_t)k * out_features + i] = acc;
+        }
+    }
+    free(xs), free(dots), free(qs), free(d), free(sum);
     return GBX_OK;
 }

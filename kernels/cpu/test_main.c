@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "gearbx_cpu.h"
+#include "internal.h" /* gbx_scale_at: the scalar dtype conversions */
 
 static unsigned long long g_rng = 0x9E3779B97F4A7C15ull;
 static unsigned rnd(void)
@@ -183,6 +183,211 @@ static void check_quantizer(int n)
     free(x), free(q0), free(q1), free(d0), free(d1), free(s0), free(s1);
 }
 
+/* ---- nested planes ------------------------------------------------------ */
+
+/* float -> float16 bits, round toward zero, normal range (test data only:
+ * every kernel reads the same bits, whatever value they hold). */
+static uint16_t to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    int e = (int)((u >> 23) & 0xFF) - 127 + 15;
+    if (e <= 0)
+        return (uint16_t)sign;
+    if (e >= 31)
+        e = 30;
+    return (uint16_t)(sign | ((uint32_t)e << 10) | ((u >> 13) & 0x3FFu));
+}
+
+static void store_scale(void *p, size_t i, int dtype, float v)
+{
+    if (dtype == GBX_DTYPE_F32) {
+        ((float *)p)[i] = v;
+    } else if (dtype == GBX_DTYPE_F16) {
+        ((uint16_t *)p)[i] = to_f16(v);
+    } else {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    }
+}
+
+/* |terms| of one output: sum over planes, groups and inputs of
+ * |f s q x| + |f b xsum|, with x as given (float or dequantized int8). */
+static double nested_abs_row(const gbx_plane *pl, int n, int i, const float *x, int I, int gs)
+{
+    double t = 0.0;
+    const int ng = I / gs;
+    for (int p = 0; p < n; ++p) {
+        const uint8_t *row = (const uint8_t *)pl[p].codes + (size_t)i * I * pl[p].bits / 8;
+        for (int g = 0; g < ng; ++g) {
+            const size_t at = (size_t)i * ng + g;
+            double dq = 0.0, xs = 0.0;
+            for (int j = g * gs; j < (g + 1) * gs; ++j) {
+                const int q = pl[p].bits == 8 ? row[j] : ((j & 1) ? row[j >> 1] >> 4 : row[j >> 1] & 0x0F);
+                dq += fabs((double)q * x[j]);
+                xs += x[j];
+            }
+            t += fabs(pl[p].factor) * (fabs(gbx_scale_at(pl[p].scales, at, pl[p].dtype)) * dq +
+                                       fabs(gbx_scale_at(pl[p].biases, at, pl[p].dtype) * xs));
+        }
+    }
+    return t;
+}
+
+/* One nested case: plan bits[0..n), scale dtypes, m activation rows.  Exact
+ * data: integer x with max |x| = 127 per block (d_b = 1), power-of-two
+ * scales and factors, small integer biases, and every partial sum an integer
+ * below 2^24: all paths must then agree bit for bit. */
+static void check_nested_case(const int *bits, const int *dtypes, int n, int O, int I, int gs, int m, int exact)
+{
+    gbx_plane pl[GBX_MAX_PLANES];
+    const int ng = I / gs;
+    int label = 8; /* SUMMARY bits: 4 if any plane has nibbles */
+    for (int p = 0; p < n; ++p) {
+        const size_t row_bytes = (size_t)I * bits[p] / 8, es = dtypes[p] == GBX_DTYPE_F32 ? 4 : 2;
+        uint32_t *codes = malloc(row_bytes * O + 4);
+        void *sc = malloc(es * O * ng), *bi = malloc(es * O * ng);
+        for (size_t b = 0; b < row_bytes * O; ++b)
+            ((uint8_t *)codes)[b] = (uint8_t)rnd();
+        for (size_t k = 0; k < (size_t)O * ng; ++k) {
+            store_scale(sc, k, dtypes[p], exact ? (float)(1 << rnd_int(0, 1)) * (rnd() & 1 ? 1.0f : 0.5f)
+                                                : 0.001f + 0.01f * (rnd_unit() + 1.0f));
+            store_scale(bi, k, dtypes[p], exact ? (float)rnd_int(-3, 3) : 0.05f * rnd_unit());
+        }
+        pl[p].codes = codes, pl[p].scales = sc, pl[p].biases = bi;
+        pl[p].bits = bits[p], pl[p].dtype = dtypes[p];
+        pl[p].factor = p == 0 ? 1.0f : (exact ? 0.5f : 1.0f / (float)(16 << (4 * p)));
+        if (bits[p] == 4)
+            label = 4;
+    }
+    float *x = malloc(sizeof(float) * (size_t)m * I);
+    for (int j = 0; j < m * I; ++j) {
+        if (exact)
+            x[j] = (j % GBX_QK == 0) ? (rnd() & 1 ? 127.0f : -127.0f) : (float)rnd_int(-20, 20);
+        else
+            x[j] = rnd_unit() * (rnd() % 97 == 0 ? 30.0f : 1.0f);
+    }
+    const size_t ny = (size_t)m * O;
+    float *yr = malloc(sizeof(float) * ny), *yir = malloc(sizeof(float) * ny);
+    float *y = malloc(sizeof(float) * ny), *y1 = malloc(sizeof(float) * ny);
+    double *absf = calloc(ny, sizeof(double)), *absi = calloc(ny, sizeof(double));
+    float *xd = malloc(sizeof(float) * (size_t)I);
+    int8_t *xq = malloc((size_t)I);
+    float *d = malloc(sizeof(float) * (size_t)(I / GBX_QK));
+    int32_t *sm = malloc(sizeof(int32_t) * (size_t)(I / GBX_QK));
+    int exact_ok = exact;
+    for (int k = 0; k < m; ++k) {
+        gbx_quantize_act_ref(x + (size_t)k * I, I, xq, d, sm);
+        for (int j = 0; j < I; ++j)
+            xd[j] = d[j / GBX_QK] * xq[j];
+        for (int i = 0; i < O; ++i) {
+            absf[(size_t)k * O + i] = nested_abs_row(pl, n, i, x + (size_t)k * I, I, gs);
+            absi[(size_t)k * O + i] = nested_abs_row(pl, n, i, xd, I, gs);
+            if (absf[(size_t)k * O + i] >= 8388608.0)
+                exact_ok = 0;
+        }
+    }
+    if (exact && !exact_ok)
+        goto done; /* sums too large to be exact: the random cases cover this size */
+    if (gbx_nested_gemv(pl, n, x, yr, m, O, I, gs, GBX_PATH_REF, 1) != GBX_OK ||
+        gbx_nested_gemv(pl, n, x, yir, m, O, I, gs, GBX_PATH_INTDOT_REF, 1) != GBX_OK) {
+        report("nested-ref-call-failed", label, O, I, gs, 1, -1, 0, 0);
+        goto done;
+    }
+    for (size_t i = 0; exact && i < ny; ++i, ++g_checks)
+        if (yr[i] != yir[i])
+            report("nested-exact-ref-vs-intdot-ref", label, O, I, gs, 1, (int)i, yir[i], yr[i]);
+    static const int paths[3] = {GBX_PATH_AUTO, GBX_PATH_FLOAT, GBX_PATH_INTDOT};
+    for (int pi = 0; pi < 3; ++pi) {
+        const int path = paths[pi];
+        const float *want = path == GBX_PATH_INTDOT ? yir : yr; /* AUTO is the float path */
+        const double *sabs = path == GBX_PATH_INTDOT ? absi : absf;
+        const char *name = path == GBX_PATH_INTDOT ? "nested-intdot" : "nested-float";
+        for (int th = 1; th <= 3; ++th) {
+            for (size_t i = 0; i < ny; ++i)
+                y[i] = -1e30f;
+            if (gbx_nested_gemv(pl, n, x, y, m, O, I, gs, path, th) != GBX_OK) {
+                report("nested-call-failed", label, O, I, gs, th, -1, 0, 0);
+                continue;
+            }
+            for (size_t i = 0; i < ny; ++i, ++g_checks) {
+                const double err = fabs((double)y[i] - want[i]);
+                if (exact ? y[i] != want[i] : err > 2e-5 * sabs[i] + 1e-30)
+                    report(name, label, O, I, gs, th, (int)i, y[i], want[i]);
+            }
+            if (th == 1)
+                memcpy(y1, y, sizeof(float) * ny);
+            else
+                for (size_t i = 0; i < ny; ++i, ++g_checks)
+                    if (y[i] != y1[i])
+                        report("nested-thread-invariance", label, O, I, gs, th, (int)i, y[i], y1[i]);
+        }
+    }
+done:
+    for (int p = 0; p < n; ++p)
+        free((void *)pl[p].codes), free((void *)pl[p].scales), free((void *)pl[p].biases);
+    free(x), free(yr), free(yir), free(y), free(y1), free(absf), free(absi), free(xd), free(xq), free(d), free(sm);
+}
+
+/* Every plan of the nested gears (and single planes: plain MLX 4/8-bit
+ * layers), each dtype, odd shapes, one and several activation rows. */
+static void check_nested(int quick)
+{
+    static const int plans[][GBX_MAX_PLANES + 1] = {{1, 4}, {1, 8}, {2, 4, 4}, {3, 4, 4, 8}, {2, 8, 4}, {3, 8, 4, 4}};
+    static const int Is[] = {32, 64, 96, 128, 192, 320, 1024, 4096};
+    static const int Os[] = {1, 3, 17};
+    static const int gss[] = {32, 64, 128};
+    const int nI = (int)(sizeof Is / sizeof Is[0]) - (quick ? 1 : 0);
+    for (size_t pl = 0; pl < sizeof plans / sizeof plans[0]; ++pl)
+        for (int a = 0; a < nI; ++a)
+            for (int g = 0; g < 3; ++g) {
+                const int I = Is[a], gs = gss[g];
+                if (I % gs)
+                    continue;
+                const int n = plans[pl][0];
+                int dtypes[GBX_MAX_PLANES];
+                for (int p = 0; p < n; ++p)
+                    dtypes[p] = rnd_int(0, 2);
+                const int O = Os[(a + g) % 3], m = (a + (int)pl) % 3 == 0 ? 3 : 1;
+                check_nested_case(plans[pl] + 1, dtypes, n, O, I, gs, m, 1);
+                check_nested_case(plans[pl] + 1, dtypes, n, O, I, gs, m, 0);
+            }
+    /* enough rows for the pool to split; each scale dtype on the default plan */
+    for (int dt = 0; dt < 3; ++dt) {
+        const int bits[3] = {4, 4, 8}, dtypes[3] = {dt, dt, dt};
+        check_nested_case(bits, dtypes, 3, 301, 512, 64, 1, 1);
+        check_nested_case(bits, dtypes, 3, 300, 256, 32, 2, 0);
+    }
+}
+
+static int check_nested_errors(void)
+{
+    uint32_t codes[64] = {0};
+    uint16_t s[8] = {0};
+    float x[64] = {0}, y[4];
+    gbx_plane p = {codes, s, s, 4, GBX_DTYPE_F16, 1.0f};
+    int bad = 0;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_OK;
+    bad += gbx_nested_gemv(&p, 0, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 48, GBX_PATH_FLOAT, 1) != GBX_E_GROUP;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 96, 64, GBX_PATH_FLOAT, 1) != GBX_E_GROUP;
+    bad += gbx_nested_gemv(&p, 1, x, y, 0, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_SHAPE;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, 9, 1) != GBX_E_PATH;
+    bad += gbx_nested_gemv(&p, 1, NULL, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_NULL;
+    p.bits = 3;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    p.bits = 4, p.dtype = 7;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    p.dtype = GBX_DTYPE_F16, p.factor = 1.0f / 0.0f;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    g_checks += 10;
+    if (bad)
+        report("nested-errors", 0, 1, 64, 64, 1, -1, bad, 0);
+    return bad;
+}
+
 /* --pool-stress SECONDS: back-to-back small exact products of random shapes,
  * every one split across 1-3 threads, so consecutive jobs have different
  * chunk counts.  Meant for a -DGEARBX_STRESS_POOL build, which stalls threads
@@ -216,8 +421,10 @@ int main(int argc, char **argv)
     const int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     gbx_info_t info;
     gbx_get_info(&info);
-    printf("isa float=%s intdot=%s dotprod_compiled=%d dotprod_cpu=%d avx2_cpu=%d\n", info.float_isa,
-           info.intdot_isa, info.compiled_dotprod, info.cpu_dotprod, info.cpu_avx2);
+    printf("isa float=%s intdot=%s dotprod_compiled=%d dotprod_cpu=%d avx2_cpu=%d nested_float=%s "
+           "nested_intdot=%s\n",
+           info.float_isa, info.intdot_isa, info.compiled_dotprod, info.cpu_dotprod, info.cpu_avx2,
+           info.nested_float_isa, info.nested_intdot_isa);
     if (argc > 2 && strcmp(argv[1], "--pool-stress") == 0)
         return pool_stress(atof(argv[2]));
 
@@ -254,6 +461,15 @@ int main(int argc, char **argv)
     for (int n = 1; n <= 200; n += 13)
         check_quantizer(n);
     check_quantizer(4096 + 7);
+    /* nested planes: the default split, every product split, the lesser x86 kernels */
+    for (int pass = 0; pass < 4; ++pass) {
+        gbx_set_min_work(pass ? 1 : 0);
+        gbx_set_isa_limit(pass >= 2 ? pass - 1 : 0);
+        check_nested(quick);
+    }
+    gbx_set_min_work(0);
+    gbx_set_isa_limit(0);
+    check_nested_errors();
 
     if (g_fail) {
         for (int k = 0; k < MAX_KINDS && g_kinds[k].what; ++k)

@@ -1,0 +1,160 @@
+"""The product of a nested gear, through the fastest kernel that applies, chosen per call.
+
+A gear reads the first ``n`` planes of a matrix (:mod:`.planes`) and computes
+``x @ (deq(p0) + ... + deq(p_{n-1})).T (+ bias)``. Three implementations, in
+this order (:meth:`NestedProduct.backend_for` tells which a call takes):
+
+1. one input row on a GPU device: the fused kernel of
+   :mod:`gearbx_mlx.packed.nested_gpu` (Metal, or its CUDA twin), every plane
+   of the gear in one launch;
+2. on the CPU device, up to ``cpu_max_rows`` input rows (decode, or a
+   speculative verify of a few tokens): the C kernels of
+   :mod:`gearbx_mlx.packed.nested_cpu`, when the extension is built; float32
+   activations, except for the gears listed in ``intdot_plans`` (int8
+   activations: faster, and their error is small next to the gear's own);
+3. everywhere else (prefill, other plane widths, tiny layers): the oracle
+   :func:`.planes.reference_matmul`, one ``mx.quantized_matmul`` per plane.
+
+A layer (``NestedLinear``) keeps one :class:`NestedProduct` per matrix: it
+checks the planes and builds the kernels' state once, and a gear shift only
+changes ``n``. :func:`nested_matmul` is the same product without the cache.
+The planes are treated as immutable once a product has used them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..packed import gpu, nested_cpu, nested_gpu
+from ..packed.layers import cpu_backend
+from .planes import Plane, reference_matmul
+
+#: Names :meth:`NestedProduct.backend_for` returns.
+BACKENDS = ("metal", "cuda", "cpu", "reference")
+
+
+@dataclass(frozen=True)
+class NestedKernelConfig:
+    """Where each kernel is used.
+
+    intdot_plans: the bits of the planes read by the gears whose CPU product
+        quantizes activations to int8. A lone 4-bit plane (the low gear; 9%
+        relative weight error) only: int8 activations add about 0.5% relative
+        error (``scripts/bench_nested_kernels.py`` measures both per gear),
+        which would double the mid gear's and swamp the high gear's.
+    cpu_max_rows: the most input rows the C kernels take in one call (they
+        re-read each weight row from cache once per input row).
+    """
+
+    intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
+    cpu_max_rows: int = 8
+
+
+DEFAULT_CONFIG = NestedKernelConfig()
+
+
+class NestedProduct:
+    """The planes of one ``(out, in)`` matrix and the cached state of their kernels.
+
+    Args:
+        planes: one to three :class:`.planes.Plane` of the matrix, low gear first.
+        config: where each kernel is used (:data:`DEFAULT_CONFIG`).
+    """
+
+    def __init__(self, planes: Sequence[Plane], config: NestedKernelConfig = DEFAULT_CONFIG) -> None:
+        if not 1 <= len(planes) <= 3:
+            raise ValueError(f"a nested matrix has 1 to 3 planes, got {len(planes)}")
+        self.planes = list(planes)
+        self.config = config
+        self.out_features, self.in_features = planes[0].shape
+        self._prepared: Optional[nested_cpu.PreparedNested] = None
+        self._cpu_ok: Optional[bool] = None
+        self._factors: Dict[int, mx.array] = {}
+        self._gpu: Dict[tuple, object] = {}  # (backend, dtype, n, bias) -> launcher or False
+
+    # -- which path ---------------------------------------------------------------
+
+    def _rows(self, x: mx.array) -> int:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the matrix expects {self.in_features}")
+        return x.size // self.in_features
+
+    def _gpu_launcher(self, backend: str, dtype: mx.Dtype, n: int, has_bias: bool):
+        key = (backend, dtype, n, has_bias)
+        run = self._gpu.get(key)
+        if run is None:
+            used = self.planes[:n]
+            bits = tuple(p.bits for p in used)
+            gs, sdt = used[0].group_size, used[0].scales.dtype
+            uniform = all(p.group_size == gs and p.scales.dtype == sdt and p.biases.dtype == sdt for p in used)
+            ok = uniform and nested_gpu.supports(bits, gs, self.in_features, self.out_features, dtype, sdt)
+            run = ok and nested_gpu.launcher(backend, bits, gs, self.in_features, self.out_features, dtype, sdt,
+                                             has_bias)
+            self._gpu[key] = run
+        return run
+
+    def _cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
+        if self._cpu_ok is None:
+            self._cpu_ok = cpu_backend() is not None and all(p.bits in (4, 8) for p in self.planes) and \
+                len({p.group_size for p in self.planes}) == 1
+            if self._cpu_ok:
+                self._prepared = nested_cpu.prepare_nested(self.planes)
+        return self._prepared
+
+    def backend_for(self, x: mx.array, n: int, has_bias: bool = False) -> str:
+        """Which path ``self(x, n)`` takes now (see the module docstring)."""
+        rows = self._rows(x)
+        backend = gpu.gpu_backend()
+        if backend is not None:
+            if rows == 1 and self._gpu_launcher(backend, x.dtype, n, has_bias):
+                return backend
+            return "reference"
+        if rows <= self.config.cpu_max_rows and self._cpu_prepared() is not None:
+            return "cpu"
+        return "reference"
+
+    def cpu_path(self, n: int) -> str:
+        """The C kernels' path for the gear of ``n`` planes: "intdot" or "float"."""
+        return "intdot" if tuple(p.bits for p in self.planes[:n]) in self.config.intdot_plans else "float"
+
+    # -- the product --------------------------------------------------------------
+
+    def __call__(self, x: mx.array, n: int, bias: Optional[mx.array] = None) -> mx.array:
+        """``(..., in)`` -> ``(..., out)`` in ``x.dtype``: the gear of the first ``n`` planes."""
+        if not 1 <= n <= len(self.planes):
+            raise ValueError(f"a gear reads 1 to {len(self.planes)} planes, got {n}")
+        path = self.backend_for(x, n, bias is not None)
+        if path in ("metal", "cuda"):
+            factors = self._factors.get(n)
+            if factors is None:
+                factors = self._factors[n] = nested_gpu.factors_of(self.planes, n)
+            b = bias if bias is None or bias.dtype == x.dtype else bias.astype(x.dtype)
+            return self._gpu_launcher(path, x.dtype, n, bias is not None)(
+                x, nested_gpu.plane_arrays(self.planes, n), factors, b)
+        if path == "cpu":
+            y = self._prepared.gemv(x, n, path=self.cpu_path(n))
+            if bias is not None:
+                y = y + bias.astype(mx.float32)
+            return y.astype(x.dtype)
+        return reference_matmul(x, self.planes, n, bias)
+
+
+def nested_matmul(
+    x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None, *,
+    config: NestedKernelConfig = DEFAULT_CONFIG,
+) -> mx.array:
+    """``x @ (deq(p0) + ... + deq(p_{n-1})).T (+ bias)`` through the best kernel for it now.
+
+    Args:
+        x: ``(..., in)``, float32, float16 or bfloat16.
+        planes: the matrix's planes (:func:`.planes.build_planes`); ``n`` are read.
+        bias: ``(out,)`` or None.
+    Returns:
+        ``(..., out)`` in ``x.dtype``.
+
+    Builds the kernels' state on every call: a layer keeps a :class:`NestedProduct`.
+    """
+    return NestedProduct(planes, config)(x, n, bias)

@@ -1,0 +1,207 @@
+"""Nested planes on the CPU: a checked wrapper over the C ``gbx_nested_gemv``.
+
+A gear of nested planes (``gearbx_mlx.nested.planes``) computes
+``y = sum_{p<n} 2**-e_p * (x @ deq(plane p).T)``. The C kernels
+(``kernels/cpu/nested.c`` and its ``arch/`` files) read the first ``n``
+planes of a matrix straight from MLX's storage (uint32 codes, float32 /
+float16 / bfloat16 scales and biases), zero-copy, one output row at a time,
+for one or a few activation rows (a verify of k tokens reads each weight row
+once).
+
+Paths (``path=``), as the packed kernels' (:mod:`.cpu`):
+
+* ``"float"`` (and ``"auto"``): float32 activations, no error beyond float32
+  summation order;
+* ``"intdot"``: x quantized to int8 in blocks of 32, exact integer dot
+  products; faster, adds the error of 8-bit activations
+  (``scripts/bench_nested_kernels.py`` measures it per gear);
+* ``"ref"`` / ``"intdot_ref"``: the scalar C oracles (tests).
+
+Planes are objects with ``weight``, ``scales``, ``biases``, ``bits``,
+``group_size`` and ``exponent`` (``gearbx_mlx.nested.planes.Plane``); this
+module does not import the nested package, which sits above the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Protocol, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from . import cpu
+
+__all__ = ["PreparedNested", "prepare_nested", "nested_gemv"]
+
+ArrayLike = Union[mx.array, np.ndarray]
+PATHS = cpu.PATHS
+
+
+class PlaneLike(Protocol):
+    weight: mx.array  # (out, in * bits / 32) uint32
+    scales: mx.array  # (out, in / group_size)
+    biases: mx.array
+    bits: int
+    group_size: int
+    exponent: int
+
+
+def _dtype_code(lib: Any, dtype: mx.Dtype) -> Optional[int]:
+    return {mx.float32: lib.GBX_DTYPE_F32, mx.float16: lib.GBX_DTYPE_F16, mx.bfloat16: lib.GBX_DTYPE_BF16}.get(dtype)
+
+
+def _raw_view(a: mx.array, name: str) -> np.ndarray:
+    """A C-contiguous numpy view of an MLX array's bytes (bfloat16 as uint16), no copy."""
+    if not isinstance(a, mx.array):
+        raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)  # numpy has no bfloat16; the kernels read the bits
+    mx.eval(a)
+    v = np.asarray(a)
+    if not v.flags.c_contiguous:
+        a = mx.contiguous(a)
+        mx.eval(a)
+        v = np.asarray(a)
+    return v
+
+
+class PreparedNested:
+    """A matrix's planes checked once, with host views and the C plane table.
+
+    Attributes:
+        n_planes: planes held (a gear reads the first ``n`` of them).
+        out_features, in_features, group_size: the matrix and its groups.
+        bits: bits of each plane.
+    """
+
+    def __init__(self, planes: Sequence[PlaneLike]) -> None:
+        ext = cpu._require()
+        ffi, lib = ext.ffi, ext.lib
+        if not 1 <= len(planes) <= lib.GBX_MAX_PLANES:
+            raise ValueError(f"a nested matrix has 1 to {lib.GBX_MAX_PLANES} planes, got {len(planes)}")
+        first = planes[0]
+        self.group_size = int(first.group_size)
+        self.out_features = int(first.weight.shape[0])
+        self.in_features = int(first.weight.shape[1]) * 32 // int(first.bits)
+        self.bits = tuple(int(p.bits) for p in planes)
+        self.n_planes = len(planes)
+        o, i, gs = self.out_features, self.in_features, self.group_size
+        self._keep: List[Any] = []  # the views and cffi buffers the table points into
+        self._table = ffi.new("gbx_plane[]", len(planes))
+        for k, p in enumerate(planes):
+            if p.bits not in (lib.GBX_PLANE_BITS_LO, lib.GBX_PLANE_BITS_HI):
+                raise ValueError(f"plane {k} has {p.bits} bits: the C kernels read planes of 4 or 8 bits "
+                                 "(use gearbx_mlx.nested.planes.reference_matmul for others)")
+            if p.group_size != gs:
+                raise ValueError(f"plane {k} has group size {p.group_size}, plane 0 {gs}: one group size per matrix")
+            if p.weight.dtype != mx.uint32 or p.weight.ndim != 2 or p.weight.shape[0] != o \
+                    or p.weight.shape[1] * 32 != i * p.bits:
+                raise ValueError(f"plane {k}: codes must be uint32 ({o}, {i * p.bits // 32}) for {p.bits} bits, "
+                                 f"got {p.weight.dtype} {tuple(p.weight.shape)}")
+            code = _dtype_code(lib, p.scales.dtype)
+            if code is None or p.biases.dtype != p.scales.dtype:
+                raise TypeError(f"plane {k}: scales and biases must share float32, float16 or bfloat16, "
+                                f"got {p.scales.dtype} and {p.biases.dtype}")
+            if i % gs or tuple(p.scales.shape) != (o, i // gs) or tuple(p.biases.shape) != (o, i // gs):
+                raise ValueError(f"plane {k}: scales and biases must have shape ({o}, {i // gs if gs else '?'}), "
+                                 f"got {tuple(p.scales.shape)} and {tuple(p.biases.shape)}")
+            views = [_raw_view(p.weight, f"plane {k} codes"), _raw_view(p.scales, f"plane {k} scales"),
+                     _raw_view(p.biases, f"plane {k} biases")]
+            bufs = [ffi.from_buffer(v) for v in views]
+            self._keep += views + bufs
+            t = self._table[k]
+            t.codes = ffi.cast("const uint32_t *", bufs[0])
+            t.scales, t.biases = bufs[1], bufs[2]
+            t.bits, t.dtype, t.factor = int(p.bits), code, 2.0 ** -int(p.exponent)
+        rc = lib.gbx_check_nested(self._table, len(planes), 1, o, i, gs, 0)
+        if rc != 0:
+            cpu._raise_for(ext, rc, "gearbx_mlx.packed.nested_cpu.prepare_nested")
+
+    def gemv(
+        self,
+        x: ArrayLike,
+        n: Optional[int] = None,
+        *,
+        path: str = "float",
+        threads: Optional[int] = None,
+        out: Optional[mx.array] = None,
+    ) -> mx.array:
+        """The gear of the first ``n`` planes (default all) times ``x``, float32.
+
+        Args:
+            x: ``(..., in_features)``: one activation row or a few (the
+                leading dims are flattened), any float dtype.
+            n: planes read (1 .. n_planes).
+            path: ``"float"``/``"auto"``, ``"intdot"``, ``"ref"`` or ``"intdot_ref"``.
+            threads: threads for this call (default :func:`gearbx_mlx.packed.cpu.get_threads`).
+            out: optional float32 MLX array of the result's shape, written in place.
+
+        Returns:
+            ``(..., out_features)`` float32, without any layer bias.
+        """
+        ext = cpu._require()
+        n = self.n_planes if n is None else n
+        if not isinstance(n, (int, np.integer)) or not 1 <= n <= self.n_planes:
+            raise ValueError(f"a gear reads 1 to {self.n_planes} planes, got {n!r}")
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
+        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        xv, lead = _rows(x, self.in_features)
+        m = xv.shape[0]
+        shape = lead + (self.out_features,)
+        if out is None:
+            yv = np.empty((m, self.out_features), dtype=np.float32)
+        else:
+            if not isinstance(out, mx.array) or out.dtype != mx.float32 or tuple(out.shape) != shape:
+                raise ValueError(f"out must be a float32 mlx array of shape {shape}")
+            mx.eval(out)
+            yv = np.asarray(out)
+            if not (yv.flags.c_contiguous and yv.flags.writeable):
+                raise ValueError("out must be contiguous and writable")
+        ffi = ext.ffi
+        rc = ext.lib.gbx_nested_gemv(
+            self._table, int(n), ffi.from_buffer("float[]", xv), ffi.from_buffer("float[]", yv, require_writable=True),
+            m, self.out_features, self.in_features, self.group_size, PATHS[path],
+            0 if threads is None else int(threads),
+        )
+        if rc != 0:
+            cpu._raise_for(ext, rc, "gearbx_mlx.packed.nested_cpu.gemv")
+        return out if out is not None else mx.array(yv).reshape(shape)
+
+
+def _rows(x: ArrayLike, in_features: int):
+    """``x`` as a C-contiguous float32 ``(m, in_features)`` buffer, and its leading shape."""
+    if not isinstance(x, (mx.array, np.ndarray)):
+        raise TypeError(f"x must be an mlx.core.array or numpy.ndarray, got {type(x).__name__}")
+    if not x.shape or x.shape[-1] != in_features or x.size == 0:
+        raise ValueError(f"x must have shape (..., {in_features}), got {tuple(x.shape)}")
+    lead = tuple(x.shape[:-1])
+    m = x.size // in_features
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"x must be floating point, got {x.dtype}")
+        return np.ascontiguousarray(x.reshape(m, in_features), dtype=np.float32), lead
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    x = mx.contiguous(x.astype(mx.float32).reshape(m, in_features))
+    mx.eval(x)
+    return np.asarray(x), lead
+
+
+def prepare_nested(planes: Sequence[PlaneLike]) -> PreparedNested:
+    """Check a matrix's planes once and keep host views of them (see :class:`PreparedNested`).
+
+    Raises:
+        ValueError / TypeError: planes of different group sizes or shapes, bits
+            other than 4 and 8, scale dtypes other than float32/float16/bfloat16.
+        RuntimeError: the C extension is not built.
+    """
+    return PreparedNested(planes)
+
+
+def nested_gemv(
+    x: ArrayLike, planes: Sequence[PlaneLike], n: int, *, path: str = "float", threads: Optional[int] = None
+) -> mx.array:
+    """One-off :meth:`PreparedNested.gemv` (a layer keeps a :class:`PreparedNested`)."""
+    return prepare_nested(planes).gemv(x, n, path=path, threads=threads)

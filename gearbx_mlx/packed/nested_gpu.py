@@ -1,0 +1,291 @@
+"""The nested-plane GEMV on Metal and CUDA: one launch reads a gear's 1-3 planes.
+
+A gear of nested planes (``gearbx_mlx.nested.planes``) is ``y = sum_p 2**-e_p
+* (x @ deq(plane p).T)``; with stock MLX that is one ``mx.quantized_matmul``
+per plane. ``kernels/gpu/nested_gemv_body.inc`` reads every plane of the gear
+in one pass over the rows, for one input vector (decode), with the prelude and
+entry of the packed kernels (:mod:`.gpu`): one body, a Metal source and its
+CUDA twin. Every baked parameter (backend, plane bits, group size, x dtype,
+scale dtype, bias, rows per SIMD group, chunk width, staging, source hash) is
+in the kernel's name.
+
+:func:`nested_gemv` is the entry point; it returns ``None`` where the kernel
+does not apply (no GPU, several input rows, unsupported bits, dtypes or
+shapes), so a caller falls back to the pure-MLX oracle. Planes are passed as
+objects with ``weight``, ``scales``, ``biases``, ``bits``, ``group_size`` and
+``exponent`` (``gearbx_mlx.nested.planes.Plane``); this module does not import
+the nested package, which sits above the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import mlx.core as mx
+
+from . import gpu
+from .kernel_files import format_constant, read as _read, source_dir
+
+#: Plane bit widths the body reads (others take the oracle).
+NESTED_BITS: Tuple[int, ...] = (4, 8)
+#: Group sizes of MLX's affine quantization.
+NESTED_GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+#: dtypes of x and of the planes' scales and biases.
+NESTED_DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
+
+
+class PlaneLike(Protocol):
+    """What the launcher reads of a plane (``gearbx_mlx.nested.planes.Plane``)."""
+
+    weight: mx.array  # (out, in * bits / 32) uint32
+    scales: mx.array  # (out, in / group_size)
+    biases: mx.array  # (out, in / group_size)
+    bits: int
+    group_size: int
+    exponent: int
+
+
+@dataclass(frozen=True)
+class NestedTuning:
+    """Work split of the nested body.
+
+    rows: output rows per SIMD group (they share each input chunk);
+    vec: 32-bit words of a 4-bit plane per lane chunk, so a chunk is
+    ``8 * vec`` inputs (an 8-bit plane reads ``2 * vec`` words of it).
+    """
+
+    rows: int
+    vec: int
+
+
+#: Defaults by the number of planes a gear reads: more planes hold more
+#: words in registers per row, so fewer rows share a chunk.
+#: (Chosen ahead of a GPU measurement; scripts/bench_nested_gpu.py sweeps them.)
+TUNING: Dict[int, NestedTuning] = {
+    1: NestedTuning(rows=4, vec=4),
+    2: NestedTuning(rows=2, vec=4),
+    3: NestedTuning(rows=2, vec=4),
+}
+
+_DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
+
+
+# -- sources and names ----------------------------------------------------------------
+
+
+def kernel_sources(
+    backend: str, n_planes: int, has_bias: bool, directory: Optional[Path] = None, *, compact: bool = False
+) -> Tuple[str, str]:
+    """``(header, source)`` as handed to MLX: the format header, the backend's
+    prelude, the shared helpers; then the entry and the nested body."""
+    if n_planes not in (1, 2, 3):
+        raise ValueError(f"a gear reads 1 to 3 planes, got {n_planes}")
+    d = Path(directory) if directory is not None else source_dir()
+    prelude, entry = gpu.backend_files(backend, d)
+    header = (prelude + "\n" + _read(d, f"{gpu.GPU_DIR}/gemv_common.h") + "\n"
+              + _read(d, f"{gpu.GPU_DIR}/nested_common.h"))
+    # Plane count and bias are preprocessor switches: the names of absent
+    # inputs (w2, bias) must not appear in the compiled text.
+    source = (f"#define GBX_NPLANES {n_planes}\n#define GBX_HAS_BIAS {int(has_bias)}\n" + entry
+              + _read(d, f"{gpu.GPU_DIR}/nested_gemv_body.inc") + "#undef GBX_NPLANES\n#undef GBX_HAS_BIAS\n")
+    if compact:
+        header, source = gpu._compact(header), gpu._compact(source)
+    return header, source
+
+
+def input_names(n_planes: int, has_bias: bool) -> List[str]:
+    names = ["x"]
+    for p in range(n_planes):
+        names += [f"w{p}", f"s{p}", f"b{p}"]
+    return names + ["factors"] + (["bias"] if has_bias else [])
+
+
+def constants(
+    dtype: mx.Dtype, scale_dtype: mx.Dtype, bits: Tuple[int, ...], group_size: int, tuning: NestedTuning,
+    shared: bool,
+) -> List[Tuple[str, object]]:
+    """The body's compile-time constants, by name (all of them are in its name).
+    Planes a gear does not read get bits 4 (their code is compiled, never run)."""
+    padded = tuple(bits) + (4,) * (3 - len(bits))
+    return [("T", dtype), ("S", scale_dtype), ("B0", padded[0]), ("B1", padded[1]), ("B2", padded[2]),
+            ("GS", group_size), ("ROWS", tuning.rows), ("VEC", tuning.vec), ("SHARED", shared)]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_name(
+    backend: str, bits: Tuple[int, ...], group_size: int, tuning: NestedTuning, shared: bool, dtype: mx.Dtype,
+    scale_dtype: mx.Dtype, has_bias: bool,
+) -> str:
+    header, source = kernel_sources(backend, len(bits), has_bias)
+    digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
+    plan = "_".join(f"q{b}" for b in bits)
+    return (f"gbx_nested_{backend}_{plan}_g{group_size}_r{tuning.rows}_v{tuning.vec}_"
+            f"{'shared' if shared else 'device'}_{_DTYPE_TAG[dtype]}_s{_DTYPE_TAG[scale_dtype]}_"
+            f"{'bias' if has_bias else 'nobias'}_{digest}")
+
+
+# -- where it applies -----------------------------------------------------------------
+
+
+def supports(
+    bits: Sequence[int], group_size: int, in_features: int, out_features: int, dtype: mx.Dtype,
+    scale_dtype: mx.Dtype,
+) -> bool:
+    """True if the body handles a gear of planes of these ``bits``.
+
+    Every plane must share the group size and the scale dtype (as
+    ``build_planes`` makes them). Tiny layers (K < 32, O < 8) take the oracle:
+    Metal passes arrays of fewer than 8 elements in the constant address
+    space, which the vector loads do not take.
+    """
+    if not 1 <= len(bits) <= format_constant("GBX_MAX_PLANES") or any(b not in NESTED_BITS for b in bits):
+        return False
+    if group_size not in NESTED_GROUP_SIZES or in_features % group_size:
+        return False
+    if dtype not in NESTED_DTYPES or scale_dtype not in NESTED_DTYPES:
+        return False
+    return in_features >= 32 and out_features >= 8
+
+
+def _plan_of(planes: Sequence[PlaneLike], n: int) -> Tuple[Tuple[int, ...], int, mx.Dtype, int, int]:
+    """(bits, group size, scale dtype, out, in) of the first ``n`` planes, or ValueError."""
+    if not 1 <= n <= len(planes):
+        raise ValueError(f"a gear reads 1 to {len(planes)} planes, got {n}")
+    used = planes[:n]
+    gs, sdt = used[0].group_size, used[0].scales.dtype
+    if any(p.group_size != gs or p.scales.dtype != sdt or p.biases.dtype != sdt for p in used):
+        raise ValueError("the nested GPU kernel needs one group size and one scale dtype across a gear's planes")
+    out_features, words = used[0].weight.shape
+    return tuple(p.bits for p in used), gs, sdt, out_features, words * 32 // used[0].bits
+
+
+def factors_of(planes: Sequence[PlaneLike], n: int) -> mx.array:
+    """float32 ``(n,)``: ``2**-exponent`` of each plane read (exact)."""
+    return mx.array([2.0 ** -p.exponent for p in planes[:n]], dtype=mx.float32)
+
+
+# -- launch ---------------------------------------------------------------------------
+
+
+def launch_spec(
+    backend: str, x: mx.array, planes: Sequence[PlaneLike], n: int, has_bias: bool, *,
+    tuning: Optional[NestedTuning] = None, shared: Optional[bool] = None,
+) -> dict:
+    """Everything :func:`nested_gemv` passes to MLX, without building or running
+    anything (so the argument plumbing is tested on any machine)."""
+    bits, gs, sdt, out_features, in_features = _plan_of(planes, n)
+    if x.shape[-1] != in_features or x.size != in_features:
+        raise ValueError(f"the nested GEMV takes one input vector of {in_features} values, got shape {x.shape}")
+    if not supports(bits, gs, in_features, out_features, x.dtype, sdt):
+        raise ValueError(f"no nested GPU kernel for planes {bits}, group {gs}, shape ({out_features}, "
+                         f"{in_features}), x {x.dtype}, scales {sdt}: use the reference")
+    t = tuning or TUNING[n]
+    if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > gs:
+        raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= group size {gs}, got {t}")
+    shared_k = format_constant("GBX_SHARED_K")
+    if shared is None:
+        shared = in_features <= shared_k
+    elif shared and in_features > shared_k:
+        raise ValueError(f"the threadgroup-memory variant holds K <= {shared_k}, got {in_features}")
+    n_groups = -(-out_features // (gpu.SIMD_GROUPS * t.rows))
+    return dict(
+        name=kernel_name(backend, bits, gs, t, bool(shared), x.dtype, sdt, has_bias),
+        n_planes=n,
+        has_bias=has_bias,
+        input_names=input_names(n, has_bias),
+        constants=constants(x.dtype, sdt, bits, gs, t, bool(shared)),
+        grid=(n_groups * gpu.THREADS, 1, 1),
+        threadgroup=(gpu.THREADS, 1, 1),
+        output_shapes=[x.shape[:-1] + (out_features,)],
+        output_dtypes=[x.dtype],
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _build(backend: str, name: str, n_planes: int, has_bias: bool, consts_source: str) -> Callable:
+    header, source = kernel_sources(backend, n_planes, has_bias, compact=True)
+    kwargs = dict(name=name, input_names=input_names(n_planes, has_bias), output_names=["y"],
+                  source=gpu._compact(consts_source) + source, header=header, ensure_row_contiguous=True)
+    if backend == "metal":
+        return mx.fast.metal_kernel(**kwargs)
+    return mx.fast.cuda_kernel(**kwargs)
+
+
+Launcher = Callable[..., mx.array]
+
+
+class _ShapeOnly:
+    """Stands in for a plane in :func:`launcher`: shapes and dtypes, never evaluated."""
+
+    def __init__(self, bits: int, group_size: int, out_features: int, in_features: int, dtype: mx.Dtype):
+        self.bits, self.group_size, self.exponent = bits, group_size, 0
+        self.weight = mx.zeros((out_features, in_features * bits // 32), dtype=mx.uint32)
+        self.scales = self.biases = mx.zeros((out_features, in_features // group_size), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(
+    backend: str, bits: Tuple[int, ...], group_size: int, in_features: int, out_features: int, dtype: mx.Dtype,
+    scale_dtype: mx.Dtype, has_bias: bool, tuning: Optional[NestedTuning] = None, shared: Optional[bool] = None,
+) -> Launcher:
+    """A cached ``run(x, arrays, factors, bias=None) -> y`` for one gear's shape.
+
+    ``arrays`` is ``[w0, s0, b0, w1, s1, b1, ...]`` of the planes read, and
+    ``factors`` their float32 ``(n,)`` factors; everything else is worked out
+    once. ``x`` may keep leading dims of size 1; ``y`` has them too.
+    """
+    shapes = [_ShapeOnly(b, group_size, out_features, in_features, scale_dtype) for b in bits]
+    x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
+    spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
+    kernel = _build(backend, spec["name"], len(bits), has_bias, gpu.constants_source(backend, spec["constants"]))
+    grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
+    tail = (out_features,)
+
+    def run(x: mx.array, arrays: List[mx.array], factors: mx.array, bias: Optional[mx.array] = None) -> mx.array:
+        inputs = [x, *arrays, factors] if bias is None else [x, *arrays, factors, bias]
+        return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                      output_shapes=[x.shape[:-1] + tail], output_dtypes=out_dtypes)[0]
+
+    return run
+
+
+def plane_arrays(planes: Sequence[PlaneLike], n: int) -> List[mx.array]:
+    """``[w0, s0, b0, w1, ...]`` of the first ``n`` planes, in the kernel's input order."""
+    return [a for p in planes[:n] for a in (p.weight, p.scales, p.biases)]
+
+
+def nested_gemv(
+    x: mx.array, planes: Sequence[PlaneLike], n: int, bias: Optional[mx.array] = None, *,
+    backend: Optional[str] = None, tuning: Optional[NestedTuning] = None, shared: Optional[bool] = None,
+) -> Optional[mx.array]:
+    """``x @ (sum of the first n planes' dequantizations).T (+ bias)`` in one launch.
+
+    Args:
+        x: ``(..., in)`` with leading dims of size 1 (one token); float32,
+            float16 or bfloat16.
+        planes: the matrix's planes (``Plane``); ``n`` of them are read.
+        bias: ``(out,)`` in ``x.dtype``, or None.
+        backend: "metal" or "cuda" (default: the default device's GPU).
+        tuning, shared: override :data:`TUNING` and the staging (tests, benchmarks).
+
+    Returns:
+        ``(..., out)`` in ``x.dtype``; None where the kernel does not apply (no
+        GPU back end, several input rows, or planes/shapes/dtypes outside
+        :func:`supports`): the caller then takes ``reference_matmul``.
+    """
+    backend = backend or gpu.gpu_backend()
+    if backend is None or not 1 <= n <= len(planes):
+        return None
+    bits, gs, sdt, out_features, in_features = _plan_of(planes, n)
+    if x.size != in_features or x.shape[-1] != in_features:
+        return None
+    if not supports(bits, gs, in_features, out_features, x.dtype, sdt):
+        return None
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.astype(x.dtype)
+    run = launcher(backend, bits, gs, in_features, out_features, x.dtype, sdt, bias is not None, tuning, shared)
+    return run(x, plane_arrays(planes, n), factors_of(planes, n), bias)

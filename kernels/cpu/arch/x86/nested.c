@@ -1,0 +1,298 @@
+/*
+ * arch/x86/nested.c -- x86-64 kernels of the nested planes (../../nested.c).
+ *
+ * One function per plane (bits 4 or 8) and scale dtype, returning the
+ * plane's part of one output row: sum_g s_g (codes . x)_g + b_g xsum_g.
+ *   float   AVX2+FMA against float32 x; 4-bit codes against x in split order
+ *           (low nibbles are the even elements, as in the packed int4 kernels).
+ *   intdot  int8 x (GBX_QK blocks).  4 bits: vpmaddubsw takes the unsigned
+ *           codes as they are (|pair| <= 2*15*127).  8 bits: 255*127*2
+ *           would saturate vpmaddubsw's int16 pairs, so plain AVX2 multiplies
+ *           u - 128 (signed, |pair| <= 2*128*127) and adds back
+ *           128 * sum(xq) per group (nested_ctx.k128); vpdpbusd (AVX512-VNNI
+ *           or AVX-VNNI) sums into int32 without pairs, so it takes u as is.
+ * Scales and biases are converted per group on the fly (F16C for float16),
+ * so a plane reads exactly its own bytes.  Oracles: ../../ref.c.
+ */
+#include "simd.h"
+
+#if GBX_X86
+
+#define GBX_NESTED_FN __attribute__((target("avx2,fma,f16c")))
+
+/* ---- scales and biases -------------------------------------------------- */
+
+GBX_NESTED_FN GBX_INLINE float scale1(const void *p, size_t i, const int dtype)
+{
+    if (dtype == GBX_DTYPE_F32)
+        return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    if (dtype == GBX_DTYPE_F16)
+        return _cvtsh_ss(h);
+    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)h << 16))));
+}
+
+GBX_NESTED_FN GBX_INLINE __m256 scale8(const void *p, size_t i, const int dtype)
+{
+    if (dtype == GBX_DTYPE_F32)
+        return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dtype == GBX_DTYPE_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* sum_g v[off + g] * w[g] over ng groups: a bias row against the group sums
+ * of x, or a scale row against k128. */
+GBX_NESTED_FN GBX_INLINE float group_dot(const void *v, size_t off, const float *w, int ng, const int dtype)
+{
+    __m256 acc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= ng; g += 8)
+        acc = _mm256_fmadd_ps(scale8(v, off + (size_t)g, dtype), _mm256_loadu_ps(w + g), acc);
+    float y = hsum_avx2(acc);
+    for (; g < ng; ++g)
+        y += scale1(v, off + (size_t)g, dtype) * w[g];
+    return y;
+}
+
+/* The scales of blocks 2s (low 4 lanes) and 2s+1 (high 4 lanes) of span s:
+ * one group unless groups are 32 wide. */
+GBX_NESTED_FN GBX_INLINE __m256 span_scales(const void *sc, size_t off, int s, int gshift, const int dtype)
+{
+    const float a = scale1(sc, off + (size_t)((2 * s) >> gshift), dtype);
+    if (gshift > 0)
+        return _mm256_set1_ps(a);
+    const float b = scale1(sc, off + (size_t)(2 * s + 1), dtype);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
+}
+
+/* ---- float path ----------------------------------------------------------- */
+
+/* 8 code bytes -> 8 low nibbles (elements 2k) and 8 high (2k+1) as floats */
+GBX_NESTED_FN GBX_INLINE void u4_unpack8(const uint8_t *p, __m256 *lo, __m256 *hi)
+{
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i l = _mm256_and_si256(u, _mm256_set1_epi32(0x0F));
+    __m256i h = _mm256_srli_epi32(u, 4);
+    GBX_NIBBLE_ORDER(__m256i, l, h);
+    *lo = _mm256_cvtepi32_ps(l);
+    *hi = _mm256_cvtepi32_ps(h);
+}
+
+GBX_NESTED_FN GBX_INLINE float plane4_float(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,
+                                            const int dtype)
+{
+    const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
+    const size_t off = (size_t)r * c->ng;
+    const gbx_span_f32 *xf = c->xf + (size_t)k * c->nspans;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int s = 0; s < c->nspans; ++s) {
+        const uint8_t *wp = w + (size_t)s * (GBX_SPAN / 2);
+        const gbx_span_f32 *xs = xf + s;
+        if (s & 1)
+            GBX_PREFETCH(wp + GBX_PREFETCH_BYTES);
+        __m256 lo, hi;
+        /* bytes 0-15 are block 2s, bytes 16-31 block 2s+1 */
+        u4_unpack8(wp, &lo, &hi);
+        __m256 ta = _mm256_mul_ps(lo, _mm256_loadu_ps(xs->even));
+        __m256 ta2 = _mm256_mul_ps(hi, _mm256_loadu_ps(xs->odd));
+        u4_unpack8(wp + 8, &lo, &hi);
+        ta = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs->even + 8), ta);
+        ta2 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs->odd + 8), ta2);
+        u4_unpack8(wp + 16, &lo, &hi);
+        __m256 tb = _mm256_mul_ps(lo, _mm256_loadu_ps(xs->even + 16));
+        __m256 tb2 = _mm256_mul_ps(hi, _mm256_loadu_ps(xs->odd + 16));
+        u4_unpack8(wp + 24, &lo, &hi);
+        tb = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs->even + 24), tb);
+        tb2 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs->odd + 24), tb2);
+        const float sa = scale1(p->scales, off + (size_t)((2 * s) >> c->gshift), dtype);
+        const float sb = c->gshift ? sa : scale1(p->scales, off + (size_t)(2 * s + 1), dtype);
+        acc0 = _mm256_fmadd_ps(_mm256_add_ps(ta, ta2), _mm256_set1_ps(sa), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_add_ps(tb, tb2), _mm256_set1_ps(sb), acc1);
+    }
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) + gbx_nested_tail_float(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) +
+           group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);
+}
+
+/* 32 codes of block b times x: two partial sums (two FMA chains) */
+GBX_NESTED_FN GBX_INLINE __m256 u8_block_float(const uint8_t *wb, const float *xb)
+{
+#define GBX_U8F(o) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wb + (o)))))
+    __m256 t0 = _mm256_mul_ps(GBX_U8F(0), _mm256_loadu_ps(xb));
+    __m256 t1 = _mm256_mul_ps(GBX_U8F(8), _mm256_loadu_ps(xb + 8));
+    t0 = _mm256_fmadd_ps(GBX_U8F(16), _mm256_loadu_ps(xb + 16), t0);
+    t1 = _mm256_fmadd_ps(GBX_U8F(24), _mm256_loadu_ps(xb + 24), t1);
+#undef GBX_U8F
+    return _mm256_add_ps(t0, t1);
+}
+
+GBX_NESTED_FN GBX_INLINE float plane8_float(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,
+                                            const int dtype)
+{
+    const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
+    const size_t off = (size_t)r * c->ng;
+    const float *x = c->x + (size_t)k * c->I;
+    const int nb = c->I / GBX_QK;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        GBX_PREFETCH(w + (size_t)b * GBX_QK + GBX_PREFETCH_BYTES);
+        const __m256 t0 = u8_block_float(w + (size_t)b * GBX_QK, x + (size_t)b * GBX_QK);
+        const __m256 t1 = u8_block_float(w + (size_t)(b + 1) * GBX_QK, x + (size_t)(b + 1) * GBX_QK);
+        const float s0 = scale1(p->scales, off + (size_t)(b >> c->gshift), dtype);
+        const float s1 = c->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s0), acc0);
+        acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s1), acc1);
+    }
+    if (b < nb)
+        acc0 = _mm256_fmadd_ps(u8_block_float(w + (size_t)b * GBX_QK, x + (size_t)b * GBX_QK),
+                               _mm256_set1_ps(scale1(p->scales, off + (size_t)(b >> c->gshift), dtype)), acc0);
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);
+}
+
+/* ---- intdot path ---------------------------------------------------------- */
+
+/* One span of 4-bit codes as unsigned bytes: low nibbles (elements 0,2,..,62)
+ * and high nibbles (1,3,..,63), matching gbx_span_q8. */
+GBX_NESTED_FN GBX_INLINE void u4_span_split(const uint8_t *w, __m256i *lo, __m256i *hi)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    __m256i l = _mm256_and_si256(v, m4);
+    __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    GBX_NIBBLE_ORDER(__m256i, l, h);
+    *lo = l;
+    *hi = h;
+}
+
+/* int32 lane l of span s: sum of codes * xq over bytes 4l..4l+3 of both
+ * halves (lanes 0-3 block 2s, lanes 4-7 block 2s+1), exact. */
+GBX_NESTED_FN GBX_INLINE __m256i u4_span_isum_avx2(const uint8_t *w, const gbx_span_q8 *xs)
+{
+    __m256i lo, hi;
+    u4_span_split(w, &lo, &hi);
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xs->even)),
+                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)xs->odd)));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* int32 lanes of block b's sum of (u - 128) * xq (u ^ 0x80 is u - 128 as int8;
+ * vpmaddubsw takes |w| and sign(x, w)). */
+GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const int8_t *xq)
+{
+    const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wb), _mm256_set1_epi8((char)0x80));
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws)), _mm256_set1_epi16(1));
+}
+
+/* The 4-bit and 8-bit intdot rows, written once for each exact integer dot:
+ * SPAN_ISUM(w, xs) a span of 4-bit codes, BLOCK_ISUM(w, xq) a block of 8-bit
+ * codes; SIGNED8 says BLOCK_ISUM multiplies u - 128 (k128 adds the rest). */
+#define GBX_DEF_NESTED_INTDOT(SUFFIX, ATTR, SPAN_ISUM, BLOCK_ISUM, SIGNED8)                                        \
+    ATTR GBX_INLINE float plane4_intdot_##SUFFIX(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,   \
+                                                 const int dtype)                                                \
+    {                                                                                                            \
+        const uint8_t *w = p->codes + (size_t)r * p->row_bytes;                                                  \
+        const size_t off = (size_t)r * c->ng;                                                                    \
+        const gbx_act_q8 *a = c->a + k;                                                                          \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                           \
+        int s = 0;                                                                                               \
+        for (; s + 2 <= c->nspans; s += 2) {                                                                     \
+            GBX_PREFETCH(w + (size_t)s * (GBX_SPAN / 2) + GBX_PREFETCH_BYTES);                                   \
+            const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
+            const __m256 f1 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
+            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, _mm256_load_ps(a->span_d + 8 * (size_t)s)),                 \
+                                   span_scales(p->scales, off, s, c->gshift, dtype), acc0);                      \
+            acc1 = _mm256_fmadd_ps(_mm256_mul_ps(f1, _mm256_load_ps(a->span_d + 8 * (size_t)(s + 1))),           \
+                                   span_scales(p->scales, off, s + 1, c->gshift, dtype), acc1);                  \
+        }                                                                                                        \
+        if (s < c->nspans) {                                                                                     \
+            const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
+            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, _mm256_load_ps(a->span_d + 8 * (size_t)s)),                 \
+                                   span_scales(p->scales, off, s, c->gshift, dtype), acc0);                      \
+        }                                                                                                        \
+        return hsum_avx2(_mm256_add_ps(acc0, acc1)) +                                                            \
+               gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) +                                \
+               group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                             \
+    }                                                                                                            \
+    ATTR GBX_INLINE float plane8_intdot_##SUFFIX(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,   \
+                                                 const int dtype)                                                \
+    {                                                                                                            \
+        const uint8_t *w = p->codes + (size_t)r * p->row_bytes;                                                  \
+        const size_t off = (size_t)r * c->ng;                                                                    \
+        const gbx_act_q8 *a = c->a + k;                                                                          \
+        const int nb = c->I / GBX_QK;                                                                            \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                           \
+        int b = 0;                                                                                               \
+        for (; b + 2 <= nb; b += 2) {                                                                            \
+            GBX_PREFETCH(w + (size_t)b * GBX_QK + GBX_PREFETCH_BYTES);                                           \
+            const __m256 f0 = _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)b * GBX_QK, a->qs + (size_t)b * GBX_QK)); \
+            const __m256 f1 =                                                                                    \
+                _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)(b + 1) * GBX_QK, a->qs + (size_t)(b + 1) * GBX_QK));  \
+            const float s0 = scale1(p->scales, off + (size_t)(b >> c->gshift), dtype);                           \
+            const float s1 = c->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);                   \
+            acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);                                      \
+            acc1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(a->d[b + 1] * s1), acc1);                                  \
+        }                                                                                                        \
+        if (b < nb) {                                                                                            \
+            const __m256 f0 = _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)b * GBX_QK, a->qs + (size_t)b * GBX_QK)); \
+            const float s0 = scale1(p->scales, off + (size_t)(b >> c->gshift), dtype);                           \
+            acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);                                      \
+        }                                                                                                        \
+        float y = hsum_avx2(_mm256_add_ps(acc0, acc1));                                                          \
+        if (SIGNED8)                                                                                             \
+            y += group_dot(p->scales, off, c->k128 + (size_t)k * c->ng, c->ng, dtype);                           \
+        return y + group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                         \
+    }
+
+/* One exported function per (bits, dtype): the dtype a compile-time constant. */
+#define GBX_NESTED_INST(ATTR, BODY, NAME, DT) \
+    ATTR static float NAME(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k) { return BODY(c, p, r, k, DT); }
+#define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8)                       \
+    GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f32, GBX_DTYPE_F32)                 \
+    GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f16, GBX_DTYPE_F16)                 \
+    GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_bf16, GBX_DTYPE_BF16)               \
+    GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_f32, GBX_DTYPE_F32)                 \
+    GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_f16, GBX_DTYPE_F16)                 \
+    GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_bf16, GBX_DTYPE_BF16)               \
+    const gbx_nested_kernels TABLE = {ISA,                                     \
+                                      {{TABLE##_4_f32, TABLE##_4_f16, TABLE##_4_bf16}, \
+                                       {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}}};
+
+GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float)
+
+GBX_DEF_NESTED_INTDOT(avx2, GBX_NESTED_FN, u4_span_isum_avx2, u8_block_isum_signed, 1)
+GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_avx2, plane8_intdot_avx2)
+
+/* vpdpbusd: unsigned codes times int8 x, four products per int32 lane, no
+ * int16 pairs to saturate. */
+#define GBX_DEF_NESTED_VNNI(SUFFIX, ATTR, DPBUSD)                                                       \
+    ATTR GBX_INLINE __m256i u4_span_isum_##SUFFIX(const uint8_t *w, const gbx_span_q8 *xs)              \
+    {                                                                                                   \
+        __m256i lo, hi;                                                                                 \
+        u4_span_split(w, &lo, &hi);                                                                     \
+        const __m256i i = DPBUSD(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xs->even)); \
+        return DPBUSD(i, hi, _mm256_loadu_si256((const __m256i *)xs->odd));                            \
+    }                                                                                                   \
+    ATTR GBX_INLINE __m256i u8_block_isum_##SUFFIX(const uint8_t *wb, const int8_t *xq)                 \
+    {                                                                                                   \
+        return DPBUSD(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)wb),                  \
+                      _mm256_loadu_si256((const __m256i *)xq));                                         \
+    }                                                                                                   \
+    GBX_DEF_NESTED_INTDOT(SUFFIX, ATTR, u4_span_isum_##SUFFIX, u8_block_isum_##SUFFIX, 0)
+
+#if GBX_VNNI512
+#define GBX_NESTED_VNNI512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+GBX_DEF_NESTED_VNNI(vnni512, GBX_NESTED_VNNI512_FN, _mm256_dpbusd_epi32)
+GBX_NESTED_TABLE(gbx_nested_intdot_vnni512, "avx512vnni", GBX_NESTED_VNNI512_FN, plane4_intdot_vnni512,
+                 plane8_intdot_vnni512)
+#endif
+#if GBX_AVXVNNI
+#define GBX_NESTED_AVXVNNI_FN __attribute__((target("avx2,fma,f16c,avxvnni")))
+GBX_DEF_NESTED_VNNI(avxvnni, GBX_NESTED_AVXVNNI_FN, _mm256_dpbusd_avx_epi32)
+GBX_NESTED_TABLE(gbx_nested_intdot_avxvnni, "avxvnni", GBX_NESTED_AVXVNNI_FN, plane4_intdot_avxvnni,
+                 plane8_intdot_avxvnni)
+#endif
+
+#endif /* GBX_X86 */

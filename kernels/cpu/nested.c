@@ -1,0 +1,266 @@
+/*
+ * nested.c -- the gears of nested bit planes: y = sum_{p<n} 2^-e_p deq(p) x
+ * (gearbx_format.h), checks, kernel choice and the entry point.
+ *
+ * A plane is MLX's affine quantization: unsigned codes, a scale and a bias
+ * per group.  Per output row, plane and group the kernels compute
+ *     s_g * (codes . x)_g + b_g * xsum_g
+ * where xsum_g (the group's sum of x) is computed once per call, so a bias
+ * costs one multiply-add per group.  Each plane of a gear may have its own
+ * bits (4 or 8) and scale dtype; each gets the kernel of its (bits, dtype)
+ * from the family of the chosen path (arch/x86/nested.c, arch/arm/nested.c,
+ * or the scalar one below), and a row sums its planes' results times their
+ * factors.  Oracles: ref.c (gbx_nested_float_ref, gbx_nested_intdot_ref).
+ */
+#include <math.h>
+
+#include "internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* Scalar kernels (CPUs without SIMD)                                       */
+/* ------------------------------------------------------------------------ */
+
+static float plane_float_scalar(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k)
+{
+    return gbx_nested_tail_float(c, p, r, k, 0, c->I / GBX_QK) +
+           gbx_group_dot_scalar(p->biases, (size_t)r * c->ng, p->dtype, c->xsum + (size_t)k * c->ng, c->ng);
+}
+
+static float plane_intdot_scalar(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k)
+{
+    return gbx_nested_tail_intdot(c, p, r, k, 0, c->I / GBX_QK) +
+           gbx_group_dot_scalar(p->biases, (size_t)r * c->ng, p->dtype, c->xsum + (size_t)k * c->ng, c->ng);
+}
+
+static const gbx_nested_kernels nested_float_scalar = {
+    "scalar", {{plane_float_scalar, plane_float_scalar, plane_float_scalar},
+               {plane_float_scalar, plane_float_scalar, plane_float_scalar}}};
+static const gbx_nested_kernels nested_intdot_scalar = {
+    "scalar", {{plane_intdot_scalar, plane_intdot_scalar, plane_intdot_scalar},
+               {plane_intdot_scalar, plane_intdot_scalar, plane_intdot_scalar}}};
+
+/* ------------------------------------------------------------------------ */
+/* Kernel choice                                                            */
+/* ------------------------------------------------------------------------ */
+
+static const gbx_nested_kernels *pick_nested_float(void)
+{
+#if GBX_X86
+    if (gbx_cpu.avx2 && gbx_cpu.f16c)
+        return &gbx_nested_float_avx2;
+#endif
+#if GBX_NEON
+    return &gbx_nested_float_neon;
+#endif
+    return &nested_float_scalar;
+}
+
+static const gbx_nested_kernels *pick_nested_intdot(void)
+{
+#if GBX_VNNI512
+    if (gbx_cpu.vnni512 && gbx_cpu.f16c && gbx_isa_limit == 0)
+        return &gbx_nested_intdot_vnni512;
+#endif
+#if GBX_AVXVNNI
+    if (gbx_cpu.avxvnni && gbx_cpu.f16c && gbx_isa_limit != 1)
+        return &gbx_nested_intdot_avxvnni;
+#endif
+#if GBX_X86
+    if (gbx_cpu.avx2 && gbx_cpu.f16c)
+        return &gbx_nested_intdot_avx2;
+#endif
+#if GBX_DOTPROD
+    if (gbx_cpu.dotprod)
+        return &gbx_nested_intdot_dotprod;
+#endif
+#if GBX_NEON
+    return &gbx_nested_intdot_neon;
+#endif
+    return &nested_intdot_scalar;
+}
+
+void gbx_nested_isa_names(const char **float_isa, const char **intdot_isa)
+{
+    gbx_cpu_init();
+    *float_isa = pick_nested_float()->name;
+    *intdot_isa = pick_nested_intdot()->name;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Entry point                                                              */
+/* ------------------------------------------------------------------------ */
+
+int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int group_size,
+                     int path)
+{
+    if (!planes)
+        return GBX_E_NULL;
+    if (n < 1 || n > GBX_MAX_PLANES)
+        return GBX_E_PLANES;
+    for (int i = 0; i < n; ++i) {
+        const gbx_plane *p = planes + i;
+        if (p->bits != GBX_PLANE_BITS_LO && p->bits != GBX_PLANE_BITS_HI)
+            return GBX_E_PLANES;
+        if (p->dtype != GBX_DTYPE_F32 && p->dtype != GBX_DTYPE_F16 && p->dtype != GBX_DTYPE_BF16)
+            return GBX_E_PLANES;
+        if (!isfinite(p->factor))
+            return GBX_E_PLANES;
+    }
+    if (m < 1 || in_features < 1 || out_features < 0)
+        return GBX_E_SHAPE;
+    if (group_size < GBX_GROUP_MIN || group_size > GBX_GROUP_MAX || (group_size & (group_size - 1)) ||
+        in_features % group_size)
+        return GBX_E_GROUP;
+    if (path < GBX_PATH_AUTO || path > GBX_PATH_INTDOT_REF)
+        return GBX_E_PATH;
+    return GBX_OK;
+}
+
+static void nested_rows(const gbx_ctx *cc, int r0, int r1)
+{
+    const gbx_nested_ctx *c = cc->nest;
+    for (int r = r0; r < r1; ++r)
+        for (int k = 0; k < c->m; ++k) { /* the row's planes stay in L1 across the m activations */
+            float acc = 0.0f;
+            for (int i = 0; i < c->n; ++i)
+                acc += c->p[i].factor * c->p[i].fn(c, c->p + i, r, k);
+            c->y[(size_t)k * c->O + r] = acc;
+        }
+}
+
+static int log2_int(int v)
+{
+    int k = 0;
+    while ((1 << k) < v)
+        ++k;
+    return k;
+}
+
+/* Per-call activation buffers of either path, for m rows of x. */
+typedef struct {
+    float *xsum, *k128;
+    gbx_span_f32 *xf;
+    gbx_act_q8 *a;
+    void **act_mem;
+    int m;
+} nested_buffers;
+
+static void free_buffers(nested_buffers *b)
+{
+    if (b->act_mem)
+        for (int k = 0; k < b->m; ++k)
+            free(b->act_mem[k]);
+    free(b->act_mem), free(b->a), free(b->xsum), free(b->k128);
+    free(b->xf); /* xf is its own allocation (not aligned beyond malloc's: loads are unaligned) */
+}
+
+static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, int any8, nested_buffers *b)
+{
+    const int m = c->m, ng = c->ng;
+    memset(b, 0, sizeof *b);
+    b->m = m;
+    b->xsum = malloc(sizeof(float) * (size_t)m * ng);
+    if (!b->xsum)
+        return GBX_E_NOMEM;
+    for (int k = 0; k < m; ++k)
+        gbx_nested_group_sums(c->x + (size_t)k * c->I, c->I, c->gs, b->xsum + (size_t)k * ng);
+    c->xsum = b->xsum;
+    if (!intdot) {
+        if (any4 && c->nspans > 0) {
+            b->xf = malloc(sizeof(gbx_span_f32) * (size_t)m * c->nspans);
+            if (!b->xf)
+                return GBX_E_NOMEM;
+            for (int k = 0; k < m; ++k)
+                for (int s = 0; s < c->nspans; ++s) {
+                    const float *xs = c->x + (size_t)k * c->I + (size_t)s * GBX_SPAN;
+                    gbx_span_f32 *o = b->xf + (size_t)k * c->nspans + s;
+                    for (int j = 0; j < GBX_SPAN / 2; ++j)
+                        o->even[j] = xs[2 * j], o->odd[j] = xs[2 * j + 1];
+                }
+        }
+        c->xf = b->xf;
+        return GBX_OK;
+    }
+    b->a = calloc((size_t)m, sizeof(gbx_act_q8));
+    b->act_mem = calloc((size_t)m, sizeof(void *));
+    b->k128 = malloc(sizeof(float) * (size_t)m * ng);
+    if (!b->a || !b->act_mem || !b->k128)
+        return GBX_E_NOMEM;
+    for (int k = 0; k < m; ++k) {
+        /* bits 4 also builds the split order the 4-bit kernels read */
+        const int rc = gbx_build_act(c->x + (size_t)k * c->I, c->I, any4 ? 4 : 8, b->a + k, b->act_mem + k);
+        if (rc != GBX_OK)
+            return rc;
+        const int bpg = c->gs / GBX_QK;
+        for (int g = 0; g < ng && any8; ++g) {
+            float t = 0.0f;
+            for (int bl = g * bpg; bl < (g + 1) * bpg; ++bl)
+                t += b->a[k].d[bl] * (float)(128 * b->a[k].sum[bl]);
+            b->k128[(size_t)k * ng + g] = t;
+        }
+    }
+    c->a = b->a;
+    c->k128 = b->k128;
+    return GBX_OK;
+}
+
+int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m, int out_features,
+                    int in_features, int group_size, int path, int nthreads)
+{
+    int rc = gbx_check_nested(planes, n, m, out_features, in_features, group_size, path);
+    if (rc != GBX_OK)
+        return rc;
+    if (out_features == 0)
+        return GBX_OK;
+    if (!x || !y)
+        return GBX_E_NULL;
+    for (int i = 0; i < n; ++i)
+        if (!planes[i].codes || !planes[i].scales || !planes[i].biases)
+            return GBX_E_NULL;
+    gbx_cpu_init();
+    if (path == GBX_PATH_REF)
+        return gbx_nested_float_ref(planes, n, x, y, m, out_features, in_features, group_size);
+    if (path == GBX_PATH_INTDOT_REF)
+        return gbx_nested_intdot_ref(planes, n, x, y, m, out_features, in_features, group_size);
+
+    const int intdot = path == GBX_PATH_INTDOT;
+    const gbx_nested_kernels *kern = intdot ? pick_nested_intdot() : pick_nested_float();
+    gbx_nested_ctx c;
+    memset(&c, 0, sizeof c);
+    int any4 = 0, any8 = 0;
+    for (int i = 0; i < n; ++i) {
+        gbx_plane_rt *p = c.p + i;
+        p->codes = (const uint8_t *)planes[i].codes;
+        p->row_bytes = (size_t)in_features * planes[i].bits / 8;
+        p->scales = planes[i].scales;
+        p->biases = planes[i].biases;
+        p->bits = planes[i].bits;
+        p->dtype = planes[i].dtype;
+        p->factor = planes[i].factor;
+        p->fn = kern->fn[p->bits == 8][p->dtype];
+        if (!p->fn)
+            p->fn = (intdot ? &nested_intdot_scalar : &nested_float_scalar)->fn[p->bits == 8][p->dtype];
+        any4 |= p->bits == 4, any8 |= p->bits == 8;
+    }
+    c.n = n, c.m = m, c.O = out_features, c.I = in_features;
+    c.gs = group_size, c.ng = in_features / group_size;
+    c.gshift = log2_int(group_size / GBX_QK);
+    c.nspans = in_features / GBX_SPAN;
+    c.x = x, c.y = y;
+
+    nested_buffers buf;
+    rc = build_buffers(&c, intdot, any4, any8, &buf);
+    if (rc == GBX_OK) {
+        gbx_ctx cc;
+        memset(&cc, 0, sizeof cc);
+        cc.nest = &c;
+        size_t row_weights = 0;
+        for (int i = 0; i < n; ++i)
+            row_weights += (size_t)in_features;
+        row_weights *= (size_t)m;
+        const int parts = gbx_pool_parts(nthreads, (long long)out_features * (long long)row_weights, out_features);
+        rc = gbx_run_rows(nested_rows, &cc, out_features, parts, row_weights);
+    }
+    free_buffers(&buf);
+    return rc;
+}

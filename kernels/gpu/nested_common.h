@@ -1,0 +1,88 @@
+// Helpers of the nested-plane GEMV (nested_gemv_body.inc), Metal and CUDA
+// alike. Follows gemv_common.h (gbx_field, gbx_f8, gbx_load_x8, gbx_pad4).
+//
+// A plane is MLX's affine quantization (../gearbx_format.h): unsigned codes
+// packed least significant first in 32-bit words, so code k of a word sits at
+// bits [k*BITS, (k+1)*BITS) with no storage offset.
+
+// NW consecutive 32-bit words of codes (p 4*NW-byte aligned): 16-byte loads
+// where NW is a multiple of 4, an 8-byte load for 2, a word for 1.
+template <int NW>
+struct gbx_words {
+  gbx_u32 v[NW];
+};
+template <int NW>
+GBX_FN gbx_words<NW> gbx_load_words(const GBX_DEVICE gbx_u32* p) {
+  gbx_words<NW> r;
+  if (NW % 4 == 0) {
+    GBX_UNROLL
+    for (int i = 0; i < NW / 4; ++i) {
+      const uint4 q = ((const GBX_DEVICE uint4*)(p))[i];
+      r.v[(4 * i + 0) % NW] = q.x;
+      r.v[(4 * i + 1) % NW] = q.y;
+      r.v[(4 * i + 2) % NW] = q.z;
+      r.v[(4 * i + 3) % NW] = q.w;
+    }
+  } else if (NW == 2) {
+    const uint2 q = *((const GBX_DEVICE uint2*)(p));
+    r.v[0] = q.x;
+    r.v[1 % NW] = q.y;
+  } else {
+    GBX_UNROLL
+    for (int i = 0; i < NW; ++i) {
+      r.v[i] = p[i];
+    }
+  }
+  return r;
+}
+
+// The four 8-bit codes of a word, as floats (exact; fields at bits 0 and 8
+// of each half, below the 23-bit mantissa).
+GBX_FN gbx_f4 gbx_unpack_u8(gbx_u32 w) {
+  const gbx_u32 hi = w >> 16;
+  gbx_f4 r;
+  r.v[0] = gbx_field<0, 8, 0>(w);
+  r.v[1] = gbx_field<8, 8, 0>(w);
+  r.v[2] = gbx_field<0, 8, 0>(hi);
+  r.v[3] = gbx_field<8, 8, 0>(hi);
+  return r;
+}
+
+// sum_k code_k * x_k over the 8 inputs j*8 .. j*8+7 of a chunk whose codes
+// are `w` (BITS 4: word j; BITS 8: words 2j and 2j+1).
+template <int BITS, int NW>
+GBX_FN float gbx_dot8(gbx_words<NW> w, int j, gbx_f8 x) {
+  float s = 0.0f;
+  if (BITS == 4) {
+    const gbx_f8 q = gbx_unpack4<0>(w.v[j % NW]);
+    GBX_UNROLL
+    for (int k = 0; k < 8; ++k) {
+      s += q.v[k] * x.v[k];
+    }
+  } else {
+    const gbx_f4 a = gbx_unpack_u8(w.v[(2 * j) % NW]);
+    const gbx_f4 b = gbx_unpack_u8(w.v[(2 * j + 1) % NW]);
+    GBX_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      s += a.v[k] * x.v[k];
+      s += b.v[k] * x.v[k + 4];
+    }
+  }
+  return s;
+}
+
+// Issue the loads of chunk `ch` of one plane for ROWS rows: the chunk's codes
+// (NW words at word ch * NW of each row) and its group's scale and bias.
+template <typename S, int NW, int ROWS>
+GBX_FN void gbx_load_chunk(GBX_THREAD gbx_words<NW> (&w)[ROWS], GBX_THREAD float (&s)[ROWS],
+                           GBX_THREAD float (&b)[ROWS], const GBX_DEVICE gbx_u32* codes,
+                           const GBX_DEVICE S* scales, const GBX_DEVICE S* biases,
+                           GBX_THREAD const int (&row)[ROWS], int words_per_row, int ng, int ch,
+                           int g) {
+  GBX_UNROLL
+  for (int r = 0; r < ROWS; ++r) {
+    w[r] = gbx_load_words<NW>(codes + row[r] * words_per_row + ch * NW);
+    s[r] = static_cast<float>(scales[row[r] * ng + g]);
+    b[r] = static_cast<float>(biases[row[r] * ng + g]);
+  }
+}

@@ -1,0 +1,96 @@
+"""Cases and a float64 reference for the nested-plane kernels (C, GPU body, dispatch).
+
+The reference is ``gearbx_mlx.nested.planes.reference_matmul``'s sum written
+out in numpy float64 from the stored bits (codes unpacked from the uint32
+words, scales and biases exactly as stored), so it carries no rounding of its
+own: a kernel's error against it is the kernel's alone.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from gearbx_mlx.nested.planes import build_planes
+
+#: float32 accumulation in any order, relative to the sum of |terms|
+#: (|f s q x| + |f b xsum| over planes and groups), K <= 8192.
+ACCUM_RTOL = 2e-5
+#: One unit in the last place of each output dtype, relative to |y|.
+OUTPUT_RTOL = {mx.float32: 2.0**-21, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+#: Plans of planes: the default nesting, re-expressed 8-bit sources, single
+#: 4-bit and 8-bit planes (plain MLX layers), and an 8-bit first plane.
+PLANS: List[Tuple[int, ...]] = [(4, 4, 8), (4, 4), (4,), (8,), (8, 4)]
+#: Odd shapes (out, in): rows not a multiple of any split, K with a tail past
+#: the last 64-input span, K above the GPU's threadgroup-memory limit.
+ODD_SHAPES: List[Tuple[int, int]] = [(67, 96), (33, 1088), (9, 6272), (17, 320)]
+
+
+def f64(a: mx.array) -> np.ndarray:
+    """An MLX float array as float64, bit-exactly (bfloat16 through its bits)."""
+    if a.dtype == mx.bfloat16:
+        bits = np.asarray(a.view(mx.uint16)).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    return np.asarray(a.astype(mx.float32)).astype(np.float64)
+
+
+def codes(plane) -> np.ndarray:
+    """``(out, in)`` unsigned codes of a plane (MLX packs least significant first)."""
+    w = np.asarray(plane.weight).astype(np.uint64)
+    per = 32 // plane.bits
+    shifts = (plane.bits * np.arange(per)).astype(np.uint64)
+    q = (w[..., None] >> shifts) & np.uint64((1 << plane.bits) - 1)
+    return q.reshape(w.shape[0], -1).astype(np.float64)
+
+
+def reference64(x: mx.array, planes: Sequence, n: int, bias: Optional[mx.array] = None):
+    """``(y, magnitude)``: the gear's product in float64, ``(..., out)``, and the
+    sum of |terms| per output (the scale of float32 summation error)."""
+    xs = f64(x).reshape(-1, x.shape[-1])
+    y = np.zeros((xs.shape[0], planes[0].weight.shape[0]))
+    mag = np.zeros_like(y)
+    for p in planes[:n]:
+        gs = p.group_size
+        f = 2.0 ** -p.exponent
+        s = np.repeat(f64(p.scales), gs, axis=1)
+        b = np.repeat(f64(p.biases), gs, axis=1)
+        q = codes(p)
+        y += f * (xs @ (s * q + b).T)
+        xsum = np.abs(xs.reshape(xs.shape[0], -1, gs).sum(-1))  # |sum of x| per group
+        mag += f * (np.abs(xs) @ np.abs(s * q).T + xsum @ np.abs(f64(p.biases)).T)
+    if bias is not None:
+        y += f64(bias)
+    lead = tuple(x.shape[:-1])
+    return y.reshape(lead + (-1,)), mag.reshape(lead + (-1,))
+
+
+def make_planes(out_features: int, in_features: int, plan: Tuple[int, ...], group_size: int,
+                dtype: mx.Dtype, seed: int = 0):
+    """Planes of a random weight with a few outliers, in ``dtype``."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.02
+    w[rng.random(w.shape) < 0.01] *= 10.0
+    return build_planes(mx.array(w).astype(dtype), group_size, plan)
+
+
+def make_x(shape: Tuple[int, ...], dtype: mx.Dtype, seed: int = 1) -> mx.array:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[rng.random(shape) < 0.02] *= 20.0  # activation outliers
+    return mx.array(x).astype(dtype)
+
+
+def assert_close(y: mx.array, want: np.ndarray, magnitude: np.ndarray, dtype: mx.Dtype,
+                 rtol: float = ACCUM_RTOL, extra: Optional[np.ndarray] = None, what: str = "kernel") -> None:
+    """|y - want| <= OUTPUT_RTOL[dtype] |want| + rtol * magnitude (+ extra)."""
+    got = f64(y).reshape(want.shape)
+    bound = OUTPUT_RTOL[dtype] * np.abs(want) + rtol * magnitude + 1e-7
+    if extra is not None:
+        bound = bound + extra
+    err = np.abs(got - want)
+    worst = np.unravel_index(int(np.argmax(err - bound)), err.shape)
+    assert np.all(err <= bound), (
+        f"{what}: output {worst}: {got[worst]} vs reference {want[worst]} (error {err[worst]:.3g}, "
+        f"bound {bound[worst]:.3g})")

@@ -1,0 +1,171 @@
+"""The C kernels of the nested planes (gearbx_mlx.packed.nested_cpu) against a
+float64 reference of the gear's sum, over odd shapes, plans, scale dtypes,
+paths and several activation rows; their errors; and the self-test driver's
+scalar fallback. (The driver's planted nibble-order bug, which the nested
+checks must catch too: tests/test_cpu_kernels.py and tests/test_neon_qemu.py.)
+
+Named tolerances (tests/nested_cases.py): float paths within
+OUTPUT_RTOL + ACCUM_RTOL * sum|terms|; int8 paths also within
+INTDOT_BOUND: sum_j |f s q_j| * d_b(j) / 2, each activation being off by at
+most half its block's step (the bias term uses the float sums of x).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from nested_cases import ODD_SHAPES, PLANS, assert_close, codes, f64, make_planes, make_x, reference64
+
+from gearbx_mlx.packed import _build, cpu, nested_cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+QK = 32
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not built: python gearbx_mlx/packed/_build.py")
+
+
+def intdot_bound(x: mx.array, planes, n: int) -> np.ndarray:
+    """Largest error the int8 activations can add: sum_j |f s q_j| * d_b(j) / 2."""
+    xs = f64(x).reshape(-1, x.shape[-1]).astype(np.float32)
+    blocks = xs.reshape(xs.shape[0], -1, QK)
+    step = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float64)  # d_b
+    half = np.repeat(step / 2, QK, axis=1)  # (m, in)
+    out = np.zeros((xs.shape[0], planes[0].weight.shape[0]))
+    for p in planes[:n]:
+        s = np.repeat(f64(p.scales), p.group_size, axis=1)
+        out += 2.0 ** -p.exponent * (half @ np.abs(s * codes(p)).T)
+    return out.reshape(tuple(x.shape[:-1]) + (-1,))
+
+
+def isa_limits() -> list:
+    """The best kernels, and on x86 CPUs with VNNI also the plain AVX2 ones."""
+    return [0, 1] if cpu.available() and cpu.info()["cpu"]["vnni"] else [0]
+
+
+CASES = [(plan, shape, gs) for plan in PLANS for shape in ODD_SHAPES for gs in (32, 64, 128)
+         if shape[1] % gs == 0]
+
+
+@pytest.mark.parametrize("plan, shape, group_size", CASES)
+def test_every_path_matches_the_reference(plan, shape, group_size):
+    out_features, in_features = shape
+    dtype = (mx.bfloat16, mx.float16, mx.float32)[(len(plan) + group_size // 32) % 3]
+    planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=in_features)
+    prep = nested_cpu.prepare_nested(planes)
+    x = make_x((in_features,), mx.float32, seed=group_size)
+    lib = cpu._require().lib
+    for limit in isa_limits():
+        old = lib.gbx_set_isa_limit(limit)
+        try:
+            for n in range(1, len(plan) + 1):
+                want, mag = reference64(x, planes, n)
+                for path in ("float", "auto", "ref"):
+                    assert_close(prep.gemv(x, n, path=path), want, mag, mx.float32, what=f"{path} n={n}")
+                bound = intdot_bound(x, planes, n)
+                for path in ("intdot", "intdot_ref"):
+                    assert_close(prep.gemv(x, n, path=path), want, mag, mx.float32, extra=bound,
+                                 what=f"{path} n={n}")
+                # the fast int8 path computes what its oracle computes, up to summation order
+                ref = f64(prep.gemv(x, n, path="intdot_ref"))
+                assert_close(prep.gemv(x, n, path="intdot"), ref, mag, mx.float32, what=f"intdot vs oracle n={n}")
+        finally:
+            lib.gbx_set_isa_limit(old)
+
+
+@pytest.mark.parametrize("rows", [(2,), (1, 3), (5,)])
+def test_several_activation_rows_and_threads(rows):
+    planes = make_planes(300, 512, (4, 4, 8), 64, mx.bfloat16, seed=3)
+    prep = nested_cpu.prepare_nested(planes)
+    x = make_x(rows + (512,), mx.bfloat16, seed=4)
+    lib = cpu._require().lib
+    old = lib.gbx_set_min_work(1)  # let the pool split even this product
+    try:
+        for n in (1, 2, 3):
+            want, mag = reference64(x, planes, n)
+            ys = [prep.gemv(x, n, path="float", threads=t) for t in (1, 2, 3)]
+            assert ys[0].shape == rows + (300,) and ys[0].dtype == mx.float32
+            assert_close(ys[0], want, mag, mx.float32)
+            for y in ys[1:]:  # each row is computed alike on any thread
+                assert mx.array_equal(y, ys[0])
+            # a row of a batch is the single-row product
+            single = prep.gemv(x.reshape(-1, 512)[-1], n, path="intdot")
+            batch = prep.gemv(x, n, path="intdot").reshape(-1, 300)[-1]
+            assert mx.array_equal(single, batch)
+    finally:
+        lib.gbx_set_min_work(old)
+
+
+def test_out_is_written_in_place():
+    planes = make_planes(16, 128, (4, 4), 64, mx.float16)
+    prep = nested_cpu.prepare_nested(planes)
+    x = make_x((1, 128), mx.float16)
+    out = mx.zeros((1, 16))
+    mx.eval(out)
+    assert prep.gemv(x, 2, out=out) is out
+    assert mx.array_equal(out, prep.gemv(x, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        prep.gemv(x, 2, out=mx.zeros((16,)))
+
+
+def test_bad_arguments_name_what_is_wrong():
+    planes = make_planes(16, 128, (4, 4, 8), 64, mx.bfloat16)
+    prep = nested_cpu.prepare_nested(planes)
+    x = make_x((128,), mx.float32)
+    with pytest.raises(ValueError, match="1 to 3 planes"):
+        prep.gemv(x, 4)
+    with pytest.raises(ValueError, match="1 to 3 planes"):
+        prep.gemv(x, 0)
+    with pytest.raises(ValueError, match="path"):
+        prep.gemv(x, 1, path="fast")
+    with pytest.raises(ValueError, match=r"\(\.\.\., 128\)"):
+        prep.gemv(make_x((64,), mx.float32), 1)
+    with pytest.raises(TypeError, match="floating"):
+        prep.gemv(mx.zeros((128,), dtype=mx.int32), 1)
+    other = make_planes(16, 128, (4,), 32, mx.bfloat16)
+    with pytest.raises(ValueError, match="group size"):
+        nested_cpu.prepare_nested([planes[0], other[0]])
+    three_bits = make_planes(16, 128, (3,), 64, mx.bfloat16)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        nested_cpu.prepare_nested(three_bits)
+    mixed = make_planes(16, 128, (4,), 64, mx.float16)[0]
+    mixed.biases = mixed.biases.astype(mx.float32)
+    with pytest.raises(TypeError, match="share"):
+        nested_cpu.prepare_nested([mixed])
+
+
+def test_prepared_views_are_zero_copy():
+    planes = make_planes(16, 128, (4, 8), 64, mx.float32)
+    prep = nested_cpu.prepare_nested(planes)
+    ffi = cpu._require().ffi
+    for k, p in enumerate(planes):
+        mx.eval(p.weight)
+        assert int(ffi.cast("uintptr_t", prep._table[k].codes)) == np.asarray(p.weight).ctypes.data
+
+
+# -- the self-test driver (natively; the NEON builds: test_neon_qemu.py) ---------------
+
+
+def _driver(tmp_path: Path, *defines: str) -> Path:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "gbx_driver"
+    srcs = [ROOT / p for p in _build.SOURCES + (_build.TEST_DRIVER,)]
+    r = subprocess.run([cc, "-O2", "-std=gnu11", "-pthread", *defines, *map(str, srcs), "-lm", "-o", str(exe)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return exe
+
+
+def test_driver_checks_the_scalar_fallback(tmp_path):
+    """The kernels of a CPU without SIMD (every arch file's fallback), forced on this one."""
+    r = subprocess.run([str(_driver(tmp_path, "-DGEARBX_FORCE_SCALAR")), "--quick"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "nested_float=scalar nested_intdot=scalar" in r.stdout.splitlines()[0]

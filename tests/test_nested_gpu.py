@@ -1,0 +1,311 @@
+"""The nested-plane GEMV body (kernels/gpu/nested_gemv_body.inc) against a
+float64 reference of the gear's sum.
+
+Three layers, from anywhere to the GPU:
+
+* argument plumbing (`nested_gpu.launch_spec`, `nested_gemv`'s refusals): every machine;
+* the shared body run on the host through the CPU emulation of the GPU
+  prelude (kernels/gpu/check/host_emulation.h, one std::thread per GPU
+  thread, address sanitizer on), and a copy with a planted nibble-order bug
+  that must fail: wherever g++ is installed;
+* the CUDA twin through `mx.fast.cuda_kernel`: only where MLX has a CUDA GPU.
+
+Tolerances (tests/nested_cases.py): OUTPUT_RTOL of the output dtype plus
+ACCUM_RTOL of the sum of |terms| (float32 accumulation in another order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Tuple
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from nested_cases import ODD_SHAPES, assert_close, make_planes, make_x, reference64
+
+from gearbx_mlx.packed import gpu, kernel_files, nested_gpu
+
+HAS_CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="MLX has no CUDA GPU on this machine")
+
+
+# -- argument plumbing (any machine) ----------------------------------------------------
+
+
+def test_launch_spec_names_every_parameter():
+    planes = make_planes(67, 320, (4, 4, 8), 64, mx.bfloat16)
+    x = make_x((320,), mx.bfloat16)
+    spec = nested_gpu.launch_spec("cuda", x, planes, 3, True)
+    for part in ("cuda", "q4_q4_q8", "g64", "shared", "bf16", "sbf16", "bias"):
+        assert part in spec["name"], (part, spec["name"])
+    t = nested_gpu.TUNING[3]
+    assert spec["grid"] == (-(-67 // (8 * t.rows)) * 256, 1, 1) and spec["threadgroup"] == (256, 1, 1)
+    assert spec["input_names"] == ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"]
+    assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
+    consts = dict(spec["constants"])
+    assert (consts["B0"], consts["B1"], consts["B2"], consts["GS"]) == (4, 4, 8, 64)
+    text = gpu.constants_source("cuda", spec["constants"])
+    assert "using T = __nv_bfloat16;" in text and "using S = __nv_bfloat16;" in text
+    # A gear of fewer planes, fp16 input, K above the threadgroup-memory limit.
+    big = make_planes(9, 6272, (4, 4), 64, mx.float16)
+    spec2 = nested_gpu.launch_spec("metal", make_x((1, 6272), mx.float16), big, 1, False)
+    assert "device" in spec2["name"] and "q4_g64" in spec2["name"] and "nobias" in spec2["name"]
+    assert spec2["input_names"] == ["x", "w0", "s0", "b0", "factors"] and spec2["output_shapes"] == [(1, 9)]
+    assert spec2["name"] != nested_gpu.launch_spec("metal", make_x((1, 6272), mx.float16), big, 2, False)["name"]
+
+
+def test_where_the_kernel_does_not_apply():
+    planes = make_planes(16, 128, (4, 4, 8), 64, mx.bfloat16)
+    x = make_x((128,), mx.bfloat16)
+    assert nested_gpu.supports((4, 4, 8), 64, 128, 16, mx.bfloat16, mx.bfloat16)
+    assert not nested_gpu.supports((4, 3), 64, 128, 16, mx.bfloat16, mx.bfloat16)  # 3-bit plane
+    assert not nested_gpu.supports((4,), 64, 128, 4, mx.bfloat16, mx.bfloat16)  # O < 8
+    assert not nested_gpu.supports((4,), 48, 144, 16, mx.bfloat16, mx.bfloat16)  # group size
+    assert not nested_gpu.supports((4, 4, 8, 8), 64, 128, 16, mx.bfloat16, mx.bfloat16)
+    # nested_gemv says None where it does not apply: no GPU, several rows, odd planes
+    assert nested_gpu.nested_gemv(x, planes, 3, backend=None) is None or gpu.gpu_backend() is not None
+    assert nested_gpu.nested_gemv(make_x((2, 128), mx.bfloat16), planes, 3, backend="cuda") is None
+    assert nested_gpu.nested_gemv(x, make_planes(16, 128, (3,), 64, mx.bfloat16), 1, backend="cuda") is None
+    assert nested_gpu.nested_gemv(x, planes, 0, backend="cuda") is None
+    with pytest.raises(ValueError, match="one input vector"):
+        nested_gpu.launch_spec("cuda", make_x((2, 128), mx.bfloat16), planes, 3, False)
+    with pytest.raises(ValueError, match="vec"):
+        nested_gpu.launch_spec("cuda", x, planes, 3, False, tuning=nested_gpu.NestedTuning(2, 8))
+    with pytest.raises(ValueError, match="threadgroup-memory"):
+        big = make_planes(9, 6272, (4,), 64, mx.bfloat16)
+        nested_gpu.launch_spec("cuda", make_x((6272,), mx.bfloat16), big, 1, False, shared=True)
+
+
+def test_names_differ_by_source_text(tmp_path):
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_files.source_dir(), copy)
+    a = nested_gpu.kernel_sources("cuda", 3, False, copy)
+    body = copy / "gpu" / "nested_gemv_body.inc"
+    body.write_text(body.read_text() + "\n// edit\n")
+    kernel_files.read.cache_clear()
+    assert nested_gpu.kernel_sources("cuda", 3, False, copy) != a
+
+
+# -- the shared body on the host ---------------------------------------------------------
+
+HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_bfloat_t"}
+
+# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias)
+HOST_CONFIGS = [
+    ((4, 4, 8), mx.bfloat16, mx.bfloat16, 64, 2, 4, True, True),
+    ((4, 4, 8), mx.float16, mx.float16, 128, 1, 4, False, False),
+    ((4, 4), mx.float32, mx.float32, 32, 4, 2, True, False),
+    ((4,), mx.bfloat16, mx.bfloat16, 64, 4, 4, False, True),
+    ((8,), mx.float16, mx.float32, 32, 2, 4, True, True),
+    ((8, 4), mx.bfloat16, mx.bfloat16, 128, 2, 1, False, False),
+    ((4, 4, 8), mx.float32, mx.bfloat16, 32, 1, 2, False, True),
+]
+
+
+def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
+    plan, dtype, sdtype, gs, rows, vec, shared, bias = config
+    t, s = HOST_TYPES[dtype], HOST_TYPES[sdtype]
+    params = [f"const {t}* x", "const uint32_t* w0", "Shape w0_shape", f"const {s}* s0", f"const {s}* b0"]
+    for p in range(1, len(plan)):
+        params += [f"const uint32_t* w{p}", f"const {s}* s{p}", f"const {s}* b{p}"]
+    params += ["const float* factors"] + ([f"const {t}* bias"] if bias else []) + [f"{t}* y"]
+    _, body = nested_gpu.kernel_sources("cuda", len(plan), bias, directory)
+    body = body.replace(gpu.backend_files("cuda", directory)[1], "GBX_HOST_ENTRY\n")
+    consts = nested_gpu.constants(dtype, sdtype, plan, gs, nested_gpu.NestedTuning(rows, vec), shared)
+    decl = "".join(
+        f"  using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype)
+        else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
+        else f"  constexpr int {k} = {v};\n" for k, v in consts)
+    kernel = f"void kernel_{i}({', '.join(params)}) {{\n{decl}{body}\n}}\n"
+    args = [f"(const {t}*)f[\"x\"].data()", "(const uint32_t*)f[\"w0\"].data()", "ws",
+            f"(const {s}*)f[\"s0\"].data()", f"(const {s}*)f[\"b0\"].data()"]
+    for p in range(1, len(plan)):
+        args += [f"(const uint32_t*)f[\"w{p}\"].data()", f"(const {s}*)f[\"s{p}\"].data()",
+                 f"(const {s}*)f[\"b{p}\"].data()"]
+    args += ["(const float*)f[\"factors\"].data()"] + ([f"(const {t}*)f[\"bias\"].data()"] if bias else [])
+    args += [f"({t}*)y.data()"]
+    groups = f"(O + {8 * rows - 1}) / {8 * rows}"
+    call = f"    case {i}: gbx_emu_launch({groups}, [&] {{ kernel_{i}({', '.join(args)}); }}); break;"
+    return kernel, call
+
+
+def host_unit(directory: Path, configs) -> str:
+    d = Path(directory)
+    parts = [(d / kernel_files.FORMAT_HEADER).read_text(), (d / "gpu/check/host_emulation.h").read_text(),
+             (d / "gpu/gemv_common.h").read_text(), (d / "gpu/nested_common.h").read_text(),
+             "#include <map>\n#include <string>\n#include <cstdio>\n#include <cstdlib>\n"
+             "using Shape = std::array<int, 10>;"]
+    calls = []
+    for i, config in enumerate(configs):
+        kernel, call = _host_kernel(i, config, d)
+        parts.append(kernel)
+        calls.append(call)
+    parts.append("""
+static std::vector<char> slurp(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return {};
+  std::fseek(f, 0, SEEK_END);
+  long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<char> v(n);
+  if (n && std::fread(v.data(), 1, n, f) != size_t(n)) std::abort();
+  std::fclose(f);
+  return v;
+}
+int main(int argc, char** argv) {
+  const int config = std::atoi(argv[1]), O = std::atoi(argv[2]);
+  const std::string dir = argv[3];
+  const int y_bytes = std::atoi(argv[4]);
+  std::map<std::string, std::vector<char>> f;
+  for (const char* name : {"x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"})
+    f[name] = slurp(dir + "/" + name + ".bin");
+  std::vector<char> y(size_t(O) * y_bytes);
+  Shape ws{};
+  ws[0] = O; ws[1] = int(f["w0"].size() / 4) / O;  // rows, 32-bit words per row
+  switch (config) {
+""" + "\n".join(calls) + """
+    default: return 2;
+  }
+  FILE* out = std::fopen((dir + "/y.bin").c_str(), "wb");
+  std::fwrite(y.data(), 1, y.size(), out);
+  std::fclose(out);
+  return 0;
+}
+""")
+    return "\n".join(parts)
+
+
+def build_host(directory: Path, configs, tag: str) -> Path:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not installed: the host emulation of the kernel body needs it")
+    text = host_unit(directory, configs)
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    out_dir = Path(tempfile.gettempdir()) / f"gbx_host_nested_{tag}_{digest}"
+    binary = out_dir / "nested"
+    if not binary.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        src = out_dir / "nested.cpp"
+        src.write_text(text)
+        cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined",
+               "-fno-sanitize-recover=all", "-Wall", "-Wno-unused-variable", "-Wno-unused-but-set-variable",
+               "-Wno-maybe-uninitialized", "-o", str(binary) + ".tmp", str(src)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        Path(str(binary) + ".tmp").rename(binary)
+    return binary
+
+
+def run_host(binary: Path, tmp_path: Path, i: int, config, planes, x, bias) -> mx.array:
+    plan, dtype = config[0], config[1]
+    arrays = {"x": x, "factors": nested_gpu.factors_of(planes, len(plan)), "bias": bias}
+    for p in range(len(plan)):
+        arrays.update({f"w{p}": planes[p].weight, f"s{p}": planes[p].scales, f"b{p}": planes[p].biases})
+    for name in ("x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"):
+        a = arrays.get(name)
+        (tmp_path / f"{name}.bin").write_bytes(b"" if a is None else bytes(memoryview(a)))
+    # An AddressSanitizer binary must load its runtime first: drop any LD_PRELOAD.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out_features = planes[0].weight.shape[0]
+    proc = subprocess.run([str(binary), str(i), str(out_features), str(tmp_path), str(dtype.size)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    raw = np.frombuffer((tmp_path / "y.bin").read_bytes(), dtype=np.float32 if dtype == mx.float32 else np.uint16)
+    return mx.array(raw) if dtype == mx.float32 else mx.array(raw).view(dtype)
+
+
+@pytest.fixture(scope="module")
+def host_binary() -> Path:
+    return build_host(kernel_files.source_dir(), HOST_CONFIGS, "ok")
+
+
+def host_case(config, shape, seed=0):
+    plan, dtype, sdtype, gs, rows, vec, shared, with_bias = config
+    out_features, in_features = shape
+    if in_features % gs:
+        pytest.skip(f"K={in_features} is not a multiple of group {gs}")
+    if shared and in_features > kernel_files.format_constant("GBX_SHARED_K"):
+        pytest.skip("the threadgroup-memory variant holds K <= GBX_SHARED_K only")
+    planes = make_planes(out_features, in_features, plan, gs, sdtype, seed=seed)
+    x = make_x((in_features,), dtype, seed=seed + 1)
+    bias = make_x((out_features,), dtype, seed=seed + 2) if with_bias else None
+    return planes, x, bias
+
+
+#: Each config at each odd shape it takes (K a multiple of its group; staging only up to GBX_SHARED_K).
+HOST_CASES = [(i, shape) for i, cfg in enumerate(HOST_CONFIGS) for shape in ODD_SHAPES
+              if shape[1] % cfg[3] == 0 and not (cfg[6] and shape[1] > kernel_files.format_constant("GBX_SHARED_K"))]
+
+
+@pytest.mark.parametrize("config, shape", HOST_CASES)
+def test_host_emulated_body_matches_the_reference(host_binary, tmp_path, config, shape):
+    cfg = HOST_CONFIGS[config]
+    planes, x, bias = host_case(cfg, shape, seed=config)
+    y = run_host(host_binary, tmp_path, config, cfg, planes, x, bias)
+    want, mag = reference64(x, planes, len(cfg[0]), bias)
+    assert_close(y, want, mag, cfg[1])
+
+
+def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
+    """Swap the nibbles of every 4-bit word in a copy of the sources: the
+    emulated body must then disagree with the reference."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_files.source_dir(), copy)
+    helper = copy / "gpu" / "nested_common.h"
+    text = helper.read_text()
+    old = "const gbx_f8 q = gbx_unpack4<0>(w.v[j % NW]);"
+    assert old in text, "update the planted bug: gbx_dot8 changed"
+    helper.write_text(text.replace(old, "const gbx_u32 u = w.v[j % NW];\n"
+                                        "    const gbx_f8 q = gbx_unpack4<0>(((u & 0x0F0F0F0Fu) << 4) | "
+                                        "((u >> 4) & 0x0F0F0F0Fu));"))
+    cfg = HOST_CONFIGS[0]
+    binary = build_host(copy, [cfg], "bug")
+    planes, x, bias = host_case(cfg, (17, 320), seed=5)
+    y = run_host(binary, tmp_path, 0, cfg, planes, x, bias)
+    want, mag = reference64(x, planes, len(cfg[0]), bias)
+    with pytest.raises(AssertionError, match="reference"):
+        assert_close(y, want, mag, cfg[1])
+
+
+# -- the CUDA twin (only with a CUDA GPU) -------------------------------------------------
+
+CUDA_CONFIGS = [(plan, dtype, gs) for plan in ((4, 4, 8), (4, 4), (4,), (8,))
+                for dtype, gs in ((mx.bfloat16, 64), (mx.float16, 32), (mx.float32, 128))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan, dtype, group_size", CUDA_CONFIGS)
+@pytest.mark.parametrize("shape", ODD_SHAPES + [(4096, 4096)])
+def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
+    out_features, in_features = shape
+    if in_features % group_size:
+        pytest.skip(f"K={in_features} is not a multiple of group {group_size}")
+    planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=len(plan))
+    x = make_x((1, in_features), dtype)
+    bias = make_x((out_features,), dtype, seed=3)
+    for n in range(1, len(plan) + 1):
+        for b in (None, bias):
+            y = nested_gpu.nested_gemv(x, planes, n, b, backend="cuda")
+            assert y is not None and y.shape == (1, out_features) and y.dtype == dtype
+            want, mag = reference64(x, planes, n, b)
+            assert_close(y, want, mag, dtype, what=f"cuda n={n}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tuning", [nested_gpu.NestedTuning(1, 4), nested_gpu.NestedTuning(4, 2),
+                                    nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4)])
+def test_cuda_every_tuning(tuning):
+    for shape in ODD_SHAPES:
+        planes = make_planes(*shape, (4, 4, 8), 32, mx.bfloat16)
+        x = make_x((shape[1],), mx.bfloat16)
+        for shared in ((None, False) if shape[1] <= 6144 else (None,)):
+            y = nested_gpu.nested_gemv(x, planes, 3, backend="cuda", tuning=tuning, shared=shared)
+            want, mag = reference64(x, planes, 3)
+            assert_close(y, want, mag, mx.bfloat16, what=str(tuning))
+

@@ -1,0 +1,114 @@
+"""One dispatch for the nested gears (gearbx_mlx.nested.matmul): the C kernels
+on the CPU for a few rows, the fused GPU kernel for one row on a GPU, the
+oracle elsewhere; every path gives the gear's product (float64 reference,
+tests/nested_cases.py tolerances)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from nested_cases import assert_close, make_planes, make_x, reference64
+
+from gearbx_mlx.nested import matmul
+from gearbx_mlx.nested.matmul import NestedKernelConfig, NestedProduct, nested_matmul
+from gearbx_mlx.nested.planes import reference_matmul
+from gearbx_mlx.packed import cpu, gpu, nested_gpu
+
+needs_cpu_ext = pytest.mark.skipif(not cpu.available(), reason="C extension not built")
+on_cpu_device = pytest.mark.skipif(gpu.gpu_backend() is not None, reason="the default device is a GPU")
+
+#: The oracle's own error (one quantized_matmul per plane in the input dtype), relative to sum|terms|.
+ORACLE_RTOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
+
+
+@needs_cpu_ext
+@on_cpu_device
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("lead", [(), (1,), (1, 3), (2, 2)])
+def test_cpu_device_takes_the_c_kernels_for_a_few_rows(dtype, lead):
+    planes = make_planes(40, 192, (4, 4, 8), 64, dtype)
+    prod = NestedProduct(planes)
+    x = make_x(lead + (192,), dtype)
+    bias = make_x((40,), dtype, seed=7)
+    assert prod.backend_for(x, 3) == "cpu"
+    for n in (2, 3):  # float32 activations: within float32 summation of the reference
+        y = prod(x, n, bias)
+        assert y.shape == lead + (40,) and y.dtype == dtype
+        want, mag = reference64(x, planes, n, bias)
+        assert_close(y, want, mag, dtype)
+
+
+@needs_cpu_ext
+@on_cpu_device
+def test_the_low_gear_uses_int8_activations_and_stays_within_their_bound():
+    planes = make_planes(40, 192, (4, 4, 8), 64, mx.float32)
+    prod = NestedProduct(planes)
+    assert [prod.cpu_path(n) for n in (1, 2, 3)] == ["intdot", "float", "float"]
+    x = make_x((192,), mx.float32)
+    y = prod(x, 1)
+    assert mx.array_equal(y, prod._prepared.gemv(x, 1, path="intdot"))
+    assert not mx.array_equal(y, prod._prepared.gemv(x, 1, path="float"))  # the int8 rounding shows
+    want, mag = reference64(x, planes, 1)
+    assert_close(y, want, mag, mx.float32, rtol=5e-3)  # int8 activations: about max|x_b| / 254 per input
+    lone8 = NestedProduct(make_planes(40, 192, (8,), 64, mx.float32))
+    assert lone8.cpu_path(1) == "float"  # a lone 8-bit plane is a high-precision layer
+
+
+@on_cpu_device
+def test_the_oracle_takes_what_the_kernels_do_not(monkeypatch):
+    planes = make_planes(24, 128, (4, 4, 8), 64, mx.float16)
+    prod = NestedProduct(planes, NestedKernelConfig(cpu_max_rows=2))
+    x = make_x((3, 128), mx.float16)  # more rows than the C kernels take
+    assert prod.backend_for(x, 3) == "reference"
+    assert mx.array_equal(prod(x, 3), reference_matmul(x, planes, 3))
+    three_bits = make_planes(24, 128, (3,), 64, mx.float16)
+    assert NestedProduct(three_bits).backend_for(x[0], 1) == "reference"
+    monkeypatch.setattr(matmul, "cpu_backend", lambda: None)  # the extension is not built
+    bare = NestedProduct(planes)
+    assert bare.backend_for(x[0], 3) == "reference"
+    want, mag = reference64(x[0], planes, 3)
+    assert_close(bare(x[0], 3), want, mag, mx.float16, rtol=ORACLE_RTOL[mx.float16])
+
+
+def test_a_gpu_device_takes_the_fused_kernel_for_one_row(monkeypatch):
+    """The GPU branch with a recording launcher: what it is handed, and when."""
+    calls = []
+
+    def fake_launcher(backend, bits, gs, k, o, dtype, sdtype, has_bias, tuning=None, shared=None):
+        def run(x, arrays, factors, bias=None):
+            calls.append((backend, bits, dtype, len(arrays), factors.tolist(), bias is not None))
+            return mx.zeros(x.shape[:-1] + (o,), dtype=x.dtype)
+        return run
+
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(nested_gpu, "launcher", fake_launcher)
+    planes = make_planes(24, 128, (4, 4, 8), 64, mx.bfloat16)
+    prod = NestedProduct(planes)
+    x = make_x((1, 128), mx.bfloat16)
+    assert prod.backend_for(x, 2) == "cuda"
+    y = prod(x, 2, mx.ones((24,), dtype=mx.float32))
+    assert y.shape == (1, 24) and y.dtype == mx.bfloat16
+    f = [2.0 ** -p.exponent for p in planes[:2]]
+    assert calls == [("cuda", (4, 4), mx.bfloat16, 6, f, True)]
+    # several rows (prefill) and planes no kernel reads take the oracle
+    assert prod.backend_for(make_x((2, 128), mx.bfloat16), 3) == "reference"
+    assert NestedProduct(make_planes(24, 128, (3,), 64, mx.bfloat16)).backend_for(x, 1) == "reference"
+
+
+def test_bad_arguments():
+    planes = make_planes(16, 128, (4, 4), 64, mx.float32)
+    with pytest.raises(ValueError, match="1 to 2 planes"):
+        nested_matmul(make_x((128,), mx.float32), planes, 3)
+    with pytest.raises(ValueError, match="expects 128"):
+        nested_matmul(make_x((64,), mx.float32), planes, 1)
+    with pytest.raises(ValueError, match="1 to 3 planes"):
+        NestedProduct(planes * 2)
+
+
+@needs_cpu_ext
+@on_cpu_device
+def test_nested_matmul_is_the_cached_product():
+    planes = make_planes(16, 128, (4, 4, 8), 32, mx.float32)
+    x = make_x((128,), mx.float32)
+    assert np.array_equal(np.asarray(nested_matmul(x, planes, 3)), np.asarray(NestedProduct(planes)(x, 3)))
