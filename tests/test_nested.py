@@ -302,3 +302,23 @@ def test_a_read_only_model_folder_caches_elsewhere(tmp_path, monkeypatch):
     mgr = PrecisionManager(m, _cfg(), planes_dir=d)
     assert mgr.planes_file.is_relative_to(tmp_path / "cache" / "planes") and mgr.planes_file.is_file()
     assert not (d / CACHE_FOLDER).exists()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_gears_nest_in_the_arithmetic_of_the_kernels(dtype):
+    """Every kernel forms scales * q + biases in float32 from the stored values.
+    Residuals taken from a dequantization rounded to the source dtype nest
+    against other values (measured: the high gear's error 7e-4 instead of
+    under 5e-4 for the default plan, 6e-3 instead of 4e-5 for planes 4/4/8)."""
+    from nested_cases import codes, f64
+
+    w = _weights(64, 256, dtype)
+    planes = build_planes(w)
+    exact = 0.0
+    for n, p in enumerate(planes, start=1):
+        s = np.repeat(f64(p.scales), p.group_size, axis=1)
+        b = np.repeat(f64(p.biases), p.group_size, axis=1)
+        exact = exact + 2.0 ** -p.exponent * (s * codes(p) + b)
+        ref = f64(w)
+        err = np.sqrt(np.mean((exact - ref) ** 2)) / np.sqrt(np.mean(ref**2))
+        assert err < GEAR_REL_RMSE[n], (n, err)

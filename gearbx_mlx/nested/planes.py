@@ -88,9 +88,16 @@ class Plane:
         return [self.weight, self.scales, self.biases]
 
     def dequantize(self) -> mx.array:
-        """``(out, in)`` float32: the values this plane adds to the weight."""
-        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
-        w = w.astype(mx.float32)
+        """``(out, in)`` float32: the values this plane adds to the weight.
+
+        ``scales * q + biases`` in float32, as every kernel forms it: MLX's
+        ``dequantize`` in a half-precision dtype would round each value to it
+        (about 2**-9 of a group's range in bfloat16), and residuals formed
+        from those rounded values would nest against arithmetic no kernel
+        does (the high gear's error then grows a hundredfold).
+        """
+        w = mx.dequantize(self.weight, self.scales.astype(mx.float32), self.biases.astype(mx.float32),
+                          group_size=self.group_size, bits=self.bits)
         return w * self.factor if self.exponent else w
 
 
