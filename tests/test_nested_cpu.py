@@ -6,8 +6,8 @@ checks must catch too: tests/test_cpu_kernels.py and tests/test_neon_qemu.py.)
 
 Named tolerances (tests/nested_cases.py): float paths within
 OUTPUT_RTOL + ACCUM_RTOL * sum|terms|; int8 paths also within
-INTDOT_BOUND: sum_j |f s q_j| * d_b(j) / 2, each activation being off by at
-most half its block's step (the bias term uses the float sums of x).
+intdot_bound: sum_j |f (s q_j + b)| * d_b(j) / 2, each activation being off
+by at most half its block's step (codes and bias term see the same x).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not bui
 
 
 def intdot_bound(x: mx.array, planes, n: int) -> np.ndarray:
-    """Largest error the int8 activations can add: sum_j |f s q_j| * d_b(j) / 2."""
+    """Largest error the int8 activations can add: sum_j |f (s q_j + b)| * d_b(j) / 2."""
     xs = f64(x).reshape(-1, x.shape[-1]).astype(np.float32)
     blocks = xs.reshape(xs.shape[0], -1, QK)
     step = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float64)  # d_b
@@ -39,7 +39,8 @@ def intdot_bound(x: mx.array, planes, n: int) -> np.ndarray:
     out = np.zeros((xs.shape[0], planes[0].weight.shape[0]))
     for p in planes[:n]:
         s = np.repeat(f64(p.scales), p.group_size, axis=1)
-        out += 2.0 ** -p.exponent * (half @ np.abs(s * codes(p)).T)
+        b = np.repeat(f64(p.biases), p.group_size, axis=1)
+        out += 2.0 ** -p.exponent * (half @ np.abs(s * codes(p) + b).T)
     return out.reshape(tuple(x.shape[:-1]) + (-1,))
 
 

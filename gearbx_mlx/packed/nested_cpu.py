@@ -13,8 +13,8 @@ Paths (``path=``), as the packed kernels' (:mod:`.cpu`):
 * ``"float"`` (and ``"auto"``): float32 activations, no error beyond float32
   summation order;
 * ``"intdot"``: x quantized to int8 in blocks of 32, exact integer dot
-  products; faster, adds the error of 8-bit activations
-  (``scripts/bench_nested_kernels.py`` measures it per gear);
+  products (the bias term from the same int8 x); faster, adds the error of
+  8-bit activations (``scripts/bench_nested_kernels.py`` measures it per gear);
 * ``"ref"`` / ``"intdot_ref"``: the scalar C oracles (tests).
 
 Planes are objects with ``weight``, ``scales``, ``biases``, ``bits``,

@@ -142,8 +142,10 @@ typedef struct {
  * caller adds it.  group_size (32, 64 or 128) is every plane's.  Paths as
  * gbx_gemv's, except that GBX_PATH_AUTO is GBX_PATH_FLOAT here: a gear that
  * accepts the error of int8 activations asks for GBX_PATH_INTDOT.  The
- * intdot path computes each group's product sum_{b in g} d_b * isum_b from
- * the int8 activations and its bias term from the float ones.  Threads and
+ * intdot path computes each group's product sum_{b in g} d_b * isum_b and
+ * its bias term b_g * sum_{b in g} d_b * sum_b from the int8 activations
+ * (the same x for both: with the float sums in the bias term the unsigned
+ * codes' offset would carry the activation error).  Threads and
  * results as gbx_gemv (independent of the thread count).
  */
 int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m,

@@ -301,10 +301,13 @@ struct gbx_nested_ctx {
     int gshift;              /* group of block b = b >> gshift */
     int nspans;              /* I / GBX_SPAN: 4-bit kernels' full spans */
     const float *x;          /* [m][I] natural order */
-    const float *xsum;       /* [m][ng] sum of x over each group (float, natural order) */
+    /* [m][ng] sum of x over each group: of the float x on the float path, of
+     * the int8 activations (sum_b d_b * sum_b) on the intdot path, so there
+     * the codes and the bias term see the same x (with the float sums, the
+     * unsigned codes' offset would carry the activation error: 3x larger) */
+    const float *xsum;
     const gbx_span_f32 *xf;  /* [m][nspans] float path: split order */
     const gbx_act_q8 *a;     /* [m] intdot path */
-    const float *k128;       /* [m][ng] intdot: 128 * sum_{b in g} d_b * sum_b (the signed 8-bit trick) */
     float *y;                /* [m][O] */
 };
 
@@ -347,8 +350,10 @@ GBX_INLINE float gbx_group_dot_scalar(const void *v, size_t off, int dtype, cons
     return y;
 }
 
-/* xs[g] = sum of x over group g, natural order (ref.c; every nested path). */
+/* xs[g] = sum of x over group g, natural order (ref.c; the float paths), and
+ * the same of the int8 activations, sum_{b in g} d_b * sum_b (the intdot paths). */
 GBX_HIDDEN void gbx_nested_group_sums(const float *x, int in_features, int gs, float *xs);
+GBX_HIDDEN void gbx_nested_group_sums_q8(const float *d, const int32_t *sum, int in_features, int gs, float *xs);
 
 /* Build the activation buffers of an intdot call (dispatch.c). */
 GBX_HIDDEN int gbx_build_act(const float *x, int n, int bits, gbx_act_q8 *a, void **mem);

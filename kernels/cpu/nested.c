@@ -5,7 +5,8 @@
  * A plane is MLX's affine quantization: unsigned codes, a scale and a bias
  * per group.  Per output row, plane and group the kernels compute
  *     s_g * (codes . x)_g + b_g * xsum_g
- * where xsum_g (the group's sum of x) is computed once per call, so a bias
+ * where xsum_g (the group's sum of x: of the int8 activations on the intdot
+ * path) is computed once per call, so a bias
  * costs one multiply-add per group.  Each plane of a gear may have its own
  * bits (4 or 8) and scale dtype; each gets the kernel of its (bits, dtype)
  * from the family of the chosen path (arch/x86/nested.c, arch/arm/nested.c,
@@ -138,7 +139,7 @@ static int log2_int(int v)
 
 /* Per-call activation buffers of either path, for m rows of x. */
 typedef struct {
-    float *xsum, *k128;
+    float *xsum;
     gbx_span_f32 *xf;
     gbx_act_q8 *a;
     void **act_mem;
@@ -150,7 +151,7 @@ static void free_buffers(nested_buffers *b)
     if (b->act_mem)
         for (int k = 0; k < b->m; ++k)
             free(b->act_mem[k]);
-    free(b->act_mem), free(b->a), free(b->xsum), free(b->k128);
+    free(b->act_mem), free(b->a), free(b->xsum);
     free(b->xf); /* xf is its own allocation (not aligned beyond malloc's: loads are unaligned) */
 }
 
@@ -162,10 +163,10 @@ static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, int any8, nest
     b->xsum = malloc(sizeof(float) * (size_t)m * ng);
     if (!b->xsum)
         return GBX_E_NOMEM;
-    for (int k = 0; k < m; ++k)
-        gbx_nested_group_sums(c->x + (size_t)k * c->I, c->I, c->gs, b->xsum + (size_t)k * ng);
     c->xsum = b->xsum;
     if (!intdot) {
+        for (int k = 0; k < m; ++k)
+            gbx_nested_group_sums(c->x + (size_t)k * c->I, c->I, c->gs, b->xsum + (size_t)k * ng);
         if (any4 && c->nspans > 0) {
             b->xf = malloc(sizeof(gbx_span_f32) * (size_t)m * c->nspans);
             if (!b->xf)
@@ -183,24 +184,16 @@ static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, int any8, nest
     }
     b->a = calloc((size_t)m, sizeof(gbx_act_q8));
     b->act_mem = calloc((size_t)m, sizeof(void *));
-    b->k128 = malloc(sizeof(float) * (size_t)m * ng);
-    if (!b->a || !b->act_mem || !b->k128)
+    if (!b->a || !b->act_mem)
         return GBX_E_NOMEM;
     for (int k = 0; k < m; ++k) {
         /* bits 4 also builds the split order the 4-bit kernels read */
         const int rc = gbx_build_act(c->x + (size_t)k * c->I, c->I, any4 ? 4 : 8, b->a + k, b->act_mem + k);
         if (rc != GBX_OK)
             return rc;
-        const int bpg = c->gs / GBX_QK;
-        for (int g = 0; g < ng && any8; ++g) {
-            float t = 0.0f;
-            for (int bl = g * bpg; bl < (g + 1) * bpg; ++bl)
-                t += b->a[k].d[bl] * (float)(128 * b->a[k].sum[bl]);
-            b->k128[(size_t)k * ng + g] = t;
-        }
+        gbx_nested_group_sums_q8(b->a[k].d, b->a[k].sum, c->I, c->gs, b->xsum + (size_t)k * ng);
     }
     c->a = b->a;
-    c->k128 = b->k128;
     return GBX_OK;
 }
 

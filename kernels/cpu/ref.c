@@ -126,6 +126,19 @@ void gbx_nested_group_sums(const float *x, int in_features, int gs, float *xs)
     }
 }
 
+/* The group sums of int8 activations, sum_{b in g} d_b * sum_b in block order:
+ * the intdot paths' bias term sees the x their codes see. */
+void gbx_nested_group_sums_q8(const float *d, const int32_t *sum, int in_features, int gs, float *xs)
+{
+    const int bpg = gs / GBX_QK;
+    for (int g = 0; g < in_features / gs; ++g) {
+        float t = 0.0f;
+        for (int b = g * bpg; b < (g + 1) * bpg; ++b)
+            t += d[b] * (float)sum[b];
+        xs[g] = t;
+    }
+}
+
 /* One plane's part of y[i]: sum_g s_g * dot_g + b_g * xs_g, dot_g from `dots`. */
 static float plane_row(const gbx_plane *p, int i, int ng, const float *dots, const float *xs)
 {
@@ -183,8 +196,8 @@ int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float 
     }
     for (int k = 0; k < m; ++k) {
         const float *xk = x + (size_t)k * in_features;
-        gbx_nested_group_sums(xk, in_features, gs, xs);
         gbx_quantize_act_ref(xk, in_features, qs, d, sum);
+        gbx_nested_group_sums_q8(d, sum, in_features, gs, xs);
         for (int i = 0; i < out_features; ++i) {
             float acc = 0.0f;
             for (int pi = 0; pi < n; ++pi) {

@@ -9,7 +9,7 @@
  *           signed x signed: 4-bit codes (0..15) are valid int8 as they are;
  *           8-bit codes are taken as u - 128 (|pair| <= 2*128*127 fits the
  *           int16 of vmull) and 128 * sum(xq) per group is added back
- *           (nested_ctx.k128).
+ *           (from nested_ctx.xsum).
  * Oracles: ../../ref.c.
  */
 #include "simd.h"
@@ -38,8 +38,8 @@ GBX_INLINE float32x4_t scale4_neon(const void *p, size_t i, const int dtype)
     return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
 }
 
-/* sum_g v[off + g] * w[g] over ng groups (a bias row against the group sums
- * of x, or a scale row against k128) */
+/* sum_g v[off + g] * w[g] over ng groups (a bias or scale row against the
+ * group sums of x) */
 GBX_INLINE float group_dot_neon(const void *v, size_t off, const float *w, int ng, const int dtype)
 {
     float32x4_t acc = vdupq_n_f32(0.0f);
@@ -171,7 +171,7 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
                 acc0 = vfmaq_n_f32(acc0, vcvtq_f32_s32(i0), t);                                            \
         }                                                                                                  \
         return vaddvq_f32(vaddq_f32(acc0, acc1)) +                                                         \
-               group_dot_neon(p->scales, off, c->k128 + (size_t)k * c->ng, c->ng, dtype) +                 \
+               128.0f * group_dot_neon(p->scales, off, c->xsum + (size_t)k * c->ng, c->ng, dtype) +        \
                group_dot_neon(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                  \
     }
 

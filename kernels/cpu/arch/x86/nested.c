@@ -9,7 +9,7 @@
  *           codes as they are (|pair| <= 2*15*127).  8 bits: 255*127*2
  *           would saturate vpmaddubsw's int16 pairs, so plain AVX2 multiplies
  *           u - 128 (signed, |pair| <= 2*128*127) and adds back
- *           128 * sum(xq) per group (nested_ctx.k128); vpdpbusd (AVX512-VNNI
+ *           128 * sum(xq) per group (from nested_ctx.xsum); vpdpbusd (AVX512-VNNI
  *           or AVX-VNNI) sums into int32 without pairs, so it takes u as is.
  * Scales and biases are converted per group on the fly (F16C for float16),
  * so a plane reads exactly its own bytes.  Oracles: ../../ref.c.
@@ -43,7 +43,7 @@ GBX_NESTED_FN GBX_INLINE __m256 scale8(const void *p, size_t i, const int dtype)
 }
 
 /* sum_g v[off + g] * w[g] over ng groups: a bias row against the group sums
- * of x, or a scale row against k128. */
+ * of x. */
 GBX_NESTED_FN GBX_INLINE float group_dot(const void *v, size_t off, const float *w, int ng, const int dtype)
 {
     __m256 acc = _mm256_setzero_ps();
@@ -188,7 +188,8 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
 
 /* The 4-bit and 8-bit intdot rows, written once for each exact integer dot:
  * SPAN_ISUM(w, xs) a span of 4-bit codes, BLOCK_ISUM(w, xq) a block of 8-bit
- * codes; SIGNED8 says BLOCK_ISUM multiplies u - 128 (k128 adds the rest). */
+ * codes; SIGNED8 says BLOCK_ISUM multiplies u - 128: 128 * sum_g s_g xsum_g adds
+ * the rest (xsum holds the int8 activations' group sums). */
 #define GBX_DEF_NESTED_INTDOT(SUFFIX, ATTR, SPAN_ISUM, BLOCK_ISUM, SIGNED8)                                        \
     ATTR GBX_INLINE float plane4_intdot_##SUFFIX(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,   \
                                                  const int dtype)                                                \
@@ -242,7 +243,7 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
         }                                                                                                        \
         float y = hsum_avx2(_mm256_add_ps(acc0, acc1));                                                          \
         if (SIGNED8)                                                                                             \
-            y += group_dot(p->scales, off, c->k128 + (size_t)k * c->ng, c->ng, dtype);                           \
+            y += 128.0f * group_dot(p->scales, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                  \
         return y + group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                         \
     }
 
