@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Benchmark the fused nested-plane GEMV on the default (GPU) device; print tables, write JSON.
+
+The targets it measures (same run, same device): decode tok/s of the fused
+nested low gear >= MLX 4-bit's, mid >= MLX 8-bit's, high >= 0.9x bf16's.
+
+Sections (each recorded even if another fails):
+
+1. ``bandwidth``: copy and read bandwidth of the device (as bench_kernels.py).
+2. ``sweep``: rows per SIMD group x chunk width of the nested body, per gear
+   (1, 2, 3 planes), at 4096x4096 and 14336x4096; the best (geometric mean)
+   is used for the rest of the run (``--skip-sweep`` keeps the defaults).
+3. ``gemv``: time per product, many products (over weight copies far larger
+   than the L2 cache) in one evaluated graph, at 4096^2 and 8192^2 (and
+   14336x4096 unless ``--quick``): the fused nested gears; the same gears the
+   stock way (one ``mx.quantized_matmul`` per plane, ``reference_matmul``);
+   MLX 4-bit and 8-bit ``quantized_matmul`` (group 64) and the bf16 product.
+   GB/s of bytes read; each fused kernel checked against the reference first.
+4. ``decode``: greedy decoding tok/s of an mlx-lm llama with random weights
+   (Llama-3-8B shape; ``--models``), every Linear replaced: bf16 (none), MLX
+   ``QuantizedLinear`` 4/8-bit, nested planes (4, 4, 8) bits group 64 read by
+   the fused kernel (``nested-low/mid/high``) and, for comparison, the same
+   planes through ``reference_matmul`` (``nested-*-mlx``). ``--rounds`` passes
+   over the variants, interleaved; medians reported.
+
+Usage:
+  python scripts/bench_nested_gpu.py [--out FILE] [--quick] [--skip-sweep] [--skip-decode]
+      [--models llama3-8b smollm2-135m] [--variants bf16 mlx-4 nested-low ...] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_kernels import (  # noqa: E402
+    MODEL_SHAPES,
+    bench_bandwidth,
+    build_model,
+    device_name,
+    greedy_decode,
+    time_graph,
+)
+
+from gearbx_mlx.nested.matmul import NestedProduct  # noqa: E402
+from gearbx_mlx.nested.planes import build_planes, reference_matmul  # noqa: E402
+from gearbx_mlx.packed import gpu, nested_gpu  # noqa: E402
+
+PLAN = (4, 4, 8)
+GROUP = 64
+GEARS = {"low": 1, "mid": 2, "high": 3}
+ACT_DTYPE = mx.bfloat16
+WORKING_SET = 512 << 20
+MIN_PRODUCTS = 48
+CHECK_TOL = 2e-2
+
+
+def planes_of(out_features: int, in_features: int, seed: int = 0):
+    mx.random.seed(seed)
+    w = (mx.random.normal((out_features, in_features)) * 0.02).astype(ACT_DTYPE)
+    planes = build_planes(w, GROUP, PLAN)
+    return w, planes
+
+
+def plane_bytes(planes, n: int) -> int:
+    return sum(p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in planes[:n])
+
+
+def copies_for(make: Callable[[int], tuple], per_copy: int) -> List[tuple]:
+    out = [make(k) for k in range(max(1, math.ceil(WORKING_SET / per_copy)))]
+    mx.eval([a for c in out for a in c if isinstance(a, mx.array)])
+    return out
+
+
+def _check(y: mx.array, ref: mx.array, what: str) -> float:
+    err = (mx.max(mx.abs(y.astype(mx.float32) - ref.astype(mx.float32)))
+           / mx.maximum(mx.max(mx.abs(ref.astype(mx.float32))), 1e-30)).item()
+    if not err < CHECK_TOL:
+        raise RuntimeError(f"{what}: kernel disagrees with the reference (max rel err {err:.3g}); not timed")
+    return err
+
+
+def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None) -> Dict[str, float]:
+    """Per-product time of the gear of ``n`` planes, fused kernel or ``reference_matmul``."""
+    out_features, in_features = shape
+    _, first = planes_of(out_features, in_features)
+    per_copy = plane_bytes(first, n)
+    copies = [first] + [[type(p)(p.weight + 0, p.scales + 0, p.biases + 0, p.bits, p.group_size, p.exponent)
+                         for p in first] for _ in range(max(1, math.ceil(WORKING_SET / per_copy)) - 1)]
+    mx.eval([a for c in copies for p in c for a in p.arrays()])
+    x = mx.random.normal((in_features,)).astype(ACT_DTYPE)
+    if fused:
+        run = nested_gpu.launcher(gpu.gpu_backend(), PLAN[:n], GROUP, in_features, out_features, ACT_DTYPE,
+                                  ACT_DTYPE, False, tuning)
+        arrays = [nested_gpu.plane_arrays(c, n) for c in copies]
+        factors = nested_gpu.factors_of(first, n)
+        row = {"max_rel_err": _check(run(x, arrays[0], factors), reference_matmul(x[None], first, n)[0],
+                                     f"nested {PLAN[:n]} {shape}")}
+
+        def product(i: int) -> mx.array:
+            return run(x, arrays[i % len(arrays)], factors)
+    else:
+        row = {}
+
+        def product(i: int) -> mx.array:
+            return reference_matmul(x[None], copies[i % len(copies)], n)
+    k = max(MIN_PRODUCTS, 2 * len(copies))
+    t = time_graph(lambda: [product(i) for i in range(k)])
+    row.update(us=t / k * 1e6, bytes=per_copy, GBps=per_copy / (t / k) / 1e9, copies=len(copies))
+    copies.clear()
+    mx.clear_cache()
+    return row
+
+
+def time_mlx(shape: Tuple[int, int], fmt: str) -> Dict[str, float]:
+    """MLX's 4/8-bit quantized_matmul (group 64) or the bf16 product."""
+    out_features, in_features = shape
+    x = mx.random.normal((in_features,)).astype(ACT_DTYPE)
+
+    def make(_):
+        w = (mx.random.normal((out_features, in_features)) * 0.02).astype(ACT_DTYPE)
+        if fmt == "bf16":
+            return (w,)
+        return mx.quantize(w, GROUP, int(fmt[4]))
+
+    one = make(0)
+    per_copy = sum(a.nbytes for a in one)
+    copies = [one] + copies_for(make, per_copy)[1:]
+    bits = 16 if fmt == "bf16" else int(fmt[4])
+
+    def product(i: int) -> mx.array:
+        c = copies[i % len(copies)]
+        if bits == 16:
+            return x[None] @ c[0].T
+        return mx.quantized_matmul(x[None], *c, transpose=True, group_size=GROUP, bits=bits)
+    k = max(MIN_PRODUCTS, 2 * len(copies))
+    t = time_graph(lambda: [product(i) for i in range(k)])
+    copies.clear()
+    mx.clear_cache()
+    return {"us": t / k * 1e6, "bytes": per_copy, "GBps": per_copy / (t / k) / 1e9}
+
+
+# -- sections ----------------------------------------------------------------------------
+
+
+def bench_sweep(quick: bool) -> Dict[str, object]:
+    shapes = [(1024, 1024)] if quick else [(4096, 4096), (14336, 4096)]
+    grid = [nested_gpu.NestedTuning(r, v) for r, v in ((1, 4), (2, 4), (4, 4), (2, 2), (4, 2), (8, 2))]
+    result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": {}}
+    for gear, n in GEARS.items():
+        scores = {}
+        for t in grid:
+            try:
+                us = [time_nested(s, n, True, t)["us"] for s in shapes]
+            except Exception as e:  # a tuning that does not compile or fit: record it
+                result["runs"].append({"gear": gear, "rows": t.rows, "vec": t.vec, "error": str(e)[:300]})
+                continue
+            result["runs"].append({"gear": gear, "rows": t.rows, "vec": t.vec, "us": us})
+            scores[t] = math.exp(sum(math.log(u) for u in us) / len(us))
+            print(f"  sweep {gear:4s} rows={t.rows} vec={t.vec}: " + ", ".join(f"{u:.1f}" for u in us) + " us",
+                  flush=True)
+        if scores:
+            best = min(scores, key=scores.get)
+            nested_gpu.TUNING[n] = best
+            result["best"][gear] = {"rows": best.rows, "vec": best.vec}
+    return result
+
+
+def bench_gemv(shapes) -> List[Dict[str, object]]:
+    rows = []
+    for shape in shapes:
+        timed: Dict[str, Dict[str, object]] = {}
+        for fmt in ["nested-low", "nested-mid", "nested-high", "nested-low-mlx", "nested-mid-mlx",
+                    "nested-high-mlx", "mlx-4", "mlx-8", "bf16"]:
+            try:
+                if fmt.startswith("nested"):
+                    n = GEARS[fmt.split("-")[1]]
+                    timed[fmt] = time_nested(shape, n, not fmt.endswith("mlx"))
+                else:
+                    timed[fmt] = time_mlx(shape, {"mlx-4": "mlx_4", "mlx-8": "mlx_8", "bf16": "bf16"}[fmt])
+            except Exception as e:  # record and carry on
+                timed[fmt] = {"error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+        for fmt, r in timed.items():
+            entry = {"shape": list(shape), "format": fmt, **r}
+            for ref in ("mlx-4", "mlx-8", "bf16"):
+                if "us" in r and "us" in timed.get(ref, {}):
+                    entry[f"speedup_vs_{ref}"] = timed[ref]["us"] / r["us"]
+            rows.append(entry)
+    return rows
+
+
+def print_gemv(rows, copy_gbps: float) -> None:
+    print(f"{'shape (OxK)':>13} {'format':>16} {'us':>8} {'GB/s':>7} {'%copy':>6} {'vs mlx4':>8} {'vs mlx8':>8} "
+          f"{'vs bf16':>8}")
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        if "error" in r:
+            print(f"{shape:>13} {r['format']:>16}  ERROR {r['error'][:80]}")
+            continue
+        print(f"{shape:>13} {r['format']:>16} {r['us']:8.1f} {r['GBps']:7.0f} {100 * r['GBps'] / copy_gbps:5.0f}% "
+              + " ".join(f"{r.get(k, float('nan')):8.2f}" for k in ("speedup_vs_mlx-4", "speedup_vs_mlx-8",
+                                                                      "speedup_vs_bf16")))
+
+
+class NestedBench(nn.Module):
+    """A Linear's planes behind the dispatch, reading ``n`` of them (a bench
+    stand-in for the package's nested layer); ``mlx`` forces the oracle."""
+
+    def __init__(self, product: NestedProduct, n: int, bias: Optional[mx.array], mlx: bool):
+        super().__init__()
+        self._product, self._n, self._mlx = product, n, mlx
+        self._bias = bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._mlx:
+            return reference_matmul(x, self._product.planes, self._n, self._bias)
+        return self._product(x, self._n, self._bias)
+
+
+def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3) -> List[Dict[str, object]]:
+    from mlx.utils import tree_unflatten
+
+    model = build_model(kind)
+    linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    products: Dict[str, NestedProduct] = {}
+    if any(v.startswith("nested") for v in variants):
+        t0 = time.perf_counter()
+        for path, m in linears:
+            products[path] = NestedProduct(build_planes(m.weight, GROUP, PLAN))
+            mx.eval([a for p in products[path].planes for a in p.arrays()])
+        build_s = time.perf_counter() - t0
+        print(f"  built planes of {len(linears)} linears in {build_s:.1f} s", flush=True)
+    vocab = MODEL_SHAPES[kind]["vocab_size"]
+    prompt = mx.random.randint(0, vocab, (prompt_len,))
+    entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
+    reference_tokens = None
+    for r in range(rounds):
+        for variant in variants:
+            entry = entries[variant]
+            try:
+                if variant == "bf16":
+                    plan = []
+                elif variant.startswith("mlx"):
+                    bits = int(variant.split("-")[1])
+                    plan = [(p, nn.QuantizedLinear.from_linear(m, GROUP, bits)) for p, m in linears]
+                    mx.eval([m.parameters() for _, m in plan])
+                else:
+                    parts = variant.split("-")
+                    n = GEARS[parts[1]]
+                    plan = [(p, NestedBench(products[p], n, m.get("bias"), parts[-1] == "mlx"))
+                            for p, m in linears]
+                    entry["bits_per_weight"] = 8 * sum(plane_bytes(products[p].planes, n) for p, _ in linears) / sum(
+                        m.weight.size for _, m in linears)
+                if plan:
+                    model.update_modules(tree_unflatten(plan))
+                probe = mx.zeros((1, 1, model.args.hidden_size), dtype=ACT_DTYPE)
+                if variant.startswith("nested"):
+                    entry["path"] = products[linears[0][0]].backend_for(probe, GEARS[variant.split("-")[1]])
+                greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
+                tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
+                entry["rounds_tok_per_s"].append(tps)
+                entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
+                if reference_tokens is None:
+                    reference_tokens = tokens
+                entry["same_tokens_as_first_variant"] = sum(
+                    a == b for a, b in zip(tokens, reference_tokens)) / len(tokens)
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            finally:
+                model.update_modules(tree_unflatten(linears))
+                plan = None
+                mx.clear_cache()
+            if r == rounds - 1:
+                runs = entry["rounds_tok_per_s"]
+                if runs:
+                    entry["tok_per_s"] = statistics.median(runs)
+                print(f"  decode {kind:13s} {variant:18s} "
+                      + (f"{entry['tok_per_s']:7.1f} tok/s median of " + "/".join(f"{t:.0f}" for t in runs)
+                         if "tok_per_s" in entry else entry.get("error", "")), flush=True)
+    del model, products
+    mx.clear_cache()
+    return list(entries.values())
+
+
+def decode_targets(rows: List[Dict[str, object]]) -> List[str]:
+    lines = []
+    by = {(r["model"], r["variant"]): r.get("tok_per_s") for r in rows}
+    for model in sorted({r["model"] for r in rows}):
+        for gear, ref, factor in (("low", "mlx-4", 1.0), ("mid", "mlx-8", 1.0), ("high", "bf16", 0.9)):
+            a, b = by.get((model, f"nested-{gear}")), by.get((model, ref))
+            if a and b:
+                ratio = a / b
+                lines.append(f"target {model} nested-{gear} >= {factor:g}x {ref}: {a:.1f} vs {b:.1f} tok/s = "
+                             f"{ratio:.2f}x [{'met' if ratio >= factor else 'MISSED'}]")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/nested_gpu_<device>.json)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, smollm2 shape, for a smoke test")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=None)
+    ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODEL_SHAPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    if gpu.gpu_backend() is None:
+        print("no Metal/CUDA GPU on the default device: nothing to benchmark", file=sys.stderr)
+        return 2
+    global WORKING_SET, MIN_PRODUCTS
+    if args.quick:
+        WORKING_SET, MIN_PRODUCTS = 64 << 20, 8
+    name = device_name()
+    slug = "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+    out = args.out or ROOT / "benchmarks" / "results" / f"nested_gpu_{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: Dict[str, object] = {
+        "device": name, "backend": gpu.gpu_backend(), "mlx": mx.__version__, "python": platform.python_version(),
+        "activation_dtype": str(ACT_DTYPE), "plan": list(PLAN), "group_size": GROUP,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", "scripts/bench_nested_gpu.py"]
+                                                                       + list(argv or sys.argv[1:])),
+    }
+
+    def save():
+        out.write_text(json.dumps(report, indent=1, default=str))
+
+    def section(key: str, run: Callable[[], object]) -> None:
+        try:
+            report[key] = run()
+        except Exception as e:
+            report[key] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        save()
+
+    print(f"device: {name} ({report['backend']}), mlx {mx.__version__}", flush=True)
+    section("bandwidth", lambda: bench_bandwidth(args.quick))
+    bw = report["bandwidth"]
+    if "copy_GBps" in bw:
+        print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s, read bandwidth {bw['read_GBps']:.0f} GB/s", flush=True)
+    if not args.skip_sweep:
+        section("sweep", lambda: bench_sweep(args.quick))
+    report["tuning"] = {n: {"rows": t.rows, "vec": t.vec} for n, t in nested_gpu.TUNING.items()}
+    shapes = [(1024, 1024)] if args.quick else [(4096, 4096), (8192, 8192), (14336, 4096)]
+    section("gemv", lambda: bench_gemv(shapes))
+    if isinstance(report["gemv"], list):
+        print_gemv(report["gemv"], bw.get("copy_GBps", float("nan")))
+    if not args.skip_decode:
+        variants = args.variants or ["bf16", "mlx-4", "mlx-8", "nested-low", "nested-mid", "nested-high",
+                                     "nested-high-mlx"]
+        kinds = args.models or (["smollm2-135m"] if args.quick else ["llama3-8b"])
+        report["decode"] = []
+        for kind in kinds:
+            try:
+                report["decode"] += bench_decode(kind, variants, n_tokens=32 if args.quick else 128,
+                                                 rounds=args.rounds)
+            except Exception as e:
+                report["decode"].append({"model": kind, "error": f"{type(e).__name__}: {e}"})
+                traceback.print_exc()
+            save()
+        report["targets"] = decode_targets(report["decode"])
+        for line in report["targets"]:
+            print(line)
+    save()
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
