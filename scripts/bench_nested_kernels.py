@@ -115,7 +115,7 @@ def bench_gemv(planes, x, cold: int, seconds: float) -> List[Dict[str, Any]]:
                 print(f"  {GEARS[n]:<4} {path:<6} {threads} thr: {t['median_s'] * 1e3:7.3f} ms median, "
                       f"{rows[-1]['median_gbs']:5.1f} GB/s", flush=True)
         # the package's oracle: one quantized_matmul per plane (MLX's CPU kernels)
-        t = time_calls([(lambda c=c: mx.eval(reference_matmul(x, c, n))) for c in copies], seconds,
+        t = time_calls([(lambda c=c: mx.eval(reference_matmul(x[None], c, n))) for c in copies], seconds,
                        min_calls=len(copies), max_calls=20)
         rows.append({"gear": GEARS[n], "planes": n, "bits": list(PLAN[:n]), "path": "mlx reference_matmul",
                      "threads": "mlx", "bytes": nbytes, "copies": len(copies), **t,
@@ -274,6 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not cpu.available():
         print("gearbx_mlx.packed.cpu: extension not built; nothing to measure", file=sys.stderr)
         return 2
+    mx.set_default_device(mx.cpu)  # the C kernels' benchmark: MLX's parts on the CPU too
     shape = (1024, 1024) if args.quick else tuple(args.shape)
     seconds = 0.1 if args.quick else args.seconds
     cold = 2 * llc_bytes()

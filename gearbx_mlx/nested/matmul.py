@@ -24,7 +24,7 @@ The planes are treated as immutable once a product has used them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -72,8 +72,10 @@ class NestedProduct:
         self.out_features, self.in_features = planes[0].shape
         self._prepared: Optional[nested_cpu.PreparedNested] = None
         self._cpu_ok: Optional[bool] = None
-        self._factors: Dict[int, mx.array] = {}
         self._gpu: Dict[tuple, object] = {}  # (backend, dtype, n, bias) -> launcher or False
+        # (backend, dtype, n, bias) -> run(x, bias): the one-token GPU call with
+        # everything but x and the bias bound (a decode step makes hundreds)
+        self._fast: Dict[tuple, Callable[[mx.array, Optional[mx.array]], mx.array]] = {}
 
     # -- which path ---------------------------------------------------------------
 
@@ -122,23 +124,39 @@ class NestedProduct:
 
     # -- the product --------------------------------------------------------------
 
+    def _bind_gpu(self, backend: str, dtype: mx.Dtype, n: int, has_bias: bool):
+        run = self._gpu_launcher(backend, dtype, n, has_bias)
+        arrays, factors = nested_gpu.plane_arrays(self.planes, n), nested_gpu.factors_of(self.planes, n)
+
+        def fast(x: mx.array, bias: Optional[mx.array]) -> mx.array:
+            if bias is not None and bias.dtype != dtype:
+                bias = bias.astype(dtype)
+            return run(x, arrays, factors, bias)
+
+        self._fast[(backend, dtype, n, has_bias)] = fast
+        return fast
+
     def __call__(self, x: mx.array, n: int, bias: Optional[mx.array] = None) -> mx.array:
         """``(..., in)`` -> ``(..., out)`` in ``x.dtype``: the gear of the first ``n`` planes."""
+        # Decode on a GPU first, with dict reads only: a step makes hundreds of these calls.
+        if x.size == self.in_features:
+            backend = gpu.gpu_backend()
+            if backend is not None:
+                fast = self._fast.get((backend, x.dtype, n, bias is not None))
+                if fast is not None and x.shape[-1] == self.in_features:
+                    return fast(x, bias)
         if not 1 <= n <= len(self.planes):
             raise ValueError(f"a gear reads 1 to {len(self.planes)} planes, got {n}")
         path = self.backend_for(x, n, bias is not None)
         if path in ("metal", "cuda"):
-            factors = self._factors.get(n)
-            if factors is None:
-                factors = self._factors[n] = nested_gpu.factors_of(self.planes, n)
-            b = bias if bias is None or bias.dtype == x.dtype else bias.astype(x.dtype)
-            return self._gpu_launcher(path, x.dtype, n, bias is not None)(
-                x, nested_gpu.plane_arrays(self.planes, n), factors, b)
+            return self._bind_gpu(path, x.dtype, n, bias is not None)(x, bias)
         if path == "cpu":
             y = self._prepared.gemv(x, n, path=self.cpu_path(n))
             if bias is not None:
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype)
+        if x.ndim == 1:  # MLX's CUDA quantized_matmul wants a matrix
+            return reference_matmul(x[None], self.planes, n, bias)[0]
         return reference_matmul(x, self.planes, n, bias)
 
 

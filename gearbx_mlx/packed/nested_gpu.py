@@ -62,12 +62,13 @@ class NestedTuning:
     vec: int
 
 
-#: Defaults by the number of planes a gear reads: more planes hold more
-#: words in registers per row, so fewer rows share a chunk.
-#: (Chosen ahead of a GPU measurement; scripts/bench_nested_gpu.py sweeps them.)
+#: Defaults by the number of planes a gear reads: the best of the H200 sweep
+#: of scripts/bench_nested_gpu.py (4096x4096 and 14336x4096; neighbours within
+#: about 10%). More planes hold more words in registers per row, so the high
+#: gear shares each chunk of x among fewer rows.
 TUNING: Dict[int, NestedTuning] = {
-    1: NestedTuning(rows=4, vec=4),
-    2: NestedTuning(rows=2, vec=4),
+    1: NestedTuning(rows=8, vec=2),
+    2: NestedTuning(rows=8, vec=2),
     3: NestedTuning(rows=2, vec=4),
 }
 

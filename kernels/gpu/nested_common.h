@@ -72,17 +72,19 @@ GBX_FN float gbx_dot8(gbx_words<NW> w, int j, gbx_f8 x) {
 }
 
 // Issue the loads of chunk `ch` of one plane for ROWS rows: the chunk's codes
-// (NW words at word ch * NW of each row) and its group's scale and bias.
+// (NW words at word ch * NW of each row) and its group's scale and bias, kept
+// as stored: converting them here would wait for the loads at once, before
+// the current chunk is computed, and undo the double buffering.
 template <typename S, int NW, int ROWS>
-GBX_FN void gbx_load_chunk(GBX_THREAD gbx_words<NW> (&w)[ROWS], GBX_THREAD float (&s)[ROWS],
-                           GBX_THREAD float (&b)[ROWS], const GBX_DEVICE gbx_u32* codes,
+GBX_FN void gbx_load_chunk(GBX_THREAD gbx_words<NW> (&w)[ROWS], GBX_THREAD S (&s)[ROWS],
+                           GBX_THREAD S (&b)[ROWS], const GBX_DEVICE gbx_u32* codes,
                            const GBX_DEVICE S* scales, const GBX_DEVICE S* biases,
                            GBX_THREAD const int (&row)[ROWS], int words_per_row, int ng, int ch,
                            int g) {
   GBX_UNROLL
   for (int r = 0; r < ROWS; ++r) {
     w[r] = gbx_load_words<NW>(codes + row[r] * words_per_row + ch * NW);
-    s[r] = static_cast<float>(scales[row[r] * ng + g]);
-    b[r] = static_cast<float>(biases[row[r] * ng + g]);
+    s[r] = scales[row[r] * ng + g];
+    b[r] = biases[row[r] * ng + g];
   }
 }
