@@ -278,7 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shape = (1024, 1024) if args.quick else tuple(args.shape)
     seconds = 0.1 if args.quick else args.seconds
     cold = 2 * llc_bytes()
-    result: Dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shape": list(shape),
+    command = " ".join(["python", "scripts/bench_nested_kernels.py"] + list(sys.argv[1:] if argv is None else argv))
+    result: Dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command, "shape": list(shape),
                               "group_size": args.group_size, "scale_dtype": args.scale_dtype, "plan": list(PLAN),
                               "cold_set_bytes": cold, "machine": machine_info(), "gemv": []}
     print(f"machine: {result['machine'].get('cpu_model', '?')}, {os.cpu_count()} CPUs; nested kernels: "
