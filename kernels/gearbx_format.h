@@ -23,7 +23,8 @@
 //           significant first, 32 / bits per word (so at 4 bits byte j/2 of
 //           a row holds element j in its low nibble for even j: the int4
 //           layout above without the offset).
-//   scales, biases  (O, I / group_size) in float32, float16 or bfloat16.
+//   scales, biases  (O, I / group_size) in float32, float16 or bfloat16, each
+//           plane with its own bits and group size.
 //   A plane with exponent e adds 2^-e * (scale * q + bias) to each weight;
 //   a gear reads the first n planes (1 <= n <= GBX_MAX_PLANES):
 //   y_o = sum_{p<n} 2^-e_p * sum_g (s_pog * sum_{j in g} q_poj x_j

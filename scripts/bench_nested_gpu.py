@@ -18,7 +18,7 @@ Sections (each recorded even if another fails):
    GB/s of bytes read; each fused kernel checked against the reference first.
 4. ``decode``: greedy decoding tok/s of an mlx-lm llama with random weights
    (Llama-3-8B shape; ``--models``), every Linear replaced: bf16 (none), MLX
-   ``QuantizedLinear`` 4/8-bit, nested planes (4, 4, 8) bits group 64 read by
+   ``QuantizedLinear`` 4/8-bit, nested planes (the package's default plan) read by
    the fused kernel (``nested-low/mid/high``) and, for comparison, the same
    planes through ``reference_matmul`` (``nested-*-mlx``). ``--rounds`` passes
    over the variants, interleaved; medians reported.
@@ -58,11 +58,11 @@ from bench_kernels import (  # noqa: E402
 )
 
 from gearbx_mlx.nested.matmul import NestedProduct  # noqa: E402
-from gearbx_mlx.nested.planes import build_planes, reference_matmul  # noqa: E402
+from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
 from gearbx_mlx.packed import gpu, nested_gpu  # noqa: E402
 
-PLAN = (4, 4, 8)
-GROUP = 64
+PLAN = tuple(DEFAULT_PLAN)  # (bits, group size) per plane
+GROUP = 64  # MLX's 4-bit and 8-bit baselines
 GEARS = {"low": 1, "mid": 2, "high": 3}
 ACT_DTYPE = mx.bfloat16
 WORKING_SET = 512 << 20
@@ -73,7 +73,7 @@ CHECK_TOL = 2e-2
 def planes_of(out_features: int, in_features: int, seed: int = 0):
     mx.random.seed(seed)
     w = (mx.random.normal((out_features, in_features)) * 0.02).astype(ACT_DTYPE)
-    planes = build_planes(w, GROUP, PLAN)
+    planes = build_planes(w, PLAN)
     return w, planes
 
 
@@ -105,7 +105,8 @@ def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None) -> Dic
     mx.eval([a for c in copies for p in c for a in p.arrays()])
     x = mx.random.normal((in_features,)).astype(ACT_DTYPE)
     if fused:
-        run = nested_gpu.launcher(gpu.gpu_backend(), PLAN[:n], GROUP, in_features, out_features, ACT_DTYPE,
+        bits, groups = tuple(b for b, _ in PLAN[:n]), tuple(g for _, g in PLAN[:n])
+        run = nested_gpu.launcher(gpu.gpu_backend(), bits, groups, in_features, out_features, ACT_DTYPE,
                                   ACT_DTYPE, False, tuning)
         arrays = [nested_gpu.plane_arrays(c, n) for c in copies]
         factors = nested_gpu.factors_of(first, n)
@@ -242,7 +243,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     if any(v.startswith("nested") for v in variants):
         t0 = time.perf_counter()
         for path, m in linears:
-            products[path] = NestedProduct(build_planes(m.weight, GROUP, PLAN))
+            products[path] = NestedProduct(build_planes(m.weight, PLAN))
             mx.eval([a for p in products[path].planes for a in p.arrays()])
         build_s = time.perf_counter() - t0
         print(f"  built planes of {len(linears)} linears in {build_s:.1f} s", flush=True)
@@ -336,7 +337,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report: Dict[str, object] = {
         "device": name, "backend": gpu.gpu_backend(), "mlx": mx.__version__, "python": platform.python_version(),
-        "activation_dtype": str(ACT_DTYPE), "plan": list(PLAN), "group_size": GROUP,
+        "activation_dtype": str(ACT_DTYPE), "plan": [list(p) for p in PLAN], "mlx_group_size": GROUP,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", "scripts/bench_nested_gpu.py"]
                                                                        + list(argv or sys.argv[1:])),
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark the C kernels of the nested gears on the CPU; print tables, write JSON.
 
-Each gear of the default plan (4, 4, 8) bits, group 64, reads its first n
+Each gear of the package's default plan (``gearbx_mlx.nested.planes.DEFAULT_PLAN``;
+``--plan 4:64,4:32,8:32`` for another, bits:group per plane) reads its first n
 planes of a 4096x4096 matrix (``--shape``). Sections (each recorded even if
 another fails):
 
@@ -55,10 +56,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx.core as mx  # noqa: E402
 from bench_cpu import bench_bandwidth, llc_bytes, machine_info, time_calls  # noqa: E402
 
-from gearbx_mlx.nested.planes import build_planes, reference_matmul  # noqa: E402
+from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
 from gearbx_mlx.packed import cpu, nested_cpu  # noqa: E402
 
-PLAN = (4, 4, 8)
+PLAN = tuple(DEFAULT_PLAN)  # (bits, group size) per plane; --plan replaces it
 GEARS = {1: "low", 2: "mid", 3: "high"}
 PATHS = ("float", "intdot")
 TARGET = 0.7
@@ -108,7 +109,7 @@ def bench_gemv(planes, x, cold: int, seconds: float) -> List[Dict[str, Any]]:
             for threads in (1, 2):
                 t = time_calls([(lambda p=p: p.gemv(x, n, path=path, threads=threads)) for p in preps],
                                seconds, min_calls=2 * len(preps))
-                rows.append({"gear": GEARS[n], "planes": n, "bits": list(PLAN[:n]), "path": path,
+                rows.append({"gear": GEARS[n], "planes": n, "plan": [list(p) for p in PLAN[:n]], "path": path,
                              "threads": threads, "bytes": nbytes, "copies": len(preps), **t,
                              "median_gbs": nbytes / t["median_s"] / 1e9, "best_gbs": nbytes / t["best_s"] / 1e9,
                              "max_rel_err_vs_oracle": err})
@@ -117,7 +118,7 @@ def bench_gemv(planes, x, cold: int, seconds: float) -> List[Dict[str, Any]]:
         # the package's oracle: one quantized_matmul per plane (MLX's CPU kernels)
         t = time_calls([(lambda c=c: mx.eval(reference_matmul(x[None], c, n))) for c in copies], seconds,
                        min_calls=len(copies), max_calls=20)
-        rows.append({"gear": GEARS[n], "planes": n, "bits": list(PLAN[:n]), "path": "mlx reference_matmul",
+        rows.append({"gear": GEARS[n], "planes": n, "plan": [list(p) for p in PLAN[:n]], "path": "mlx reference_matmul",
                      "threads": "mlx", "bytes": nbytes, "copies": len(copies), **t,
                      "median_gbs": nbytes / t["median_s"] / 1e9, "best_gbs": nbytes / t["best_s"] / 1e9})
     return rows
@@ -207,7 +208,7 @@ def accuracy_all(args, w: mx.array, planes) -> List[Dict[str, Any]]:
     try:
         for name, (wm, xm) in model_activations(15, ("self_attn.q_proj", "mlp.down_proj")).items():
             wm = wm.astype(dtype)
-            out += accuracy(wm, build_planes(wm, args.group_size, PLAN), xm, f"default model layer 15 {name}")
+            out += accuracy(wm, build_planes(wm, PLAN), xm, f"default model layer 15 {name}")
     except Exception:  # noqa: BLE001  (no model in the cache: the random rows stand)
         traceback.print_exc()
     return out
@@ -233,7 +234,7 @@ def print_tables(result: Dict[str, Any]) -> None:
         if k in bw:
             print(f"  {k}: median {bw[k]['median_gbs']:.1f} GB/s, best {bw[k]['best_gbs']:.1f} GB/s")
     o, i = result["shape"]
-    print(f"\nnested gears, {o}x{i}, planes {PLAN}, group {result['group_size']}, scales {result['scale_dtype']}:")
+    print(f"\nnested gears, {o}x{i}, planes (bits, group) {PLAN}, scales {result['scale_dtype']}:")
     print(f"{'gear':<5} {'path':<21} {'thr':>4} {'MB':>6} {'median ms':>10} {'best ms':>8} {'med GB/s':>9} "
           f"{'%BW med':>8} {'%BW best':>9}")
     for r in result.get("gemv", []):
@@ -266,7 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "nested_cpu.json"))
     ap.add_argument("--shape", type=int, nargs=2, default=(4096, 4096), metavar=("OUT", "IN"))
-    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--plan", default=None, help="bits:group per plane, e.g. 4:64,4:32,8:32 (default: the package's)")
     ap.add_argument("--scale-dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--seconds", type=float, default=0.6, help="timing budget per case")
     ap.add_argument("--quick", action="store_true", help="1024x1024, 0.1 s per case (a smoke test)")
@@ -275,17 +276,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("gearbx_mlx.packed.cpu: extension not built; nothing to measure", file=sys.stderr)
         return 2
     mx.set_default_device(mx.cpu)  # the C kernels' benchmark: MLX's parts on the CPU too
+    global PLAN
+    if args.plan:
+        PLAN = tuple(tuple(int(v) for v in spec.split(":")) for spec in args.plan.split(","))
     shape = (1024, 1024) if args.quick else tuple(args.shape)
     seconds = 0.1 if args.quick else args.seconds
     cold = 2 * llc_bytes()
     command = " ".join(["python", "scripts/bench_nested_kernels.py"] + list(sys.argv[1:] if argv is None else argv))
     result: Dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command, "shape": list(shape),
-                              "group_size": args.group_size, "scale_dtype": args.scale_dtype, "plan": list(PLAN),
+                              "scale_dtype": args.scale_dtype, "plan": [list(p) for p in PLAN],
                               "cold_set_bytes": cold, "machine": machine_info(), "gemv": []}
     print(f"machine: {result['machine'].get('cpu_model', '?')}, {os.cpu_count()} CPUs; nested kernels: "
           f"{cpu.info()}; cold set {cold >> 20} MiB", flush=True)
     w = make_weight(shape, getattr(mx, args.scale_dtype))
-    planes = build_planes(w, args.group_size, PLAN)
+    planes = build_planes(w, PLAN)
     x = make_x(shape[1])
     mx.eval(x)
 

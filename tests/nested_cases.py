@@ -13,16 +13,36 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from gearbx_mlx.nested.planes import build_planes
+from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes
 
 #: float32 accumulation in any order, relative to the sum of |terms|
 #: (|f s q x| + |f b xsum| over planes and groups), K <= 8192.
 ACCUM_RTOL = 2e-5
 #: One unit in the last place of each output dtype, relative to |y|.
 OUTPUT_RTOL = {mx.float32: 2.0**-21, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
-#: Plans of planes: the default nesting, re-expressed 8-bit sources, single
-#: 4-bit and 8-bit planes (plain MLX layers), and an 8-bit first plane.
-PLANS: List[Tuple[int, ...]] = [(4, 4, 8), (4, 4), (4,), (8,), (8, 4)]
+#: Plans of planes: bits alone (every plane at the case's group size), or
+#: (bits, group size) per plane. The default nesting (per-plane groups), its
+#: first two planes, planes 4/4/8, single 4-bit and 8-bit planes (plain MLX
+#: layers), an 8-bit first plane, and groups that shrink and grow.
+PLANS: List[tuple] = [tuple(DEFAULT_PLAN), tuple(DEFAULT_PLAN[:2]), (4, 4, 8), (4,), (8,), (8, 4),
+                      ((4, 128), (8, 32), (4, 64))]
+
+
+def plane_specs(plan: tuple, group_size: Optional[int]) -> List[Tuple[int, int]]:
+    """``(bits, group size)`` per plane of ``plan`` (bits alone take ``group_size``)."""
+    return [p if isinstance(p, tuple) else (p, group_size) for p in plan]
+
+
+def plan_cases(plans: Sequence[tuple], shapes: Sequence[Tuple[int, int]]) -> List[tuple]:
+    """``(plan, shape, group size)`` of each plan at each shape its groups divide
+    (a per-plane plan once, with group size None)."""
+    out = []
+    for plan in plans:
+        for gs in ((None,) if isinstance(plan[0], tuple) else (32, 64, 128)):
+            for shape in shapes:
+                if all(shape[1] % g == 0 for _, g in plane_specs(plan, gs)):
+                    out.append((plan, shape, gs))
+    return out
 #: Odd shapes (out, in): rows not a multiple of any split, K with a tail past
 #: the last 64-input span, K above the GPU's threadgroup-memory limit.
 ODD_SHAPES: List[Tuple[int, int]] = [(67, 96), (33, 1088), (9, 6272), (17, 320)]
@@ -66,13 +86,13 @@ def reference64(x: mx.array, planes: Sequence, n: int, bias: Optional[mx.array] 
     return y.reshape(lead + (-1,)), mag.reshape(lead + (-1,))
 
 
-def make_planes(out_features: int, in_features: int, plan: Tuple[int, ...], group_size: int,
+def make_planes(out_features: int, in_features: int, plan: tuple, group_size: Optional[int],
                 dtype: mx.Dtype, seed: int = 0):
-    """Planes of a random weight with a few outliers, in ``dtype``."""
+    """Planes of a random weight with a few outliers, in ``dtype`` (plan: see :data:`PLANS`)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.02
     w[rng.random(w.shape) < 0.01] *= 10.0
-    return build_planes(mx.array(w).astype(dtype), group_size, plan)
+    return build_planes(mx.array(w).astype(dtype), plane_specs(plan, group_size))
 
 
 def make_x(shape: Tuple[int, ...], dtype: mx.Dtype, seed: int = 1) -> mx.array:

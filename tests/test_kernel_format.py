@@ -36,9 +36,9 @@ def test_packed_formats_agree_with_python(consts):
 
 def test_plane_constants_agree_with_python(consts):
     n = consts["GBX_MAX_PLANES"]
-    planes.check_plan((4,) * n, 64, 128)
+    planes.check_plan(((4, 64),) * n, 128)
     with pytest.raises(ValueError, match="one to three"):
-        planes.check_plan((4,) * (n + 1), 64, 128)
+        planes.check_plan(((4, 64),) * (n + 1), 128)
     for bits in (consts["GBX_PLANE_BITS_LO"], consts["GBX_PLANE_BITS_HI"]):
         assert bits in planes.PLANE_BITS
         w = mx.zeros((1, 64))

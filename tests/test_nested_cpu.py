@@ -20,7 +20,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from nested_cases import ODD_SHAPES, PLANS, assert_close, codes, f64, make_planes, make_x, reference64
+from nested_cases import (
+    ODD_SHAPES,
+    PLANS,
+    assert_close,
+    codes,
+    f64,
+    make_planes,
+    make_x,
+    plan_cases,
+    reference64,
+)
 
 from gearbx_mlx.packed import _build, cpu, nested_cpu
 
@@ -49,18 +59,17 @@ def isa_limits() -> list:
     return [0, 1] if cpu.available() and cpu.info()["cpu"]["vnni"] else [0]
 
 
-CASES = [(plan, shape, gs) for plan in PLANS for shape in ODD_SHAPES for gs in (32, 64, 128)
-         if shape[1] % gs == 0]
+CASES = plan_cases(PLANS, ODD_SHAPES)
 
 
 @pytest.mark.parametrize("plan, shape, group_size", CASES)
 def test_every_path_matches_the_reference(plan, shape, group_size):
     out_features, in_features = shape
-    dtype = (mx.bfloat16, mx.float16, mx.float32)[(len(plan) + group_size // 32) % 3]
+    dtype = (mx.bfloat16, mx.float16, mx.float32)[(len(plan) + (group_size or 0) // 32) % 3]
     planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=in_features)
     prep = nested_cpu.prepare_nested(planes)
-    x = make_x((in_features,), mx.float32, seed=group_size)
-    lib = cpu._require().lib
+    x = make_x((in_features,), mx.float32, seed=group_size or 7)
+    lib = cpu.require().lib
     for limit in isa_limits():
         old = lib.gbx_set_isa_limit(limit)
         try:
@@ -84,7 +93,7 @@ def test_several_activation_rows_and_threads(rows):
     planes = make_planes(300, 512, (4, 4, 8), 64, mx.bfloat16, seed=3)
     prep = nested_cpu.prepare_nested(planes)
     x = make_x(rows + (512,), mx.bfloat16, seed=4)
-    lib = cpu._require().lib
+    lib = cpu.require().lib
     old = lib.gbx_set_min_work(1)  # let the pool split even this product
     try:
         for n in (1, 2, 3):
@@ -128,9 +137,9 @@ def test_bad_arguments_name_what_is_wrong():
         prep.gemv(make_x((64,), mx.float32), 1)
     with pytest.raises(TypeError, match="floating"):
         prep.gemv(mx.zeros((128,), dtype=mx.int32), 1)
-    other = make_planes(16, 128, (4,), 32, mx.bfloat16)
-    with pytest.raises(ValueError, match="group size"):
-        nested_cpu.prepare_nested([planes[0], other[0]])
+    other = make_planes(16, 192, (4,), 64, mx.bfloat16)
+    with pytest.raises(ValueError, match="codes must be"):
+        nested_cpu.prepare_nested([planes[0], other[0]])  # another matrix's plane
     three_bits = make_planes(16, 128, (3,), 64, mx.bfloat16)
     with pytest.raises(ValueError, match="4 or 8 bits"):
         nested_cpu.prepare_nested(three_bits)
@@ -143,10 +152,10 @@ def test_bad_arguments_name_what_is_wrong():
 def test_prepared_views_are_zero_copy():
     planes = make_planes(16, 128, (4, 8), 64, mx.float32)
     prep = nested_cpu.prepare_nested(planes)
-    ffi = cpu._require().ffi
+    ffi = cpu.require().ffi
     for k, p in enumerate(planes):
         mx.eval(p.weight)
-        assert int(ffi.cast("uintptr_t", prep._table[k].codes)) == np.asarray(p.weight).ctypes.data
+        assert int(ffi.cast("uintptr_t", prep.table[k].codes)) == np.asarray(p.weight).ctypes.data
 
 
 # -- the self-test driver (natively; the NEON builds: test_neon_qemu.py) ---------------

@@ -27,8 +27,9 @@ from typing import Tuple
 import mlx.core as mx
 import numpy as np
 import pytest
-from nested_cases import ODD_SHAPES, assert_close, make_planes, make_x, reference64
+from nested_cases import ODD_SHAPES, assert_close, make_planes, make_x, plane_specs, reference64
 
+from gearbx_mlx.nested.planes import DEFAULT_PLAN
 from gearbx_mlx.packed import gpu, kernel_files, nested_gpu
 
 HAS_CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
@@ -39,23 +40,24 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="MLX has no CUDA GPU on thi
 
 
 def test_launch_spec_names_every_parameter():
-    planes = make_planes(67, 320, (4, 4, 8), 64, mx.bfloat16)
+    planes = make_planes(67, 320, ((4, 64), (4, 32), (8, 32)), None, mx.bfloat16)
     x = make_x((320,), mx.bfloat16)
     spec = nested_gpu.launch_spec("cuda", x, planes, 3, True)
-    for part in ("cuda", "q4_q4_q8", "g64", "shared", "bf16", "sbf16", "bias"):
+    for part in ("cuda", "q4g64_q4g32_q8g32", "shared", "bf16", "sbf16", "bias"):
         assert part in spec["name"], (part, spec["name"])
     t = nested_gpu.TUNING[3]
     assert spec["grid"] == (-(-67 // (8 * t.rows)) * 256, 1, 1) and spec["threadgroup"] == (256, 1, 1)
     assert spec["input_names"] == ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"]
     assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
     consts = dict(spec["constants"])
-    assert (consts["B0"], consts["B1"], consts["B2"], consts["GS"]) == (4, 4, 8, 64)
+    assert (consts["B0"], consts["B1"], consts["B2"]) == (4, 4, 8)
+    assert (consts["GS0"], consts["GS1"], consts["GS2"]) == (64, 32, 32)
     text = gpu.constants_source("cuda", spec["constants"])
     assert "using T = __nv_bfloat16;" in text and "using S = __nv_bfloat16;" in text
     # A gear of fewer planes, fp16 input, K above the threadgroup-memory limit.
     big = make_planes(9, 6272, (4, 4), 64, mx.float16)
     spec2 = nested_gpu.launch_spec("metal", make_x((1, 6272), mx.float16), big, 1, False)
-    assert "device" in spec2["name"] and "q4_g64" in spec2["name"] and "nobias" in spec2["name"]
+    assert "device" in spec2["name"] and "q4g64_r" in spec2["name"] and "nobias" in spec2["name"]
     assert spec2["input_names"] == ["x", "w0", "s0", "b0", "factors"] and spec2["output_shapes"] == [(1, 9)]
     assert spec2["name"] != nested_gpu.launch_spec("metal", make_x((1, 6272), mx.float16), big, 2, False)["name"]
 
@@ -63,11 +65,12 @@ def test_launch_spec_names_every_parameter():
 def test_where_the_kernel_does_not_apply():
     planes = make_planes(16, 128, (4, 4, 8), 64, mx.bfloat16)
     x = make_x((128,), mx.bfloat16)
-    assert nested_gpu.supports((4, 4, 8), 64, 128, 16, mx.bfloat16, mx.bfloat16)
-    assert not nested_gpu.supports((4, 3), 64, 128, 16, mx.bfloat16, mx.bfloat16)  # 3-bit plane
-    assert not nested_gpu.supports((4,), 64, 128, 4, mx.bfloat16, mx.bfloat16)  # O < 8
-    assert not nested_gpu.supports((4,), 48, 144, 16, mx.bfloat16, mx.bfloat16)  # group size
-    assert not nested_gpu.supports((4, 4, 8, 8), 64, 128, 16, mx.bfloat16, mx.bfloat16)
+    assert nested_gpu.supports((4, 4, 8), (64, 32, 32), 128, 16, mx.bfloat16, mx.bfloat16)
+    assert not nested_gpu.supports((4, 3), (64, 64), 128, 16, mx.bfloat16, mx.bfloat16)  # 3-bit plane
+    assert not nested_gpu.supports((4,), (64,), 128, 4, mx.bfloat16, mx.bfloat16)  # O < 8
+    assert not nested_gpu.supports((4,), (48,), 144, 16, mx.bfloat16, mx.bfloat16)  # group size
+    assert not nested_gpu.supports((4, 4), (64, 128), 192, 16, mx.bfloat16, mx.bfloat16)  # K % a group
+    assert not nested_gpu.supports((4, 4, 8, 8), (64,) * 4, 128, 16, mx.bfloat16, mx.bfloat16)
     # nested_gemv says None where it does not apply: no GPU, several rows, odd planes
     assert nested_gpu.nested_gemv(x, planes, 3, backend=None) is None or gpu.gpu_backend() is not None
     assert nested_gpu.nested_gemv(make_x((2, 128), mx.bfloat16), planes, 3, backend="cuda") is None
@@ -96,8 +99,11 @@ def test_names_differ_by_source_text(tmp_path):
 
 HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_bfloat_t"}
 
-# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias)
+# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias); a plan of
+# (bits, group) pairs has per-plane groups (group size None).
 HOST_CONFIGS = [
+    (tuple(DEFAULT_PLAN), mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
+    (((4, 128), (8, 32), (4, 64)), mx.float16, mx.float16, None, 4, 2, False, False),
     ((4, 4, 8), mx.bfloat16, mx.bfloat16, 64, 2, 4, True, True),
     ((4, 4, 8), mx.float16, mx.float16, 128, 1, 4, False, False),
     ((4, 4), mx.float32, mx.float32, 32, 4, 2, True, False),
@@ -117,7 +123,9 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     params += ["const float* factors"] + ([f"const {t}* bias"] if bias else []) + [f"{t}* y"]
     _, body = nested_gpu.kernel_sources("cuda", len(plan), bias, directory)
     body = body.replace(gpu.backend_files("cuda", directory)[1], "GBX_HOST_ENTRY\n")
-    consts = nested_gpu.constants(dtype, sdtype, plan, gs, nested_gpu.NestedTuning(rows, vec), shared)
+    specs = plane_specs(plan, gs)
+    consts = nested_gpu.constants(dtype, sdtype, tuple(b for b, _ in specs), tuple(g for _, g in specs),
+                                  nested_gpu.NestedTuning(rows, vec), shared)
     decl = "".join(
         f"  using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype)
         else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
@@ -228,8 +236,6 @@ def host_binary() -> Path:
 def host_case(config, shape, seed=0):
     plan, dtype, sdtype, gs, rows, vec, shared, with_bias = config
     out_features, in_features = shape
-    if in_features % gs:
-        pytest.skip(f"K={in_features} is not a multiple of group {gs}")
     if shared and in_features > kernel_files.format_constant("GBX_SHARED_K"):
         pytest.skip("the threadgroup-memory variant holds K <= GBX_SHARED_K only")
     planes = make_planes(out_features, in_features, plan, gs, sdtype, seed=seed)
@@ -240,7 +246,8 @@ def host_case(config, shape, seed=0):
 
 #: Each config at each odd shape it takes (K a multiple of its group; staging only up to GBX_SHARED_K).
 HOST_CASES = [(i, shape) for i, cfg in enumerate(HOST_CONFIGS) for shape in ODD_SHAPES
-              if shape[1] % cfg[3] == 0 and not (cfg[6] and shape[1] > kernel_files.format_constant("GBX_SHARED_K"))]
+              if all(shape[1] % g == 0 for _, g in plane_specs(cfg[0], cfg[3]))
+              and not (cfg[6] and shape[1] > kernel_files.format_constant("GBX_SHARED_K"))]
 
 
 @pytest.mark.parametrize("config, shape", HOST_CASES)
@@ -277,15 +284,15 @@ def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
 
 CUDA_CONFIGS = [(plan, dtype, gs) for plan in ((4, 4, 8), (4, 4), (4,), (8,))
                 for dtype, gs in ((mx.bfloat16, 64), (mx.float16, 32), (mx.float32, 128))]
+CUDA_CONFIGS += [(tuple(DEFAULT_PLAN), mx.bfloat16, None), (((4, 128), (8, 32), (4, 64)), mx.float16, None)]
+CUDA_CASES = [(plan, dtype, gs, shape) for plan, dtype, gs in CUDA_CONFIGS for shape in ODD_SHAPES + [(4096, 4096)]
+              if all(shape[1] % g == 0 for _, g in plane_specs(plan, gs))]
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan, dtype, group_size", CUDA_CONFIGS)
-@pytest.mark.parametrize("shape", ODD_SHAPES + [(4096, 4096)])
+@pytest.mark.parametrize("plan, dtype, group_size, shape", CUDA_CASES)
 def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
     out_features, in_features = shape
-    if in_features % group_size:
-        pytest.skip(f"K={in_features} is not a multiple of group {group_size}")
     planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=len(plan))
     x = make_x((1, in_features), dtype)
     bias = make_x((out_features,), dtype, seed=3)
@@ -302,7 +309,7 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
                                     nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4)])
 def test_cuda_every_tuning(tuning):
     for shape in ODD_SHAPES:
-        planes = make_planes(*shape, (4, 4, 8), 32, mx.bfloat16)
+        planes = make_planes(*shape, tuple(DEFAULT_PLAN), None, mx.bfloat16)
         x = make_x((shape[1],), mx.bfloat16)
         for shared in ((None, False) if shape[1] <= 6144 else (None,)):
             y = nested_gpu.nested_gemv(x, planes, 3, backend="cuda", tuning=tuning, shared=shared)

@@ -47,8 +47,8 @@ def test_the_low_gear_uses_int8_activations_and_stays_within_their_bound():
     assert [prod.cpu_path(n) for n in (1, 2, 3)] == ["intdot", "float", "float"]
     x = make_x((192,), mx.float32)
     y = prod(x, 1)
-    assert mx.array_equal(y, prod._prepared.gemv(x, 1, path="intdot"))
-    assert not mx.array_equal(y, prod._prepared.gemv(x, 1, path="float"))  # the int8 rounding shows
+    assert mx.array_equal(y, prod.cpu_prepared().gemv(x, 1, path="intdot"))
+    assert not mx.array_equal(y, prod.cpu_prepared().gemv(x, 1, path="float"))  # the int8 rounding shows
     want, mag = reference64(x, planes, 1)
     assert_close(y, want, mag, mx.float32, rtol=5e-3)  # int8 activations: about max|x_b| / 254 per input
     lone8 = NestedProduct(make_planes(40, 192, (8,), 64, mx.float32))

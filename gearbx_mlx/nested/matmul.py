@@ -89,19 +89,20 @@ class NestedProduct:
         run = self._gpu.get(key)
         if run is None:
             used = self.planes[:n]
-            bits = tuple(p.bits for p in used)
-            gs, sdt = used[0].group_size, used[0].scales.dtype
-            uniform = all(p.group_size == gs and p.scales.dtype == sdt and p.biases.dtype == sdt for p in used)
+            bits, gs = tuple(p.bits for p in used), tuple(p.group_size for p in used)
+            sdt = used[0].scales.dtype
+            uniform = all(p.scales.dtype == sdt and p.biases.dtype == sdt for p in used)
             ok = uniform and nested_gpu.supports(bits, gs, self.in_features, self.out_features, dtype, sdt)
             run = ok and nested_gpu.launcher(backend, bits, gs, self.in_features, self.out_features, dtype, sdt,
                                              has_bias)
             self._gpu[key] = run
         return run
 
-    def _cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
+    def cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
+        """The planes checked for the C kernels (built on first use), or None where they do not apply."""
         if self._cpu_ok is None:
-            self._cpu_ok = cpu_backend() is not None and all(p.bits in (4, 8) for p in self.planes) and \
-                len({p.group_size for p in self.planes}) == 1
+            self._cpu_ok = cpu_backend() is not None and all(
+                p.bits in (4, 8) and p.group_size in (32, 64, 128) for p in self.planes)
             if self._cpu_ok:
                 self._prepared = nested_cpu.prepare_nested(self.planes)
         return self._prepared
@@ -114,7 +115,7 @@ class NestedProduct:
             if rows == 1 and self._gpu_launcher(backend, x.dtype, n, has_bias):
                 return backend
             return "reference"
-        if rows <= self.config.cpu_max_rows and self._cpu_prepared() is not None:
+        if rows <= self.config.cpu_max_rows and self.cpu_prepared() is not None:
             return "cpu"
         return "reference"
 

@@ -108,6 +108,7 @@ typedef struct {
     const void *scales;
     const void *biases;
     int bits;
+    int group_size;
     int dtype;
     float factor;
 } gbx_plane;
@@ -126,9 +127,8 @@ int gbx_check_args(int out_features, int in_features, int bits, int group_size, 
 void gbx_quantize_act_ref(const float *x, int n, int8_t *qs, float *d, int32_t *sum);
 void gbx_quantize_act(const float *x, int n, int8_t *qs, float *d, int32_t *sum);
 int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m,
-                    int out_features, int in_features, int group_size, int path, int nthreads);
-int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features,
-                     int group_size, int path);
+                    int out_features, int in_features, int path, int nthreads);
+int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int path);
 """
 
 

@@ -70,30 +70,32 @@ class PreparedNested:
 
     Attributes:
         n_planes: planes held (a gear reads the first ``n`` of them).
-        out_features, in_features, group_size: the matrix and its groups.
-        bits: bits of each plane.
+        out_features, in_features: the matrix.
+        bits, group_sizes: of each plane.
+        table: the C ``gbx_plane[]`` pointing into the planes' own buffers.
     """
 
     def __init__(self, planes: Sequence[PlaneLike]) -> None:
-        ext = cpu._require()
+        ext = cpu.require()
         ffi, lib = ext.ffi, ext.lib
         if not 1 <= len(planes) <= lib.GBX_MAX_PLANES:
             raise ValueError(f"a nested matrix has 1 to {lib.GBX_MAX_PLANES} planes, got {len(planes)}")
         first = planes[0]
-        self.group_size = int(first.group_size)
         self.out_features = int(first.weight.shape[0])
         self.in_features = int(first.weight.shape[1]) * 32 // int(first.bits)
         self.bits = tuple(int(p.bits) for p in planes)
+        self.group_sizes = tuple(int(p.group_size) for p in planes)
         self.n_planes = len(planes)
-        o, i, gs = self.out_features, self.in_features, self.group_size
+        o, i = self.out_features, self.in_features
         self._keep: List[Any] = []  # the views and cffi buffers the table points into
-        self._table = ffi.new("gbx_plane[]", len(planes))
+        self.table = ffi.new("gbx_plane[]", len(planes))
         for k, p in enumerate(planes):
             if p.bits not in (lib.GBX_PLANE_BITS_LO, lib.GBX_PLANE_BITS_HI):
                 raise ValueError(f"plane {k} has {p.bits} bits: the C kernels read planes of 4 or 8 bits "
                                  "(use gearbx_mlx.nested.planes.reference_matmul for others)")
-            if p.group_size != gs:
-                raise ValueError(f"plane {k} has group size {p.group_size}, plane 0 {gs}: one group size per matrix")
+            gs = int(p.group_size)
+            if gs not in (32, 64, 128):
+                raise ValueError(f"plane {k} has group size {gs}: the C kernels take groups of 32, 64 or 128")
             if p.weight.dtype != mx.uint32 or p.weight.ndim != 2 or p.weight.shape[0] != o \
                     or p.weight.shape[1] * 32 != i * p.bits:
                 raise ValueError(f"plane {k}: codes must be uint32 ({o}, {i * p.bits // 32}) for {p.bits} bits, "
@@ -103,17 +105,17 @@ class PreparedNested:
                 raise TypeError(f"plane {k}: scales and biases must share float32, float16 or bfloat16, "
                                 f"got {p.scales.dtype} and {p.biases.dtype}")
             if i % gs or tuple(p.scales.shape) != (o, i // gs) or tuple(p.biases.shape) != (o, i // gs):
-                raise ValueError(f"plane {k}: scales and biases must have shape ({o}, {i // gs if gs else '?'}), "
+                raise ValueError(f"plane {k}: scales and biases must have shape ({o}, {i // gs}), "
                                  f"got {tuple(p.scales.shape)} and {tuple(p.biases.shape)}")
             views = [_raw_view(p.weight, f"plane {k} codes"), _raw_view(p.scales, f"plane {k} scales"),
                      _raw_view(p.biases, f"plane {k} biases")]
             bufs = [ffi.from_buffer(v) for v in views]
             self._keep += views + bufs
-            t = self._table[k]
+            t = self.table[k]
             t.codes = ffi.cast("const uint32_t *", bufs[0])
             t.scales, t.biases = bufs[1], bufs[2]
-            t.bits, t.dtype, t.factor = int(p.bits), code, 2.0 ** -int(p.exponent)
-        rc = lib.gbx_check_nested(self._table, len(planes), 1, o, i, gs, 0)
+            t.bits, t.group_size, t.dtype, t.factor = int(p.bits), gs, code, 2.0 ** -int(p.exponent)
+        rc = lib.gbx_check_nested(self.table, len(planes), 1, o, i, 0)
         if rc != 0:
             cpu._raise_for(ext, rc, "gearbx_mlx.packed.nested_cpu.prepare_nested")
 
@@ -139,7 +141,7 @@ class PreparedNested:
         Returns:
             ``(..., out_features)`` float32, without any layer bias.
         """
-        ext = cpu._require()
+        ext = cpu.require()
         n = self.n_planes if n is None else n
         if not isinstance(n, (int, np.integer)) or not 1 <= n <= self.n_planes:
             raise ValueError(f"a gear reads 1 to {self.n_planes} planes, got {n!r}")
@@ -161,8 +163,8 @@ class PreparedNested:
                 raise ValueError("out must be contiguous and writable")
         ffi = ext.ffi
         rc = ext.lib.gbx_nested_gemv(
-            self._table, int(n), ffi.from_buffer("float[]", xv), ffi.from_buffer("float[]", yv, require_writable=True),
-            m, self.out_features, self.in_features, self.group_size, PATHS[path],
+            self.table, int(n), ffi.from_buffer("float[]", xv), ffi.from_buffer("float[]", yv, require_writable=True),
+            m, self.out_features, self.in_features, PATHS[path],
             0 if threads is None else int(threads),
         )
         if rc != 0:

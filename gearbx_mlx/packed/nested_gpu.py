@@ -5,9 +5,9 @@ A gear of nested planes (``gearbx_mlx.nested.planes``) is ``y = sum_p 2**-e_p
 per plane. ``kernels/gpu/nested_gemv_body.inc`` reads every plane of the gear
 in one pass over the rows, for one input vector (decode), with the prelude and
 entry of the packed kernels (:mod:`.gpu`): one body, a Metal source and its
-CUDA twin. Every baked parameter (backend, plane bits, group size, x dtype,
-scale dtype, bias, rows per SIMD group, chunk width, staging, source hash) is
-in the kernel's name.
+CUDA twin. Every baked parameter (backend, plane bits and group sizes, x
+dtype, scale dtype, bias, rows per SIMD group, chunk width, staging, source
+hash) is in the kernel's name.
 
 :func:`nested_gemv` is the entry point; it returns ``None`` where the kernel
 does not apply (no GPU, several input rows, unsupported bits, dtypes or
@@ -106,25 +106,28 @@ def input_names(n_planes: int, has_bias: bool) -> List[str]:
 
 
 def constants(
-    dtype: mx.Dtype, scale_dtype: mx.Dtype, bits: Tuple[int, ...], group_size: int, tuning: NestedTuning,
-    shared: bool,
+    dtype: mx.Dtype, scale_dtype: mx.Dtype, bits: Tuple[int, ...], group_sizes: Tuple[int, ...],
+    tuning: NestedTuning, shared: bool,
 ) -> List[Tuple[str, object]]:
     """The body's compile-time constants, by name (all of them are in its name).
-    Planes a gear does not read get bits 4 (their code is compiled, never run)."""
-    padded = tuple(bits) + (4,) * (3 - len(bits))
-    return [("T", dtype), ("S", scale_dtype), ("B0", padded[0]), ("B1", padded[1]), ("B2", padded[2]),
-            ("GS", group_size), ("ROWS", tuning.rows), ("VEC", tuning.vec), ("SHARED", shared)]
+    Planes a gear does not read get plane 0's bits and group (their code is
+    compiled, never run)."""
+    b = tuple(bits) + (bits[0],) * (3 - len(bits))
+    g = tuple(group_sizes) + (group_sizes[0],) * (3 - len(group_sizes))
+    return [("T", dtype), ("S", scale_dtype), ("B0", b[0]), ("B1", b[1]), ("B2", b[2]),
+            ("GS0", g[0]), ("GS1", g[1]), ("GS2", g[2]), ("ROWS", tuning.rows), ("VEC", tuning.vec),
+            ("SHARED", shared)]
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_name(
-    backend: str, bits: Tuple[int, ...], group_size: int, tuning: NestedTuning, shared: bool, dtype: mx.Dtype,
-    scale_dtype: mx.Dtype, has_bias: bool,
+    backend: str, bits: Tuple[int, ...], group_sizes: Tuple[int, ...], tuning: NestedTuning, shared: bool,
+    dtype: mx.Dtype, scale_dtype: mx.Dtype, has_bias: bool,
 ) -> str:
     header, source = kernel_sources(backend, len(bits), has_bias)
     digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
-    plan = "_".join(f"q{b}" for b in bits)
-    return (f"gbx_nested_{backend}_{plan}_g{group_size}_r{tuning.rows}_v{tuning.vec}_"
+    plan = "_".join(f"q{b}g{g}" for b, g in zip(bits, group_sizes))
+    return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_"
             f"{'shared' if shared else 'device'}_{_DTYPE_TAG[dtype]}_s{_DTYPE_TAG[scale_dtype]}_"
             f"{'bias' if has_bias else 'nobias'}_{digest}")
 
@@ -133,35 +136,36 @@ def kernel_name(
 
 
 def supports(
-    bits: Sequence[int], group_size: int, in_features: int, out_features: int, dtype: mx.Dtype,
+    bits: Sequence[int], group_sizes: Sequence[int], in_features: int, out_features: int, dtype: mx.Dtype,
     scale_dtype: mx.Dtype,
 ) -> bool:
-    """True if the body handles a gear of planes of these ``bits``.
+    """True if the body handles a gear of planes of these ``bits`` and ``group_sizes``.
 
-    Every plane must share the group size and the scale dtype (as
-    ``build_planes`` makes them). Tiny layers (K < 32, O < 8) take the oracle:
-    Metal passes arrays of fewer than 8 elements in the constant address
-    space, which the vector loads do not take.
+    Every plane must share the scale dtype (as ``build_planes`` makes them).
+    Tiny layers (K < 32, O < 8) take the oracle: Metal passes arrays of fewer
+    than 8 elements in the constant address space, which the vector loads do
+    not take.
     """
     if not 1 <= len(bits) <= format_constant("GBX_MAX_PLANES") or any(b not in NESTED_BITS for b in bits):
         return False
-    if group_size not in NESTED_GROUP_SIZES or in_features % group_size:
+    if len(group_sizes) != len(bits) or any(g not in NESTED_GROUP_SIZES or in_features % g for g in group_sizes):
         return False
     if dtype not in NESTED_DTYPES or scale_dtype not in NESTED_DTYPES:
         return False
     return in_features >= 32 and out_features >= 8
 
 
-def _plan_of(planes: Sequence[PlaneLike], n: int) -> Tuple[Tuple[int, ...], int, mx.Dtype, int, int]:
-    """(bits, group size, scale dtype, out, in) of the first ``n`` planes, or ValueError."""
+def _plan_of(planes: Sequence[PlaneLike], n: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], mx.Dtype, int, int]:
+    """(bits, group sizes, scale dtype, out, in) of the first ``n`` planes, or ValueError."""
     if not 1 <= n <= len(planes):
         raise ValueError(f"a gear reads 1 to {len(planes)} planes, got {n}")
     used = planes[:n]
-    gs, sdt = used[0].group_size, used[0].scales.dtype
-    if any(p.group_size != gs or p.scales.dtype != sdt or p.biases.dtype != sdt for p in used):
-        raise ValueError("the nested GPU kernel needs one group size and one scale dtype across a gear's planes")
+    sdt = used[0].scales.dtype
+    if any(p.scales.dtype != sdt or p.biases.dtype != sdt for p in used):
+        raise ValueError("the nested GPU kernel needs one scale dtype across a gear's planes")
     out_features, words = used[0].weight.shape
-    return tuple(p.bits for p in used), gs, sdt, out_features, words * 32 // used[0].bits
+    return (tuple(p.bits for p in used), tuple(p.group_size for p in used), sdt, out_features,
+            words * 32 // used[0].bits)
 
 
 def factors_of(planes: Sequence[PlaneLike], n: int) -> mx.array:
@@ -182,11 +186,11 @@ def launch_spec(
     if x.shape[-1] != in_features or x.size != in_features:
         raise ValueError(f"the nested GEMV takes one input vector of {in_features} values, got shape {x.shape}")
     if not supports(bits, gs, in_features, out_features, x.dtype, sdt):
-        raise ValueError(f"no nested GPU kernel for planes {bits}, group {gs}, shape ({out_features}, "
+        raise ValueError(f"no nested GPU kernel for planes {bits}, groups {gs}, shape ({out_features}, "
                          f"{in_features}), x {x.dtype}, scales {sdt}: use the reference")
     t = tuning or TUNING[n]
-    if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > gs:
-        raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= group size {gs}, got {t}")
+    if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > min(gs):
+        raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= the smallest group {min(gs)}, got {t}")
     shared_k = format_constant("GBX_SHARED_K")
     if shared is None:
         shared = in_features <= shared_k
@@ -230,8 +234,9 @@ class _ShapeOnly:
 
 @functools.lru_cache(maxsize=None)
 def launcher(
-    backend: str, bits: Tuple[int, ...], group_size: int, in_features: int, out_features: int, dtype: mx.Dtype,
-    scale_dtype: mx.Dtype, has_bias: bool, tuning: Optional[NestedTuning] = None, shared: Optional[bool] = None,
+    backend: str, bits: Tuple[int, ...], group_sizes: Tuple[int, ...], in_features: int, out_features: int,
+    dtype: mx.Dtype, scale_dtype: mx.Dtype, has_bias: bool, tuning: Optional[NestedTuning] = None,
+    shared: Optional[bool] = None,
 ) -> Launcher:
     """A cached ``run(x, arrays, factors, bias=None) -> y`` for one gear's shape.
 
@@ -239,7 +244,7 @@ def launcher(
     ``factors`` their float32 ``(n,)`` factors; everything else is worked out
     once. ``x`` may keep leading dims of size 1; ``y`` has them too.
     """
-    shapes = [_ShapeOnly(b, group_size, out_features, in_features, scale_dtype) for b in bits]
+    shapes = [_ShapeOnly(b, g, out_features, in_features, scale_dtype) for b, g in zip(bits, group_sizes)]
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
     spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
     kernel = _build(backend, spec["name"], len(bits), has_bias, gpu.constants_source(backend, spec["constants"]))

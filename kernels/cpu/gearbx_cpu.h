@@ -125,12 +125,14 @@ int gbx_check_args(int out_features, int in_features, int bits, int group_size, 
 /* ---- nested gears: MLX affine planes (gearbx_format.h) ------------------ */
 
 /* One plane of an (O, I) matrix: what it adds to each weight is
- * factor * (scale * q + bias), q the unsigned code. */
+ * factor * (scale * q + bias), q the unsigned code, one scale and bias per
+ * group of group_size inputs (each plane its own group size). */
 typedef struct {
     const uint32_t *codes; /* (O, I * bits / 32), codes least significant first */
     const void *scales;    /* (O, I / group_size) in `dtype` */
     const void *biases;    /* (O, I / group_size) in `dtype` */
     int bits;              /* 4 or 8 */
+    int group_size;        /* 32, 64 or 128 */
     int dtype;             /* GBX_DTYPE_F32, GBX_DTYPE_F16 or GBX_DTYPE_BF16 */
     float factor;          /* 2^-exponent of the plane (any finite value) */
 } gbx_plane;
@@ -139,7 +141,7 @@ typedef struct {
  * y[k][O] = sum_{p < n} factor_p * deq(plane p) x[k] for k < m: the gear that
  * reads the first n planes, for m activation rows x[k][I] (m > 1: a verify
  * of m tokens reads each weight row from memory once).  No layer bias: the
- * caller adds it.  group_size (32, 64 or 128) is every plane's.  Paths as
+ * caller adds it.  Paths as
  * gbx_gemv's, except that GBX_PATH_AUTO is GBX_PATH_FLOAT here: a gear that
  * accepts the error of int8 activations asks for GBX_PATH_INTDOT.  The
  * intdot path computes each group's product sum_{b in g} d_b * isum_b and
@@ -149,17 +151,16 @@ typedef struct {
  * results as gbx_gemv (independent of the thread count).
  */
 int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m,
-                    int out_features, int in_features, int group_size, int path, int nthreads);
+                    int out_features, int in_features, int path, int nthreads);
 
 /* Scalar oracles of gbx_nested_gemv (arguments already checked; one thread). */
 int gbx_nested_float_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
-                         int out_features, int in_features, int group_size);
+                         int out_features, int in_features);
 int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
-                          int out_features, int in_features, int group_size);
+                          int out_features, int in_features);
 
 /* Argument check of gbx_nested_gemv (pointers aside). */
-int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features,
-                     int group_size, int path);
+int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int path);
 
 #ifdef __cplusplus
 }

@@ -287,7 +287,15 @@ struct gbx_plane_rt {
     size_t row_bytes;
     const void *scales, *biases; /* row r at element r * ng */
     int bits, dtype;
+    int ng;               /* groups per row */
+    int gshift;           /* group of block b = b >> gshift */
     float factor;
+    /* [m][ng] sum of x over each of this plane's groups: of the float x on the
+     * float path, of the int8 activations (sum_b d_b * sum_b) on the intdot
+     * path, so there the codes and the bias term see the same x (with the
+     * float sums, the unsigned codes' offset would carry the activation
+     * error: 3x larger).  Planes of one group size share the array. */
+    const float *xsum;
     gbx_plane_fn fn;      /* the kernel chosen for this plane */
 };
 
@@ -297,15 +305,9 @@ struct gbx_nested_ctx {
     gbx_plane_rt p[GBX_MAX_PLANES];
     int n;                   /* planes read */
     int m;                   /* activation rows */
-    int O, I, gs, ng;
-    int gshift;              /* group of block b = b >> gshift */
+    int O, I;
     int nspans;              /* I / GBX_SPAN: 4-bit kernels' full spans */
     const float *x;          /* [m][I] natural order */
-    /* [m][ng] sum of x over each group: of the float x on the float path, of
-     * the int8 activations (sum_b d_b * sum_b) on the intdot path, so there
-     * the codes and the bias term see the same x (with the float sums, the
-     * unsigned codes' offset would carry the activation error: 3x larger) */
-    const float *xsum;
     const gbx_span_f32 *xf;  /* [m][nspans] float path: split order */
     const gbx_act_q8 *a;     /* [m] intdot path */
     float *y;                /* [m][O] */
@@ -322,7 +324,7 @@ GBX_INLINE float gbx_nested_tail_float(const gbx_nested_ctx *c, const gbx_plane_
         float acc = 0.0f;
         for (int j = b * GBX_QK; j < (b + 1) * GBX_QK; ++j)
             acc += (float)gbx_code_at(row, p->bits, j) * x[j];
-        y += gbx_scale_at(p->scales, (size_t)r * c->ng + (size_t)(b >> c->gshift), p->dtype) * acc;
+        y += gbx_scale_at(p->scales, (size_t)r * p->ng + (size_t)(b >> p->gshift), p->dtype) * acc;
     }
     return y;
 }
@@ -336,7 +338,7 @@ GBX_INLINE float gbx_nested_tail_intdot(const gbx_nested_ctx *c, const gbx_plane
         int32_t isum = 0;
         for (int j = b * GBX_QK; j < (b + 1) * GBX_QK; ++j)
             isum += gbx_code_at(row, p->bits, j) * a->qs[j];
-        y += gbx_scale_at(p->scales, (size_t)r * c->ng + (size_t)(b >> c->gshift), p->dtype) * (a->d[b] * (float)isum);
+        y += gbx_scale_at(p->scales, (size_t)r * p->ng + (size_t)(b >> p->gshift), p->dtype) * (a->d[b] * (float)isum);
     }
     return y;
 }

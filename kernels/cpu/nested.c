@@ -24,13 +24,13 @@
 static float plane_float_scalar(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k)
 {
     return gbx_nested_tail_float(c, p, r, k, 0, c->I / GBX_QK) +
-           gbx_group_dot_scalar(p->biases, (size_t)r * c->ng, p->dtype, c->xsum + (size_t)k * c->ng, c->ng);
+           gbx_group_dot_scalar(p->biases, (size_t)r * p->ng, p->dtype, p->xsum + (size_t)k * p->ng, p->ng);
 }
 
 static float plane_intdot_scalar(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k)
 {
     return gbx_nested_tail_intdot(c, p, r, k, 0, c->I / GBX_QK) +
-           gbx_group_dot_scalar(p->biases, (size_t)r * c->ng, p->dtype, c->xsum + (size_t)k * c->ng, c->ng);
+           gbx_group_dot_scalar(p->biases, (size_t)r * p->ng, p->dtype, p->xsum + (size_t)k * p->ng, p->ng);
 }
 
 static const gbx_nested_kernels nested_float_scalar = {
@@ -91,8 +91,7 @@ void gbx_nested_isa_names(const char **float_isa, const char **intdot_isa)
 /* Entry point                                                              */
 /* ------------------------------------------------------------------------ */
 
-int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int group_size,
-                     int path)
+int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int path)
 {
     if (!planes)
         return GBX_E_NULL;
@@ -106,12 +105,12 @@ int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, in
             return GBX_E_PLANES;
         if (!isfinite(p->factor))
             return GBX_E_PLANES;
+        const int gs = p->group_size;
+        if (gs < GBX_GROUP_MIN || gs > GBX_GROUP_MAX || (gs & (gs - 1)) || (in_features > 0 && in_features % gs))
+            return GBX_E_GROUP;
     }
     if (m < 1 || in_features < 1 || out_features < 0)
         return GBX_E_SHAPE;
-    if (group_size < GBX_GROUP_MIN || group_size > GBX_GROUP_MAX || (group_size & (group_size - 1)) ||
-        in_features % group_size)
-        return GBX_E_GROUP;
     if (path < GBX_PATH_AUTO || path > GBX_PATH_INTDOT_REF)
         return GBX_E_PATH;
     return GBX_OK;
@@ -139,7 +138,7 @@ static int log2_int(int v)
 
 /* Per-call activation buffers of either path, for m rows of x. */
 typedef struct {
-    float *xsum;
+    float *xsum[GBX_MAX_PLANES]; /* one [m][ng] array per distinct group size */
     gbx_span_f32 *xf;
     gbx_act_q8 *a;
     void **act_mem;
@@ -151,22 +150,42 @@ static void free_buffers(nested_buffers *b)
     if (b->act_mem)
         for (int k = 0; k < b->m; ++k)
             free(b->act_mem[k]);
-    free(b->act_mem), free(b->a), free(b->xsum);
-    free(b->xf); /* xf is its own allocation (not aligned beyond malloc's: loads are unaligned) */
+    free(b->act_mem), free(b->a), free(b->xf);
+    for (int i = 0; i < GBX_MAX_PLANES; ++i)
+        free(b->xsum[i]);
 }
 
-static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, int any8, nested_buffers *b)
+/* The group sums of every plane: one array per distinct group size. */
+static int build_group_sums(gbx_nested_ctx *c, int intdot, nested_buffers *b)
 {
-    const int m = c->m, ng = c->ng;
+    for (int i = 0; i < c->n; ++i) {
+        gbx_plane_rt *p = c->p + i;
+        for (int j = 0; j < i && !p->xsum; ++j)
+            if (c->p[j].ng == p->ng)
+                p->xsum = c->p[j].xsum;
+        if (p->xsum)
+            continue;
+        float *xs = b->xsum[i] = malloc(sizeof(float) * (size_t)c->m * p->ng);
+        if (!xs)
+            return GBX_E_NOMEM;
+        const int gs = c->I / p->ng;
+        for (int k = 0; k < c->m; ++k) {
+            if (intdot)
+                gbx_nested_group_sums_q8(c->a[k].d, c->a[k].sum, c->I, gs, xs + (size_t)k * p->ng);
+            else
+                gbx_nested_group_sums(c->x + (size_t)k * c->I, c->I, gs, xs + (size_t)k * p->ng);
+        }
+        p->xsum = xs;
+    }
+    return GBX_OK;
+}
+
+static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, nested_buffers *b)
+{
+    const int m = c->m;
     memset(b, 0, sizeof *b);
     b->m = m;
-    b->xsum = malloc(sizeof(float) * (size_t)m * ng);
-    if (!b->xsum)
-        return GBX_E_NOMEM;
-    c->xsum = b->xsum;
     if (!intdot) {
-        for (int k = 0; k < m; ++k)
-            gbx_nested_group_sums(c->x + (size_t)k * c->I, c->I, c->gs, b->xsum + (size_t)k * ng);
         if (any4 && c->nspans > 0) {
             b->xf = malloc(sizeof(gbx_span_f32) * (size_t)m * c->nspans);
             if (!b->xf)
@@ -180,7 +199,7 @@ static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, int any8, nest
                 }
         }
         c->xf = b->xf;
-        return GBX_OK;
+        return build_group_sums(c, 0, b);
     }
     b->a = calloc((size_t)m, sizeof(gbx_act_q8));
     b->act_mem = calloc((size_t)m, sizeof(void *));
@@ -191,16 +210,15 @@ static int build_buffers(gbx_nested_ctx *c, int intdot, int any4, int any8, nest
         const int rc = gbx_build_act(c->x + (size_t)k * c->I, c->I, any4 ? 4 : 8, b->a + k, b->act_mem + k);
         if (rc != GBX_OK)
             return rc;
-        gbx_nested_group_sums_q8(b->a[k].d, b->a[k].sum, c->I, c->gs, b->xsum + (size_t)k * ng);
     }
     c->a = b->a;
-    return GBX_OK;
+    return build_group_sums(c, 1, b);
 }
 
 int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m, int out_features,
-                    int in_features, int group_size, int path, int nthreads)
+                    int in_features, int path, int nthreads)
 {
-    int rc = gbx_check_nested(planes, n, m, out_features, in_features, group_size, path);
+    int rc = gbx_check_nested(planes, n, m, out_features, in_features, path);
     if (rc != GBX_OK)
         return rc;
     if (out_features == 0)
@@ -212,15 +230,15 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
             return GBX_E_NULL;
     gbx_cpu_init();
     if (path == GBX_PATH_REF)
-        return gbx_nested_float_ref(planes, n, x, y, m, out_features, in_features, group_size);
+        return gbx_nested_float_ref(planes, n, x, y, m, out_features, in_features);
     if (path == GBX_PATH_INTDOT_REF)
-        return gbx_nested_intdot_ref(planes, n, x, y, m, out_features, in_features, group_size);
+        return gbx_nested_intdot_ref(planes, n, x, y, m, out_features, in_features);
 
     const int intdot = path == GBX_PATH_INTDOT;
     const gbx_nested_kernels *kern = intdot ? pick_nested_intdot() : pick_nested_float();
     gbx_nested_ctx c;
     memset(&c, 0, sizeof c);
-    int any4 = 0, any8 = 0;
+    int any4 = 0;
     for (int i = 0; i < n; ++i) {
         gbx_plane_rt *p = c.p + i;
         p->codes = (const uint8_t *)planes[i].codes;
@@ -229,20 +247,20 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
         p->biases = planes[i].biases;
         p->bits = planes[i].bits;
         p->dtype = planes[i].dtype;
+        p->ng = in_features / planes[i].group_size;
+        p->gshift = log2_int(planes[i].group_size / GBX_QK);
         p->factor = planes[i].factor;
         p->fn = kern->fn[p->bits == 8][p->dtype];
         if (!p->fn)
             p->fn = (intdot ? &nested_intdot_scalar : &nested_float_scalar)->fn[p->bits == 8][p->dtype];
-        any4 |= p->bits == 4, any8 |= p->bits == 8;
+        any4 |= p->bits == 4;
     }
     c.n = n, c.m = m, c.O = out_features, c.I = in_features;
-    c.gs = group_size, c.ng = in_features / group_size;
-    c.gshift = log2_int(group_size / GBX_QK);
     c.nspans = in_features / GBX_SPAN;
     c.x = x, c.y = y;
 
     nested_buffers buf;
-    rc = build_buffers(&c, intdot, any4, any8, &buf);
+    rc = build_buffers(&c, intdot, any4, &buf);
     if (rc == GBX_OK) {
         gbx_ctx cc;
         memset(&cc, 0, sizeof cc);

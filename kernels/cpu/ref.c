@@ -151,22 +151,24 @@ static float plane_row(const gbx_plane *p, int i, int ng, const float *dots, con
 }
 
 int gbx_nested_float_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
-                         int out_features, int in_features, int group_size)
+                         int out_features, int in_features)
 {
-    const int gs = group_size, ng = in_features / gs;
-    float *xs = malloc(sizeof(float) * (size_t)ng), *dots = malloc(sizeof(float) * (size_t)ng);
+    /* sized for the smallest group a plane may have */
+    const int ngmax = in_features / GBX_GROUP_MIN;
+    float *xs = malloc(sizeof(float) * (size_t)ngmax), *dots = malloc(sizeof(float) * (size_t)ngmax);
     if (!xs || !dots) {
         free(xs), free(dots);
         return GBX_E_NOMEM;
     }
     for (int k = 0; k < m; ++k) {
         const float *xk = x + (size_t)k * in_features;
-        gbx_nested_group_sums(xk, in_features, gs, xs);
         for (int i = 0; i < out_features; ++i) {
             float acc = 0.0f;
             for (int pi = 0; pi < n; ++pi) {
                 const gbx_plane *p = planes + pi;
+                const int gs = p->group_size, ng = in_features / gs;
                 const uint8_t *row = (const uint8_t *)p->codes + (size_t)i * in_features * p->bits / 8;
+                gbx_nested_group_sums(xk, in_features, gs, xs);
                 for (int g = 0; g < ng; ++g) {
                     float t = 0.0f;
                     for (int j = g * gs; j < (g + 1) * gs; ++j)
@@ -183,10 +185,10 @@ int gbx_nested_float_ref(const gbx_plane *planes, int n, const float *x, float *
 }
 
 int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float *y, int m,
-                          int out_features, int in_features, int group_size)
+                          int out_features, int in_features)
 {
-    const int gs = group_size, ng = in_features / gs, nb = in_features / GBX_QK;
-    float *xs = malloc(sizeof(float) * (size_t)ng), *dots = malloc(sizeof(float) * (size_t)ng);
+    const int ngmax = in_features / GBX_GROUP_MIN, nb = in_features / GBX_QK;
+    float *xs = malloc(sizeof(float) * (size_t)ngmax), *dots = malloc(sizeof(float) * (size_t)ngmax);
     int8_t *qs = malloc((size_t)in_features);
     float *d = malloc(sizeof(float) * (size_t)nb);
     int32_t *sum = malloc(sizeof(int32_t) * (size_t)nb);
@@ -197,12 +199,13 @@ int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float 
     for (int k = 0; k < m; ++k) {
         const float *xk = x + (size_t)k * in_features;
         gbx_quantize_act_ref(xk, in_features, qs, d, sum);
-        gbx_nested_group_sums_q8(d, sum, in_features, gs, xs);
         for (int i = 0; i < out_features; ++i) {
             float acc = 0.0f;
             for (int pi = 0; pi < n; ++pi) {
                 const gbx_plane *p = planes + pi;
+                const int gs = p->group_size, ng = in_features / gs;
                 const uint8_t *row = (const uint8_t *)p->codes + (size_t)i * in_features * p->bits / 8;
+                gbx_nested_group_sums_q8(d, sum, in_features, gs, xs);
                 for (int g = 0; g < ng; ++g) {
                     float t = 0.0f;
                     for (int b = g * gs / GBX_QK; b < (g + 1) * gs / GBX_QK; ++b) {

@@ -215,11 +215,11 @@ static void store_scale(void *p, size_t i, int dtype, float v)
 
 /* |terms| of one output: sum over planes, groups and inputs of
  * |f s q x| + |f b xsum|, with x as given (float or dequantized int8). */
-static double nested_abs_row(const gbx_plane *pl, int n, int i, const float *x, int I, int gs)
+static double nested_abs_row(const gbx_plane *pl, int n, int i, const float *x, int I)
 {
     double t = 0.0;
-    const int ng = I / gs;
     for (int p = 0; p < n; ++p) {
+        const int gs = pl[p].group_size, ng = I / gs;
         const uint8_t *row = (const uint8_t *)pl[p].codes + (size_t)i * I * pl[p].bits / 8;
         for (int g = 0; g < ng; ++g) {
             const size_t at = (size_t)i * ng + g;
@@ -236,16 +236,18 @@ static double nested_abs_row(const gbx_plane *pl, int n, int i, const float *x, 
     return t;
 }
 
-/* One nested case: plan bits[0..n), scale dtypes, m activation rows.  Exact
+/* One nested case: plan bits[0..n) with group sizes gss, scale dtypes, m activation rows.  Exact
  * data: integer x with max |x| = 127 per block (d_b = 1), power-of-two
  * scales and factors, small integer biases, and every partial sum an integer
  * below 2^24: all paths must then agree bit for bit. */
-static void check_nested_case(const int *bits, const int *dtypes, int n, int O, int I, int gs, int m, int exact)
+static void check_nested_case(const int *bits, const int *gss, const int *dtypes, int n, int O, int I, int m,
+                              int exact)
 {
     gbx_plane pl[GBX_MAX_PLANES];
-    const int ng = I / gs;
+    const int gs = gss[0]; /* reported */
     int label = 8; /* SUMMARY bits: 4 if any plane has nibbles */
     for (int p = 0; p < n; ++p) {
+        const int ng = I / gss[p];
         const size_t row_bytes = (size_t)I * bits[p] / 8, es = dtypes[p] == GBX_DTYPE_F32 ? 4 : 2;
         uint32_t *codes = malloc(row_bytes * O + 4);
         void *sc = malloc(es * O * ng), *bi = malloc(es * O * ng);
@@ -257,7 +259,7 @@ static void check_nested_case(const int *bits, const int *dtypes, int n, int O, 
             store_scale(bi, k, dtypes[p], exact ? (float)rnd_int(-3, 3) : 0.05f * rnd_unit());
         }
         pl[p].codes = codes, pl[p].scales = sc, pl[p].biases = bi;
-        pl[p].bits = bits[p], pl[p].dtype = dtypes[p];
+        pl[p].bits = bits[p], pl[p].group_size = gss[p], pl[p].dtype = dtypes[p];
         pl[p].factor = p == 0 ? 1.0f : (exact ? 0.5f : 1.0f / (float)(16 << (4 * p)));
         if (bits[p] == 4)
             label = 4;
@@ -283,16 +285,16 @@ static void check_nested_case(const int *bits, const int *dtypes, int n, int O, 
         for (int j = 0; j < I; ++j)
             xd[j] = d[j / GBX_QK] * xq[j];
         for (int i = 0; i < O; ++i) {
-            absf[(size_t)k * O + i] = nested_abs_row(pl, n, i, x + (size_t)k * I, I, gs);
-            absi[(size_t)k * O + i] = nested_abs_row(pl, n, i, xd, I, gs);
+            absf[(size_t)k * O + i] = nested_abs_row(pl, n, i, x + (size_t)k * I, I);
+            absi[(size_t)k * O + i] = nested_abs_row(pl, n, i, xd, I);
             if (absf[(size_t)k * O + i] >= 8388608.0)
                 exact_ok = 0;
         }
     }
     if (exact && !exact_ok)
         goto done; /* sums too large to be exact: the random cases cover this size */
-    if (gbx_nested_gemv(pl, n, x, yr, m, O, I, gs, GBX_PATH_REF, 1) != GBX_OK ||
-        gbx_nested_gemv(pl, n, x, yir, m, O, I, gs, GBX_PATH_INTDOT_REF, 1) != GBX_OK) {
+    if (gbx_nested_gemv(pl, n, x, yr, m, O, I, GBX_PATH_REF, 1) != GBX_OK ||
+        gbx_nested_gemv(pl, n, x, yir, m, O, I, GBX_PATH_INTDOT_REF, 1) != GBX_OK) {
         report("nested-ref-call-failed", label, O, I, gs, 1, -1, 0, 0);
         goto done;
     }
@@ -308,7 +310,7 @@ static void check_nested_case(const int *bits, const int *dtypes, int n, int O, 
         for (int th = 1; th <= 3; ++th) {
             for (size_t i = 0; i < ny; ++i)
                 y[i] = -1e30f;
-            if (gbx_nested_gemv(pl, n, x, y, m, O, I, gs, path, th) != GBX_OK) {
+            if (gbx_nested_gemv(pl, n, x, y, m, O, I, path, th) != GBX_OK) {
                 report("nested-call-failed", label, O, I, gs, th, -1, 0, 0);
                 continue;
             }
@@ -332,33 +334,50 @@ done:
 }
 
 /* Every plan of the nested gears (and single planes: plain MLX 4/8-bit
- * layers), each dtype, odd shapes, one and several activation rows. */
+ * layers), each dtype, per-plane group sizes, odd shapes, one and several
+ * activation rows.  A plan: n, then (bits, group offset) per plane, the group
+ * of plane p being gss[(g + offset) % 3] for the case's base group g. */
 static void check_nested(int quick)
 {
-    static const int plans[][GBX_MAX_PLANES + 1] = {{1, 4}, {1, 8}, {2, 4, 4}, {3, 4, 4, 8}, {2, 8, 4}, {3, 8, 4, 4}};
-    static const int Is[] = {32, 64, 96, 128, 192, 320, 1024, 4096};
+    static const int plans[][1 + 2 * GBX_MAX_PLANES] = {
+        {1, 4, 0}, {1, 8, 0}, {2, 4, 0, 4, 0}, {3, 4, 0, 4, 2, 4, 2}, {3, 4, 0, 4, 0, 8, 0},
+        {2, 8, 0, 4, 1}, {3, 8, 1, 4, 2, 4, 0}};
+    static const int Is[] = {128, 384, 640, 1152, 4096};
     static const int Os[] = {1, 3, 17};
     static const int gss[] = {32, 64, 128};
     const int nI = (int)(sizeof Is / sizeof Is[0]) - (quick ? 1 : 0);
     for (size_t pl = 0; pl < sizeof plans / sizeof plans[0]; ++pl)
         for (int a = 0; a < nI; ++a)
             for (int g = 0; g < 3; ++g) {
-                const int I = Is[a], gs = gss[g];
-                if (I % gs)
-                    continue;
-                const int n = plans[pl][0];
-                int dtypes[GBX_MAX_PLANES];
-                for (int p = 0; p < n; ++p)
+                const int I = Is[a], n = plans[pl][0];
+                int bits[GBX_MAX_PLANES], groups[GBX_MAX_PLANES], dtypes[GBX_MAX_PLANES], ok = 1;
+                for (int p = 0; p < n; ++p) {
+                    bits[p] = plans[pl][1 + 2 * p];
+                    groups[p] = gss[(g + plans[pl][2 + 2 * p]) % 3];
                     dtypes[p] = rnd_int(0, 2);
+                    ok &= I % groups[p] == 0;
+                }
+                if (!ok)
+                    continue;
                 const int O = Os[(a + g) % 3], m = (a + (int)pl) % 3 == 0 ? 3 : 1;
-                check_nested_case(plans[pl] + 1, dtypes, n, O, I, gs, m, 1);
-                check_nested_case(plans[pl] + 1, dtypes, n, O, I, gs, m, 0);
+                check_nested_case(bits, groups, dtypes, n, O, I, m, 1);
+                check_nested_case(bits, groups, dtypes, n, O, I, m, 0);
             }
+    /* smaller K, each group size alike (the 4-bit tails past the last span) */
+    static const int small[] = {32, 64, 96, 192, 320};
+    for (size_t a = 0; a < sizeof small / sizeof small[0]; ++a)
+        for (int g = 0; g < 3; ++g) {
+            if (small[a] % gss[g])
+                continue;
+            const int bits[3] = {4, 4, 8}, groups[3] = {gss[g], gss[g], gss[g]}, dtypes[3] = {2, 1, 0};
+            check_nested_case(bits, groups, dtypes, 3, 5, small[a], 1 + (int)(a & 1), 1);
+            check_nested_case(bits, groups, dtypes, 3, 5, small[a], 1 + (int)(a & 1), 0);
+        }
     /* enough rows for the pool to split; each scale dtype on the default plan */
     for (int dt = 0; dt < 3; ++dt) {
-        const int bits[3] = {4, 4, 8}, dtypes[3] = {dt, dt, dt};
-        check_nested_case(bits, dtypes, 3, 301, 512, 64, 1, 1);
-        check_nested_case(bits, dtypes, 3, 300, 256, 32, 2, 0);
+        const int bits[3] = {4, 4, 4}, groups[3] = {64, 32, 32}, dtypes[3] = {dt, dt, dt};
+        check_nested_case(bits, groups, dtypes, 3, 301, 512, 1, 1);
+        check_nested_case(bits, groups, dtypes, 3, 300, 256, 2, 0);
     }
 }
 
@@ -366,22 +385,23 @@ static int check_nested_errors(void)
 {
     uint32_t codes[64] = {0};
     uint16_t s[8] = {0};
-    float x[64] = {0}, y[4];
-    gbx_plane p = {codes, s, s, 4, GBX_DTYPE_F16, 1.0f};
+    float x[128] = {0}, y[4];
+    gbx_plane p = {codes, s, s, 4, 64, GBX_DTYPE_F16, 1.0f};
     int bad = 0;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_OK;
-    bad += gbx_nested_gemv(&p, 0, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 48, GBX_PATH_FLOAT, 1) != GBX_E_GROUP;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 96, 64, GBX_PATH_FLOAT, 1) != GBX_E_GROUP;
-    bad += gbx_nested_gemv(&p, 1, x, y, 0, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_SHAPE;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, 9, 1) != GBX_E_PATH;
-    bad += gbx_nested_gemv(&p, 1, NULL, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_NULL;
-    p.bits = 3;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, GBX_PATH_FLOAT, 1) != GBX_OK;
+    bad += gbx_nested_gemv(&p, 0, x, y, 1, 1, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 96, GBX_PATH_FLOAT, 1) != GBX_E_GROUP;
+    bad += gbx_nested_gemv(&p, 1, x, y, 0, 1, 64, GBX_PATH_FLOAT, 1) != GBX_E_SHAPE;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 9, 1) != GBX_E_PATH;
+    bad += gbx_nested_gemv(&p, 1, NULL, y, 1, 1, 64, GBX_PATH_FLOAT, 1) != GBX_E_NULL;
+    p.group_size = 48;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 96, GBX_PATH_FLOAT, 1) != GBX_E_GROUP;
+    p.group_size = 64, p.bits = 3;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
     p.bits = 4, p.dtype = 7;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
     p.dtype = GBX_DTYPE_F16, p.factor = 1.0f / 0.0f;
-    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
+    bad += gbx_nested_gemv(&p, 1, x, y, 1, 1, 64, GBX_PATH_FLOAT, 1) != GBX_E_PLANES;
     g_checks += 10;
     if (bad)
         report("nested-errors", 0, 1, 64, 64, 1, -1, bad, 0);

@@ -78,7 +78,7 @@ GBX_INLINE void u4_split16_neon(const uint8_t *p, uint8x16_t *lo, uint8x16_t *hi
 GBX_INLINE float plane4_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, const int dtype)
 {
     const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
-    const size_t off = (size_t)r * c->ng;
+    const size_t off = (size_t)r * p->ng;
     const gbx_span_f32 *xf = c->xf + (size_t)k * c->nspans;
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int s = 0; s < c->nspans; ++s) {
@@ -89,7 +89,7 @@ GBX_INLINE float plane4_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
             float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
             fma16_u8_neon(&t0, &t1, lo, xs->even + 16 * h);
             fma16_u8_neon(&t0, &t1, hi, xs->odd + 16 * h);
-            const float sg = scale1_neon(p->scales, off + (size_t)((2 * s + h) >> c->gshift), dtype);
+            const float sg = scale1_neon(p->scales, off + (size_t)((2 * s + h) >> p->gshift), dtype);
             if (h)
                 acc1 = vfmaq_n_f32(acc1, vaddq_f32(t0, t1), sg);
             else
@@ -97,26 +97,26 @@ GBX_INLINE float plane4_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
         }
     }
     return vaddvq_f32(vaddq_f32(acc0, acc1)) + gbx_nested_tail_float(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) +
-           group_dot_neon(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);
+           group_dot_neon(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
 GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, const int dtype)
 {
     const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
-    const size_t off = (size_t)r * c->ng;
+    const size_t off = (size_t)r * p->ng;
     const float *x = c->x + (size_t)k * c->I;
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int b = 0; b < c->I / GBX_QK; ++b) {
         float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
         fma16_u8_neon(&t0, &t1, vld1q_u8(w + (size_t)b * GBX_QK), x + (size_t)b * GBX_QK);
         fma16_u8_neon(&t0, &t1, vld1q_u8(w + (size_t)b * GBX_QK + 16), x + (size_t)b * GBX_QK + 16);
-        const float sg = scale1_neon(p->scales, off + (size_t)(b >> c->gshift), dtype);
+        const float sg = scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);
         if (b & 1)
             acc1 = vfmaq_n_f32(acc1, vaddq_f32(t0, t1), sg);
         else
             acc0 = vfmaq_n_f32(acc0, vaddq_f32(t0, t1), sg);
     }
-    return vaddvq_f32(vaddq_f32(acc0, acc1)) + group_dot_neon(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);
+    return vaddvq_f32(vaddq_f32(acc0, acc1)) + group_dot_neon(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
 /* ---- intdot path ---------------------------------------------------------- */
@@ -128,7 +128,7 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
                                                  const int dtype)                                          \
     {                                                                                                      \
         const uint8_t *w = p->codes + (size_t)r * p->row_bytes;                                            \
-        const size_t off = (size_t)r * c->ng;                                                              \
+        const size_t off = (size_t)r * p->ng;                                                              \
         const gbx_act_q8 *a = c->a + k;                                                                    \
         float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);                                    \
         for (int s = 0; s < c->nspans; ++s) {                                                              \
@@ -140,20 +140,20 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
             u4_split16_neon(w + (size_t)s * (GBX_SPAN / 2) + 16, &lo, &hi);                                \
             int32x4_t ib = DOT(vdupq_n_s32(0), vreinterpretq_s8_u8(lo), vld1q_s8(xs->even + 16));          \
             ib = DOT(ib, vreinterpretq_s8_u8(hi), vld1q_s8(xs->odd + 16));                                 \
-            const float sa = scale1_neon(p->scales, off + (size_t)((2 * s) >> c->gshift), dtype);          \
-            const float sb = c->gshift ? sa : scale1_neon(p->scales, off + (size_t)(2 * s + 1), dtype);    \
+            const float sa = scale1_neon(p->scales, off + (size_t)((2 * s) >> p->gshift), dtype);          \
+            const float sb = p->gshift ? sa : scale1_neon(p->scales, off + (size_t)(2 * s + 1), dtype);    \
             acc0 = vfmaq_n_f32(acc0, vcvtq_f32_s32(ia), a->d[2 * s] * sa);                                 \
             acc1 = vfmaq_n_f32(acc1, vcvtq_f32_s32(ib), a->d[2 * s + 1] * sb);                             \
         }                                                                                                  \
         return vaddvq_f32(vaddq_f32(acc0, acc1)) +                                                         \
                gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) +                          \
-               group_dot_neon(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                  \
+               group_dot_neon(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                  \
     }                                                                                                      \
     ATTR GBX_INLINE float plane8_intdot_##SUFFIX(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, \
                                                  const int dtype)                                          \
     {                                                                                                      \
         const uint8_t *w = p->codes + (size_t)r * p->row_bytes;                                            \
-        const size_t off = (size_t)r * c->ng;                                                              \
+        const size_t off = (size_t)r * p->ng;                                                              \
         const gbx_act_q8 *a = c->a + k;                                                                    \
         const uint8x16_t flip = vdupq_n_u8(0x80);                                                          \
         float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);                                    \
@@ -164,15 +164,15 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
             const int8x16_t w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wb + 16), flip));                   \
             int32x4_t i0 = DOT(vdupq_n_s32(0), w0, vld1q_s8(xb));                                          \
             i0 = DOT(i0, w1, vld1q_s8(xb + 16));                                                           \
-            const float t = a->d[b] * scale1_neon(p->scales, off + (size_t)(b >> c->gshift), dtype);       \
+            const float t = a->d[b] * scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);       \
             if (b & 1)                                                                                     \
                 acc1 = vfmaq_n_f32(acc1, vcvtq_f32_s32(i0), t);                                            \
             else                                                                                           \
                 acc0 = vfmaq_n_f32(acc0, vcvtq_f32_s32(i0), t);                                            \
         }                                                                                                  \
         return vaddvq_f32(vaddq_f32(acc0, acc1)) +                                                         \
-               128.0f * group_dot_neon(p->scales, off, c->xsum + (size_t)k * c->ng, c->ng, dtype) +        \
-               group_dot_neon(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                  \
+               128.0f * group_dot_neon(p->scales, off, p->xsum + (size_t)k * p->ng, p->ng, dtype) +        \
+               group_dot_neon(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                  \
     }
 
 #define GBX_NESTED_INST(ATTR, BODY, NAME, DT) \

@@ -84,7 +84,7 @@ GBX_NESTED_FN GBX_INLINE float plane4_float(const gbx_nested_ctx *c, const gbx_p
                                             const int dtype)
 {
     const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
-    const size_t off = (size_t)r * c->ng;
+    const size_t off = (size_t)r * p->ng;
     const gbx_span_f32 *xf = c->xf + (size_t)k * c->nspans;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int s = 0; s < c->nspans; ++s) {
@@ -106,13 +106,13 @@ GBX_NESTED_FN GBX_INLINE float plane4_float(const gbx_nested_ctx *c, const gbx_p
         u4_unpack8(wp + 24, &lo, &hi);
         tb = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs->even + 24), tb);
         tb2 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs->odd + 24), tb2);
-        const float sa = scale1(p->scales, off + (size_t)((2 * s) >> c->gshift), dtype);
-        const float sb = c->gshift ? sa : scale1(p->scales, off + (size_t)(2 * s + 1), dtype);
+        const float sa = scale1(p->scales, off + (size_t)((2 * s) >> p->gshift), dtype);
+        const float sb = p->gshift ? sa : scale1(p->scales, off + (size_t)(2 * s + 1), dtype);
         acc0 = _mm256_fmadd_ps(_mm256_add_ps(ta, ta2), _mm256_set1_ps(sa), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_add_ps(tb, tb2), _mm256_set1_ps(sb), acc1);
     }
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) + gbx_nested_tail_float(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) +
-           group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);
+           group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
 /* 32 codes of block b times x: two partial sums (two FMA chains) */
@@ -131,7 +131,7 @@ GBX_NESTED_FN GBX_INLINE float plane8_float(const gbx_nested_ctx *c, const gbx_p
                                             const int dtype)
 {
     const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
-    const size_t off = (size_t)r * c->ng;
+    const size_t off = (size_t)r * p->ng;
     const float *x = c->x + (size_t)k * c->I;
     const int nb = c->I / GBX_QK;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -140,15 +140,15 @@ GBX_NESTED_FN GBX_INLINE float plane8_float(const gbx_nested_ctx *c, const gbx_p
         GBX_PREFETCH(w + (size_t)b * GBX_QK + GBX_PREFETCH_BYTES);
         const __m256 t0 = u8_block_float(w + (size_t)b * GBX_QK, x + (size_t)b * GBX_QK);
         const __m256 t1 = u8_block_float(w + (size_t)(b + 1) * GBX_QK, x + (size_t)(b + 1) * GBX_QK);
-        const float s0 = scale1(p->scales, off + (size_t)(b >> c->gshift), dtype);
-        const float s1 = c->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
         acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s0), acc0);
         acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s1), acc1);
     }
     if (b < nb)
         acc0 = _mm256_fmadd_ps(u8_block_float(w + (size_t)b * GBX_QK, x + (size_t)b * GBX_QK),
-                               _mm256_set1_ps(scale1(p->scales, off + (size_t)(b >> c->gshift), dtype)), acc0);
-    return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);
+                               _mm256_set1_ps(scale1(p->scales, off + (size_t)(b >> p->gshift), dtype)), acc0);
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
 /* ---- intdot path ---------------------------------------------------------- */
@@ -195,7 +195,7 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
                                                  const int dtype)                                                \
     {                                                                                                            \
         const uint8_t *w = p->codes + (size_t)r * p->row_bytes;                                                  \
-        const size_t off = (size_t)r * c->ng;                                                                    \
+        const size_t off = (size_t)r * p->ng;                                                                    \
         const gbx_act_q8 *a = c->a + k;                                                                          \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                           \
         int s = 0;                                                                                               \
@@ -204,24 +204,24 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
             const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
             const __m256 f1 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
             acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, _mm256_load_ps(a->span_d + 8 * (size_t)s)),                 \
-                                   span_scales(p->scales, off, s, c->gshift, dtype), acc0);                      \
+                                   span_scales(p->scales, off, s, p->gshift, dtype), acc0);                      \
             acc1 = _mm256_fmadd_ps(_mm256_mul_ps(f1, _mm256_load_ps(a->span_d + 8 * (size_t)(s + 1))),           \
-                                   span_scales(p->scales, off, s + 1, c->gshift, dtype), acc1);                  \
+                                   span_scales(p->scales, off, s + 1, p->gshift, dtype), acc1);                  \
         }                                                                                                        \
         if (s < c->nspans) {                                                                                     \
             const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
             acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, _mm256_load_ps(a->span_d + 8 * (size_t)s)),                 \
-                                   span_scales(p->scales, off, s, c->gshift, dtype), acc0);                      \
+                                   span_scales(p->scales, off, s, p->gshift, dtype), acc0);                      \
         }                                                                                                        \
         return hsum_avx2(_mm256_add_ps(acc0, acc1)) +                                                            \
                gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) +                                \
-               group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                             \
+               group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                             \
     }                                                                                                            \
     ATTR GBX_INLINE float plane8_intdot_##SUFFIX(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,   \
                                                  const int dtype)                                                \
     {                                                                                                            \
         const uint8_t *w = p->codes + (size_t)r * p->row_bytes;                                                  \
-        const size_t off = (size_t)r * c->ng;                                                                    \
+        const size_t off = (size_t)r * p->ng;                                                                    \
         const gbx_act_q8 *a = c->a + k;                                                                          \
         const int nb = c->I / GBX_QK;                                                                            \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                           \
@@ -231,20 +231,20 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
             const __m256 f0 = _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)b * GBX_QK, a->qs + (size_t)b * GBX_QK)); \
             const __m256 f1 =                                                                                    \
                 _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)(b + 1) * GBX_QK, a->qs + (size_t)(b + 1) * GBX_QK));  \
-            const float s0 = scale1(p->scales, off + (size_t)(b >> c->gshift), dtype);                           \
-            const float s1 = c->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);                   \
+            const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);                           \
+            const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);                   \
             acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);                                      \
             acc1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(a->d[b + 1] * s1), acc1);                                  \
         }                                                                                                        \
         if (b < nb) {                                                                                            \
             const __m256 f0 = _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)b * GBX_QK, a->qs + (size_t)b * GBX_QK)); \
-            const float s0 = scale1(p->scales, off + (size_t)(b >> c->gshift), dtype);                           \
+            const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);                           \
             acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);                                      \
         }                                                                                                        \
         float y = hsum_avx2(_mm256_add_ps(acc0, acc1));                                                          \
         if (SIGNED8)                                                                                             \
-            y += 128.0f * group_dot(p->scales, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                  \
-        return y + group_dot(p->biases, off, c->xsum + (size_t)k * c->ng, c->ng, dtype);                         \
+            y += 128.0f * group_dot(p->scales, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                  \
+        return y + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                         \
     }
 
 /* One exported function per (bits, dtype): the dtype a compile-time constant. */
