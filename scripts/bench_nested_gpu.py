@@ -24,7 +24,7 @@ Sections (each recorded even if another fails):
    over the variants, interleaved; medians reported.
 
 Usage:
-  python scripts/bench_nested_gpu.py [--out FILE] [--quick] [--skip-sweep] [--skip-decode]
+  python scripts/bench_nested_gpu.py [--out FILE] [--quick] [--skip-sweep] [--skip-gemv] [--skip-decode]
       [--models llama3-8b smollm2-135m] [--variants bf16 mlx-4 nested-low ...] [--rounds 3]
 """
 
@@ -319,6 +319,7 @@ def main(argv=None) -> int:
                     help="JSON path (default benchmarks/results/nested_gpu_<device>.json)")
     ap.add_argument("--quick", action="store_true", help="small sizes, smollm2 shape, for a smoke test")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--variants", nargs="+", default=None)
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODEL_SHAPES))
@@ -362,9 +363,10 @@ def main(argv=None) -> int:
         section("sweep", lambda: bench_sweep(args.quick))
     report["tuning"] = {n: {"rows": t.rows, "vec": t.vec} for n, t in nested_gpu.TUNING.items()}
     shapes = [(1024, 1024)] if args.quick else [(4096, 4096), (8192, 8192), (14336, 4096)]
-    section("gemv", lambda: bench_gemv(shapes))
-    if isinstance(report["gemv"], list):
-        print_gemv(report["gemv"], bw.get("copy_GBps", float("nan")))
+    if not args.skip_gemv:
+        section("gemv", lambda: bench_gemv(shapes))
+        if isinstance(report["gemv"], list):
+            print_gemv(report["gemv"], bw.get("copy_GBps", float("nan")))
     if not args.skip_decode:
         variants = args.variants or ["bf16", "mlx-4", "mlx-8", "nested-low", "nested-mid", "nested-high",
                                      "nested-high-mlx"]
