@@ -308,7 +308,7 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
 @pytest.mark.parametrize("tuning", [nested_gpu.NestedTuning(1, 4), nested_gpu.NestedTuning(4, 2),
                                     nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4)])
 def test_cuda_every_tuning(tuning):
-    for shape in ODD_SHAPES:
+    for shape in [s for s in ODD_SHAPES if s[1] % 64 == 0]:  # the default plan's groups divide K
         planes = make_planes(*shape, tuple(DEFAULT_PLAN), None, mx.bfloat16)
         x = make_x((shape[1],), mx.bfloat16)
         for shared in ((None, False) if shape[1] <= 6144 else (None,)):
