@@ -13,19 +13,22 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes
+from gearbx_mlx.nested.planes import build_planes
 
 #: float32 accumulation in any order, relative to the sum of |terms|
 #: (|f s q x| + |f b xsum| over planes and groups), K <= 8192.
 ACCUM_RTOL = 2e-5
 #: One unit in the last place of each output dtype, relative to |y|.
 OUTPUT_RTOL = {mx.float32: 2.0**-21, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+#: The widest plan the kernels read with per-plane groups: the package's
+#: default low and mid planes (4 bits at 64, 4 at 32) and an 8-bit third plane
+#: (the default's is 6 bits, which no kernel reads: those gears take the oracle).
+KERNEL_PLAN: Tuple[Tuple[int, int], ...] = ((4, 64), (4, 32), (8, 64))
 #: Plans of planes: bits alone (every plane at the case's group size), or
-#: (bits, group size) per plane. The default nesting (per-plane groups), its
-#: first two planes, planes 4/4/8, single 4-bit and 8-bit planes (plain MLX
-#: layers), an 8-bit first plane, and groups that shrink and grow.
-PLANS: List[tuple] = [tuple(DEFAULT_PLAN), tuple(DEFAULT_PLAN[:2]), (4, 4, 8), (4,), (8,), (8, 4),
-                      ((4, 128), (8, 32), (4, 64))]
+#: (bits, group size) per plane. KERNEL_PLAN, its first two planes, planes
+#: 4/4/8, single 4-bit and 8-bit planes (plain MLX layers), an 8-bit first
+#: plane, and groups that shrink and grow.
+PLANS: List[tuple] = [KERNEL_PLAN, KERNEL_PLAN[:2], (4, 4, 8), (4,), (8,), (8, 4), ((4, 128), (8, 32), (4, 64))]
 
 
 def plane_specs(plan: tuple, group_size: Optional[int]) -> List[Tuple[int, int]]:
@@ -57,12 +60,13 @@ def f64(a: mx.array) -> np.ndarray:
 
 
 def codes(plane) -> np.ndarray:
-    """``(out, in)`` unsigned codes of a plane (MLX packs least significant first)."""
-    w = np.asarray(plane.weight).astype(np.uint64)
-    per = 32 // plane.bits
-    shifts = (plane.bits * np.arange(per)).astype(np.uint64)
-    q = (w[..., None] >> shifts) & np.uint64((1 << plane.bits) - 1)
-    return q.reshape(w.shape[0], -1).astype(np.float64)
+    """``(out, in)`` unsigned codes of a plane: MLX packs each row as a
+    little-endian bit stream (code j at bits j*bits .. j*bits+bits-1; for 6 bits
+    that is four codes in three bytes)."""
+    w = np.ascontiguousarray(np.asarray(plane.weight).astype("<u4"))
+    bits = np.unpackbits(w.view(np.uint8), axis=1, bitorder="little")
+    bits = bits.reshape(w.shape[0], -1, plane.bits).astype(np.int64)
+    return (bits << np.arange(plane.bits)).sum(-1).astype(np.float64)
 
 
 def reference64(x: mx.array, planes: Sequence, n: int, bias: Optional[mx.array] = None):

@@ -308,8 +308,8 @@ def test_a_read_only_model_folder_caches_elsewhere(tmp_path, monkeypatch):
 def test_gears_nest_in_the_arithmetic_of_the_kernels(dtype):
     """Every kernel forms scales * q + biases in float32 from the stored values.
     Residuals taken from a dequantization rounded to the source dtype nest
-    against other values (measured: the high gear's error 7e-4 instead of
-    under 5e-4 for the default plan, 6e-3 instead of 4e-5 for planes 4/4/8)."""
+    against other values (measured: the high gear's error 5.9e-4 instead of
+    under 2e-4 for the default plan, 6e-3 instead of 4e-5 for planes 4/4/8)."""
     from nested_cases import codes, f64
 
     w = _weights(64, 256, dtype)

@@ -27,9 +27,8 @@ from typing import Tuple
 import mlx.core as mx
 import numpy as np
 import pytest
-from nested_cases import ODD_SHAPES, assert_close, make_planes, make_x, plane_specs, reference64
+from nested_cases import KERNEL_PLAN, ODD_SHAPES, assert_close, make_planes, make_x, plane_specs, reference64
 
-from gearbx_mlx.nested.planes import DEFAULT_PLAN
 from gearbx_mlx.packed import gpu, kernel_files, nested_gpu
 
 HAS_CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
@@ -102,7 +101,7 @@ HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_b
 # (plan, x dtype, scale dtype, group size, rows, vec, shared, bias); a plan of
 # (bits, group) pairs has per-plane groups (group size None).
 HOST_CONFIGS = [
-    (tuple(DEFAULT_PLAN), mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
+    (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
     (((4, 128), (8, 32), (4, 64)), mx.float16, mx.float16, None, 4, 2, False, False),
     ((4, 4, 8), mx.bfloat16, mx.bfloat16, 64, 2, 4, True, True),
     ((4, 4, 8), mx.float16, mx.float16, 128, 1, 4, False, False),
@@ -284,7 +283,7 @@ def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
 
 CUDA_CONFIGS = [(plan, dtype, gs) for plan in ((4, 4, 8), (4, 4), (4,), (8,))
                 for dtype, gs in ((mx.bfloat16, 64), (mx.float16, 32), (mx.float32, 128))]
-CUDA_CONFIGS += [(tuple(DEFAULT_PLAN), mx.bfloat16, None), (((4, 128), (8, 32), (4, 64)), mx.float16, None)]
+CUDA_CONFIGS += [(KERNEL_PLAN, mx.bfloat16, None), (((4, 128), (8, 32), (4, 64)), mx.float16, None)]
 CUDA_CASES = [(plan, dtype, gs, shape) for plan, dtype, gs in CUDA_CONFIGS for shape in ODD_SHAPES + [(4096, 4096)]
               if all(shape[1] % g == 0 for _, g in plane_specs(plan, gs))]
 
@@ -308,8 +307,8 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
 @pytest.mark.parametrize("tuning", [nested_gpu.NestedTuning(1, 4), nested_gpu.NestedTuning(4, 2),
                                     nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4)])
 def test_cuda_every_tuning(tuning):
-    for shape in [s for s in ODD_SHAPES if s[1] % 64 == 0]:  # the default plan's groups divide K
-        planes = make_planes(*shape, tuple(DEFAULT_PLAN), None, mx.bfloat16)
+    for shape in [s for s in ODD_SHAPES if s[1] % 64 == 0]:  # the plan's groups divide K
+        planes = make_planes(*shape, KERNEL_PLAN, None, mx.bfloat16)
         x = make_x((shape[1],), mx.bfloat16)
         for shared in ((None, False) if shape[1] <= 6144 else (None,)):
             y = nested_gpu.nested_gemv(x, planes, 3, backend="cuda", tuning=tuning, shared=shared)

@@ -99,12 +99,16 @@ class NestedProduct:
         return run
 
     def cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
-        """The planes checked for the C kernels (built on first use), or None where they do not apply."""
+        """The leading planes the C kernels read (4 or 8 bits), checked on first
+        use; None where none are or the extension is not built. A gear of more
+        planes than it holds takes the oracle."""
         if self._cpu_ok is None:
-            self._cpu_ok = cpu_backend() is not None and all(
-                p.bits in (4, 8) and p.group_size in (32, 64, 128) for p in self.planes)
+            k = 0
+            while k < len(self.planes) and self.planes[k].bits in (4, 8) and self.planes[k].group_size in (32, 64, 128):
+                k += 1
+            self._cpu_ok = k > 0 and cpu_backend() is not None
             if self._cpu_ok:
-                self._prepared = nested_cpu.prepare_nested(self.planes)
+                self._prepared = nested_cpu.prepare_nested(self.planes[:k])
         return self._prepared
 
     def backend_for(self, x: mx.array, n: int, has_bias: bool = False) -> str:
@@ -115,7 +119,8 @@ class NestedProduct:
             if rows == 1 and self._gpu_launcher(backend, x.dtype, n, has_bias):
                 return backend
             return "reference"
-        if rows <= self.config.cpu_max_rows and self.cpu_prepared() is not None:
+        prepared = self.cpu_prepared() if rows <= self.config.cpu_max_rows else None
+        if prepared is not None and n <= prepared.n_planes:
             return "cpu"
         return "reference"
 
