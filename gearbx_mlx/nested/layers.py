@@ -8,9 +8,11 @@ when the planes exist, and a gear shift installs the views of another ``n``
 with one ``update_modules`` call: nothing is quantized or allocated at shift
 time, and every view of a layer shares the very same arrays.
 
-Products go through :func:`nested_matmul`, which picks a fused kernel at call
-time where one applies and the pure-MLX oracle
-(:func:`~gearbx_mlx.nested.planes.reference_matmul`) otherwise.
+Products go through the matrix's :class:`~gearbx_mlx.nested.matmul.NestedProduct`,
+which picks a fused kernel at call time where one applies (Metal or CUDA for
+one token on a GPU, the C kernels on the CPU) and the pure-MLX oracle
+(:func:`~gearbx_mlx.nested.planes.reference_matmul`) otherwise; a view made
+with ``fused=False`` always takes the oracle.
 """
 
 from __future__ import annotations
@@ -20,29 +22,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .matmul import NestedProduct
 from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, PlaneSpec, build_planes, reference_matmul
-
-
-def fused_matmul(x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array]) -> Optional[mx.array]:
-    """The fused kernel's product where one applies to this input and device, else None."""
-    return None
-
-
-def nested_matmul(
-    x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None, fused: bool = True
-) -> mx.array:
-    """``x @ (planes 0..n-1).T (+ bias)``: a fused kernel where one applies, else the oracle.
-
-    Args:
-        x: ``(..., in)``.
-    Returns:
-        ``(..., out)`` in the dtype of ``x``.
-    """
-    if fused:
-        y = fused_matmul(x, planes, n, bias)
-        if y is not None:
-            return y
-    return reference_matmul(x, planes, n, bias)
 
 
 class NestedWeights(nn.Module):
@@ -70,6 +51,15 @@ class NestedWeights(nn.Module):
         if bias is not None:
             self.bias = bias
         self.freeze()
+
+    @property
+    def product(self) -> NestedProduct:
+        """The kernels' state of these planes, built on first use and shared by every view."""
+        prod = self.__dict__.get("_product")
+        if prod is None:
+            prod = NestedProduct(self.planes)
+            self.__dict__["_product"] = prod
+        return prod
 
     @property
     def planes(self) -> List[Plane]:
@@ -112,7 +102,10 @@ class _View(nn.Module):
         self.freeze()
 
     def matmul(self, x: mx.array) -> mx.array:
-        return nested_matmul(x, self.nested.planes, self.n, self.nested.get("bias"), self.fused)
+        bias = self.nested.get("bias")
+        if self.fused:
+            return self.nested.product(x, self.n, bias)
+        return reference_matmul(x, self.nested.planes, self.n, bias)
 
     def _extra_repr(self) -> str:
         out, inp = self.nested.shape
@@ -176,6 +169,5 @@ def is_embedding(module: Any) -> bool:
 
 
 __all__ = [
-    "NestedEmbedding", "NestedLinear", "NestedWeights", "fused_matmul", "is_embedding", "make_view",
-    "nested_matmul", "nested_weights_of",
+    "NestedEmbedding", "NestedLinear", "NestedWeights", "is_embedding", "make_view", "nested_weights_of",
 ]
