@@ -582,3 +582,23 @@ def test_a_drafter_equal_to_the_high_gear_has_every_draft_accepted(host):
     assert got == greedy_reference(model, PROMPT, 30)
     assert stats.drafter["path"] == ("host" if host else "mlx")
     assert stats.accepted == stats.drafted == 24  # 6 blocks of 4 drafts and a bonus each
+
+
+@pytest.mark.parametrize("gear", ["low", "mid"])
+def test_host_forward_reads_the_nested_planes_in_place(gear):
+    """The CPU host step of a nested store's drafter runs the same C kernels on the
+    store's planes as the MLX tree's views: the same logits, token by token."""
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    m = make_tiny_llama(vocab=VOCAB, hidden=64, seed=3)
+    gb = Gearbox(m, GearboxConfig(scope="all", kernel="packed", store="nested"), vocab_size=VOCAB)
+    d = build_draft(m, gb, gear, scope="all")
+    if d.host is None:
+        pytest.skip(f"the host step does not apply here: {d.host_reason}")
+    assert d.memory["extra_bytes"] == 0
+    hc, mc = d.make_cache(), [KVCache() for _ in d.module.layers]
+    for t in [3, 1, 4, 1, 5, 9, 2, 6]:
+        a = np.asarray(d(mx.array([[t]]), cache=hc))[0, -1]
+        b = np.asarray(d(mx.array([[t]]), cache=mc))[0, -1]
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)

@@ -18,7 +18,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
-from ..packed import cpu as cpu_kernels, layers as packed_layers
+from ..nested.layers import NestedEmbedding, NestedLinear
+from ..packed import cpu as cpu_kernels, layers as packed_layers, nested_cpu
 from ..packed.layers import PackedBase, PackedEmbedding, cpu_backend
 
 HOST_PREFILL_MAX = 64
@@ -79,7 +80,18 @@ class _HostLinear:
     def __init__(self, layer: Optional[nn.Module], ext: Any, dense: Optional[np.ndarray] = None) -> None:
         self.lib, self.ffi = ext.lib, ext.ffi
         self.bias = np.asarray(layer["bias"]) if layer is not None and "bias" in layer else None
-        if dense is not None:
+        self.nested = None
+        if isinstance(layer, (NestedLinear, NestedEmbedding)):
+            # A view of the nested store: the C kernel reads its planes in place.
+            bias = layer.nested.get("bias")
+            self.bias = np.asarray(bias.astype(mx.float32)) if bias is not None else None
+            prod = layer.nested.product
+            prepared = prod.cpu_prepared()
+            self.nested = (prepared, prepared.table, layer.n, nested_cpu.PATHS[prod.cpu_path(layer.n)])
+            self.dense = None
+            out = prod.out_features
+            self.args = (1, out, prod.in_features)
+        elif dense is not None:
             self.dense = dense
             out = dense.shape[0]
         elif isinstance(layer, PackedBase):
@@ -99,7 +111,12 @@ class _HostLinear:
         self.py = self.ffi.from_buffer("float[]", self.out, require_writable=True)
 
     def __call__(self, x: np.ndarray, px: Any) -> np.ndarray:
-        if self.dense is None:
+        if self.nested is not None:
+            _, table, n, path = self.nested
+            rc = self.lib.gbx_nested_gemv(table, n, px, self.py, *self.args, path, 0)
+            if rc != 0:
+                raise RuntimeError(f"gearbx_mlx: host drafter nested GEMV failed ({rc})")
+        elif self.dense is None:
             rc = self.lib.gbx_gemv(self.pw, self.ps, px, self.py, *self.args)
             if rc != 0:
                 raise RuntimeError(f"gearbx_mlx: host drafter GEMV failed ({rc})")
@@ -111,6 +128,9 @@ class _HostLinear:
 
 
 def _supported_linear(layer: Any) -> bool:
+    if isinstance(layer, (NestedLinear, NestedEmbedding)):
+        prepared = layer.nested.product.cpu_prepared()
+        return prepared is not None and layer.n <= prepared.n_planes
     if isinstance(layer, PackedBase):
         return layer.bits in (4, 8) and layer.group_size in (None, 32, 64, 128)
     return type(layer) is nn.Linear and layer.weight.dtype == mx.float32
@@ -145,8 +165,10 @@ class HostForward:
         self.cos = self.sin = np.zeros((0, self.rope_half), np.float32)
         self.embed = inner.embed_tokens
         mx.eval(self.embed.parameters())
-        self.embed_w = np.asarray(self.embed.weight)
-        self.embed_s = np.asarray(self.embed.scales) if "scales" in self.embed else None
+        # A nested embedding's rows are looked up through its view (one small MLX call a token).
+        self.nested_embed = isinstance(self.embed, NestedEmbedding)
+        self.embed_w = None if self.nested_embed else np.asarray(self.embed.weight)
+        self.embed_s = np.asarray(self.embed.scales) if not self.nested_embed and "scales" in self.embed else None
         self.layers = []
         for layer in inner.layers:
             at, mlp = layer.self_attn, layer.mlp
@@ -159,7 +181,7 @@ class HostForward:
         mx.eval(inner.norm.weight)
         self.norm = np.asarray(inner.norm.weight)
         head = inner.embed_tokens if a.tie_word_embeddings else module.lm_head
-        if a.tie_word_embeddings and self.embed_s is None:  # a float table: numpy product
+        if a.tie_word_embeddings and self.embed_s is None and not self.nested_embed:  # a float table: numpy
             self.head = _HostLinear(None, ext, dense=self.embed_w)
         else:
             self.head = _HostLinear(head, ext)
@@ -175,6 +197,10 @@ class HostForward:
         return [HostKVCache(self.n_kv, self.head_dim) for _ in self.layers]
 
     def _embed_row(self, tok: int) -> np.ndarray:
+        if self.nested_embed:
+            row = self.embed(mx.array([tok]))[0].astype(mx.float32)
+            mx.eval(row)
+            return np.array(row)
         w = self.embed_w[tok]
         if self.embed_s is None:
             return w.astype(np.float32)
@@ -272,7 +298,10 @@ def host_support(module: nn.Module) -> Optional[str]:
     if a.num_attention_heads % a.num_key_value_heads:
         return "the attention heads are not a multiple of the key/value heads"
     emb = inner.embed_tokens
-    if isinstance(emb, PackedEmbedding):
+    if isinstance(emb, NestedEmbedding):
+        if not _supported_linear(emb):
+            return "the nested embedding's planes are not all 4- or 8-bit (the C kernels' widths)"
+    elif isinstance(emb, PackedEmbedding):
         if emb.bits not in (4, 8) or emb.lookup_dtype != mx.float32:
             return f"the packed embedding is {emb.bits}-bit or not float32"
     elif type(emb) is not nn.Embedding or emb.weight.dtype != mx.float32:
