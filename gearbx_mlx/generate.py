@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--store", choices=STORES, default=GearboxConfig.store,
                    help="where the gears' weights live: 'nested' bit planes that every gear shares (one "
                         "buffer, nothing quantized at a shift) or 'separate' quantized copies per gear "
-                        f"(default {GearboxConfig.store})")
+                        "(default: nested for float weights; an already quantized model stays "
+                        "telemetry-only unless --store nested re-expresses its 8-bit layers)")
     r.add_argument("--high", choices=HIGH_SOURCES, default=GearboxConfig.high,
                    help="nested store only: the high gear reads the loaded weights ('original', exact) or "
                         "every plane ('planes': the loaded weights are dropped, all gears in ~1.0x the "
@@ -107,7 +108,7 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
         min_gear_duration=args.min_gear_duration,
         # Speculative decoding drafts from the nested store's planes: build the
         # store over the layers the drafter quantizes, so there is one copy.
-        scope=args.draft_scope if args.speculative and args.store == "nested" else args.scope,
+        scope=args.draft_scope if args.speculative and args.store != "separate" else args.scope,
         kernel=args.kernel or default_kernel(),
         store=args.store,
         high=args.high,
@@ -333,7 +334,8 @@ def _model_header(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
         "model": gearbox.model_name,
         "vocab_size": gearbox.vocab_size,
         "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1], "source": source},
-        "scope": c.scope, "kernel": c.kernel, "store": c.store, "high": c.high,
+        "scope": c.scope, "kernel": c.kernel, "store": gearbox.manager.store,
+        "high": c.high if gearbox.manager.store == "nested" else "original",
         "window": c.window, "hysteresis": c.hysteresis,
         "min_gear_duration": c.min_gear_duration,
         "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),

@@ -139,9 +139,9 @@ def load(
     if options:
         config = config.replace(**options)
     path = resolve_model(model, dtype)
-    nested = config.store == "nested" and not config.telemetry_only
-    # Lazily, for the nested store: with high='planes' and a valid planes cache
-    # the managed float weights are never read from disk.
+    nested = config.store != "separate" and not config.telemetry_only
+    # Lazily, where the nested store may be used: with high='planes' and a valid
+    # planes cache the managed float weights are never read from disk.
     try:
         m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
     except FileNotFoundError:

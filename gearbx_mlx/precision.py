@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .affine import bytes_per_weight
-from .config import GEARS, GearboxConfig, bits_for
+from .config import GEARS, GearboxConfig, bits_for, resolve_store
 from .nested.layers import NestedWeights
 from .nested.store import (
     PlanesCacheError,
@@ -240,12 +240,14 @@ class PrecisionManager:
         c = self.config
         quantized = is_prequantized(model)
         self.source = "quantized-8bit" if quantized and _all_affine_8bit(model) else "quantized" if quantized else "float"
-        if c.store == "nested" and self.source == "quantized" and not c.telemetry_only:
+        #: The store in use: the config's, or the default for these weights (:func:`resolve_store`).
+        self.store = resolve_store(c, self.source == "float")
+        if self.store == "nested" and self.source == "quantized" and not c.telemetry_only:
             raise ValueError(
                 "the nested store re-expresses float or MLX 8-bit weights; this model is quantized below "
                 "8 bits, so it has no room for finer gears: use the separate store (telemetry only)"
             )
-        self.telemetry_only = c.telemetry_only or (quantized and not (c.store == "nested" and self.source == "quantized-8bit"))
+        self.telemetry_only = c.telemetry_only or (quantized and not (self.store == "nested" and self.source == "quantized-8bit"))
         #: Why nothing is swapped (None when gears are real), for the user to read.
         self.telemetry_reason: Optional[str] = (
             "asked for (--telemetry-only)" if c.telemetry_only
@@ -276,7 +278,7 @@ class PrecisionManager:
         self.planes_seconds = 0.0  # building (or reading) the nested planes
         self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
-        if c.store == "nested" and self.paths:
+        if self.store == "nested" and self.paths:
             self._build_nested(planes_dir)
 
     def _build_nested(self, planes_dir: Optional[Path]) -> None:
@@ -439,8 +441,8 @@ class PrecisionManager:
     def summary(self) -> Dict[str, object]:
         return {
             "gear": self.gear,
-            "store": self.config.store,
-            "high": self.config.high if self.config.store == "nested" else "original",
+            "store": self.store,
+            "high": self.config.high if self.store == "nested" else "original",
             "planes_seconds": self.planes_seconds,
             "planes_origin": self.planes_origin,
             "managed_modules": len(self.paths),

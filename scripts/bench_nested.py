@@ -33,6 +33,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -61,9 +62,15 @@ def _maxrss_bytes() -> int:
 # -- memory: one process per store -------------------------------------------------------------
 
 
-def memory_child(model: Optional[str], dtype: Optional[str], store: str, high: str, draft: bool) -> Dict[str, Any]:
+def memory_child(model: Optional[str], dtype: Optional[str], store: str, high: str, draft: bool,
+                 planes_dir: str = "") -> Dict[str, Any]:
+    from gearbx_mlx import precision
     from gearbx_mlx.speculative.draft import build_draft
 
+    if planes_dir:
+        # The planes cache in a folder of the benchmark's own: the first child
+        # with it builds the planes (and writes them), the next reads them.
+        precision.cache_path = lambda model_dir, key, fallback: Path(planes_dir) / f"{key}.safetensors"
     rss0 = _maxrss_bytes()
     m, tok, gb = _load(model, dtype, store, high)
     mgr = gb.manager
@@ -88,18 +95,26 @@ def memory_child(model: Optional[str], dtype: Optional[str], store: str, high: s
 def run_memory(args: argparse.Namespace) -> List[Dict[str, Any]]:
     rows = []
     for store, high in STORES:
-        for draft in (False, True):
-            cmd = [sys.executable, __file__, "--child-memory", store, high, str(int(draft))]
-            cmd += ["--dtype", args.dtype] if args.dtype else []
-            cmd += ["--model", args.model] if args.model else []
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode != 0:
-                raise RuntimeError(f"memory run {store}/{high} failed:\n{proc.stderr[-2000:]}")
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"{'store':<10} {'high':<9} {'draft':<6} {'resident MiB':>12} {'x fp16':>7} {'peak RSS MiB':>12}")
+        with tempfile.TemporaryDirectory(prefix="gearbx-planes-") as planes:
+            # Nested: built at the first load (float weights read), then read
+            # from the cache (with high='planes' the float weights never are).
+            for draft in (False, True):
+                for _ in range(2 if store == "nested" else 1):
+                    cmd = [sys.executable, __file__, "--child-memory", store, high, str(int(draft)),
+                           planes if store == "nested" else ""]
+                    cmd += ["--dtype", args.dtype] if args.dtype else []
+                    cmd += ["--model", args.model] if args.model else []
+                    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"memory run {store}/{high} failed:\n{proc.stderr[-2000:]}")
+                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                if store == "nested" and not draft:
+                    for f in Path(planes).glob("*.safetensors"):
+                        f.unlink()  # the drafter's rows start cold again
+    print(f"{'store':<10} {'high':<9} {'draft':<6} {'planes':<7} {'resident MiB':>12} {'x fp16':>7} {'peak RSS MiB':>12}")
     for r in rows:
-        print(f"{r['store']:<10} {r['high']:<9} {str(r['draft']):<6} {r['resident_total'] / 2**20:>12.1f} "
-              f"{r['ratio_fp16']:>7.3f} {r['peak_rss_bytes'] / 2**20:>12.1f}")
+        print(f"{r['store']:<10} {r['high']:<9} {str(r['draft']):<6} {r['planes_origin'] or '-':<7} "
+              f"{r['resident_total'] / 2**20:>12.1f} {r['ratio_fp16']:>7.3f} {r['peak_rss_bytes'] / 2**20:>12.1f}")
     return rows
 
 
@@ -158,17 +173,22 @@ def run_quality(args: argparse.Namespace) -> List[Dict[str, Any]]:
     }
     # Products on the CPU through float weights holding each gear's exact values:
     # MLX's quantized CPU kernels would take an hour here for the same numbers.
-    trees = {k: tree_unflatten([(p, _as_float(mod)) for p, mod in v.items()]) for k, v in variants.items()}
+    # One variant's float copy at a time (a 0.5B model's is 2 GB); the
+    # reference log-probabilities of each window are kept for the others.
     stats: Dict[str, Dict[str, float]] = {}
-    for wi, w in enumerate(windows):
-        x = mx.array(w)[None]
-        inp, target = x[:, :-1], x[:, 1:]
-        ref = None
-        for name, tree in trees.items():
-            m.update_modules(tree)
+    refs: List[mx.array] = []
+    for vi, (name, mods) in enumerate(variants.items()):
+        tree = tree_unflatten([(p, _as_float(mod)) for p, mod in mods.items()])
+        m.update_modules(tree)
+        s = stats.setdefault(name, {"nll": 0.0, "kl": 0.0, "top1": 0.0, "n": 0})
+        for wi, w in enumerate(windows):
+            x = mx.array(w)[None]
+            inp, target = x[:, :-1], x[:, 1:]
             lp = _logprobs(m, inp)
-            ref = lp if ref is None else ref
-            s = stats.setdefault(name, {"nll": 0.0, "kl": 0.0, "top1": 0.0, "n": 0})
+            if vi == 0:
+                mx.eval(lp)
+                refs.append(lp)
+            ref = refs[wi]
             kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
             same = mx.argmax(lp, axis=-1) == mx.argmax(ref, axis=-1)
             nll = -mx.take_along_axis(lp, target[..., None], axis=-1)
@@ -177,8 +197,9 @@ def run_quality(args: argparse.Namespace) -> List[Dict[str, Any]]:
             s["kl"] += kl.sum().item()
             s["top1"] += same.sum().item()
             s["n"] += kl.size
-        print(f"  window {wi + 1}/{len(windows)}", file=sys.stderr, flush=True)
-    m.update_modules(trees["reference"])
+        del tree
+        print(f"  {name} done", file=sys.stderr, flush=True)
+    m.update_modules(tree_unflatten(list(variants["reference"].items())))
     rows = [{"variant": k, "perplexity": math.exp(s["nll"] / s["n"]), "kl_nats": s["kl"] / s["n"],
              "top1": s["top1"] / s["n"], "positions": s["n"]} for k, s in stats.items()]
     print(f"{'variant':<20} {'ppl':>9} {'KL (nats)':>11} {'top-1':>7}")
@@ -260,11 +281,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--speed-tokens", type=int, default=48)
     p.add_argument("--kernels", nargs="+", default=["mlx", "packed"], choices=["mlx", "packed"])
     p.add_argument("--out", default=None)
-    p.add_argument("--child-memory", nargs=3, metavar=("STORE", "HIGH", "DRAFT"), help=argparse.SUPPRESS)
+    p.add_argument("--child-memory", nargs=4, metavar=("STORE", "HIGH", "DRAFT", "PLANES_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_memory:
-        store, high, draft = args.child_memory
-        print(json.dumps(memory_child(args.model, args.dtype, store, high, draft == "1")))
+        store, high, draft, planes = args.child_memory
+        print(json.dumps(memory_child(args.model, args.dtype, store, high, draft == "1", planes)))
         return 0
     result: Dict[str, Any] = {
         "command": "python scripts/bench_nested.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -273,12 +294,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "mlx": mx.__version__, "device": str(mx.default_device())},
         "model": args.model or "smollm2-135m", "dtype": args.dtype,
     }
+    name = (args.model or "smollm2-135m").replace("/", "_")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"nested_{name}_{args.dtype or 'default'}.json"
     for part in args.parts:
         print(f"== {part}", flush=True)
         result[part] = {"memory": run_memory, "quality": run_quality, "shift": run_shift, "speed": run_speed}[part](args)
-    name = (args.model or "smollm2-135m").replace("/", "_")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"nested_{name}_{args.dtype or 'default'}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+        out.write_text(json.dumps(result, indent=1) + "\n")  # after each part: a long run keeps what it measured
     print(f"wrote {out}")
     return 0
 
