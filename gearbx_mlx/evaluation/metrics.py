@@ -68,18 +68,21 @@ def to_numpy(logits: mx.array) -> np.ndarray:
 
 
 def log_softmax(z: np.ndarray):
-    """``(log p, p)`` of ``(S, V)`` float32 logits (``z`` is overwritten by ``log p``)."""
+    """``(log p, exp(z - max), sum of it)`` of ``(S, V)`` float32 logits; ``z`` is overwritten by ``log p``.
+
+    The unnormalized exponentials are returned instead of ``p``: the entropy
+    needs them only in one weighted sum, divided once per row.
+    """
     m = z.max(axis=-1, keepdims=True)
     np.subtract(z, m, out=z)
-    p = np.exp(z)
-    s = p.sum(axis=-1, keepdims=True, dtype=np.float32)
+    e = np.exp(z)
+    s = e.sum(axis=-1, keepdims=True, dtype=np.float32)
     np.subtract(z, np.log(s), out=z)
-    np.divide(p, s, out=p)
-    return z, p
+    return z, e, s[:, 0]
 
 
-def _entropy(lp: np.ndarray, p: np.ndarray) -> np.ndarray:
-    h = -np.einsum("sv,sv->s", p, lp) / np.float32(LN2)
+def _entropy(lp: np.ndarray, e: np.ndarray, s: np.ndarray) -> np.ndarray:
+    h = -np.einsum("sv,sv->s", e, lp) / (s * np.float32(LN2))
     return np.clip(h, 0.0, math.log2(lp.shape[-1]))
 
 
@@ -94,10 +97,12 @@ def reference(logits: mx.array, targets: Sequence[int], backend: str = "numpy"):
         lp_np = np.array(lp)
         rows = ReferenceRows(lp_np, np.exp(lp_np), np.array(mx.argmax(lp, axis=-1)))
         return rows, nll.tolist(), ent.tolist()
-    lp, p = log_softmax(to_numpy(logits))
+    lp, e, s = log_softmax(to_numpy(logits))
     idx = np.arange(lp.shape[0])
     nll = -lp[idx, np.asarray(targets)]
-    return ReferenceRows(lp, p, lp.argmax(axis=-1)), nll.tolist(), _entropy(lp, p).tolist()
+    ent = _entropy(lp, e, s)
+    p = np.divide(e, s[:, None], out=e)
+    return ReferenceRows(lp, p, lp.argmax(axis=-1)), nll.tolist(), ent.tolist()
 
 
 def routed(logits: mx.array, targets: Sequence[int], ref: ReferenceRows, backend: str = "numpy") -> Dict[str, List]:
@@ -118,13 +123,13 @@ def routed(logits: mx.array, targets: Sequence[int], ref: ReferenceRows, backend
         ent = entropy_bits(logits)
         mx.eval(kl, nll, hits, ent)
         return {"nll": nll.tolist(), "kl": kl.tolist(), "hits": hits.tolist(), "entropy": ent.tolist()}
-    lp, p = log_softmax(to_numpy(logits))
+    lp, e, s = log_softmax(to_numpy(logits))
     idx = np.arange(lp.shape[0])
     nll = -lp[idx, np.asarray(targets)]
     hits = lp.argmax(axis=-1) == ref.top
-    ent = _entropy(lp, p)
-    np.subtract(ref.logprobs, lp, out=p)  # p is no longer needed: reuse it for the log-ratio
-    kl = np.einsum("sv,sv->s", ref.probs, p)
+    ent = _entropy(lp, e, s)
+    np.subtract(ref.logprobs, lp, out=e)  # e is no longer needed: reuse it for the log-ratio
+    kl = np.einsum("sv,sv->s", ref.probs, e)
     return {"nll": nll.tolist(), "kl": kl.tolist(), "hits": hits.tolist(), "entropy": ent.tolist()}
 
 

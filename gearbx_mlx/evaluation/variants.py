@@ -44,12 +44,17 @@ class RowRouter:
     def __init__(self) -> None:
         self._keys: Dict[str, Tuple[int, ...]] = {}
         self._memo: Dict[Tuple[int, ...], Groups] = {}
+        # The last input split into groups: q/k/v (and gate/up) read the same
+        # input with the same groups, so it is gathered once, not three times.
+        self._split: Tuple[Optional[mx.array], Optional[Groups], List[mx.array]] = (None, None, [])
+        self._flat_of: Tuple[Optional[mx.array], Optional[mx.array]] = (None, None)
 
     def set_keys(self, keys: Dict[str, Tuple[int, ...]]) -> None:
         """``keys[path]``: the variant key of every batch row or position, one tuple per path."""
         if len({len(k) for k in keys.values()}) > 1:
             raise ValueError("every path needs one variant key per batch row or position (lengths differ)")
         self._keys = keys
+        self._split, self._flat_of = (None, None, []), (None, None)
         if len(self._memo) > 4096:  # random routers make many patterns
             self._memo.clear()
 
@@ -77,25 +82,40 @@ class RowRouter:
             self._memo[keys] = out
         return out, len(keys)
 
+    def split(self, x: mx.array, groups: Groups) -> List[mx.array]:
+        """``x``'s rows of each group (``x`` flattened to one row per key), gathered once per input."""
+        last_x, last_groups, rows = self._split
+        if x is not last_x or groups is not last_groups:
+            rows = [mx.take(x, idx, axis=0) for _, idx in groups[0]]
+            self._split = (x, groups, rows)
+        return rows
 
-def _route(x: mx.array, groups: Groups, n_keys: int, fn) -> mx.array:
-    """Apply ``fn(key, rows)`` per group and restore the order.
+    def route(self, path: str, x: mx.array, fn) -> mx.array:
+        """Apply ``fn(key, rows)`` to each group of ``path``'s keys and restore the order.
 
-    ``x`` is ``(B, L, ...)``; with ``B`` keys the groups are rows, with
-    ``B * L`` keys they are positions (``x`` is flattened to ``(B * L, ...)``
-    and the answer reshaped back).
-    """
-    parts, inverse = groups
-    if inverse is None:
-        return fn(parts[0][0], x)
-    lead = x.shape[:2]
-    if n_keys != x.shape[0]:
-        if x.ndim < 2 or n_keys != lead[0] * lead[1]:
-            raise ValueError(f"{n_keys} variant keys for an input of shape {x.shape}: give B or B*L keys")
-        x = x.reshape(n_keys, *x.shape[2:])
-    ys = [fn(k, mx.take(x, idx, axis=0)) for k, idx in parts]
-    y = mx.take(mx.concatenate(ys, axis=0), inverse, axis=0)
-    return y if n_keys == lead[0] else y.reshape(*lead, *y.shape[1:])
+        ``x`` is ``(B, L, ...)``; with ``B`` keys the groups are rows, with
+        ``B * L`` keys they are positions (``x`` is flattened to ``(B * L, ...)``
+        and the answer reshaped back).
+        """
+        groups, n_keys = self.groups(path)
+        parts, inverse = groups
+        if inverse is None:
+            return fn(parts[0][0], x)
+        lead = x.shape[:2]
+        flat = x
+        if n_keys != x.shape[0]:
+            if x.ndim < 2 or n_keys != lead[0] * lead[1]:
+                raise ValueError(f"{n_keys} variant keys for an input of shape {x.shape}: give B or B*L keys")
+            flat = self._flat(x, n_keys)
+        ys = [fn(k, rows) for (k, _), rows in zip(parts, self.split(flat, groups))]
+        y = mx.take(mx.concatenate(ys, axis=0), inverse, axis=0)
+        return y if n_keys == lead[0] else y.reshape(*lead, *y.shape[1:])
+
+    def _flat(self, x: mx.array, n_keys: int) -> mx.array:
+        # The same input reshaped twice must be the same object for split() to see it.
+        if self._flat_of[0] is not x:
+            self._flat_of = (x, x.reshape(n_keys, *x.shape[2:]))
+        return self._flat_of[1]
 
 
 class VariantLinear(nn.Module):
@@ -135,7 +155,7 @@ class VariantLinear(nn.Module):
         def fn(key: int, rows: mx.array) -> mx.array:
             return rows @ self._variants[key].T
 
-        y = _route(x, *self._router.groups(self._path), fn)
+        y = self._router.route(self._path, x, fn)
         return y if self._bias is None else y + self._bias
 
 
@@ -161,11 +181,11 @@ class VariantEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         """``(R, L)`` token ids -> ``(R, L, dims)``."""
-        return _route(ids, *self._router.groups(self._path), lambda k, rows: self._variants[k][rows])
+        return self._router.route(self._path, ids, lambda k, rows: self._variants[k][rows])
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``(R, L, dims) -> (R, L, vocab)``: the tied output projection."""
-        return _route(x, *self._router.groups(self._path), lambda k, rows: rows @ self._variants[k].T)
+        return self._router.route(self._path, x, lambda k, rows: rows @ self._variants[k].T)
 
 
 class VariantModel:
