@@ -35,9 +35,11 @@ from gearbx_mlx.policies import ReplayPolicy
 VOCAB = 256
 #: Thresholds in the tiny model's bits: its entropies spread over 2.6-7.1 bits, so rows shift often.
 SPREAD = {"a": (4.7, 6.6), "b": (5.5, 6.2)}
-#: The chunked and the one-step passes multiply in other shapes; on this model they agree to the bit,
-#: and must at least agree this closely.
+#: The chunked and the one-step passes multiply in other shapes: with the reference BLAS they agree to
+#: the bit on this model, with OpenBLAS to 1e-6 relative (entropies, NLL) and, for the KL of two close
+#: float32 distributions, to 1e-7 nats absolute.
 CHUNKED_RTOL = 1e-5
+CHUNKED_KL_ATOL = 1e-6
 #: The metrics in float32 against the same formulas in float64, absolute: numpy's (measured: below
 #: 1e-7), and MLX's, whose log-sum-exp rounds log p of a near-certain token coarser (measured: 6e-6
 #: on a nearly one-hot row; 3e-7 relative elsewhere).
@@ -118,7 +120,7 @@ def test_chunked_passes_equal_one_step_per_pass(spread_model):
     for a, b in [*zip(fast, slow), *zip(short, slow)]:
         assert a.gears == b.gears, a.spec.name
         for field in ("kl", "entropy", "smoothed"):
-            np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=CHUNKED_RTOL, atol=1e-9)
+            np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=CHUNKED_RTOL, atol=CHUNKED_KL_ATOL)
         assert a.perplexity == pytest.approx(b.perplexity, rel=CHUNKED_RTOL)
         assert a.hits == b.hits and a.bytes_per_token == b.bytes_per_token
     # And both equal the loop written out, for an entropy row of each scope.
@@ -164,7 +166,7 @@ def test_a_cache_that_cannot_be_trimmed_runs_one_step_per_pass(spread_model, mon
     monkeypatch.setattr(chunked, "trim_prompt_cache", refuse)
     got = teacher_forced(spread_model, windows, specs, layout, config, VOCAB)
     assert got[1].gears == want[1].gears
-    np.testing.assert_allclose(got[1].kl, want[1].kl, rtol=CHUNKED_RTOL, atol=1e-9)
+    np.testing.assert_allclose(got[1].kl, want[1].kl, rtol=CHUNKED_RTOL, atol=CHUNKED_KL_ATOL)
 
 
 def test_a_row_keeps_no_step_of_a_wrong_guess(spread_model, monkeypatch):
@@ -184,7 +186,7 @@ def test_a_row_keeps_no_step_of_a_wrong_guess(spread_model, monkeypatch):
     monkeypatch.setattr(chunked, "_guess", wrong)
     got = teacher_forced(spread_model, windows, specs, layout, config, VOCAB)
     assert got[1].gears == want[1].gears
-    np.testing.assert_allclose(got[1].kl, want[1].kl, rtol=CHUNKED_RTOL, atol=1e-9)
+    np.testing.assert_allclose(got[1].kl, want[1].kl, rtol=CHUNKED_RTOL, atol=CHUNKED_KL_ATOL)
 
 
 def test_per_position_keys_route_each_position(spread_model):
