@@ -470,3 +470,25 @@ def test_metrics_guard_non_finite_logits_like_entropy_bits():
     with pytest.raises(ValueError, match="backend"):
         metrics.routed(logits, [0, 1], None, "torch")
 
+
+
+def test_a_real_tokenizer_that_adds_a_bos_is_reported_and_its_bos_kept():
+    """The default model's Hugging Face tokenizer, told to add a BOS as Gemma's does."""
+    from mlx_lm.utils import load_tokenizer
+    from tokenizers import processors
+
+    from gearbx_mlx.sources.models import default_model_path
+
+    folder = default_model_path(None)
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip(f"the default model is not in the cache ({folder})")
+    tok = load_tokenizer(folder)
+    plain = tok.encode("Hello world")
+    assert tokenization_note(tok, "Hello world", 2).endswith("adds no BOS")
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    assert tok.encode("Hello world") == [bos] + plain  # the tokenizer now adds one
+    note = tokenization_note(tok, "Hello world", 2)
+    assert f"adds <|im_start|> (id {bos}) before the text" in note and "later windows begin mid-text" in note
+    assert text_tokens(tok, "Hello world " * 50, 5)[:3] == [bos] + plain
