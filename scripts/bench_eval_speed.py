@@ -13,6 +13,10 @@ baseline revision is exported from git into a temporary directory and run
 the same way. The CPU time is the fairer number on a shared machine: the
 wall time also measures the neighbours.
 
+``--metrics`` also times the per-position metrics of one window (NLL, KL,
+top-1, entropy of 511 x 49,152 logits, the default model's shape) with each
+backend of ``gearbx_mlx.evaluation.metrics``, in this process.
+
 Prints a table and writes benchmarks/results/eval_harness_speed.json.
 """
 
@@ -80,8 +84,30 @@ def run_once(package_root: Path, tokens: int, out: Path) -> Dict[str, Any]:
     }
 
 
+def time_metrics(positions: int = 511, vocab: int = 49152, repeats: int = 3) -> Dict[str, Any]:
+    """CPU seconds of ``metrics.reference`` + ``metrics.routed`` on one window's logits, per backend."""
+    import mlx.core as mx
+    import numpy as np
+
+    from gearbx_mlx.evaluation import metrics
+
+    rng = np.random.default_rng(0)
+    ref_logits = mx.array((rng.normal(size=(positions, vocab)) * 3).astype(np.float32))
+    logits = mx.array((np.array(ref_logits) + rng.normal(size=(positions, vocab)) * 0.1).astype(np.float32))
+    targets = rng.integers(0, vocab, positions).tolist()
+    out: Dict[str, Any] = {"positions": positions, "vocab": vocab, "repeats": repeats}
+    for backend in metrics.BACKENDS:
+        ref, _, _ = metrics.reference(ref_logits, targets, backend)
+        tic = time.process_time()
+        for _ in range(repeats):
+            metrics.routed(logits, targets, ref, backend)
+        out[f"{backend}_routed_cpu_s"] = (time.process_time() - tic) / repeats
+    return out
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
-    head = f"{'revision':<10} {'tokens':>6} {'wall s':>7} {'CPU s':>7} {'load':>9} {'calib s':>7} {'pass1 s':>7} {'pass2 s':>7}"
+    head = (f"{'revision':<10} {'tokens':>6} {'wall s':>7} {'CPU s':>7} {'load':>9} "
+            f"{'calib s':>7} {'pass1 s':>7} {'pass2 s':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t = r["timings"]
@@ -98,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512], help="token counts for this checkout")
     ap.add_argument("--baseline", metavar="REV", help="also time this git revision (e.g. the commit before a change)")
     ap.add_argument("--baseline-tokens", type=int, nargs="+", default=[128], help="token counts for the baseline")
+    ap.add_argument("--metrics", action="store_true", help="also time the per-position metrics per backend")
     ap.add_argument("--out", default=str(RESULTS / "eval_harness_speed.json"), help="results JSON")
     args = ap.parse_args(argv)
     if any(n < 2 for n in args.tokens + args.baseline_tokens):
@@ -117,6 +144,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             row = run_once(root, n, Path(tmp) / f"run{i}.json")
             rows.append({"revision": rev, **row})
     print(table(rows))
+    micro = None
+    if args.metrics:
+        micro = time_metrics()
+        print(f"metrics of one window ({micro['positions']} x {micro['vocab']}), CPU s per row: "
+              + ", ".join(f"{b} {micro[b + '_routed_cpu_s']:.2f}" for b in ("numpy", "mlx")))
     out = {
         "script": "python scripts/bench_eval_speed.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
@@ -130,6 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "note": "wall time depends on the machine's load (load_average_1min, before and after each run); "
         "cpu_s is user + system time of the run, all threads",
         "runs": rows,
+        "metrics": micro,
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"results: {args.out}")
