@@ -8,7 +8,8 @@ position's keys and values come from its own gear, and attention only looks
 back. So:
 
 * a row whose gears do not depend on entropy (static, position rule, a
-  replayed sequence) runs a whole window in one pass;
+  replayed sequence) runs a window in passes as long as allowed
+  (:class:`ChunkSettings`: 256 positions on the default model);
 * an entropy row runs in chunks: the chunk's gears are guessed by replaying
   the policy on predicted entropies (the row's own from an earlier chunk
   where known, else the reference's), the chunk is run, and the policy,
