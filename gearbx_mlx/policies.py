@@ -2,7 +2,8 @@
 
 The entropy policy is GEARBX itself; the others are baselines with the same
 interface (a fixed gear, a position rule as in progressive mixed-precision
-decoding, a seeded random router with given gear fractions). A policy sees
+decoding, a seeded random router with given gear fractions, a replayed gear
+sequence such as a shuffle of another policy's own gears). A policy sees
 the monitor's conclusion for each step and the step's index; it must be
 deterministic given those (the random policy draws from its own seeded
 generator).
@@ -11,7 +12,7 @@ generator).
 from __future__ import annotations
 
 import random
-from typing import Dict, Optional, Protocol
+from typing import Dict, Optional, Protocol, Sequence
 
 from .config import GEARS
 from .entropy import MonitorStep
@@ -98,6 +99,29 @@ class RandomPolicy:
 
     def next_gear(self, step: int, seen: MonitorStep) -> str:
         return self._draw()
+
+
+class ReplayPolicy:
+    """A given gear sequence, one gear per step (the last one held after its end).
+
+    The evaluation's random baseline replays a random permutation of an
+    entropy policy's own gears in each window: the same gears, hence the same
+    bytes, at positions the entropy did not choose.
+    """
+
+    def __init__(self, gears: Sequence[str]) -> None:
+        gears = list(gears)
+        if not gears or any(g not in GEARS for g in gears):
+            bad = next((g for g in gears if g not in GEARS), None)
+            raise ValueError(f"gears must be a non-empty sequence over {GEARS}, got {bad!r} in {len(gears)} gears")
+        self.gears = gears
+        self.name = "replay"
+
+    def initial(self, suggested: str) -> str:
+        return self.gears[0]
+
+    def next_gear(self, step: int, seen: MonitorStep) -> str:
+        return self.gears[min(step + 1, len(self.gears) - 1)]
 
 
 def make_policy(static_gear: Optional[str] = None) -> Policy:

@@ -142,9 +142,11 @@ def test_matched_position_rule_spends_the_same_bytes():
     dyn = PolicySpec("dynamic-x/all", "entropy", "all")
     hi, lo = layout.bytes_per_token(dyn, "high"), layout.bytes_per_token(dyn, "low")
     target = lo + 0.25 * (hi - lo)
-    pos, rnd = matched_specs([(dyn, {"low": 30, "mid": 0, "high": 10}, target)], layout, 101, seed=3)
+    gears = ["l" * 30 + "h" * 10, "h" * 5 + "l" * 30 + "h" * 5]
+    pos, rnd = matched_specs([(dyn, gears, target)], layout, 101, seed=3)
     assert pos.kind == "position" and pos.k == 25 and pos.matched_to == dyn.name
     assert rnd.kind == "random" and dict(rnd.fractions) == {"low": 0.75, "mid": 0.0, "high": 0.25}
+    assert [sorted(s) for s in rnd.sequences] == [sorted(s) for s in gears] and rnd.sequences != tuple(gears)
 
 
 def test_bad_specs_and_windows_raise():

@@ -5,10 +5,15 @@ on stdout, JSON with ``--out``, PNGs with ``--plots``, progress on stderr).
 
 What is measured (GEARBX §9, §13, §15, §17):
 
-* quality, teacher-forced: the text is fed token by token through the KV
-  cache, each policy routing its own row of one batched pass; lag 0 (the
-  entropy of step t governs step t+1); perplexity, mean KL(reference ‖
-  routed), top-1 agreement, tokens per gear, shifts, modeled bytes/token;
+* quality, teacher-forced: the text is fed through the KV cache as in
+  decode, each policy routing its own row, many steps per forward pass
+  (:mod:`.chunked`); lag 0 (the entropy of step t governs step t+1);
+  perplexity, mean KL(reference ‖ routed), top-1 agreement, tokens per
+  gear, shifts, modeled bytes/token;
+* matched baselines (a second pass): for each entropy policy, a position
+  rule at its bytes and a random router replaying a per-window permutation
+  of its own gears (equal bytes by construction); each comparison is a
+  paired test over positions (:mod:`.significance`);
 * speed, on the real kernels (``QuantizedLinear`` swapped by the
   ``PrecisionManager`` inside ``stream_generate``) over a shorter stretch;
 * the speculative policy: the low or mid gear drafts, the high gear
@@ -19,24 +24,28 @@ What is measured (GEARBX §9, §13, §15, §17):
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import statistics
 import time
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..calibration import collect_entropies, median_thresholds, percentile_thresholds
 from ..config import CALIBRATION_PROMPTS, GearboxConfig
 from ..entropy import scaled_thresholds
 from ..gearbox import vocab_size_of
 from ..precision import is_prequantized
-from ..sources.models import CORPUS_PACKAGE, corpus_path
 from . import report
-from .specs import ModelLayout, base_specs, matched_specs
+from .significance import BOOTSTRAP
+from .specs import ModelLayout, PolicySpec, base_specs, matched_specs
 from .speculative import evaluate_speculative
 from .speed import SpeedBench, measure_speed
-from .teacher import split_windows, teacher_forced
+from .teacher import RowResult, TeacherForcing, split_windows
+from .text import read_text, text_tokens, tokenization_note
 from .workloads import gear_by_workload
+
+__all__ = ["evaluate", "read_text", "text_tokens", "calibrated_thresholds", "DEFAULT_TOKENS", "DEFAULT_WINDOW",
+           "DEFAULT_SPEED_TOKENS", "DEFAULT_SPEED_PROMPT", "DEFAULT_WORKLOAD_TOKENS", "PLOT_PREFIX"]
 
 DEFAULT_TOKENS = 4096
 DEFAULT_WINDOW = 512
@@ -50,43 +59,15 @@ LAG_NOTE = (
     "as GearboxConfig.lag=0 in generation; the first step of each window runs in the "
     "policy's initial gear (cold-start suggestion: high)"
 )
+RANDOM_NOTE = (
+    "random@X replays, in each window, a random permutation (seeded) of X's own gears in that window: "
+    "the same gears in the same number, hence the same modeled bytes, at positions the entropy did not choose"
+)
 
 
-def read_text(path: Optional[str]) -> Tuple[str, Dict[str, Any]]:
-    """The evaluation text and a description of it (default: gensim's lee_background.cor)."""
-    if path is None:
-        p = corpus_path("lee_background")
-        source = f"lee_background.cor from {CORPUS_PACKAGE}"
-    else:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"text file not found: {path} (pass an existing UTF-8 text file to --text)")
-        source = str(path)
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{p} is not UTF-8 text ({e}); pass a UTF-8 text file") from None
-    if not text.strip():
-        raise ValueError(f"{p} is empty: pass a file with some text")
-    return text, {"source": source, "sha256": hashlib.sha256(data).hexdigest(), "chars": len(text)}
-
-
-def text_tokens(tokenizer: Any, text: str, n: int) -> List[int]:
-    """The first ``n`` token ids of ``text`` (raw text: no chat template, no BOS added)."""
-    # Encode a growing prefix, not the whole corpus; tokens well before the
-    # cut do not depend on it (only the last word can be split differently).
-    margin = 16
-    chars = max(256, n * 6)
-    while True:
-        whole = chars >= len(text)
-        ids = tokenizer.encode(text[:chars])
-        if whole or len(ids) >= n + margin:
-            return list(ids[:n])
-        chars *= 2
-
-
-def calibrated_thresholds(model: Any, tokenizer: Any, vocab_size: int) -> Tuple[Dict[str, Tuple[float, float]], Dict[str, Any]]:
+def calibrated_thresholds(
+    model: Any, tokenizer: Any, vocab_size: int
+) -> Tuple[Dict[str, Tuple[float, float]], Dict[str, Any]]:
     """Median (§4.2) and percentile (§4.1) thresholds from the default calibration prompts."""
     samples = collect_entropies(model, tokenizer)
     th = {"median": median_thresholds(samples), "percentile": percentile_thresholds(samples, vocab_size)}
@@ -99,15 +80,35 @@ def calibrated_thresholds(model: Any, tokenizer: Any, vocab_size: int) -> Tuple[
     return th, info
 
 
+@dataclass
+class Quality:
+    """The teacher-forced passes: first-pass rows, all rows, what they cost."""
+
+    first: List[RowResult]
+    rows: List[RowResult]
+    reference_repeat: Optional[Dict[str, float]] = None
+    forcing: Dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _timed(timings: Dict[str, float], key: str) -> Iterator[None]:
+    """Wall seconds as ``key``, CPU seconds (all threads) as ``key`` with ``_cpu_s``: on a
+    shared machine the wall time says as much about the neighbours as about the work."""
+    tic, cpu = time.perf_counter(), time.process_time()
+    yield
+    timings[key] = time.perf_counter() - tic
+    timings[key.replace("_s", "_cpu_s")] = time.process_time() - cpu
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
     text: str,
-    policies: Optional[Sequence[Any]] = None,
+    policies: Optional[Sequence[PolicySpec]] = None,
     *,
     tokens: int = DEFAULT_TOKENS,
     window: int = DEFAULT_WINDOW,
-    config: Any = None,
+    config: Optional[GearboxConfig] = None,
     seed: int = 0,
     matched: bool = True,
     speed_tokens: int = DEFAULT_SPEED_TOKENS,
@@ -115,7 +116,7 @@ def evaluate(
     workload_tokens: int = DEFAULT_WORKLOAD_TOKENS,
     speculative: bool = True,
     draft_calibration_tokens: Optional[int] = None,
-    max_rows: int = 128,
+    max_positions: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Dict[str, Any]:
     """Evaluate gear policies on ``model`` over the first ``tokens`` tokens of ``text``.
@@ -130,10 +131,10 @@ def evaluate(
         tokens: tokens of text used (>= 2), cut into windows of ``window``
             tokens; each window is one sequence (fresh cache and monitor).
         config: :class:`~gearbx_mlx.config.GearboxConfig` of the monitor and gears.
-        seed: seeds the random routers.
+        seed: seeds the random routers' permutations and the bootstrap.
         matched: add, for each entropy policy, a position rule at equal
-            modeled bytes and a random router with equal gear fractions
-            (a second batched pass).
+            modeled bytes and a random router replaying a permutation of its
+            gears (a second pass), each compared with it by a paired test.
         speed_tokens: decode tokens per policy on the real kernels (0: skip).
         workload_tokens: tokens per workload prompt for the gear-by-workload
             generations (0: skip).
@@ -142,22 +143,14 @@ def evaluate(
         draft_calibration_tokens: high-gear tokens per calibration prompt
             when calibrating each drafter's block cap and stop (None: the
             calibration's own default, as ``--speculative --calibrate``).
-        max_rows: batch rows per pass chunk (windows x policies).
+        max_positions: most positions per forward pass (None: as many as
+            keep a pass's logits near 128 MiB).
         progress: status lines (e.g. :func:`~gearbx_mlx.evaluation.teacher.stderr_progress`).
 
     Returns:
         The results dictionary (see ``benchmarks/results/eval_default.json``).
     """
-    if not isinstance(tokens, int) or tokens < 2:
-        raise ValueError(f"tokens must be an integer >= 2 (one scored prediction needs two tokens), got {tokens!r}")
-    if not isinstance(window, int) or window < 2:
-        raise ValueError(f"window must be an integer >= 2, got {window!r}")
-    if speed_tokens < 0 or workload_tokens < 0 or speed_prompt < 1:
-        raise ValueError("speed_tokens and workload_tokens must be >= 0 (0 skips), speed_prompt >= 1")
-    if draft_calibration_tokens is not None and draft_calibration_tokens < 1:
-        raise ValueError(f"draft_calibration_tokens must be >= 1, got {draft_calibration_tokens!r}")
-    if is_prequantized(model):
-        raise ValueError("the model is already quantized: evaluate a float16/bfloat16/float32 model")
+    _check_arguments(model, tokens, window, speed_tokens, speed_prompt, workload_tokens, draft_calibration_tokens)
     say = progress or (lambda _msg: None)
     config = config or GearboxConfig()
     timings: Dict[str, float] = {}
@@ -168,69 +161,117 @@ def evaluate(
     windows = split_windows(ids, window)
     layout = ModelLayout.of(model, config, vocab)
 
-    tic = time.perf_counter()
-    thresholds: Dict[str, Optional[Tuple[float, float]]] = {"default": scaled_thresholds(config, vocab)}
-    calibration_info: Dict[str, Any] = {}
-    if policies is None:
-        say("calibrating thresholds (median and percentile) on the default prompts ...")
-        cal, calibration_info = calibrated_thresholds(model, tokenizer, vocab)
-        thresholds.update(cal)
-        policies = base_specs({"default": None, "median": cal["median"], "percentile": cal["percentile"]})
-    timings["calibration_s"] = time.perf_counter() - tic
-
-    tic = time.perf_counter()
-    first = teacher_forced(model, windows, policies, layout, config, vocab, say, "pass 1", max_rows)
-    timings["pass1_s"] = time.perf_counter() - tic
-    results = list(first)
-    reference_repeat: Optional[Dict[str, float]] = None
-    if matched:
-        entropy_rows = [(r.spec, r.gear_counts(), r.bytes_per_token) for r in first if r.spec.kind == "entropy"]
-        if entropy_rows:
-            ref_spec = next(r.spec for r in first if r.spec.is_reference)
-            second_specs = [ref_spec] + matched_specs(entropy_rows, layout, len(windows[0]), seed)
-            tic = time.perf_counter()
-            second = teacher_forced(model, windows, second_specs, layout, config, vocab, say, "pass 2", max_rows)
-            timings["pass2_s"] = time.perf_counter() - tic
-            # The second pass scores its rows against its own static-high row;
-            # a different batch rounds differently, so record by how much.
-            ref1 = next(r for r in first if r.spec.is_reference)
-            reference_repeat = {"pass1_perplexity": ref1.perplexity, "pass2_perplexity": second[0].perplexity}
-            results += second[1:]
-
-    ref_bytes = next(r for r in results if r.spec.is_reference).bytes_per_token
+    with _timed(timings, "calibration_s"):
+        policies, thresholds, calibration_info = _policies(model, tokenizer, config, vocab, policies, say)
+    quality = _quality(model, windows, policies, layout, config, vocab, seed, matched, max_positions, say, timings)
     speed: Dict[str, Dict[str, Any]] = {}
     if speed_tokens:
-        tic = time.perf_counter()
-        bench = SpeedBench(model, tokenizer, layout, config, vocab)
-        need = speed_prompt + speed_tokens
-        speed_ids = ids if len(ids) >= need else text_tokens(tokenizer, text, need)
-        if len(speed_ids) >= need:
-            # Speed of the first-pass policies (every kernel configuration); the
-            # matched baselines differ only in their gear sequence.
-            speed = measure_speed(bench, [r.spec for r in first], speed_ids, len(windows[0]),
-                                  speed_prompt, speed_tokens, say)
-        else:
-            say(f"speed skipped: the text has fewer than {need} tokens")
-        timings["speed_s"] = time.perf_counter() - tic
-
-    rows = [report.policy_row(r, ref_bytes, speed.get(r.spec.name)) for r in results]
+        with _timed(timings, "speed_s"):
+            speed = _speed(model, tokenizer, text, ids, quality.first, layout, config, vocab, len(windows[0]),
+                           speed_prompt, speed_tokens, say)
     spec_section: Optional[Dict[str, Any]] = None
     if speculative:
-        tic = time.perf_counter()
-        spec_section = evaluate_speculative(
-            model, tokenizer, first, layout, config, vocab, len(windows[0]) - 1, speed, ids[:speed_prompt],
-            draft_calibration_tokens, say,
-        )
-        timings["speculative_s"] = time.perf_counter() - tic
+        with _timed(timings, "speculative_s"):
+            spec_section = evaluate_speculative(
+                model, tokenizer, quality.first, layout, config, vocab, len(windows[0]) - 1, speed,
+                ids[:speed_prompt], draft_calibration_tokens, say,
+            )
     work: Dict[str, Any] = {}
     if workload_tokens:
-        tic = time.perf_counter()
-        # The entropy policies of the config's scope (the paper's default: attention).
-        work_specs = [r.spec for r in first if r.spec.kind == "entropy" and r.spec.scope == config.scope]
-        work = gear_by_workload(model, tokenizer, work_specs, config, vocab, workload_tokens, progress=say)
-        timings["workloads_s"] = time.perf_counter() - tic
+        with _timed(timings, "workloads_s"):
+            # The entropy policies of the config's scope (the paper's default: attention).
+            work_specs = [r.spec for r in quality.first if r.spec.kind == "entropy" and r.spec.scope == config.scope]
+            work = gear_by_workload(model, tokenizer, work_specs, config, vocab, workload_tokens, progress=say)
+    return _document(
+        quality, speed, spec_section, work, timings, layout, config, vocab, thresholds, calibration_info,
+        tokenizer, text, tokens, windows, seed, speed_prompt, speed_tokens,
+    )
 
-    comps = report.comparisons(rows)
+
+def _check_arguments(
+    model: Any, tokens: Any, window: Any, speed_tokens: int, speed_prompt: int, workload_tokens: int,
+    draft_calibration_tokens: Optional[int],
+) -> None:
+    """One clear error for bad arguments, before anything runs."""
+    if not isinstance(tokens, int) or tokens < 2:
+        raise ValueError(f"tokens must be an integer >= 2 (one scored prediction needs two tokens), got {tokens!r}")
+    if not isinstance(window, int) or window < 2:
+        raise ValueError(f"window must be an integer >= 2, got {window!r}")
+    if speed_tokens < 0 or workload_tokens < 0 or speed_prompt < 1:
+        raise ValueError("speed_tokens and workload_tokens must be >= 0 (0 skips), speed_prompt >= 1")
+    if draft_calibration_tokens is not None and draft_calibration_tokens < 1:
+        raise ValueError(f"draft_calibration_tokens must be >= 1, got {draft_calibration_tokens!r}")
+    if is_prequantized(model):
+        raise ValueError("the model is already quantized: evaluate a float16/bfloat16/float32 model")
+
+
+def _policies(
+    model: Any, tokenizer: Any, config: GearboxConfig, vocab: int, policies: Optional[Sequence[PolicySpec]],
+    say: Callable[[str], None],
+) -> Tuple[List[PolicySpec], Dict[str, Optional[Tuple[float, float]]], Dict[str, Any]]:
+    """The first-pass specs, the thresholds behind them, and the calibration that gave them."""
+    thresholds: Dict[str, Optional[Tuple[float, float]]] = {"default": scaled_thresholds(config, vocab)}
+    if policies is not None:
+        return list(policies), thresholds, {}
+    say("calibrating thresholds (median and percentile) on the default prompts ...")
+    cal, info = calibrated_thresholds(model, tokenizer, vocab)
+    thresholds.update(cal)
+    return base_specs({"default": None, "median": cal["median"], "percentile": cal["percentile"]}), thresholds, info
+
+
+def _quality(
+    model: Any, windows: List[List[int]], policies: Sequence[PolicySpec], layout: ModelLayout,
+    config: GearboxConfig, vocab: int, seed: int, matched: bool, max_positions: Optional[int],
+    say: Callable[[str], None], timings: Dict[str, float],
+) -> Quality:
+    """Pass 1 (the policies), then pass 2 (baselines matched to each entropy policy's gears)."""
+    with TeacherForcing(model, windows, layout, config, vocab, policies, max_positions, say) as tf:
+        with _timed(timings, "pass1_s"):
+            first = tf.run(policies, "pass 1")
+        out = Quality(first, list(first))
+        entropy_rows = [(r.spec, r.window_gears(), r.bytes_per_token) for r in first if r.spec.kind == "entropy"]
+        if matched and entropy_rows:
+            ref = next(r for r in first if r.spec.is_reference)
+            second_specs = [ref.spec] + matched_specs(entropy_rows, layout, len(windows[0]), seed)
+            with _timed(timings, "pass2_s"):
+                second = tf.run(second_specs, "pass 2")
+            # The reference is kept from pass 1 (or recomputed the same way): record that it repeats.
+            out.reference_repeat = {"pass1_perplexity": ref.perplexity, "pass2_perplexity": second[0].perplexity}
+            out.rows += second[1:]
+        out.forcing = {label: w.to_dict() for label, w in tf.work.items()}
+        out.forcing["max_positions"] = tf.max_positions
+    return out
+
+
+def _speed(
+    model: Any, tokenizer: Any, text: str, ids: List[int], first: Sequence[RowResult], layout: ModelLayout,
+    config: GearboxConfig, vocab: int, window: int, speed_prompt: int, speed_tokens: int,
+    say: Callable[[str], None],
+) -> Dict[str, Dict[str, Any]]:
+    """Decode speed of the first-pass policies on the real kernels (the matched baselines differ
+    only in their gear sequence)."""
+    need = speed_prompt + speed_tokens
+    speed_ids = ids if len(ids) >= need else text_tokens(tokenizer, text, need)
+    if len(speed_ids) < need:
+        say(f"speed skipped: the text has fewer than {need} tokens")
+        return {}
+    bench = SpeedBench(model, tokenizer, layout, config, vocab)
+    return measure_speed(bench, [r.spec for r in first], speed_ids, window, speed_prompt, speed_tokens, say)
+
+
+def _document(
+    quality: Quality, speed: Dict[str, Dict[str, Any]], spec_section: Optional[Dict[str, Any]],
+    work: Dict[str, Any], timings: Dict[str, float], layout: ModelLayout, config: GearboxConfig, vocab: int,
+    thresholds: Dict[str, Optional[Tuple[float, float]]], calibration_info: Dict[str, Any], tokenizer: Any,
+    text: str, tokens: int, windows: List[List[int]], seed: int, speed_prompt: int, speed_tokens: int,
+) -> Dict[str, Any]:
+    """The results dictionary: rows, comparisons and verdict, traces, and how they were made."""
+    ref_bytes = next(r for r in quality.rows if r.spec.is_reference).bytes_per_token
+    rows = [report.policy_row(r, ref_bytes, speed.get(r.spec.name)) for r in quality.rows]
+    compared = {r.spec.name for r in quality.rows if r.spec.kind == "entropy" or r.spec.matched_to}
+    kl = {r.spec.name: r.kl for r in quality.rows if r.spec.name in compared}
+    steps = len(windows[0]) - 1
+    comps = report.comparisons(rows, kl, steps, seed)
     return {
         "format": report.FORMAT,
         "version": report.VERSION,
@@ -240,19 +281,22 @@ def evaluate(
             "tokens_used": len(windows) * len(windows[0]),
             "window": len(windows[0]),
             "windows": len(windows),
-            "scored_positions": len(windows) * (len(windows[0]) - 1),
-            "tokenization": "tokenizer.encode(raw text), no chat template, no BOS added",
+            "scored_positions": len(windows) * steps,
+            "tokenization": tokenization_note(tokenizer, text, len(windows)),
         },
         "routing": {
             "lag": 0,
             "lag_note": LAG_NOTE,
-            "reference": "static-high row of the same batched pass (the loaded weights)",
+            "reference": "static-high row of the same layers (the loaded weights)",
             "kl_units": "nats",
             "quality_method": (
-                "teacher-forced, one batched pass: each row is one (window, policy); managed layers hold "
-                "the loaded weight and fake-quantized copies (mx.quantize then mx.dequantize, affine, "
-                f"group {config.group_size}) and each row uses its own gear's copy"
+                "teacher-forced: each row feeds the text through the KV cache, many steps per forward pass, "
+                "each position through its own gear's weights (what step-by-step decoding computes); an entropy "
+                "row's gears are guessed, run, and kept up to the first step its policy routes otherwise; "
+                "managed layers hold the loaded weight and fake-quantized copies (mx.quantize then "
+                f"mx.dequantize, affine, group {config.group_size})"
             ),
+            "random_baseline": RANDOM_NOTE,
             "speed_method": (
                 "gearbx_mlx.stream_generate on the real kernels (MLX QuantizedLinear/QuantizedEmbedding "
                 "swapped by PrecisionManager), forced to the text's tokens: "
@@ -260,15 +304,17 @@ def evaluate(
                 "policy after one warm-up"
             ),
             "monitor": config.to_dict(),
-            "reference_in_pass2": reference_repeat,
+            "reference_in_pass2": quality.reference_repeat,
+            "forcing": quality.forcing,
         },
+        "significance": {"seed": seed, "test": "paired block bootstrap of per-position KL", **BOOTSTRAP.__dict__},
         "thresholds": {k: list(v) if v else None for k, v in thresholds.items()},
         "calibration": calibration_info,
         "policies": rows,
         "speculative": spec_section,
         "comparisons": comps,
         "verdict": report.verdict(comps),
-        "traces": {r.spec.name: report.trace_entry(r) for r in results},
+        "traces": {r.spec.name: report.trace_entry(r, r.spec.name in compared) for r in quality.rows},
         "workloads": work,
         "timings": timings,
     }

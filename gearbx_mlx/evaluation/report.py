@@ -2,6 +2,8 @@
 
 Quality numbers are stored at full float precision (they are reproducible
 bit for bit on one machine and command); the printed table rounds them.
+A comparison's verdict comes from a paired test over positions
+(:mod:`.significance`), not from which mean is smaller.
 """
 
 from __future__ import annotations
@@ -13,12 +15,22 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import GEARS
+from . import significance
 from .teacher import RowResult
 
 FORMAT = "gearbx-eval"
-VERSION = 1
+#: 2: random baselines permute the policy's own gears; comparisons carry a test; KL traces.
+VERSION = 2
 #: Entropies kept in the JSON trace are rounded: they only feed the figures.
 TRACE_DECIMALS = 4
+#: Significant digits of the per-position KL kept in the trace (enough to redo the test).
+KL_DIGITS = 6
+#: Words of a comparison's outcome (KL: lower is better).
+OUTCOME_WORDS = {
+    significance.LOWER: "beats",
+    significance.HIGHER: "does worse than",
+    significance.SAME: "is indistinguishable from",
+}
 
 
 def policy_row(res: RowResult, ref_bytes: float, speed: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -41,23 +53,33 @@ def policy_row(res: RowResult, ref_bytes: float, speed: Optional[Dict[str, Any]]
     }
 
 
-def trace_entry(res: RowResult) -> Dict[str, Any]:
+def trace_entry(res: RowResult, with_kl: bool = False) -> Dict[str, Any]:
+    """A row's trace: gears; entropies for entropy rows; per-position KL if ``with_kl``."""
     out: Dict[str, Any] = {"gears": "".join(res.gears)}
     if res.spec.kind == "entropy":  # the other rows' entropies feed no figure
         out["entropy"] = [round(x, TRACE_DECIMALS) for x in res.entropy]
         out["smoothed"] = [round(x, TRACE_DECIMALS) for x in res.smoothed]
+    if with_kl:
+        out["kl"] = [float(f"{x:.{KL_DIGITS}g}") for x in res.kl]
     return out
 
 
-def comparisons(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def comparisons(
+    rows: Sequence[Dict[str, Any]],
+    kl: Optional[Dict[str, Sequence[float]]] = None,
+    window_steps: Optional[int] = None,
+    seed: int = 0,
+) -> List[Dict[str, Any]]:
     """Each entropy policy against its matched position rule and random router.
 
-    ``beats_*`` is True when the entropy policy has the lower mean KL to the
-    reference: KL measures what routing is meant to preserve (closeness to
-    the full-precision model), while perplexity differences this small can
-    fall either way by chance (a quantized row can even score below the
-    reference). Perplexity and top-1 are listed beside it, and the byte
-    budgets too, so that "equal bytes" can be checked, not assumed.
+    KL measures what routing is meant to preserve (closeness to the
+    full-precision model), so the comparison is on KL; perplexity and top-1
+    are listed beside it, and the byte budgets too, so that "equal bytes"
+    can be checked, not assumed. With per-position KL (``kl[name]``, windows
+    of ``window_steps`` positions) each comparison carries a paired test,
+    ``test_<kind>``, and ``beats_<kind>`` is True only when the entropy
+    policy's KL is lower with the test's interval below zero; without it
+    (files saved before the test), ``beats_<kind>`` compares the means.
     """
     out = []
     for r in rows:
@@ -69,7 +91,13 @@ def comparisons(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             if m is None:
                 continue
             entry[kind] = _brief(m)
-            entry[f"beats_{kind}"] = r["mean_kl"] < m["mean_kl"]
+            entry[f"bytes_difference_{kind}"] = m["bytes_per_token"] / r["bytes_per_token"] - 1
+            if kl is not None and window_steps and r["name"] in kl and m["name"] in kl:
+                test = significance.paired_difference(kl[r["name"]], kl[m["name"]], window_steps, seed)
+                entry[f"test_{kind}"] = test
+                entry[f"beats_{kind}"] = test["outcome"] == significance.LOWER
+            else:
+                entry[f"beats_{kind}"] = r["mean_kl"] < m["mean_kl"]
         out.append(entry)
     return out
 
@@ -78,24 +106,57 @@ def _brief(r: Dict[str, Any]) -> Dict[str, Any]:
     return {k: r[k] for k in ("name", "perplexity", "mean_kl", "top1_agreement", "bytes_per_token", "relative_bytes")}
 
 
+def refresh_comparisons(results: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A saved run's comparisons, with their tests redone where the file allows.
+
+    Files with tests keep theirs; files without tests but with per-position
+    KL in the traces get them computed; older files keep their comparisons
+    (rendered without a test).
+    """
+    comps = results.get("comparisons") or []
+    if any(k.startswith("test_") for c in comps for k in c):
+        return comps
+    traces = results.get("traces") or {}
+    kl = {name: t["kl"] for name, t in traces.items() if "kl" in t}
+    if not kl:
+        return comps
+    steps = results["text"]["window"] - 1
+    return comparisons(results["policies"], kl, steps, (results.get("significance") or {}).get("seed", 0))
+
+
 def verdict(comps: Sequence[Dict[str, Any]]) -> str:
     """One plain sentence per entropy policy: does it beat its matched baselines?"""
-    lines = []
+    lines, untested = [], False
     for c in comps:
         e = c["entropy"]
         parts = []
         for kind in ("random", "position"):
             if kind not in c:
                 continue
-            m = c[kind]
-            word = "beats" if c[f"beats_{kind}"] else "ties with" if e["mean_kl"] == m["mean_kl"] else "does not beat"
+            m, test = c[kind], c.get(f"test_{kind}")
+            if test is not None:
+                word = OUTCOME_WORDS[test["outcome"]]
+                how = f"mean {_kl(e['mean_kl'])} vs {_kl(m['mean_kl'])} nats, {significance.describe(test)}"
+            else:
+                untested = True
+                tie = e["mean_kl"] == m["mean_kl"]
+                word = "beats" if c[f"beats_{kind}"] else "ties with" if tie else "does not beat"
+                how = f"{_kl(e['mean_kl'])} vs {_kl(m['mean_kl'])} nats"
+            same = e["bytes_per_token"] == m["bytes_per_token"]
             parts.append(
-                f"{word} the {kind} baseline on KL ({e['mean_kl']:.4f} vs {m['mean_kl']:.4f} nats; "
-                f"ppl {e['perplexity']:.3f} vs {m['perplexity']:.3f}; top-1 {e['top1_agreement']:.3f} vs "
-                f"{m['top1_agreement']:.3f}; bytes {e['relative_bytes']:.3f} vs {m['relative_bytes']:.3f} of fp16)"
+                f"{word} the {kind} baseline on KL ({how}; ppl {e['perplexity']:.3f} vs {m['perplexity']:.3f}; "
+                f"top-1 {e['top1_agreement']:.3f} vs {m['top1_agreement']:.3f}; bytes {e['relative_bytes']:.4f} vs "
+                f"{m['relative_bytes']:.4f} of fp16{', equal' if same else ''})"
             )
         lines.append(f"{e['name']}: " + "; ".join(parts))
+    if untested and lines:
+        lines.append("(saved without per-position KL: no significance test; 'beats' compares the means only)")
     return "\n".join(lines)
+
+
+def _kl(x: float) -> str:
+    """KL with 3 significant digits: small values stay readable (1.2e-05, not 0.0000)."""
+    return format(x, ".3g")
 
 
 def table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -110,7 +171,7 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
         sp = r.get("speed") or {}
         tps = sp.get("tokens_per_s")
         lines.append(
-            f"{r['name']:<30} {r['perplexity']:>8.3f} {r['mean_kl']:>9.5f} {r['top1_agreement']:>6.3f} "
+            f"{r['name']:<30} {r['perplexity']:>8.3f} {_kl(r['mean_kl']):>9} {r['top1_agreement']:>6.3f} "
             f"{r['bytes_per_token'] / 1e6:>7.1f} {r['relative_bytes']:>6.3f} "
             f"{100 * f['low']:>5.1f} {100 * f['mid']:>5.1f} {100 * f['high']:>5.1f} {r['shifts']:>6d} "
             f"{'' if tps is None else format(tps, '.1f'):>6}"
@@ -167,7 +228,7 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
         f = r["gear_fractions"]
         tps = (r.get("speed") or {}).get("tokens_per_s")
         out.append(
-            f"| {r['name']} | {r['perplexity']:.3f} | {r['mean_kl']:.5f} | {r['top1_agreement']:.3f} | "
+            f"| {r['name']} | {r['perplexity']:.3f} | {_kl(r['mean_kl'])} | {r['top1_agreement']:.3f} | "
             f"{r['bytes_per_token'] / 1e6:.1f} | {r['relative_bytes']:.3f} | "
             f"{100 * f['low']:.0f}/{100 * f['mid']:.0f}/{100 * f['high']:.0f} | {r['shifts']} | "
             f"{'' if tps is None else format(tps, '.1f')} |"

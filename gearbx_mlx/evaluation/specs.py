@@ -17,6 +17,7 @@ counted once: the output projection reads all of it.
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -26,10 +27,13 @@ from mlx_lm.convert import mixed_quant_predicate_builder
 
 from ..config import GEARS, SCOPES, GearboxConfig
 from ..gearbox import Gearbox
-from ..policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
+from ..policies import EntropyPolicy, PositionPolicy, RandomPolicy, ReplayPolicy, StaticPolicy
 from .variants import ORIGINAL
 
 KINDS = ("static", "entropy", "mixed", "position", "random")
+#: One character per gear in gear sequences and the stored gear traces.
+GEAR_CHAR = {"low": "l", "mid": "m", "high": "h"}
+CHAR_GEAR = {c: g for g, c in GEAR_CHAR.items()}
 #: Bytes per parameter of the high gear and of unmanaged weights (fp16).
 HIGH_BYTES = 2.0
 #: The static mixed recipe compared against (mlx-lm's ``--quant-predicate``).
@@ -56,9 +60,13 @@ class PolicySpec:
             config's vocabulary-scaled defaults.
         source: where the thresholds came from (default / median / percentile).
         k: steps in the high gear at the start of each window (position).
-        fractions: ``((gear, fraction), ...)`` of a random policy.
+        fractions: ``((gear, fraction), ...)`` of a random policy (with
+            ``sequences``: the fractions they realize, for the record).
         seed: the random policy's seed.
         matched_to: the entropy policy a baseline was matched to.
+        sequences: a random policy's gears, one string of :data:`GEAR_CHAR`
+            per window (a permutation of ``matched_to``'s gears); empty = draw
+            each step's gear independently with ``fractions``.
     """
 
     name: str
@@ -71,6 +79,7 @@ class PolicySpec:
     fractions: Tuple[Tuple[str, float], ...] = ()
     seed: int = 0
     matched_to: Optional[str] = None
+    sequences: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,10 +88,17 @@ class PolicySpec:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}")
         if self.gear not in GEARS:
             raise ValueError(f"{self.name}: gear must be one of {GEARS}, got {self.gear!r}")
+        if any(set(s) - set(CHAR_GEAR) or not s for s in self.sequences):
+            raise ValueError(f"{self.name}: sequences must be non-empty strings over {sorted(CHAR_GEAR)}")
 
     @property
     def is_reference(self) -> bool:
         return self.kind == "static" and self.gear == "high"
+
+    @property
+    def reacts(self) -> bool:
+        """True if the gears depend on the entropy seen (the others' are known in advance)."""
+        return self.kind == "entropy"
 
     def gears_used(self) -> Tuple[str, ...]:
         """Gears this policy may select (decides which variants are built)."""
@@ -93,6 +109,8 @@ class PolicySpec:
         if self.kind == "position":
             return ("high", "low")
         if self.kind == "random":
+            if self.sequences:
+                return tuple(g for g in GEARS if any(GEAR_CHAR[g] in s for s in self.sequences))
             return tuple(g for g, f in self.fractions if f > 0)
         return GEARS
 
@@ -100,7 +118,7 @@ class PolicySpec:
         """A fresh policy object (``gearbx_mlx.policies``) for this spec.
 
         ``stream`` (the window index) gives a random policy its own seeded
-        stream per window, so windows can run side by side in one batch.
+        stream, or its own replayed sequence, per window.
         """
         if self.kind == "static":
             return StaticPolicy(self.gear)
@@ -109,6 +127,11 @@ class PolicySpec:
         if self.kind == "position":
             return PositionPolicy(self.k, "high", "low")
         if self.kind == "random":
+            if self.sequences:
+                if not 0 <= stream < len(self.sequences):
+                    raise ValueError(f"{self.name}: no gear sequence for window {stream} "
+                                     f"(it has {len(self.sequences)}): match it on the same windows")
+                return ReplayPolicy([CHAR_GEAR[c] for c in self.sequences[stream]])
             return RandomPolicy(dict(self.fractions), seed=self.seed * 100_003 + stream)
         return EntropyPolicy()
 
@@ -116,6 +139,10 @@ class PolicySpec:
         d = dataclasses.asdict(self)
         d["fractions"] = dict(self.fractions)
         d["thresholds"] = list(self.thresholds) if self.thresholds else None
+        # The sequences are the row's gear trace (stored with the traces).
+        del d["sequences"]
+        if self.sequences:
+            d["draw"] = "permutation of the matched policy's gears in each window"
         return d
 
 
@@ -219,6 +246,15 @@ class ModelLayout:
         unmanaged = (self.total_params - sum(self.params.values())) * HIGH_BYTES
         return managed + unmanaged
 
+    def sequence_bytes(self, spec: PolicySpec, counts: Dict[str, int]) -> float:
+        """Modeled bytes of the steps of ``spec`` with these gear counts.
+
+        A function of the counts alone, summed in one fixed order: two gear
+        sequences that are permutations of each other cost exactly the same
+        float, not merely nearly.
+        """
+        return sum(counts.get(g, 0) * self.bytes_per_token(spec, g) for g in GEARS)
+
     def bits_per_path(self, specs: Sequence[PolicySpec]) -> Dict[str, List[int]]:
         """Fake-quantized variants each path needs for these rows."""
         need: Dict[str, set] = {p: set() for p in self.paths}
@@ -288,30 +324,45 @@ def base_specs(thresholds: Dict[str, Optional[Tuple[float, float]]]) -> List[Pol
 
 
 def matched_specs(
-    entropy_rows: Sequence[Tuple[PolicySpec, Dict[str, int], float]],
+    entropy_rows: Sequence[Tuple[PolicySpec, Sequence[str], float]],
     layout: ModelLayout,
     window: int,
     seed: int,
 ) -> List[PolicySpec]:
     """Baselines at the budget of each entropy policy (the second pass).
 
-    For each ``(spec, gear counts, mean bytes per token)``: a position rule
-    whose k makes its bytes per token equal (high then low within each
-    window of ``window`` tokens), and a random router with the same gear
-    fractions, seeded by ``seed`` and the row's index.
+    For each ``(spec, gears per window, mean bytes per token)`` (gears as
+    strings of :data:`GEAR_CHAR`, one per window):
+
+    * a position rule whose k makes its bytes per token equal (high then low
+      within each window of ``window`` tokens), up to the rounding of k;
+    * a random router that replays, in each window, a random permutation of
+      the policy's own gears in that window (seeded by ``seed`` and the
+      row's index): the same gears in the same number, so the same bytes by
+      construction, at positions the entropy did not choose.
     """
     out: List[PolicySpec] = []
     steps = max(window - 1, 1)
-    for i, (spec, counts, mean_bytes) in enumerate(entropy_rows):
+    for i, (spec, sequences, mean_bytes) in enumerate(entropy_rows):
+        if not sequences or any(not s for s in sequences):
+            raise ValueError(f"{spec.name}: need its gears in every window to match baselines to it")
         hi = layout.bytes_per_token(spec, "high")
         lo = layout.bytes_per_token(spec, "low")
         frac = 0.0 if hi <= lo else min(max((mean_bytes - lo) / (hi - lo), 0.0), 1.0)
         k = int(round(frac * steps))
         tag = spec.name.replace("dynamic-", "")
         out.append(PolicySpec(f"position@{tag}", "position", spec.scope, k=k, matched_to=spec.name))
-        total = sum(counts.values())
-        fr = tuple((g, counts.get(g, 0) / total) for g in GEARS) if total else (("high", 1.0),)
-        out.append(
-            PolicySpec(f"random@{tag}", "random", spec.scope, fractions=fr, seed=seed * 1000 + i, matched_to=spec.name)
-        )
+        row_seed = seed * 1000 + i
+        rng = random.Random(row_seed)
+        shuffled = []
+        for s in sequences:
+            chars = list(s)
+            rng.shuffle(chars)
+            shuffled.append("".join(chars))
+        total = sum(len(s) for s in sequences)
+        fr = tuple((g, sum(s.count(GEAR_CHAR[g]) for s in sequences) / total) for g in GEARS)
+        out.append(PolicySpec(
+            f"random@{tag}", "random", spec.scope, fractions=fr, seed=row_seed, matched_to=spec.name,
+            sequences=tuple(shuffled),
+        ))
     return out

@@ -1,11 +1,10 @@
-"""Teacher-forced routing of many policies in one batched pass.
+"""Teacher-forced routing of many policies over a text: quality per position.
 
 The text is cut into windows; each window is one "generation": a fresh KV
-cache, the monitor reset, the policy restarted. Within a window, token t is
-fed alone through mlx-lm's KV cache (as in decode). Every (window, policy)
-pair is one row of the batch: the rows of a window are fed the same token,
-and each row has its own gear in every managed layer (:mod:`.variants`).
-The routed distribution of step t predicts token t+1.
+cache, the monitor reset, the policy restarted. Within a window, step t
+feeds token t through the KV cache (as in decode) and its routed
+distribution predicts token t+1. Each policy is one row; every row of a
+window is compared with the window's reference row.
 
 Lag 0, as ``GearboxConfig.lag = 0`` in generation: the entropy of the row's
 own step-t distribution is pushed to its monitor, and the policy's answer
@@ -14,9 +13,9 @@ gear, with ``high`` as the cold-start suggestion (there is no prompt to
 classify).
 
 The reference distribution is the static-high row itself: the loaded
-weights, in the same batched computation, so its KL is 0 and its top-1
-agreement 1 by construction, and every other row is compared with exactly
-the numbers it would be compared with alone.
+weights, through the same layers, so its KL is 0 and its top-1 agreement 1
+by construction. Rows are run many steps per forward pass
+(:mod:`.chunked`), which computes what step-by-step decoding computes.
 """
 
 from __future__ import annotations
@@ -27,19 +26,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import GEARS, GearboxConfig
-from ..entropy import EntropyMonitor, entropy_bits
-from .specs import ModelLayout, PolicySpec
+from .chunked import CHUNKS, COLD_START, ChunkSettings, Reference, RowForcer, Steps, Work
+from .specs import GEAR_CHAR, ModelLayout, PolicySpec
 from .variants import VariantModel
 
-#: One character per gear in the stored gear traces.
-GEAR_CHAR = {"low": "l", "mid": "m", "high": "h"}
-#: Cold-start suggestion for the first step of a window (no prompt to classify).
-COLD_START = "high"
+__all__ = ["COLD_START", "GEAR_CHAR", "RowResult", "TeacherForcing", "split_windows", "stderr_progress",
+           "teacher_forced"]
+#: Reference rows (log-probabilities, KV cache) kept for a second pass, at most.
+REFERENCE_BUDGET_BYTES = 1 << 30
 
 
 @dataclass
@@ -52,6 +49,7 @@ class RowResult:
     kl_sum: float = 0.0
     agree: int = 0
     hits: List[bool] = field(default_factory=list)  # per step: top-1 equals the reference's
+    kl: List[float] = field(default_factory=list)  # per step: KL(reference || routed), nats
     bytes_sum: float = 0.0
     shifts: int = 0
     gears: List[str] = field(default_factory=list)  # one char per step
@@ -81,6 +79,28 @@ class RowResult:
         trace = "".join(self.gears)
         return {g: trace.count(GEAR_CHAR[g]) for g in GEARS}
 
+    def window_gears(self) -> List[str]:
+        """The gear trace cut into windows (one string per window)."""
+        trace, n = "".join(self.gears), len(self.window_nll)
+        size = len(trace) // n if n else len(trace)
+        return [trace[i * size : (i + 1) * size] for i in range(n)] if n else [trace]
+
+    @classmethod
+    def of_steps(cls, spec: PolicySpec, steps: Steps, layout: ModelLayout) -> "RowResult":
+        """One window's result from its per-step numbers."""
+        out = cls(spec, steps=len(steps.gears))
+        out.nll_sum = math.fsum(steps.nll)
+        out.kl_sum = math.fsum(steps.kl)
+        out.agree = sum(steps.hits)
+        out.hits = list(steps.hits)
+        out.kl = list(steps.kl)
+        out.gears = [GEAR_CHAR[g] for g in steps.gears]
+        out.shifts = sum(a != b for a, b in zip(steps.gears, steps.gears[1:]))
+        out.entropy = list(steps.entropy)
+        out.smoothed = list(steps.smoothed)
+        out.bytes_sum = layout.sequence_bytes(spec, out.gear_counts())
+        return out
+
 
 def split_windows(tokens: Sequence[int], window: int) -> List[List[int]]:
     """Consecutive windows of ``window`` tokens (a shorter text is one window).
@@ -96,6 +116,95 @@ def split_windows(tokens: Sequence[int], window: int) -> List[List[int]]:
     return [list(tokens[i : i + n]) for i in range(0, len(tokens) - n + 1, n)]
 
 
+class TeacherForcing:
+    """Teacher-forced rows over fixed windows, one pass of specs at a time.
+
+    Use as a context manager (it installs the variant layers and restores
+    the loaded ones); :meth:`run` may be called several times, and the
+    reference rows are computed once when they fit in
+    :data:`REFERENCE_BUDGET_BYTES`.
+
+    Args:
+        model: an mlx-lm model with its loaded (unquantized) weights.
+        windows: token ids, one equal-length list per window (each window is
+            a separate sequence).
+        layout: managed paths and cost model of ``model``.
+        config: monitor settings (window, hysteresis, duration, bits...).
+        vocab_size: output vocabulary size (the monitor's ``V``).
+        specs: every spec that will be run (decides the variants built).
+        max_positions: most positions per forward pass (None: as many as
+            :class:`~.chunked.ChunkSettings` allows for this vocabulary).
+        progress: called with a status line now and then (e.g. to stderr).
+        chunks: chunking settings; ``ChunkSettings(stepwise=True)`` is the
+            plain one-step-per-pass loop the chunked one must equal.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        windows: Sequence[Sequence[int]],
+        layout: ModelLayout,
+        config: GearboxConfig,
+        vocab_size: int,
+        specs: Sequence[PolicySpec],
+        max_positions: Optional[int] = None,
+        progress: Optional[Callable[[str], None]] = None,
+        chunks: ChunkSettings = CHUNKS,
+    ) -> None:
+        if not windows or len({len(w) for w in windows}) != 1 or len(windows[0]) < 2:
+            raise ValueError("windows must be non-empty lists of one length >= 2 (use split_windows)")
+        if max_positions is not None and max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+        self.model, self.windows, self.layout, self.config = model, [list(w) for w in windows], layout, config
+        self.vocab_size, self.progress, self.chunks = vocab_size, progress, chunks
+        self.max_positions = chunks.max_positions(vocab_size, max_positions)
+        self.variants = VariantModel(model, layout.bits_per_path(specs), config.group_size)
+        self.references: Dict[int, Reference] = {}
+        self.work: Dict[str, Work] = {}
+
+    def __enter__(self) -> "TeacherForcing":
+        self.variants.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.references.clear()
+        self.variants.__exit__(*exc)
+
+    def run(self, specs: Sequence[PolicySpec], label: str = "quality") -> List[RowResult]:
+        """Run every spec over every window; one merged result per spec, in order."""
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"policy names must be unique, got {names}")
+        if sum(s.is_reference for s in specs) != 1:
+            raise ValueError("exactly one policy must be static high (the reference distribution)")
+        self.variants.ensure(self.layout.bits_per_path(specs))
+        forcer = RowForcer(self.model, self.variants, self.layout.paths, self.config, self.vocab_size,
+                           self.max_positions, self.chunks, self.work.setdefault(label, Work()))
+        tables = [{g: self.layout.keys(s, g) for g in GEARS} for s in specs]
+        steps = len(self.windows[0]) - 1
+        meter = _Progress(self.progress, label, steps * len(self.windows) * len(specs), len(specs), len(self.windows))
+        per_window: List[List[RowResult]] = []
+        for w, tokens in enumerate(self.windows):
+            ref = self._reference(w, forcer)
+            rows = []
+            for s, spec in enumerate(specs):
+                st = forcer.reference_steps(ref, spec) if spec.is_reference else forcer.row(spec, tables[s], tokens,
+                                                                                             ref, w)
+                rows.append(RowResult.of_steps(spec, st, self.layout))
+                meter.step(steps, forcer.work)
+            per_window.append(rows)
+        return [_merge([per_window[w][s] for w in range(len(self.windows))]) for s in range(len(specs))]
+
+    def _reference(self, w: int, forcer: RowForcer) -> Reference:
+        ref = self.references.get(w)
+        if ref is None:
+            ref = forcer.reference(self.windows[w])
+            # Keep it for the next pass only if every window's would fit.
+            if ref.nbytes * len(self.windows) <= REFERENCE_BUDGET_BYTES:
+                self.references[w] = ref
+        return ref
+
+
 def teacher_forced(
     model: nn.Module,
     windows: Sequence[Sequence[int]],
@@ -105,95 +214,16 @@ def teacher_forced(
     vocab_size: int,
     progress: Optional[Callable[[str], None]] = None,
     label: str = "quality",
-    max_rows: int = 128,
+    max_positions: Optional[int] = None,
+    chunks: ChunkSettings = CHUNKS,
 ) -> List[RowResult]:
     """Run every spec over every window; return one result per spec.
 
-    The batch holds ``windows x specs`` rows (row ``w * len(specs) + s``), in
-    chunks of at most ``max_rows`` rows: a larger batch amortizes each weight
-    read over more rows, which is what makes this affordable on a CPU.
-
-    Args:
-        model: an mlx-lm model with its loaded (unquantized) weights.
-        windows: token ids, one equal-length list per window (each window is
-            a separate sequence).
-        specs: the policies; exactly one must be static high (the reference).
-        layout: managed paths and cost model of ``model``.
-        config: monitor settings (window, hysteresis, duration, bits...).
-        vocab_size: output vocabulary size (the monitor's ``V``).
-        progress: called with a status line now and then (e.g. to stderr).
+    One pass of :class:`TeacherForcing` (see it for the arguments); exactly
+    one spec must be static high (the reference).
     """
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"policy names must be unique, got {names}")
-    refs = [i for i, s in enumerate(specs) if s.is_reference]
-    if len(refs) != 1:
-        raise ValueError("exactly one policy must be static high (the reference distribution)")
-    if not windows or len({len(w) for w in windows}) != 1 or len(windows[0]) < 2:
-        raise ValueError("windows must be non-empty lists of one length >= 2 (use split_windows)")
-    n_specs = len(specs)
-    per_batch = max(1, max_rows // n_specs)
-    chunks = [list(range(i, min(i + per_batch, len(windows)))) for i in range(0, len(windows), per_batch)]
-    # Variant keys and modeled bytes of each (spec, gear), computed once.
-    tables = [{g: layout.keys(s, g) for g in GEARS} for s in specs]
-    cost = [{g: layout.bytes_per_token(s, g) for g in GEARS} for s in specs]
-    # per_window[w][s]: spec s on window w, merged in window order at the end.
-    per_window: Dict[int, List[RowResult]] = {}
-    steps = len(windows[0]) - 1
-    meter = _Progress(progress, label, steps * len(chunks), n_specs * len(windows))
-
-    with VariantModel(model, layout.bits_per_path(specs), config.group_size) as vm:
-        for chunk in chunks:
-            rows = [(w, s) for w in chunk for s in range(n_specs)]
-            n_rows = len(rows)
-            results = [RowResult(specs[s]) for _, s in rows]
-            policies = [specs[s].make_policy(stream=w) for w, s in rows]
-            monitors = [EntropyMonitor(vocab_size, config, thresholds=specs[s].thresholds) for _, s in rows]
-            ref_rows = mx.array([ci * n_specs + refs[0] for ci, _ in enumerate(chunk) for _ in range(n_specs)])
-            gears, prev = [], [None] * n_rows
-            for r in range(n_rows):
-                monitors[r].reset(COLD_START)
-                gears.append(policies[r].initial(COLD_START))
-            cache = make_prompt_cache(model)
-            for t in range(steps):
-                columns = [tables[s][gears[r]] for r, (_, s) in enumerate(rows)]
-                vm.set_keys(dict(zip(layout.paths, zip(*columns))))
-                inputs = mx.array([[windows[w][t]] for w, _ in rows], dtype=mx.uint32)
-                targets = mx.array([[windows[w][t + 1]] for w, _ in rows], dtype=mx.uint32)
-                logits = model(inputs, cache=cache)[:, -1, :]
-                logp = logits.astype(mx.float32)
-                logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-                ref_lp = mx.take(logp, ref_rows, axis=0)
-                nll = -mx.take_along_axis(logp, targets, axis=-1)[:, 0]
-                # KL(reference || routed) in nats; exactly 0 on the reference row.
-                kl = mx.sum(mx.exp(ref_lp) * (ref_lp - logp), axis=-1)
-                top = mx.argmax(logp, axis=-1)
-                agree = top == mx.take(top, ref_rows)
-                ent = entropy_bits(logits)
-                mx.eval(nll, kl, agree, ent)
-                nll_l, kl_l, agree_l, ent_l = nll.tolist(), kl.tolist(), agree.tolist(), ent.tolist()
-                for r in range(n_rows):
-                    res, g = results[r], gears[r]
-                    res.steps += 1
-                    res.nll_sum += nll_l[r]
-                    res.kl_sum += kl_l[r]
-                    res.agree += int(agree_l[r])
-                    res.hits.append(bool(agree_l[r]))
-                    res.bytes_sum += cost[rows[r][1]][g]
-                    res.gears.append(GEAR_CHAR[g])
-                    if prev[r] is not None and prev[r] != g:
-                        res.shifts += 1
-                    prev[r] = g
-                    seen = monitors[r].push(ent_l[r])
-                    res.entropy.append(seen.entropy)
-                    res.smoothed.append(seen.smoothed)
-                    # Lag 0: step t's entropy decides step t+1's gear.
-                    gears[r] = policies[r].next_gear(t, seen)
-                meter.step()
-            for ci, w in enumerate(chunk):
-                per_window[w] = results[ci * n_specs : (ci + 1) * n_specs]
-            del cache
-    return [_merge([per_window[w][s] for w in range(len(windows))]) for s in range(n_specs)]
+    with TeacherForcing(model, windows, layout, config, vocab_size, specs, max_positions, progress, chunks) as tf:
+        return tf.run(specs, label)
 
 
 def _merge(parts: Sequence[RowResult]) -> RowResult:
@@ -205,6 +235,7 @@ def _merge(parts: Sequence[RowResult]) -> RowResult:
         out.kl_sum += p.kl_sum
         out.agree += p.agree
         out.hits += p.hits
+        out.kl += p.kl
         out.bytes_sum += p.bytes_sum
         out.shifts += p.shifts  # a window boundary is a new sequence, not a shift
         out.gears += p.gears
@@ -215,22 +246,22 @@ def _merge(parts: Sequence[RowResult]) -> RowResult:
 
 
 class _Progress:
-    """Rate and ETA lines every ~10 s (the quality pass takes minutes)."""
+    """Rate and ETA lines every ~10 s (a pass takes minutes on a CPU)."""
 
-    def __init__(self, sink: Optional[Callable[[str], None]], label: str, total: int, rows: int) -> None:
-        self.sink, self.label, self.total, self.rows = sink, label, total, rows
-        self.done, self.tic, self.last = 0, time.perf_counter(), 0.0
+    def __init__(self, sink: Optional[Callable[[str], None]], label: str, total: int, rows: int, windows: int) -> None:
+        self.sink, self.label, self.total, self.rows, self.windows = sink, label, total, rows, windows
+        self.done, self.tic, self.last = 0, time.perf_counter(), time.perf_counter()
 
-    def step(self) -> None:
-        self.done += 1
+    def step(self, steps: int, work: Work) -> None:
+        self.done += steps
         now = time.perf_counter()
         if self.sink and (now - self.last > 10 or self.done == self.total):
             self.last = now
             rate = self.done / (now - self.tic)
             eta = (self.total - self.done) / rate if rate > 0 else float("nan")
             self.sink(
-                f"{self.label}: step {self.done}/{self.total} ({self.rows} rows = windows x policies), "
-                f"{rate:.2f} steps/s, eta {eta / 60:.1f} min"
+                f"{self.label}: {self.done}/{self.total} steps ({self.rows} policies x {self.windows} windows), "
+                f"{work.passes} forward passes, {rate:.0f} steps/s, eta {eta / 60:.1f} min"
             )
 
 

@@ -1,14 +1,17 @@
-"""Multi-variant layers: one batched forward pass, a different gear per row.
+"""Multi-variant layers: one forward pass, a different gear per row or per position.
 
-The quality evaluation runs every policy as one row of a batch: all rows are
-fed the same teacher-forced token, but each row uses its own precision in
-each managed layer. A :class:`VariantLinear` (or :class:`VariantEmbedding`
-for a tied embedding) holds the loaded weight and "fake-quantized" float
-copies of it (MLX affine quantize, then dequantize: within 5e-7 of
-``QuantizedLinear`` with float32 inputs, see the tests). Before each step
-a :class:`RowRouter` is told, for every managed path, which variant each row
-uses; a layer then computes only the variants in use, on the rows that use
-them, and puts the rows back in order.
+The quality evaluation feeds a policy's teacher-forced tokens through a
+model whose every managed layer can use a different precision at each
+position (each position is one decode step, and the gear is chosen per
+step). A :class:`VariantLinear` (or :class:`VariantEmbedding` for a tied
+embedding) holds the loaded weight and "fake-quantized" float copies of it
+(MLX affine quantize, then dequantize: within 5e-7 of ``QuantizedLinear``
+with float32 inputs, see the tests). Before each forward pass a
+:class:`RowRouter` is told, for every managed path, which variant each batch
+row uses, or each position of each row; a layer then computes only the
+variants in use, on the rows or positions that use them, and puts them back
+in order. Since a position's keys and values are computed with its own
+gear, one pass over ``L`` positions equals ``L`` decode steps.
 
 Variant keys are bit widths; ``0`` is the loaded weight (the high gear).
 """
@@ -30,26 +33,33 @@ Groups = Tuple[List[Tuple[int, Optional[mx.array]]], Optional[mx.array]]
 
 
 class RowRouter:
-    """Per step, which variant each batch row uses in each managed layer.
+    """Per forward pass, which variant each row (or position) uses in each managed layer.
 
-    Grouping rows by variant is memoized by the tuple of keys: a step has
-    only a few distinct patterns (attention vs MLP, 4- vs 6-bit layers).
+    The keys of a path are one per batch row (the whole row uses it) or one
+    per position, rows after rows (``B * L`` keys for a ``(B, L)`` input).
+    Grouping by variant is memoized by the tuple of keys: a pass has only a
+    few distinct patterns (attention vs MLP, 4- vs 6-bit layers).
     """
 
     def __init__(self) -> None:
         self._keys: Dict[str, Tuple[int, ...]] = {}
         self._memo: Dict[Tuple[int, ...], Groups] = {}
+        # The last input split into groups: q/k/v (and gate/up) read the same
+        # input with the same groups, so it is gathered once, not three times.
+        self._split: Tuple[Optional[mx.array], Optional[Groups], List[mx.array]] = (None, None, [])
+        self._flat_of: Tuple[Optional[mx.array], Optional[mx.array]] = (None, None)
 
     def set_keys(self, keys: Dict[str, Tuple[int, ...]]) -> None:
-        """``keys[path]``: the variant key of every batch row, one tuple per path."""
+        """``keys[path]``: the variant key of every batch row or position, one tuple per path."""
         if len({len(k) for k in keys.values()}) > 1:
-            raise ValueError("every path needs one variant key per batch row (lengths differ)")
+            raise ValueError("every path needs one variant key per batch row or position (lengths differ)")
         self._keys = keys
+        self._split, self._flat_of = (None, None, []), (None, None)
         if len(self._memo) > 4096:  # random routers make many patterns
             self._memo.clear()
 
-    def groups(self, path: str) -> Groups:
-        """``([(key, row indices or None for all rows)], inverse permutation)``."""
+    def groups(self, path: str) -> Tuple[Groups, int]:
+        """``([(key, indices or None for all)], inverse permutation)`` and the number of keys."""
         keys = self._keys.get(path)
         if keys is None:
             raise RuntimeError(f"no variant keys were set for {path} before the forward pass")
@@ -70,16 +80,42 @@ class RowRouter:
                     inverse[r] = pos
                 out = (parts, mx.array(inverse, dtype=mx.uint32))
             self._memo[keys] = out
-        return out
+        return out, len(keys)
 
+    def split(self, x: mx.array, groups: Groups) -> List[mx.array]:
+        """``x``'s rows of each group (``x`` flattened to one row per key), gathered once per input."""
+        last_x, last_groups, rows = self._split
+        if x is not last_x or groups is not last_groups:
+            rows = [mx.take(x, idx, axis=0) for _, idx in groups[0]]
+            self._split = (x, groups, rows)
+        return rows
 
-def _route(x: mx.array, groups: Groups, fn) -> mx.array:
-    """Apply ``fn(key, rows)`` per group along axis 0 and restore row order."""
-    parts, inverse = groups
-    if inverse is None:
-        return fn(parts[0][0], x)
-    ys = [fn(k, mx.take(x, idx, axis=0)) for k, idx in parts]
-    return mx.take(mx.concatenate(ys, axis=0), inverse, axis=0)
+    def route(self, path: str, x: mx.array, fn) -> mx.array:
+        """Apply ``fn(key, rows)`` to each group of ``path``'s keys and restore the order.
+
+        ``x`` is ``(B, L, ...)``; with ``B`` keys the groups are rows, with
+        ``B * L`` keys they are positions (``x`` is flattened to ``(B * L, ...)``
+        and the answer reshaped back).
+        """
+        groups, n_keys = self.groups(path)
+        parts, inverse = groups
+        if inverse is None:
+            return fn(parts[0][0], x)
+        lead = x.shape[:2]
+        flat = x
+        if n_keys != x.shape[0]:
+            if x.ndim < 2 or n_keys != lead[0] * lead[1]:
+                raise ValueError(f"{n_keys} variant keys for an input of shape {x.shape}: give B or B*L keys")
+            flat = self._flat(x, n_keys)
+        ys = [fn(k, rows) for (k, _), rows in zip(parts, self.split(flat, groups))]
+        y = mx.take(mx.concatenate(ys, axis=0), inverse, axis=0)
+        return y if n_keys == lead[0] else y.reshape(*lead, *y.shape[1:])
+
+    def _flat(self, x: mx.array, n_keys: int) -> mx.array:
+        # The same input reshaped twice must be the same object for split() to see it.
+        if self._flat_of[0] is not x:
+            self._flat_of = (x, x.reshape(n_keys, *x.shape[2:]))
+        return self._flat_of[1]
 
 
 class VariantLinear(nn.Module):
@@ -97,26 +133,29 @@ class VariantLinear(nn.Module):
         self, linear: nn.Linear, bits: Iterable[int], group_size: int, router: RowRouter, path: str
     ) -> None:
         super().__init__()
-        variants = {ORIGINAL: linear.weight}
-        for b in sorted(set(bits)):
-            variants[b] = fake_quantize(linear.weight, b, group_size)
         # Kept outside the module's parameter tree: nothing here is trained,
         # saved or swapped, and int keys have no place in a parameter path.
-        object.__setattr__(self, "_variants", variants)
+        object.__setattr__(self, "_variants", {ORIGINAL: linear.weight})
         object.__setattr__(self, "_bias", linear.bias if "bias" in linear else None)
         self._router = router
         self._path = path
+        self.add(bits, group_size)
+
+    def add(self, bits: Iterable[int], group_size: int) -> None:
+        """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
+        for b in sorted(set(bits) - set(self._variants)):
+            self._variants[b] = fake_quantize(self._variants[ORIGINAL], b, group_size)
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())
 
     def __call__(self, x: mx.array) -> mx.array:
-        """``(R, L, in) -> (R, L, out)``, row r through its own variant."""
+        """``(R, L, in) -> (R, L, out)``, each row or position through its own variant."""
 
         def fn(key: int, rows: mx.array) -> mx.array:
             return rows @ self._variants[key].T
 
-        y = _route(x, self._router.groups(self._path), fn)
+        y = self._router.route(self._path, x, fn)
         return y if self._bias is None else y + self._bias
 
 
@@ -127,23 +166,26 @@ class VariantEmbedding(nn.Module):
         self, embedding: nn.Embedding, bits: Iterable[int], group_size: int, router: RowRouter, path: str
     ) -> None:
         super().__init__()
-        variants = {ORIGINAL: embedding.weight}
-        for b in sorted(set(bits)):
-            variants[b] = fake_quantize(embedding.weight, b, group_size)
-        object.__setattr__(self, "_variants", variants)
+        object.__setattr__(self, "_variants", {ORIGINAL: embedding.weight})
         self._router = router
         self._path = path
+        self.add(bits, group_size)
+
+    def add(self, bits: Iterable[int], group_size: int) -> None:
+        """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
+        for b in sorted(set(bits) - set(self._variants)):
+            self._variants[b] = fake_quantize(self._variants[ORIGINAL], b, group_size)
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())
 
     def __call__(self, ids: mx.array) -> mx.array:
         """``(R, L)`` token ids -> ``(R, L, dims)``."""
-        return _route(ids, self._router.groups(self._path), lambda k, rows: self._variants[k][rows])
+        return self._router.route(self._path, ids, lambda k, rows: self._variants[k][rows])
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``(R, L, dims) -> (R, L, vocab)``: the tied output projection."""
-        return _route(x, self._router.groups(self._path), lambda k, rows: rows @ self._variants[k].T)
+        return self._router.route(self._path, x, lambda k, rows: rows @ self._variants[k].T)
 
 
 class VariantModel:
@@ -175,6 +217,16 @@ class VariantModel:
                 self.variants[p] = VariantLinear(m, bits, group_size, self.router, p)
             else:
                 raise ValueError(f"{p} is a {type(m).__name__}: only Linear and Embedding have variants")
+        self.group_size = group_size
+        mx.eval([v.weights() for v in self.variants.values()])
+
+    def ensure(self, bits_per_path: Dict[str, Sequence[int]]) -> None:
+        """Build any variant a later pass needs that is not there yet."""
+        missing = [p for p in bits_per_path if p not in self.variants]
+        if missing:
+            raise ValueError(f"paths without variant layers: {missing[:3]} (build the VariantModel with them)")
+        for p, bits in bits_per_path.items():
+            self.variants[p].add(bits, self.group_size)
         mx.eval([v.weights() for v in self.variants.values()])
 
     def set_keys(self, keys: Dict[str, Tuple[int, ...]]) -> None:
