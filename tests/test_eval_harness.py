@@ -29,7 +29,7 @@ from gearbx_mlx.evaluation.harness import evaluate
 from gearbx_mlx.evaluation.specs import CHAR_GEAR, GEAR_CHAR, ModelLayout, PolicySpec, base_specs, matched_specs
 from gearbx_mlx.evaluation.teacher import COLD_START, teacher_forced
 from gearbx_mlx.evaluation.text import decode, read_text, text_tokens, tokenization_note
-from gearbx_mlx.evaluation.variants import ORIGINAL, VariantModel
+from gearbx_mlx.evaluation.variants import NESTED_HIGH, NESTED_MID, ORIGINAL, VariantModel, variant_weight
 from gearbx_mlx.policies import ReplayPolicy
 
 VOCAB = 256
@@ -343,7 +343,7 @@ def test_evaluation_random_rows_have_the_policys_bytes_and_gears_per_window(tiny
             assert sorted(a[w * steps:(w + 1) * steps]) == sorted(b[w * steps:(w + 1) * steps])
         assert a != b
         checked += 1
-    assert checked == 4
+    assert checked == 5  # two threshold sources x two scopes, and the nested store's row
 
 
 def test_evaluation_comparisons_carry_tests_and_traces_carry_kl(tiny_results, tmp_path, capsys):
@@ -492,3 +492,52 @@ def test_a_real_tokenizer_that_adds_a_bos_is_reported_and_its_bos_kept():
     note = tokenization_note(tok, "Hello world", 2)
     assert f"adds <|im_start|> (id {bos}) before the text" in note and "later windows begin mid-text" in note
     assert text_tokens(tok, "Hello world " * 50, 5)[:3] == [bos] + plain
+
+
+# -- the nested store's rows --------------------------------------------------------------------
+
+#: A view sums its planes' quantized products in float32; the variant multiplies by their
+#: float sum: the two agree to float32 rounding of a 192-term dot product.
+NESTED_VIEW_ATOL = 2e-5
+
+
+@pytest.mark.parametrize("shape", [(96, 192), (33, 128), (7, 64)])
+def test_nested_variants_multiply_by_what_the_nested_views_multiply_by(shape):
+    import mlx.nn as nn
+
+    from gearbx_mlx.nested.layers import make_view, nested_weights_of
+    from gearbx_mlx.nested.planes import DEFAULT_PLAN
+
+    mx.random.seed(shape[0])
+    lin = nn.Linear(shape[1], shape[0], bias=False)
+    x = mx.random.normal((3, 5, shape[1]))
+    w = nested_weights_of(lin, DEFAULT_PLAN)
+    for key, n in ((4, 1), (NESTED_MID, 2), (NESTED_HIGH, 3)):
+        view = make_view(w, n, embedding=False, fused=False)
+        got = x @ variant_weight(lin.weight, key, 64).T
+        np.testing.assert_allclose(np.array(got), np.array(view(x)), atol=NESTED_VIEW_ATOL, rtol=0)
+    # The low gear of the nested store is MLX 4-bit: one key serves both stores.
+    assert mx.array_equal(variant_weight(lin.weight, 4, 64), w.planes[0].dequantize())
+    with pytest.raises(ValueError, match="unknown variant key"):
+        variant_weight(lin.weight, -7, 64)
+
+
+def test_nested_rows_cost_their_planes_and_route_their_own_gears(tiny_results):
+    rows = {r["name"]: r for r in tiny_results["policies"]}
+    mid, nested_mid = rows["static-mid/all"], rows["static-mid/all+nested"]
+    planes, high = rows["static-high+planes"], rows["static-high"]
+    # Planes 4/64 + 4/32 read 9.5 bits a weight against MLX 8-bit's 8.5; every plane 16 bits, fp16's.
+    assert nested_mid["bytes_per_token"] > mid["bytes_per_token"]
+    assert planes["bytes_per_token"] == pytest.approx(high["bytes_per_token"])
+    # They are other weights: near the reference, not equal to it or to the separate store's rows.
+    assert 0 < planes["mean_kl"] < nested_mid["mean_kl"]
+    assert nested_mid["mean_kl"] != mid["mean_kl"]
+    assert rows["dynamic-a/all+nested"]["spec"]["store"] == "nested"
+    assert rows["random@a/all+nested"]["spec"]["store"] == "nested"
+
+
+def test_a_mixed_row_has_no_nested_store():
+    with pytest.raises(ValueError, match="no nested store"):
+        PolicySpec("m", "mixed", "all", store="nested")
+    with pytest.raises(ValueError, match="store must be one of"):
+        PolicySpec("m", "static", "all", store="planes")

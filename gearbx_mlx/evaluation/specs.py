@@ -27,8 +27,9 @@ from mlx_lm.convert import mixed_quant_predicate_builder
 
 from ..config import GEARS, SCOPES, GearboxConfig
 from ..gearbox import Gearbox
+from ..nested.planes import DEFAULT_PLAN
 from ..policies import EntropyPolicy, PositionPolicy, RandomPolicy, ReplayPolicy, StaticPolicy
-from .variants import ORIGINAL
+from .variants import NESTED_HIGH, NESTED_MID, ORIGINAL
 
 KINDS = ("static", "entropy", "mixed", "position", "random")
 #: One character per gear in gear sequences and the stored gear traces.
@@ -38,13 +39,25 @@ CHAR_GEAR = {c: g for g, c in GEAR_CHAR.items()}
 HIGH_BYTES = 2.0
 #: The static mixed recipe compared against (mlx-lm's ``--quant-predicate``).
 MIXED_RECIPE = "mixed_4_6"
+#: Where a row's gears come from: separate MLX copies (low 4-bit, mid 8-bit,
+#: high the loaded weights), the nested store (low = MLX 4-bit exactly, mid =
+#: two planes, high the loaded weights) or the nested store whose high gear
+#: reads every plane.
+STORES = ("separate", "nested", "nested-planes")
+#: Name suffix of a row on each store.
+STORE_SUFFIX = {"separate": "", "nested": "+nested", "nested-planes": "+planes"}
 
 
-def format_bytes_per_param(bits: int, group_size: int) -> float:
-    """Bytes per parameter of an MLX affine format: packed bits + fp16 scale and bias per group."""
-    if bits == ORIGINAL:
+def format_bytes_per_param(key: int, group_size: int) -> float:
+    """Bytes per parameter of a variant key: an MLX affine format (packed bits +
+    fp16 scale and bias per group), the sum of the nested planes a nested key
+    reads, or fp16 for the loaded weights."""
+    if key == ORIGINAL:
         return HIGH_BYTES
-    return bits / 8 + 4 / group_size
+    if key in (NESTED_MID, NESTED_HIGH):
+        planes = ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:]
+        return sum(b / 8 + 4 / g for b, g in planes[: 2 if key == NESTED_MID else 3])
+    return key / 8 + 4 / group_size
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class PolicySpec:
     seed: int = 0
     matched_to: Optional[str] = None
     sequences: Tuple[str, ...] = ()
+    store: str = "separate"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -88,12 +102,22 @@ class PolicySpec:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}")
         if self.gear not in GEARS:
             raise ValueError(f"{self.name}: gear must be one of {GEARS}, got {self.gear!r}")
+        if self.store not in STORES:
+            raise ValueError(f"{self.name}: store must be one of {STORES}, got {self.store!r}")
+        if self.store != "separate" and self.kind == "mixed":
+            raise ValueError(f"{self.name}: the mixed recipe has no nested store")
         if any(set(s) - set(CHAR_GEAR) or not s for s in self.sequences):
             raise ValueError(f"{self.name}: sequences must be non-empty strings over {sorted(CHAR_GEAR)}")
 
     @property
     def is_reference(self) -> bool:
-        return self.kind == "static" and self.gear == "high"
+        return self.kind == "static" and self.gear == "high" and self.store != "nested-planes"
+
+    def gear_config(self, config: GearboxConfig) -> GearboxConfig:
+        """The gearbox configuration that runs this row's gears for real."""
+        store = "separate" if self.store == "separate" else "nested"
+        return config.replace(scope=self.scope, store=store,
+                              high="planes" if self.store == "nested-planes" else "original")
 
     @property
     def reacts(self) -> bool:
@@ -206,9 +230,11 @@ class ModelLayout:
 
     @classmethod
     def of(cls, model: nn.Module, config: GearboxConfig, vocab_size: int) -> "ModelLayout":
-        # Exactly the paths a Gearbox of each scope would swap in generation.
+        # Exactly the paths a Gearbox of each scope would swap in generation
+        # (the separate store builds nothing until a gear is entered).
         scopes = {
-            s: list(Gearbox(model, config.replace(scope=s), vocab_size).manager.paths) for s in SCOPES
+            s: list(Gearbox(model, config.replace(scope=s, store="separate", high="original"), vocab_size).manager.paths)
+            for s in SCOPES
         }
         if not set(scopes["attention"]) <= set(scopes["all"]):
             raise ValueError("attention paths are not a subset of all paths: unsupported model layout")
@@ -232,7 +258,9 @@ class ModelLayout:
         if spec.kind == "mixed":
             return self.mixed_bits[path]
         if gear == "high":
-            return ORIGINAL
+            return NESTED_HIGH if spec.store == "nested-planes" else ORIGINAL
+        if gear == "mid" and spec.store != "separate":
+            return NESTED_MID
         return self.config.bits[gear]
 
     def keys(self, spec: PolicySpec, gear: str) -> Tuple[int, ...]:
@@ -305,11 +333,15 @@ def _histogram(values) -> Dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def base_specs(thresholds: Dict[str, Optional[Tuple[float, float]]]) -> List[PolicySpec]:
+def base_specs(thresholds: Dict[str, Optional[Tuple[float, float]]], nested: bool = True) -> List[PolicySpec]:
     """The first pass: reference, static mid/low, mixed recipe, entropy policies.
 
     Args:
         thresholds: ``{source: (low, high) or None}`` (None = scaled defaults).
+        nested: add the nested store's rows over every linear layer: its mid
+            gear, its high gear read from every plane, and the median-calibrated
+            (else the first) entropy policy on its gears. Its low gear is MLX
+            4-bit bit for bit, so ``static-low/all`` stands for it.
     """
     specs = [PolicySpec("static-high", "static", "all", "high")]
     for scope in SCOPES:
@@ -320,6 +352,15 @@ def base_specs(thresholds: Dict[str, Optional[Tuple[float, float]]]) -> List[Pol
         ]
         for source, th in thresholds.items():
             specs.append(PolicySpec(f"dynamic-{source}/{scope}", "entropy", scope, thresholds=th, source=source))
+    if nested:
+        specs += [
+            PolicySpec("static-mid/all+nested", "static", "all", "mid", store="nested"),
+            PolicySpec("static-high+planes", "static", "all", "high", store="nested-planes"),
+        ]
+        if thresholds:
+            source = "median" if "median" in thresholds else next(iter(thresholds))
+            specs.append(PolicySpec(f"dynamic-{source}/all+nested", "entropy", "all", thresholds=thresholds[source],
+                                    source=source, store="nested"))
     return specs
 
 
@@ -351,7 +392,8 @@ def matched_specs(
         frac = 0.0 if hi <= lo else min(max((mean_bytes - lo) / (hi - lo), 0.0), 1.0)
         k = int(round(frac * steps))
         tag = spec.name.replace("dynamic-", "")
-        out.append(PolicySpec(f"position@{tag}", "position", spec.scope, k=k, matched_to=spec.name))
+        out.append(PolicySpec(f"position@{tag}", "position", spec.scope, k=k, matched_to=spec.name,
+                              store=spec.store))
         row_seed = seed * 1000 + i
         rng = random.Random(row_seed)
         shuffled = []
@@ -363,6 +405,6 @@ def matched_specs(
         fr = tuple((g, sum(s.count(GEAR_CHAR[g]) for s in sequences) / total) for g in GEARS)
         out.append(PolicySpec(
             f"random@{tag}", "random", spec.scope, fractions=fr, seed=row_seed, matched_to=spec.name,
-            sequences=tuple(shuffled),
+            sequences=tuple(shuffled), store=spec.store,
         ))
     return out

@@ -285,7 +285,8 @@ def evaluate_speculative(
     high_tps = (speed.get(ref.spec.name) or {}).get("tokens_per_s")
     tps = {g: (speed.get(r.spec.name) or {}).get("tokens_per_s") for g, r in rows.items()}
     step_cost = {g: high_tps / t if high_tps and t else None for g, t in tps.items()}
-    gearbox = Gearbox(model, config.replace(scope=scope), vocab_size)
+    # The drafter rows are the separate store's (the nested low gear is the same MLX 4-bit).
+    gearbox = Gearbox(model, config.replace(scope=scope, store="separate", high="original"), vocab_size)
     drafters = measure_drafters(model, tokenizer, gearbox, list(rows), ids, step_cost, calibration_tokens, progress)
     section: Dict[str, Any] = {
         "quality": QUALITY_NOTE, "method": METHOD_NOTE, "draft_scope": scope,
@@ -305,4 +306,5 @@ def evaluate_speculative(
 
 
 def _static_row(first: Sequence[RowResult], gear: str, scope: str) -> Optional[RowResult]:
-    return next((r for r in first if r.spec.kind == "static" and r.spec.gear == gear and r.spec.scope == scope), None)
+    return next((r for r in first if r.spec.kind == "static" and r.spec.gear == gear and r.spec.scope == scope
+                 and r.spec.store == "separate"), None)

@@ -65,9 +65,9 @@ class SpeedBench:
         self._boxes: Dict[tuple, Gearbox] = {}
 
     def gearbox(self, spec: PolicySpec) -> Gearbox:
-        key = (spec.scope, spec.kind == "mixed")
+        key = (spec.scope, spec.kind == "mixed", spec.store)
         if key not in self._boxes:
-            gb = Gearbox(self.model, self.config.replace(scope=spec.scope), self.vocab_size)
+            gb = Gearbox(self.model, spec.gear_config(self.config), self.vocab_size)
             with warnings.catch_warnings():
                 # The double-quantization warning is known and recorded in the results.
                 warnings.simplefilter("ignore")

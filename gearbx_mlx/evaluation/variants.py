@@ -13,7 +13,11 @@ variants in use, on the rows or positions that use them, and puts them back
 in order. Since a position's keys and values are computed with its own
 gear, one pass over ``L`` positions equals ``L`` decode steps.
 
-Variant keys are bit widths; ``0`` is the loaded weight (the high gear).
+Variant keys are bit widths; ``0`` is the loaded weight (the high gear);
+the negative keys are the nested store's gears that differ from an MLX
+format (:data:`NESTED_MID`, :data:`NESTED_HIGH`: the sums of the first two
+or three planes of :mod:`gearbx_mlx.nested.planes`, exactly the values its
+layers multiply by).
 """
 
 from __future__ import annotations
@@ -25,9 +29,25 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..affine import fake_quantize
+from ..nested.planes import DEFAULT_PLAN, build_planes, reconstruct
 
 #: Variant key of the loaded weights (the high gear).
 ORIGINAL = 0
+#: Variant keys of the nested store's mid gear (planes 0-1) and of its high
+#: gear read from every plane (planes 0-2). Its low gear is MLX 4-bit (key 4).
+NESTED_MID = -2
+NESTED_HIGH = -3
+
+
+def variant_weight(weight: mx.array, key: int, group_size: int) -> mx.array:
+    """The float weight ``(out, in)`` that variant ``key`` multiplies by."""
+    if key > 0:
+        return fake_quantize(weight, key, group_size)
+    if key in (NESTED_MID, NESTED_HIGH):
+        n = -key
+        plan = ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:n]
+        return reconstruct(build_planes(weight, plan), n, dtype=weight.dtype)
+    raise ValueError(f"unknown variant key {key}")
 
 Groups = Tuple[List[Tuple[int, Optional[mx.array]]], Optional[mx.array]]
 
@@ -144,7 +164,7 @@ class VariantLinear(nn.Module):
     def add(self, bits: Iterable[int], group_size: int) -> None:
         """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
         for b in sorted(set(bits) - set(self._variants)):
-            self._variants[b] = fake_quantize(self._variants[ORIGINAL], b, group_size)
+            self._variants[b] = variant_weight(self._variants[ORIGINAL], b, group_size)
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())
@@ -174,7 +194,7 @@ class VariantEmbedding(nn.Module):
     def add(self, bits: Iterable[int], group_size: int) -> None:
         """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
         for b in sorted(set(bits) - set(self._variants)):
-            self._variants[b] = fake_quantize(self._variants[ORIGINAL], b, group_size)
+            self._variants[b] = variant_weight(self._variants[ORIGINAL], b, group_size)
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())

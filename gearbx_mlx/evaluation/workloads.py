@@ -53,14 +53,14 @@ def gear_by_workload(
         max_tokens: tokens generated per prompt.
     """
     workloads = workloads or WORKLOADS
-    boxes: Dict[str, Gearbox] = {}
+    boxes: Dict[tuple, Gearbox] = {}
     out: Dict[str, Dict[str, Dict[str, int]]] = {w: {} for w in workloads}
     for spec in specs:
         if spec.kind != "entropy":
             raise ValueError(f"{spec.name}: the workload figure routes entropy policies only")
-        gb = boxes.get(spec.scope)
+        gb = boxes.get((spec.scope, spec.store))
         if gb is None:
-            gb = boxes[spec.scope] = Gearbox(model, config.replace(scope=spec.scope), vocab_size)
+            gb = boxes[spec.scope, spec.store] = Gearbox(model, spec.gear_config(config), vocab_size)
         gb.set_thresholds(*(spec.thresholds or gb.default_thresholds()))
         for name, prompts in workloads.items():
             counts = {g: 0 for g in GEARS}
