@@ -22,7 +22,9 @@
 //   codes   uint32 (O, I * bits / 32): unsigned codes packed least
 //           significant first, 32 / bits per word (so at 4 bits byte j/2 of
 //           a row holds element j in its low nibble for even j: the int4
-//           layout above without the offset).
+//           layout above without the offset). 6-bit codes are one
+//           little-endian bit stream per row: code j at bits 6j .. 6j+5,
+//           four codes in three bytes, words not holding whole codes.
 //   scales, biases  (O, I / group_size) in float32, float16 or bfloat16, each
 //           plane with its own bits and group size.
 //   A plane with exponent e adds 2^-e * (scale * q + bias) to each weight;
@@ -55,10 +57,12 @@
 // ---- affine planes ----------------------------------------------------------
 #define GBX_MAX_PLANES 3
 #define GBX_WORD_BITS 32
-// Plane bit widths with kernels (MLX also quantizes to 2, 3, 5 and 6 bits;
-// those planes take the pure-MLX path).
+// Plane bit widths with kernels: 4 and 8, and 6 (the default plan's third
+// plane). MLX also quantizes to 2, 3 and 5 bits; those planes take the
+// pure-MLX path.
 #define GBX_PLANE_BITS_LO 4
 #define GBX_PLANE_BITS_HI 8
+#define GBX_PLANE_BITS_6 6
 // Codes of one 32-bit word at `bits` bits.
 #define GBX_CODES_PER_WORD(bits) (GBX_WORD_BITS / (bits))
 // Scale and bias dtypes, as the C kernels and the GPU kernel names number them.
@@ -81,6 +85,8 @@ GBX_STATIC_ASSERT(GBX_WORD_BITS % GBX_PLANE_BITS_LO == 0 && GBX_WORD_BITS % GBX_
                   "a word holds whole codes");
 GBX_STATIC_ASSERT(GBX_GROUP_MIN % GBX_CODES_PER_WORD(GBX_PLANE_BITS_LO) == 0,
                   "a 4-bit word never straddles a group");
+GBX_STATIC_ASSERT((GBX_GROUP_MIN * GBX_PLANE_BITS_6) % GBX_WORD_BITS == 0,
+                  "a group of 6-bit codes fills whole words");
 GBX_STATIC_ASSERT(GBX_SHARED_K % 32 == 0 && GBX_MMA_MAX_K % 64 == 0,
                   "staged inputs are whole SIMD-group chunks");
 

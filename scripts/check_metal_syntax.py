@@ -207,7 +207,7 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
 
 def nested_variants() -> List[Tuple[Tuple[int, ...], str, str, int, bool, int]]:
     """(plane bits, x dtype, scale dtype, group size, shared, vec) of the nested kernels checked."""
-    plans = ((4,), (8,), (4, 4), (4, 4, 8))
+    plans = ((4,), (6,), (8,), (4, 4), (4, 4, 8), (4, 4, 6))
     dtypes = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("float16", "float32"))
     return [(bits, dt, sdt, gs, shared, vec) for bits in plans for dt, sdt in dtypes
             for gs, shared, vec in ((64, True, 4), (32, False, 2), (128, False, 4))]

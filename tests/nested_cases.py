@@ -20,15 +20,16 @@ from gearbx_mlx.nested.planes import build_planes
 ACCUM_RTOL = 2e-5
 #: One unit in the last place of each output dtype, relative to |y|.
 OUTPUT_RTOL = {mx.float32: 2.0**-21, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
-#: The widest plan the kernels read with per-plane groups: the package's
-#: default low and mid planes (4 bits at 64, 4 at 32) and an 8-bit third plane
-#: (the default's is 6 bits, which no kernel reads: those gears take the oracle).
-KERNEL_PLAN: Tuple[Tuple[int, int], ...] = ((4, 64), (4, 32), (8, 64))
+#: The package's default plan (4 bits at 64, 4 at 32, 6 at 64): the widest
+#: plan the kernels read with per-plane groups.
+KERNEL_PLAN: Tuple[Tuple[int, int], ...] = ((4, 64), (4, 32), (6, 64))
 #: Plans of planes: bits alone (every plane at the case's group size), or
-#: (bits, group size) per plane. KERNEL_PLAN, its first two planes, planes
-#: 4/4/8, single 4-bit and 8-bit planes (plain MLX layers), an 8-bit first
-#: plane, and groups that shrink and grow.
-PLANS: List[tuple] = [KERNEL_PLAN, KERNEL_PLAN[:2], (4, 4, 8), (4,), (8,), (8, 4), ((4, 128), (8, 32), (4, 64))]
+#: (bits, group size) per plane. KERNEL_PLAN, its first two planes, the same
+#: with an 8-bit third plane, planes 4/4/8, single 4-, 6- and 8-bit planes
+#: (plain MLX layers), an 8-bit first plane, a 6-bit first plane at group 32,
+#: and groups that shrink and grow.
+PLANS: List[tuple] = [KERNEL_PLAN, KERNEL_PLAN[:2], ((4, 64), (4, 32), (8, 64)), (4, 4, 8), (4,), (6,), (8,),
+                      (8, 4), ((6, 32), (4, 128), (8, 64)), ((4, 128), (8, 32), (4, 64))]
 
 
 def plane_specs(plan: tuple, group_size: Optional[int]) -> List[Tuple[int, int]]:

@@ -416,6 +416,17 @@ def test_c_driver_native_catches_planted_nibble_bug(tmp_path) -> None:
     assert " bits=8 " not in r.stdout  # 8-bit kernels have no nibbles to swap
 
 
+def test_c_driver_native_catches_planted_six_bit_order_bug(tmp_path) -> None:
+    """Reverse the order of the four codes of each 3-byte triplet in the fast
+    6-bit kernels: every nested case with a 6-bit plane must fail, on both
+    paths, and nothing else."""
+    exe = _build_driver(tmp_path, "-DGEARBX_PLANT_SIX_BUG")
+    r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert "SUMMARY nested-float bits=6" in r.stdout and "SUMMARY nested-intdot bits=6" in r.stdout
+    assert " bits=4 " not in r.stdout and " bits=8 " not in r.stdout
+
+
 def test_c_driver_pool_stress(tmp_path) -> None:
     """Back-to-back split products with changing chunk counts, in a build that
     stalls threads inside the pool's hand-off windows (-DGEARBX_STRESS_POOL).

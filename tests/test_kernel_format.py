@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from gearbx_mlx.nested import planes
-from gearbx_mlx.packed import formats, gpu, kernel_files
+from gearbx_mlx.packed import formats, gpu, kernel_files, nested_cpu, nested_gpu
 
 HEADER = kernel_files.source_dir() / kernel_files.FORMAT_HEADER
 
@@ -39,7 +39,11 @@ def test_plane_constants_agree_with_python(consts):
     planes.check_plan(((4, 64),) * n, 128)
     with pytest.raises(ValueError, match="one to three"):
         planes.check_plan(((4, 64),) * (n + 1), 128)
-    for bits in (consts["GBX_PLANE_BITS_LO"], consts["GBX_PLANE_BITS_HI"]):
+    kernel_bits = (consts["GBX_PLANE_BITS_LO"], consts["GBX_PLANE_BITS_6"], consts["GBX_PLANE_BITS_HI"])
+    # every back end reads the same widths, and the default plan's among them
+    assert tuple(sorted(kernel_bits)) == nested_cpu.NESTED_BITS == nested_gpu.NESTED_BITS
+    assert all(b in kernel_bits for b, _ in planes.DEFAULT_PLAN)
+    for bits in kernel_bits:
         assert bits in planes.PLANE_BITS
         w = mx.zeros((1, 64))
         q, _, _ = mx.quantize(w, group_size=64, bits=bits)

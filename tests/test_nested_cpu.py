@@ -141,7 +141,7 @@ def test_bad_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="codes must be"):
         nested_cpu.prepare_nested([planes[0], other[0]])  # another matrix's plane
     three_bits = make_planes(16, 128, (3,), 64, mx.bfloat16)
-    with pytest.raises(ValueError, match="4 or 8 bits"):
+    with pytest.raises(ValueError, match="4, 6 or 8 bits"):
         nested_cpu.prepare_nested(three_bits)
     mixed = make_planes(16, 128, (4,), 64, mx.float16)[0]
     mixed.biases = mixed.biases.astype(mx.float32)

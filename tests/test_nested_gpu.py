@@ -66,6 +66,7 @@ def test_where_the_kernel_does_not_apply():
     x = make_x((128,), mx.bfloat16)
     assert nested_gpu.supports((4, 4, 8), (64, 32, 32), 128, 16, mx.bfloat16, mx.bfloat16)
     assert not nested_gpu.supports((4, 3), (64, 64), 128, 16, mx.bfloat16, mx.bfloat16)  # 3-bit plane
+    assert nested_gpu.supports((4, 4, 6), (64, 32, 64), 128, 16, mx.bfloat16, mx.bfloat16)  # the default plan
     assert not nested_gpu.supports((4,), (64,), 128, 4, mx.bfloat16, mx.bfloat16)  # O < 8
     assert not nested_gpu.supports((4,), (48,), 144, 16, mx.bfloat16, mx.bfloat16)  # group size
     assert not nested_gpu.supports((4, 4), (64, 128), 192, 16, mx.bfloat16, mx.bfloat16)  # K % a group
@@ -79,6 +80,10 @@ def test_where_the_kernel_does_not_apply():
         nested_gpu.launch_spec("cuda", make_x((2, 128), mx.bfloat16), planes, 3, False)
     with pytest.raises(ValueError, match="vec"):
         nested_gpu.launch_spec("cuda", x, planes, 3, False, tuning=nested_gpu.NestedTuning(2, 8))
+    with pytest.raises(ValueError, match="even vec"):
+        six = make_planes(16, 128, (4, 6), 64, mx.bfloat16)
+        nested_gpu.launch_spec("cuda", x, six, 2, False, tuning=nested_gpu.NestedTuning(2, 1))
+    assert nested_gpu.launch_spec("cuda", x, six, 1, False, tuning=nested_gpu.NestedTuning(2, 1))  # 4 bits only
     with pytest.raises(ValueError, match="threadgroup-memory"):
         big = make_planes(9, 6272, (4,), 64, mx.bfloat16)
         nested_gpu.launch_spec("cuda", make_x((6272,), mx.bfloat16), big, 1, False, shared=True)
@@ -103,6 +108,9 @@ HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_b
 HOST_CONFIGS = [
     (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
     (((4, 128), (8, 32), (4, 64)), mx.float16, mx.float16, None, 4, 2, False, False),
+    (KERNEL_PLAN, mx.float16, mx.float32, None, 1, 2, False, False),
+    (((6, 32), (4, 128), (8, 64)), mx.float32, mx.bfloat16, None, 2, 4, False, True),
+    ((6,), mx.bfloat16, mx.float16, 64, 4, 2, True, False),
     ((4, 4, 8), mx.bfloat16, mx.bfloat16, 64, 2, 4, True, True),
     ((4, 4, 8), mx.float16, mx.float16, 128, 1, 4, False, False),
     ((4, 4), mx.float32, mx.float32, 32, 4, 2, True, False),
@@ -279,9 +287,33 @@ def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
         assert_close(y, want, mag, cfg[1])
 
 
+def test_a_planted_six_bit_order_bug_in_the_body_fails(tmp_path):
+    """Read the first two codes of every 6-bit field group in swapped order in
+    a copy of the sources: the emulated body must then disagree with the
+    reference, and the 4-bit-only gear of the same planes must not."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_files.source_dir(), copy)
+    helper = copy / "gpu" / "nested_common.h"
+    text = helper.read_text()
+    old = "  q.v[0] = gbx_field<0, 6, 0>(lo);\n  q.v[1] = gbx_field<6, 6, 0>(lo);"
+    assert old in text, "update the planted bug: gbx_unpack6 changed"
+    helper.write_text(text.replace(old, "  q.v[0] = gbx_field<6, 6, 0>(lo);\n  q.v[1] = gbx_field<0, 6, 0>(lo);"))
+    cfg = HOST_CONFIGS[0]
+    low = (cfg[0][:2],) + cfg[1:]
+    binary = build_host(copy, [cfg, low], "bug6")
+    planes, x, bias = host_case(cfg, (17, 320), seed=6)
+    y = run_host(binary, tmp_path, 0, cfg, planes, x, bias)
+    want, mag = reference64(x, planes, len(cfg[0]), bias)
+    with pytest.raises(AssertionError, match="reference"):
+        assert_close(y, want, mag, cfg[1])
+    y2 = run_host(binary, tmp_path, 1, low, planes, x, bias)
+    want2, mag2 = reference64(x, planes, 2, bias)
+    assert_close(y2, want2, mag2, cfg[1])
+
+
 # -- the CUDA twin (only with a CUDA GPU) -------------------------------------------------
 
-CUDA_CONFIGS = [(plan, dtype, gs) for plan in ((4, 4, 8), (4, 4), (4,), (8,))
+CUDA_CONFIGS = [(plan, dtype, gs) for plan in ((4, 4, 8), (4, 4, 6), (4, 4), (4,), (6,), (8,))
                 for dtype, gs in ((mx.bfloat16, 64), (mx.float16, 32), (mx.float32, 128))]
 CUDA_CONFIGS += [(KERNEL_PLAN, mx.bfloat16, None), (((4, 128), (8, 32), (4, 64)), mx.float16, None)]
 CUDA_CASES = [(plan, dtype, gs, shape) for plan, dtype, gs in CUDA_CONFIGS for shape in ODD_SHAPES + [(4096, 4096)]
@@ -307,8 +339,10 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
 @pytest.mark.parametrize("tuning", [nested_gpu.NestedTuning(1, 4), nested_gpu.NestedTuning(4, 2),
                                     nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4)])
 def test_cuda_every_tuning(tuning):
+    # an odd vec takes no 6-bit plane: the same plan with an 8-bit third plane
+    plan = KERNEL_PLAN if tuning.vec % 2 == 0 else KERNEL_PLAN[:2] + ((8, 64),)
     for shape in [s for s in ODD_SHAPES if s[1] % 64 == 0]:  # the plan's groups divide K
-        planes = make_planes(*shape, KERNEL_PLAN, None, mx.bfloat16)
+        planes = make_planes(*shape, plan, None, mx.bfloat16)
         x = make_x((shape[1],), mx.bfloat16)
         for shared in ((None, False) if shape[1] <= 6144 else (None,)):
             y = nested_gpu.nested_gemv(x, planes, 3, backend="cuda", tuning=tuning, shared=shared)

@@ -64,13 +64,17 @@ def test_the_oracle_takes_what_the_kernels_do_not(monkeypatch):
     assert mx.array_equal(prod(x, 3), reference_matmul(x, planes, 3))
     three_bits = make_planes(24, 128, (3,), 64, mx.float16)
     assert NestedProduct(three_bits).backend_for(x[0], 1) == "reference"
-    # The package's default plan: a 6-bit third plane no kernel reads. Its low
-    # and mid gears keep the C kernels; its high gear takes the oracle.
+    # The package's default plan (a 6-bit third plane): every gear takes the C kernels.
     default = NestedProduct(make_planes(24, 128, tuple(DEFAULT_PLAN), None, mx.float16))
-    if DEFAULT_PLAN[2][0] not in (4, 8):
-        assert [default.backend_for(x[0], n) for n in (1, 2, 3)] == ["cpu", "cpu", "reference"]
-        want, mag = reference64(x[0], default.planes, 3)
-        assert_close(default(x[0], 3), want, mag, mx.float16, rtol=ORACLE_RTOL[mx.float16])
+    assert [default.backend_for(x[0], n) for n in (1, 2, 3)] == ["cpu", "cpu", "cpu"]
+    want, mag = reference64(x[0], default.planes, 3)
+    assert_close(default(x[0], 3), want, mag, mx.float16)
+    # A third plane no kernel reads (5 bits): the gears below it keep the
+    # kernels, the top gear takes the oracle.
+    five = NestedProduct(make_planes(24, 128, DEFAULT_PLAN[:2] + ((5, 64),), None, mx.float16))
+    assert [five.backend_for(x[0], n) for n in (1, 2, 3)] == ["cpu", "cpu", "reference"]
+    want, mag = reference64(x[0], five.planes, 3)
+    assert_close(five(x[0], 3), want, mag, mx.float16, rtol=ORACLE_RTOL[mx.float16])
     monkeypatch.setattr(matmul, "cpu_backend", lambda: None)  # the extension is not built
     bare = NestedProduct(planes)
     assert bare.backend_for(x[0], 3) == "reference"

@@ -99,12 +99,12 @@ class NestedProduct:
         return run
 
     def cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
-        """The leading planes the C kernels read (4 or 8 bits), checked on first
+        """The leading planes the C kernels read (4, 6 or 8 bits), checked on first
         use; None where none are or the extension is not built. A gear of more
         planes than it holds takes the oracle."""
         if self._cpu_ok is None:
             k = 0
-            while k < len(self.planes) and self.planes[k].bits in (4, 8) and self.planes[k].group_size in (32, 64, 128):
+            while k < len(self.planes) and self.planes[k].bits in nested_cpu.NESTED_BITS and self.planes[k].group_size in (32, 64, 128):
                 k += 1
             self._cpu_ok = k > 0 and cpu_backend() is not None
             if self._cpu_ok:

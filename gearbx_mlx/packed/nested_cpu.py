@@ -35,6 +35,8 @@ __all__ = ["PreparedNested", "prepare_nested", "nested_gemv"]
 
 ArrayLike = Union[mx.array, np.ndarray]
 PATHS = cpu.PATHS
+#: Plane bit widths the C kernels read (MLX's 6-bit codes as its bit stream).
+NESTED_BITS = (4, 6, 8)
 
 
 class PlaneLike(Protocol):
@@ -90,8 +92,8 @@ class PreparedNested:
         self._keep: List[Any] = []  # the views and cffi buffers the table points into
         self.table = ffi.new("gbx_plane[]", len(planes))
         for k, p in enumerate(planes):
-            if p.bits not in (lib.GBX_PLANE_BITS_LO, lib.GBX_PLANE_BITS_HI):
-                raise ValueError(f"plane {k} has {p.bits} bits: the C kernels read planes of 4 or 8 bits "
+            if p.bits not in NESTED_BITS:
+                raise ValueError(f"plane {k} has {p.bits} bits: the C kernels read planes of 4, 6 or 8 bits "
                                  "(use gearbx_mlx.nested.planes.reference_matmul for others)")
             gs = int(p.group_size)
             if gs not in (32, 64, 128):

@@ -30,8 +30,10 @@ import mlx.core as mx
 from . import gpu
 from .kernel_files import format_constant, read as _read, source_dir
 
-#: Plane bit widths the body reads (others take the oracle).
-NESTED_BITS: Tuple[int, ...] = (4, 8)
+#: Plane bit widths the body reads (others take the oracle). 6-bit codes are
+#: MLX's bit stream (four codes in three bytes); a chunk of them is whole
+#: words only for an even ``vec``.
+NESTED_BITS: Tuple[int, ...] = (4, 6, 8)
 #: Group sizes of MLX's affine quantization.
 NESTED_GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
 #: dtypes of x and of the planes' scales and biases.
@@ -191,6 +193,8 @@ def launch_spec(
     t = tuning or TUNING[n]
     if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > min(gs):
         raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= the smallest group {min(gs)}, got {t}")
+    if 6 in bits and t.vec % 2:
+        raise ValueError(f"a 6-bit plane needs an even vec (a chunk of 8 * vec codes in whole words), got {t}")
     shared_k = format_constant("GBX_SHARED_K")
     if shared is None:
         shared = in_features <= shared_k

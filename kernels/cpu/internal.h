@@ -6,6 +6,8 @@
  * Build-time switches:
  *   GEARBX_PLANT_NIBBLE_BUG  swap low/high nibbles in every fast 4-bit kernel
  *                            (tests must catch it; never set in a release)
+ *   GEARBX_PLANT_SIX_BUG     read the codes of each 3-byte triplet in reverse
+ *                            order in every fast 6-bit kernel (likewise)
  *   GEARBX_NO_THREADS        no pthreads: every call runs on the caller
  *   GEARBX_NO_DOTPROD        leave the AArch64 vdotq_s32 kernels out
  *   GEARBX_FORCE_SCALAR      report no x86 SIMD, so the scalar kernels run
@@ -95,6 +97,12 @@
     } while (0)
 #else
 #define GBX_NIBBLE_ORDER(T, lo, hi) ((void)0)
+#endif
+/* Bit offset of code k (0..3) inside its 3-byte triplet of a 6-bit plane. */
+#ifdef GEARBX_PLANT_SIX_BUG
+#define GBX_SIX_SHIFT(k) (18 - 6 * (k))
+#else
+#define GBX_SIX_SHIFT(k) (6 * (k))
 #endif
 
 /* Symbols shared between the library's files, kept out of its exports. */
@@ -264,12 +272,21 @@ GBX_INLINE float gbx_scale_at(const void *p, size_t i, int dtype)
     return dtype == GBX_DTYPE_F16 ? gbx_f16_to_f32(h) : gbx_bf16_to_f32(h);
 }
 
-/* Code j of a row of codes at `bits` (4 or 8): byte j/2's low nibble for even
- * j at 4 bits (MLX packs least significant first, words little-endian). */
+/* Code j of a row of codes at `bits` (4, 6 or 8): byte j/2's low nibble for
+ * even j at 4 bits; bits 6j .. 6j+5 of the row at 6 bits (MLX packs least
+ * significant first, words little-endian).  Never reads past code j's bytes. */
 GBX_INLINE int gbx_code_at(const uint8_t *row, int bits, int j)
 {
     if (bits == 8)
         return row[j];
+    if (bits == 6) {
+        const size_t bit = (size_t)j * 6;
+        const unsigned sh = (unsigned)(bit & 7);
+        unsigned v = (unsigned)row[bit >> 3] >> sh;
+        if (sh > 2)
+            v |= (unsigned)row[(bit >> 3) + 1] << (8 - sh);
+        return (int)(v & 63u);
+    }
     const uint8_t b = row[j >> 1];
     return (j & 1) ? b >> 4 : b & 0x0F;
 }
@@ -365,10 +382,12 @@ GBX_HIDDEN gbx_span_f32 *gbx_build_split_f32(const float *x, int n, void **mem);
 GBX_HIDDEN void gbx_nested_isa_names(const char **float_isa, const char **intdot_isa);
 
 /* A family of nested kernels: one function per (bits, dtype) of a plane.
- * [0][dtype] 4-bit, [1][dtype] 8-bit; NULL where none. */
+ * [GBX_BITS_SLOT(bits)][dtype]: 4-bit, 8-bit, 6-bit; NULL where none (the
+ * scalar kernel of the path then reads that plane). */
+#define GBX_BITS_SLOT(bits) ((bits) == 4 ? 0 : (bits) == 8 ? 1 : 2)
 typedef struct {
     const char *name;
-    gbx_plane_fn fn[2][3];
+    gbx_plane_fn fn[3][3];
 } gbx_nested_kernels;
 
 /* ------------------------------------------------------------------------ */

@@ -8,10 +8,11 @@
  * where xsum_g (the group's sum of x: of the int8 activations on the intdot
  * path) is computed once per call, so a bias
  * costs one multiply-add per group.  Each plane of a gear may have its own
- * bits (4 or 8) and scale dtype; each gets the kernel of its (bits, dtype)
+ * bits (4, 6 or 8) and scale dtype; each gets the kernel of its (bits, dtype)
  * from the family of the chosen path (arch/x86/nested.c, arch/arm/nested.c,
- * or the scalar one below), and a row sums its planes' results times their
- * factors.  Oracles: ref.c (gbx_nested_float_ref, gbx_nested_intdot_ref).
+ * or the scalar one below; a family without a kernel for some bits leaves
+ * those planes to the scalar one), and a row sums its planes' results times
+ * their factors.  Oracles: ref.c (gbx_nested_float_ref, gbx_nested_intdot_ref).
  */
 #include <math.h>
 
@@ -35,9 +36,11 @@ static float plane_intdot_scalar(const gbx_nested_ctx *c, const gbx_plane_rt *p,
 
 static const gbx_nested_kernels nested_float_scalar = {
     "scalar", {{plane_float_scalar, plane_float_scalar, plane_float_scalar},
+               {plane_float_scalar, plane_float_scalar, plane_float_scalar},
                {plane_float_scalar, plane_float_scalar, plane_float_scalar}}};
 static const gbx_nested_kernels nested_intdot_scalar = {
     "scalar", {{plane_intdot_scalar, plane_intdot_scalar, plane_intdot_scalar},
+               {plane_intdot_scalar, plane_intdot_scalar, plane_intdot_scalar},
                {plane_intdot_scalar, plane_intdot_scalar, plane_intdot_scalar}}};
 
 /* ------------------------------------------------------------------------ */
@@ -99,7 +102,7 @@ int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, in
         return GBX_E_PLANES;
     for (int i = 0; i < n; ++i) {
         const gbx_plane *p = planes + i;
-        if (p->bits != GBX_PLANE_BITS_LO && p->bits != GBX_PLANE_BITS_HI)
+        if (p->bits != GBX_PLANE_BITS_LO && p->bits != GBX_PLANE_BITS_HI && p->bits != GBX_PLANE_BITS_6)
             return GBX_E_PLANES;
         if (p->dtype != GBX_DTYPE_F32 && p->dtype != GBX_DTYPE_F16 && p->dtype != GBX_DTYPE_BF16)
             return GBX_E_PLANES;
@@ -250,9 +253,9 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
         p->ng = in_features / planes[i].group_size;
         p->gshift = log2_int(planes[i].group_size / GBX_QK);
         p->factor = planes[i].factor;
-        p->fn = kern->fn[p->bits == 8][p->dtype];
+        p->fn = kern->fn[GBX_BITS_SLOT(p->bits)][p->dtype];
         if (!p->fn)
-            p->fn = (intdot ? &nested_intdot_scalar : &nested_float_scalar)->fn[p->bits == 8][p->dtype];
+            p->fn = (intdot ? &nested_intdot_scalar : &nested_float_scalar)->fn[GBX_BITS_SLOT(p->bits)][p->dtype];
         any4 |= p->bits == 4;
     }
     c.n = n, c.m = m, c.O = out_features, c.I = in_features;

@@ -225,7 +225,7 @@ static double nested_abs_row(const gbx_plane *pl, int n, int i, const float *x, 
             const size_t at = (size_t)i * ng + g;
             double dq = 0.0, xs = 0.0;
             for (int j = g * gs; j < (g + 1) * gs; ++j) {
-                const int q = pl[p].bits == 8 ? row[j] : ((j & 1) ? row[j >> 1] >> 4 : row[j >> 1] & 0x0F);
+                const int q = gbx_code_at(row, pl[p].bits, j);
                 dq += fabs((double)q * x[j]);
                 xs += x[j];
             }
@@ -245,7 +245,7 @@ static void check_nested_case(const int *bits, const int *gss, const int *dtypes
 {
     gbx_plane pl[GBX_MAX_PLANES];
     const int gs = gss[0]; /* reported */
-    int label = 8; /* SUMMARY bits: 4 if any plane has nibbles */
+    int label = 8; /* SUMMARY bits: 6 if any plane has 6 bits, else 4 if any has nibbles */
     for (int p = 0; p < n; ++p) {
         const int ng = I / gss[p];
         const size_t row_bytes = (size_t)I * bits[p] / 8, es = dtypes[p] == GBX_DTYPE_F32 ? 4 : 2;
@@ -261,8 +261,8 @@ static void check_nested_case(const int *bits, const int *gss, const int *dtypes
         pl[p].codes = codes, pl[p].scales = sc, pl[p].biases = bi;
         pl[p].bits = bits[p], pl[p].group_size = gss[p], pl[p].dtype = dtypes[p];
         pl[p].factor = p == 0 ? 1.0f : (exact ? 0.5f : 1.0f / (float)(16 << (4 * p)));
-        if (bits[p] == 4)
-            label = 4;
+        if (bits[p] == 6 || (bits[p] == 4 && label != 6))
+            label = bits[p];
     }
     float *x = malloc(sizeof(float) * (size_t)m * I);
     for (int j = 0; j < m * I; ++j) {
@@ -340,8 +340,8 @@ done:
 static void check_nested(int quick)
 {
     static const int plans[][1 + 2 * GBX_MAX_PLANES] = {
-        {1, 4, 0}, {1, 8, 0}, {2, 4, 0, 4, 0}, {3, 4, 0, 4, 2, 4, 2}, {3, 4, 0, 4, 0, 8, 0},
-        {2, 8, 0, 4, 1}, {3, 8, 1, 4, 2, 4, 0}};
+        {1, 4, 0}, {1, 8, 0}, {1, 6, 0}, {2, 4, 0, 4, 0}, {3, 4, 0, 4, 2, 4, 2}, {3, 4, 0, 4, 0, 8, 0},
+        {3, 4, 1, 4, 0, 6, 1}, {2, 8, 0, 4, 1}, {3, 8, 1, 4, 2, 4, 0}, {2, 6, 2, 8, 0}};
     static const int Is[] = {128, 384, 640, 1152, 4096};
     static const int Os[] = {1, 3, 17};
     static const int gss[] = {32, 64, 128};
@@ -372,10 +372,13 @@ static void check_nested(int quick)
             const int bits[3] = {4, 4, 8}, groups[3] = {gss[g], gss[g], gss[g]}, dtypes[3] = {2, 1, 0};
             check_nested_case(bits, groups, dtypes, 3, 5, small[a], 1 + (int)(a & 1), 1);
             check_nested_case(bits, groups, dtypes, 3, 5, small[a], 1 + (int)(a & 1), 0);
+            const int bits6[3] = {6, 4, 6};
+            check_nested_case(bits6, groups, dtypes, 3, 5, small[a], 1 + (int)(a & 1), 1);
+            check_nested_case(bits6, groups, dtypes, 3, 5, small[a], 1 + (int)(a & 1), 0);
         }
     /* enough rows for the pool to split; each scale dtype on the default plan */
     for (int dt = 0; dt < 3; ++dt) {
-        const int bits[3] = {4, 4, 4}, groups[3] = {64, 32, 32}, dtypes[3] = {dt, dt, dt};
+        const int bits[3] = {4, 4, 6}, groups[3] = {64, 32, 64}, dtypes[3] = {dt, dt, dt};
         check_nested_case(bits, groups, dtypes, 3, 301, 512, 1, 1);
         check_nested_case(bits, groups, dtypes, 3, 300, 256, 2, 0);
     }

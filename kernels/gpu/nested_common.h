@@ -3,10 +3,13 @@
 //
 // A plane is MLX's affine quantization (../gearbx_format.h): unsigned codes
 // packed least significant first in 32-bit words, so code k of a word sits at
-// bits [k*BITS, (k+1)*BITS) with no storage offset.
+// bits [k*BITS, (k+1)*BITS) with no storage offset. 6-bit codes run on as
+// one little-endian bit stream across words (code j at bits 6j .. 6j+5 of
+// the row): 8 codes are 48 bits, a word and a half.
 
 // NW consecutive 32-bit words of codes (p 4*NW-byte aligned): 16-byte loads
-// where NW is a multiple of 4, an 8-byte load for 2, a word for 1.
+// where NW is a multiple of 4, 8-byte loads where it is even (2; 6 for a
+// 6-bit plane at VEC 4), words otherwise (1; 3 for a 6-bit plane at VEC 2).
 template <int NW>
 struct gbx_words {
   gbx_u32 v[NW];
@@ -23,10 +26,13 @@ GBX_FN gbx_words<NW> gbx_load_words(const GBX_DEVICE gbx_u32* p) {
       r.v[(4 * i + 2) % NW] = q.z;
       r.v[(4 * i + 3) % NW] = q.w;
     }
-  } else if (NW == 2) {
-    const uint2 q = *((const GBX_DEVICE uint2*)(p));
-    r.v[0] = q.x;
-    r.v[1 % NW] = q.y;
+  } else if (NW % 2 == 0) {
+    GBX_UNROLL
+    for (int i = 0; i < NW / 2; ++i) {
+      const uint2 q = ((const GBX_DEVICE uint2*)(p))[i];
+      r.v[(2 * i) % NW] = q.x;
+      r.v[(2 * i + 1) % NW] = q.y;
+    }
   } else {
     GBX_UNROLL
     for (int i = 0; i < NW; ++i) {
@@ -48,12 +54,43 @@ GBX_FN gbx_f4 gbx_unpack_u8(gbx_u32 w) {
   return r;
 }
 
+// The eight 6-bit codes in the 48 bits lo | (hi & 0xFFFF) << 32, as floats
+// (exact: every field is read at a position below 18, inside the mantissa).
+GBX_FN gbx_f8 gbx_unpack6(gbx_u32 lo, gbx_u32 hi) {
+  const gbx_u32 mid = lo >> 18;               // codes 3, 4 at bits 0, 6
+  const gbx_u32 top = (lo >> 30) | (hi << 2);  // codes 5, 6, 7 at bits 0, 6, 12
+  gbx_f8 q;
+  q.v[0] = gbx_field<0, 6, 0>(lo);
+  q.v[1] = gbx_field<6, 6, 0>(lo);
+  q.v[2] = gbx_field<12, 6, 0>(lo);
+  q.v[3] = gbx_field<0, 6, 0>(mid);
+  q.v[4] = gbx_field<6, 6, 0>(mid);
+  q.v[5] = gbx_field<0, 6, 0>(top);
+  q.v[6] = gbx_field<6, 6, 0>(top);
+  q.v[7] = gbx_field<12, 6, 0>(top);
+  return q;
+}
+
 // sum_k code_k * x_k over the 8 inputs j*8 .. j*8+7 of a chunk whose codes
-// are `w` (BITS 4: word j; BITS 8: words 2j and 2j+1).
+// are `w` (BITS 4: word j; BITS 8: words 2j and 2j+1; BITS 6: bits 48j ..
+// 48j+47, in words 3j/2 and 3j/2+1, starting half-way into the first for odd
+// j). j is a constant after unrolling, so the choice of words folds away.
 template <int BITS, int NW>
 GBX_FN float gbx_dot8(gbx_words<NW> w, int j, gbx_f8 x) {
   float s = 0.0f;
-  if (BITS == 4) {
+  if (BITS == 6) {
+    const int k = (3 * j) / 2;
+    gbx_u32 lo = w.v[k % NW], hi = w.v[(k + 1) % NW];
+    if (j & 1) {
+      lo = (lo >> 16) | (hi << 16);
+      hi >>= 16;
+    }
+    const gbx_f8 q = gbx_unpack6(lo, hi);
+    GBX_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      s += q.v[i] * x.v[i];
+    }
+  } else if (BITS == 4) {
     const gbx_f8 q = gbx_unpack4<0>(w.v[j % NW]);
     GBX_UNROLL
     for (int k = 0; k < 8; ++k) {

@@ -1,7 +1,8 @@
 /*
  * arch/arm/nested.c -- AArch64 kernels of the nested planes (../../nested.c).
  *
- * One function per plane (bits 4 or 8) and scale dtype, returning the
+ * One function per plane (bits 4 or 8; 6-bit planes take the scalar kernels
+ * of nested.c) and scale dtype, returning the
  * plane's part of one output row: sum_g s_g (codes . x)_g + b_g xsum_g.
  *   float   NEON FMA against float32 x (4-bit codes against split-order x).
  *   intdot  int8 x (GBX_QK blocks), exact int32 dot products: vdotq_s32
@@ -186,7 +187,8 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
     GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_bf16, GBX_DTYPE_BF16)                       \
     const gbx_nested_kernels TABLE = {ISA,                                             \
                                       {{TABLE##_4_f32, TABLE##_4_f16, TABLE##_4_bf16}, \
-                                       {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}}};
+                                       {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}, \
+                                       {NULL, NULL, NULL}}};
 
 #define GBX_NO_ATTR
 GBX_NESTED_TABLE(gbx_nested_float_neon, "neon", GBX_NO_ATTR, plane4_float_neon, plane8_float_neon)

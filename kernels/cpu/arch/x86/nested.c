@@ -1,16 +1,21 @@
 /*
  * arch/x86/nested.c -- x86-64 kernels of the nested planes (../../nested.c).
  *
- * One function per plane (bits 4 or 8) and scale dtype, returning the
+ * One function per plane (bits 4, 6 or 8) and scale dtype, returning the
  * plane's part of one output row: sum_g s_g (codes . x)_g + b_g xsum_g.
  *   float   AVX2+FMA against float32 x; 4-bit codes against x in split order
  *           (low nibbles are the even elements, as in the packed int4 kernels).
+ *           6-bit codes: a block of 32 is 24 bytes; vpshufb puts each 3-byte
+ *           triplet (four codes) in a 32-bit lane and vpsrlvd/vpand take code
+ *           k of it, so 8 codes cost 3 integer ops and one conversion.
  *   intdot  int8 x (GBX_QK blocks).  4 bits: vpmaddubsw takes the unsigned
  *           codes as they are (|pair| <= 2*15*127).  8 bits: 255*127*2
  *           would saturate vpmaddubsw's int16 pairs, so plain AVX2 multiplies
  *           u - 128 (signed, |pair| <= 2*128*127) and adds back
  *           128 * sum(xq) per group (from nested_ctx.xsum); vpdpbusd (AVX512-VNNI
  *           or AVX-VNNI) sums into int32 without pairs, so it takes u as is.
+ *           6 bits: codes unpacked to bytes (<= 63: 2*63*127 fits the int16
+ *           pairs), so vpmaddubsw takes them as they are on every x86 path.
  * Scales and biases are converted per group on the fly (F16C for float16),
  * so a plane reads exactly its own bytes.  Oracles: ../../ref.c.
  */
@@ -151,7 +156,108 @@ GBX_NESTED_FN GBX_INLINE float plane8_float(const gbx_nested_ctx *c, const gbx_p
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
+/* Lane shuffles of a 6-bit block (24 bytes: A = bytes 0-15, B = bytes 8-23,
+ * each broadcast to both 128-bit halves): for codes 8q .. 8q+7, lanes 0-3
+ * get triplet 2q (bytes 6q .. 6q+2) and lanes 4-7 triplet 2q+1, each in the
+ * low 24 bits of a 32-bit lane. */
+#define GBX_TRIP(b) (b), (b) + 1, (b) + 2, -1, (b), (b) + 1, (b) + 2, -1, (b), (b) + 1, (b) + 2, -1, (b), (b) + 1, (b) + 2, -1
+#define GBX_SIX_MASK(lo, hi) _mm256_setr_epi8(GBX_TRIP(lo), GBX_TRIP(hi))
+#define GBX_SIX_SHIFTS \
+    _mm256_setr_epi32(GBX_SIX_SHIFT(0), GBX_SIX_SHIFT(1), GBX_SIX_SHIFT(2), GBX_SIX_SHIFT(3), GBX_SIX_SHIFT(0), \
+                      GBX_SIX_SHIFT(1), GBX_SIX_SHIFT(2), GBX_SIX_SHIFT(3))
+
+/* 32 six-bit codes of a block (24 bytes at wb) times x: two partial sums */
+GBX_NESTED_FN GBX_INLINE __m256 u6_block_float(const uint8_t *wb, const float *xb)
+{
+    const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)wb));
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wb + 8)));
+    const __m256i sh = GBX_SIX_SHIFTS, m6 = _mm256_set1_epi32(63);
+#define GBX_U6F(v, lo, hi) \
+    _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(v, GBX_SIX_MASK(lo, hi)), sh), m6))
+    __m256 t0 = _mm256_mul_ps(GBX_U6F(a, 0, 3), _mm256_loadu_ps(xb));
+    __m256 t1 = _mm256_mul_ps(GBX_U6F(a, 6, 9), _mm256_loadu_ps(xb + 8));
+    t0 = _mm256_fmadd_ps(GBX_U6F(b, 4, 7), _mm256_loadu_ps(xb + 16), t0);
+    t1 = _mm256_fmadd_ps(GBX_U6F(b, 10, 13), _mm256_loadu_ps(xb + 24), t1);
+#undef GBX_U6F
+    return _mm256_add_ps(t0, t1);
+}
+
+GBX_NESTED_FN GBX_INLINE float plane6_float(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,
+                                            const int dtype)
+{
+    const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
+    const size_t off = (size_t)r * p->ng;
+    const float *x = c->x + (size_t)k * c->I;
+    const int nb = c->I / GBX_QK;
+    enum { BB = GBX_QK * 6 / 8 }; /* bytes of a block */
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        GBX_PREFETCH(w + (size_t)b * BB + GBX_PREFETCH_BYTES);
+        const __m256 t0 = u6_block_float(w + (size_t)b * BB, x + (size_t)b * GBX_QK);
+        const __m256 t1 = u6_block_float(w + (size_t)(b + 1) * BB, x + (size_t)(b + 1) * GBX_QK);
+        const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s0), acc0);
+        acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s1), acc1);
+    }
+    if (b < nb)
+        acc0 = _mm256_fmadd_ps(u6_block_float(w + (size_t)b * BB, x + (size_t)b * GBX_QK),
+                               _mm256_set1_ps(scale1(p->scales, off + (size_t)(b >> p->gshift), dtype)), acc0);
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
+}
+
 /* ---- intdot path ---------------------------------------------------------- */
+
+/* The 32 six-bit codes of a block (24 bytes at wb) as bytes, in order: each
+ * 32-bit lane takes a triplet (lanes 0-3 codes 0-15 from A, lanes 4-7 codes
+ * 16-31 from B = bytes 8-23) and spreads its four codes to its four bytes. */
+GBX_NESTED_FN GBX_INLINE __m256i u6_block_bytes(const uint8_t *wb)
+{
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)wb)),
+                                              _mm_loadu_si128((const __m128i *)(wb + 8)), 1);
+    const __m256i d = _mm256_shuffle_epi8(
+        v, _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1, 4, 5, 6, -1, 7, 8, 9, -1, 10, 11,
+                            12, -1, 13, 14, 15, -1));
+    const __m256i m = _mm256_set1_epi32(63);
+#define GBX_SIXB(k) _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(d, GBX_SIX_SHIFT(k)), m), 8 * (k))
+    return _mm256_or_si256(_mm256_or_si256(GBX_SIXB(0), GBX_SIXB(1)), _mm256_or_si256(GBX_SIXB(2), GBX_SIXB(3)));
+#undef GBX_SIXB
+}
+
+/* int32 lanes of block b's exact sum of codes * xq (6-bit codes) */
+GBX_NESTED_FN GBX_INLINE __m256i u6_block_isum(const uint8_t *wb, const int8_t *xq)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u6_block_bytes(wb), _mm256_loadu_si256((const __m256i *)xq)),
+                             _mm256_set1_epi16(1));
+}
+
+GBX_NESTED_FN GBX_INLINE float plane6_intdot(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k,
+                                             const int dtype)
+{
+    const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
+    const size_t off = (size_t)r * p->ng;
+    const gbx_act_q8 *a = c->a + k;
+    const int nb = c->I / GBX_QK;
+    enum { BB = GBX_QK * 6 / 8 };
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        GBX_PREFETCH(w + (size_t)b * BB + GBX_PREFETCH_BYTES);
+        const __m256 f0 = _mm256_cvtepi32_ps(u6_block_isum(w + (size_t)b * BB, a->qs + (size_t)b * GBX_QK));
+        const __m256 f1 = _mm256_cvtepi32_ps(u6_block_isum(w + (size_t)(b + 1) * BB, a->qs + (size_t)(b + 1) * GBX_QK));
+        const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);
+        acc1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(a->d[b + 1] * s1), acc1);
+    }
+    if (b < nb) {
+        const __m256 f0 = _mm256_cvtepi32_ps(u6_block_isum(w + (size_t)b * BB, a->qs + (size_t)b * GBX_QK));
+        acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * scale1(p->scales, off + (size_t)(b >> p->gshift), dtype)),
+                               acc0);
+    }
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
+}
 
 /* One span of 4-bit codes as unsigned bytes: low nibbles (elements 0,2,..,62)
  * and high nibbles (1,3,..,63), matching gbx_span_q8. */
@@ -250,21 +356,26 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
 /* One exported function per (bits, dtype): the dtype a compile-time constant. */
 #define GBX_NESTED_INST(ATTR, BODY, NAME, DT) \
     ATTR static float NAME(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k) { return BODY(c, p, r, k, DT); }
-#define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8)                       \
+#define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8, BODY6)                \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f32, GBX_DTYPE_F32)                 \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f16, GBX_DTYPE_F16)                 \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_bf16, GBX_DTYPE_BF16)               \
     GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_f32, GBX_DTYPE_F32)                 \
     GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_f16, GBX_DTYPE_F16)                 \
     GBX_NESTED_INST(ATTR, BODY8, TABLE##_8_bf16, GBX_DTYPE_BF16)               \
+    GBX_NESTED_INST(ATTR, BODY6, TABLE##_6_f32, GBX_DTYPE_F32)                 \
+    GBX_NESTED_INST(ATTR, BODY6, TABLE##_6_f16, GBX_DTYPE_F16)                 \
+    GBX_NESTED_INST(ATTR, BODY6, TABLE##_6_bf16, GBX_DTYPE_BF16)               \
     const gbx_nested_kernels TABLE = {ISA,                                     \
                                       {{TABLE##_4_f32, TABLE##_4_f16, TABLE##_4_bf16}, \
-                                       {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}}};
+                                       {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}, \
+                                       {TABLE##_6_f32, TABLE##_6_f16, TABLE##_6_bf16}}};
 
-GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float)
+GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float, plane6_float)
 
 GBX_DEF_NESTED_INTDOT(avx2, GBX_NESTED_FN, u4_span_isum_avx2, u8_block_isum_signed, 1)
-GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_avx2, plane8_intdot_avx2)
+GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_avx2, plane8_intdot_avx2,
+                 plane6_intdot)
 
 /* vpdpbusd: unsigned codes times int8 x, four products per int32 lane, no
  * int16 pairs to saturate. */
@@ -287,13 +398,13 @@ GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_av
 #define GBX_NESTED_VNNI512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 GBX_DEF_NESTED_VNNI(vnni512, GBX_NESTED_VNNI512_FN, _mm256_dpbusd_epi32)
 GBX_NESTED_TABLE(gbx_nested_intdot_vnni512, "avx512vnni", GBX_NESTED_VNNI512_FN, plane4_intdot_vnni512,
-                 plane8_intdot_vnni512)
+                 plane8_intdot_vnni512, plane6_intdot)
 #endif
 #if GBX_AVXVNNI
 #define GBX_NESTED_AVXVNNI_FN __attribute__((target("avx2,fma,f16c,avxvnni")))
 GBX_DEF_NESTED_VNNI(avxvnni, GBX_NESTED_AVXVNNI_FN, _mm256_dpbusd_avx_epi32)
 GBX_NESTED_TABLE(gbx_nested_intdot_avxvnni, "avxvnni", GBX_NESTED_AVXVNNI_FN, plane4_intdot_avxvnni,
-                 plane8_intdot_avxvnni)
+                 plane8_intdot_avxvnni, plane6_intdot)
 #endif
 
 #endif /* GBX_X86 */
