@@ -10,6 +10,10 @@ Sections (each recorded even if another fails):
 2. ``sweep``: rows per SIMD group x chunk width of the nested body, per gear
    (1, 2, 3 planes), at 4096x4096 and 14336x4096; the best (geometric mean)
    is used for the rest of the run (``--skip-sweep`` keeps the defaults).
+   ``host``: host time per call while a graph is built (no evaluation): the
+   nested product as a decode step calls it (the package's ``NestedLinear``
+   view, and its bound launcher alone), MLX's ``quantized_matmul`` 4/8-bit
+   and the bf16 product: on a fast GPU a decode step is bound by this.
 3. ``gemv``: time per product, many products (over weight copies far larger
    than the L2 cache) in one evaluated graph, at 4096^2 and 8192^2 (and
    14336x4096 unless ``--quick``): the fused nested gears; the same gears the
@@ -18,19 +22,22 @@ Sections (each recorded even if another fails):
    GB/s of bytes read; each fused kernel checked against the reference first.
 4. ``decode``: greedy decoding tok/s of an mlx-lm llama with random weights
    (Llama-3-8B shape; ``--models``), every Linear replaced: bf16 (none), MLX
-   ``QuantizedLinear`` 4/8-bit, nested planes (``PLAN``) read by
-   the fused kernel (``nested-low/mid/high``) and, for comparison, the same
+   ``QuantizedLinear`` 4/8-bit, the package's ``NestedLinear`` views of nested
+   planes (``--plan``, default the package's ``DEFAULT_PLAN``) through the
+   fused kernel (``nested-low/mid/high``) and, for comparison, the same
    planes through ``reference_matmul`` (``nested-*-mlx``). ``--rounds`` passes
    over the variants, interleaved; medians reported.
 
 Usage:
   python scripts/bench_nested_gpu.py [--out FILE] [--quick] [--skip-sweep] [--skip-gemv] [--skip-decode]
       [--models llama3-8b smollm2-135m] [--variants bf16 mlx-4 nested-low ...] [--rounds 3]
+      [--plan 4:64,4:32,6:64] [--shapes 4096x4096 8192x8192]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -57,13 +64,12 @@ from bench_kernels import (  # noqa: E402
     time_graph,
 )
 
-from gearbx_mlx.nested.matmul import NestedProduct  # noqa: E402
-from gearbx_mlx.nested.planes import build_planes, reference_matmul  # noqa: E402
+from gearbx_mlx.nested.layers import NestedWeights, make_view  # noqa: E402
+from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
 from gearbx_mlx.packed import gpu, nested_gpu  # noqa: E402
 
-#: (bits, group size) per plane: the package's low and mid planes and an 8-bit
-#: third plane (the package's is 6 bits, which no kernel reads).
-PLAN = ((4, 64), (4, 32), (8, 64))
+#: (bits, group size) per plane: the package's default (--plan replaces it).
+PLAN = tuple(DEFAULT_PLAN)
 GROUP = 64  # MLX's 4-bit and 8-bit baselines
 GEARS = {"low": 1, "mid": 2, "high": 3}
 ACT_DTYPE = mx.bfloat16
@@ -72,7 +78,9 @@ MIN_PRODUCTS = 48
 CHECK_TOL = 2e-2
 
 
+@functools.lru_cache(maxsize=2)
 def planes_of(out_features: int, in_features: int, seed: int = 0):
+    """A random weight and its planes (cached: the sweep times one shape many times)."""
     mx.random.seed(seed)
     w = (mx.random.normal((out_features, in_features)) * 0.02).astype(ACT_DTYPE)
     planes = build_planes(w, PLAN)
@@ -163,11 +171,12 @@ def time_mlx(shape: Tuple[int, int], fmt: str) -> Dict[str, float]:
 
 def bench_sweep(quick: bool) -> Dict[str, object]:
     shapes = [(1024, 1024)] if quick else [(4096, 4096), (14336, 4096)]
-    grid = [nested_gpu.NestedTuning(r, v) for r, v in ((1, 4), (2, 4), (4, 4), (2, 2), (4, 2), (8, 2))]
+    pairs = [(1, 4), (2, 4), (4, 4), (8, 4), (1, 2), (2, 2), (4, 2), (8, 2), (2, 1), (4, 1), (8, 1)]
     result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": {}}
     for gear, n in GEARS.items():
         scores = {}
-        for t in grid:
+        six = any(b == 6 for b, _ in PLAN[:n])  # a 6-bit plane needs an even vec
+        for t in [nested_gpu.NestedTuning(r, v) for r, v in pairs if not (six and v % 2)]:
             try:
                 us = [time_nested(s, n, True, t)["us"] for s in shapes]
             except Exception as e:  # a tuning that does not compile or fit: record it
@@ -181,6 +190,46 @@ def bench_sweep(quick: bool) -> Dict[str, object]:
             best = min(scores, key=scores.get)
             nested_gpu.TUNING[n] = best
             result["best"][gear] = {"rows": best.rows, "vec": best.vec}
+    return result
+
+
+def _host_us(make: Callable[[], mx.array], calls: int = 2000) -> float:
+    """Host microseconds per call of ``make`` while building a graph (nothing evaluated)."""
+    for _ in range(50):
+        make()  # warm up: compile, bind, cache
+    outs = []
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        outs.append(make())
+    t = time.perf_counter() - t0
+    mx.eval(outs[-1])
+    return t / calls * 1e6
+
+
+def bench_host(shape=(4096, 4096)) -> Dict[str, float]:
+    """Host time per call of each product a decode step makes, one token."""
+    out_features, in_features = shape
+    w, planes = planes_of(out_features, in_features)
+    x = mx.random.normal((1, 1, in_features)).astype(ACT_DTYPE)
+    mx.eval(x)
+    result: Dict[str, float] = {}
+    weights = NestedWeights(planes)
+    for gear, n in GEARS.items():
+        view = make_view(weights, n, False)
+        result[f"nested-{gear} view"] = _host_us(lambda: view(x))
+        run = nested_gpu.launcher(gpu.gpu_backend(), tuple(b for b, _ in PLAN[:n]), tuple(g for _, g in PLAN[:n]),
+                                  in_features, out_features, ACT_DTYPE, ACT_DTYPE, False).bound(
+            nested_gpu.plane_arrays(planes, n), nested_gpu.factors_of(planes, n))
+        result[f"nested-{gear} launcher"] = _host_us(lambda: run(x, x.shape, None))
+    for bits in (4, 8):
+        layer = nn.QuantizedLinear.from_linear(nn.Linear(in_features, out_features, bias=False), GROUP, bits)
+        mx.eval(layer.parameters())
+        result[f"mlx-{bits} QuantizedLinear"] = _host_us(lambda: layer(x))
+    lin = nn.Linear(in_features, out_features, bias=False)
+    lin.weight = w
+    result["bf16 Linear"] = _host_us(lambda: lin(x))
+    for k, v in result.items():
+        print(f"  host {k:26s} {v:6.2f} us/call", flush=True)
     return result
 
 
@@ -221,32 +270,17 @@ def print_gemv(rows, copy_gbps: float) -> None:
                                                                       "speedup_vs_bf16")))
 
 
-class NestedBench(nn.Module):
-    """A Linear's planes behind the dispatch, reading ``n`` of them (a bench
-    stand-in for the package's nested layer); ``mlx`` forces the oracle."""
-
-    def __init__(self, product: NestedProduct, n: int, bias: Optional[mx.array], mlx: bool):
-        super().__init__()
-        self._product, self._n, self._mlx = product, n, mlx
-        self._bias = bias
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if self._mlx:
-            return reference_matmul(x, self._product.planes, self._n, self._bias)
-        return self._product(x, self._n, self._bias)
-
-
 def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3) -> List[Dict[str, object]]:
     from mlx.utils import tree_unflatten
 
     model = build_model(kind)
     linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
-    products: Dict[str, NestedProduct] = {}
+    products: Dict[str, NestedWeights] = {}
     if any(v.startswith("nested") for v in variants):
         t0 = time.perf_counter()
         for path, m in linears:
-            products[path] = NestedProduct(build_planes(m.weight, PLAN))
-            mx.eval([a for p in products[path].planes for a in p.arrays()])
+            products[path] = NestedWeights(build_planes(m.weight, PLAN), m.get("bias"))
+            mx.eval(products[path].parameters())
         build_s = time.perf_counter() - t0
         print(f"  built planes of {len(linears)} linears in {build_s:.1f} s", flush=True)
     vocab = MODEL_SHAPES[kind]["vocab_size"]
@@ -266,15 +300,14 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 else:
                     parts = variant.split("-")
                     n = GEARS[parts[1]]
-                    plan = [(p, NestedBench(products[p], n, m.get("bias"), parts[-1] == "mlx"))
-                            for p, m in linears]
+                    plan = [(p, make_view(products[p], n, False, fused=parts[-1] != "mlx")) for p, _ in linears]
                     entry["bits_per_weight"] = 8 * sum(plane_bytes(products[p].planes, n) for p, _ in linears) / sum(
                         m.weight.size for _, m in linears)
                 if plan:
                     model.update_modules(tree_unflatten(plan))
                 probe = mx.zeros((1, 1, model.args.hidden_size), dtype=ACT_DTYPE)
                 if variant.startswith("nested"):
-                    entry["path"] = products[linears[0][0]].backend_for(probe, GEARS[variant.split("-")[1]])
+                    entry["path"] = products[linears[0][0]].product.backend_for(probe, GEARS[variant.split("-")[1]])
                 greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
@@ -326,7 +359,17 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=None)
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODEL_SHAPES))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plan", default=None, help="bits:group per plane (default: the package's, 4:64,4:32,6:64)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="GEMV shapes OUTxIN (default 4096x4096 8192x8192 "
+                    "14336x4096)")
+    ap.add_argument("--skip-host", action="store_true")
     args = ap.parse_args(argv)
+    global PLAN
+    if args.plan:
+        try:
+            PLAN = tuple(tuple(int(v) for v in s.split(":")) for s in args.plan.split(","))
+        except ValueError:
+            ap.error(f"--plan takes bits:group per plane, comma-separated (e.g. 4:64,4:32,6:64), got {args.plan!r}")
 
     if gpu.gpu_backend() is None:
         print("no Metal/CUDA GPU on the default device: nothing to benchmark", file=sys.stderr)
@@ -364,7 +407,12 @@ def main(argv=None) -> int:
     if not args.skip_sweep:
         section("sweep", lambda: bench_sweep(args.quick))
     report["tuning"] = {n: {"rows": t.rows, "vec": t.vec} for n, t in nested_gpu.TUNING.items()}
-    shapes = [(1024, 1024)] if args.quick else [(4096, 4096), (8192, 8192), (14336, 4096)]
+    if not args.skip_host:
+        section("host", lambda: bench_host((1024, 1024) if args.quick else (4096, 4096)))
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    else:
+        shapes = [(1024, 1024)] if args.quick else [(4096, 4096), (8192, 8192), (14336, 4096)]
     if not args.skip_gemv:
         section("gemv", lambda: bench_gemv(shapes))
         if isinstance(report["gemv"], list):

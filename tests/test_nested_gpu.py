@@ -320,8 +320,14 @@ CUDA_CASES = [(plan, dtype, gs, shape) for plan, dtype, gs in CUDA_CONFIGS for s
               if all(shape[1] % g == 0 for _, g in plane_specs(plan, gs))]
 
 
+def _case_id(plan, dtype, group_size, shape) -> str:
+    """e.g. q4q4q6-bfloat16-g64-4096x4096, so a device run can pick cases with -k."""
+    bits = "".join(f"q{b}" for b, _ in plane_specs(plan, group_size))
+    return f"{bits}-{str(dtype).split('.')[-1]}-g{group_size}-{shape[0]}x{shape[1]}"
+
+
 @needs_cuda
-@pytest.mark.parametrize("plan, dtype, group_size, shape", CUDA_CASES)
+@pytest.mark.parametrize("plan, dtype, group_size, shape", CUDA_CASES, ids=[_case_id(*c) for c in CUDA_CASES])
 def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
     out_features, in_features = shape
     planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=len(plan))

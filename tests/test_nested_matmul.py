@@ -87,10 +87,11 @@ def test_a_gpu_device_takes_the_fused_kernel_for_one_row(monkeypatch):
     calls = []
 
     def fake_launcher(backend, bits, gs, k, o, dtype, sdtype, has_bias, tuning=None, shared=None):
-        def run(x, arrays, factors, bias=None):
-            calls.append((backend, bits, dtype, len(arrays), factors.tolist(), bias is not None))
-            return mx.zeros(x.shape[:-1] + (o,), dtype=x.dtype)
-        return run
+        def kernel(inputs, grid, threadgroup, output_shapes, output_dtypes):
+            # inputs: x, the planes' arrays, factors, [bias]
+            calls.append((backend, bits, dtype, len(inputs) - 2 - has_bias, inputs[-1 - has_bias].tolist(), has_bias))
+            return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+        return nested_gpu.Launcher(kernel, (256, 1, 1), (256, 1, 1), dtype, o, has_bias)
 
     monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(nested_gpu, "launcher", fake_launcher)
@@ -102,6 +103,20 @@ def test_a_gpu_device_takes_the_fused_kernel_for_one_row(monkeypatch):
     assert y.shape == (1, 24) and y.dtype == mx.bfloat16
     f = [2.0 ** -p.exponent for p in planes[:2]]
     assert calls == [("cuda", (4, 4), mx.bfloat16, 6, f, True)]
+    # Later calls take the bound path: no dispatch, and the output keeps x's leading dims.
+    monkeypatch.setattr(prod, "backend_for", lambda *a: pytest.fail("the bound call re-dispatched"))
+    assert prod(x[0], 2, mx.ones((24,), dtype=mx.float32)).shape == (24,)
+    assert prod(x, 2, mx.ones((24,), dtype=mx.bfloat16)).shape == (1, 24) and len(calls) == 3
+    # Another default device than the one bound: dispatch again.
+    prod._fast_device = mx.Device(mx.gpu, 7)
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(nested_gpu, "launcher", fake_launcher)
+    seen = []
+    real = prod.backend_for
+    monkeypatch.setattr(prod, "backend_for", lambda *a: seen.append(1) or real(*a))
+    prod(x, 2, mx.ones((24,), dtype=mx.bfloat16))
+    assert seen == [1] and len(calls) == 4 and prod._fast_device == mx.default_device()
     # several rows (prefill) and planes no kernel reads take the oracle
     assert prod.backend_for(make_x((2, 128), mx.bfloat16), 3) == "reference"
     assert NestedProduct(make_planes(24, 128, (3,), 64, mx.bfloat16)).backend_for(x, 1) == "reference"

@@ -102,10 +102,14 @@ class _View(nn.Module):
         self.freeze()
 
     def matmul(self, x: mx.array) -> mx.array:
-        bias = self.nested.get("bias")
+        # Item reads, not attributes: nn.Module resolves a child module through
+        # __getattr__ (~2 us a read), and a decode step makes hundreds of calls.
+        nested = self["nested"]
+        bias = nested.get("bias")
         if self.fused:
-            return self.nested.product(x, self.n, bias)
-        return reference_matmul(x, self.nested.planes, self.n, bias)
+            product = nested.__dict__.get("_product") or nested.product
+            return product(x, self.n, bias)
+        return reference_matmul(x, nested.planes, self.n, bias)
 
     def _extra_repr(self) -> str:
         out, inp = self.nested.shape

@@ -224,7 +224,50 @@ def _build(backend: str, name: str, n_planes: int, has_bias: bool, consts_source
     return mx.fast.cuda_kernel(**kwargs)
 
 
-Launcher = Callable[..., mx.array]
+class Launcher:
+    """The compiled kernel of one gear's shape: ``run(x, arrays, factors, bias=None) -> y``.
+
+    ``arrays`` is ``[w0, s0, b0, w1, s1, b1, ...]`` of the planes read, and
+    ``factors`` their float32 ``(n,)`` factors. :meth:`bound` fixes them for
+    a matrix: the per-call path of a decode step, which does no more than the
+    launch needs (output shapes cached by input shape).
+    """
+
+    def __init__(self, kernel: Callable, grid: tuple, threadgroup: tuple, dtype: mx.Dtype, out_features: int,
+                 has_bias: bool) -> None:
+        self.kernel, self.grid, self.threadgroup = kernel, grid, threadgroup
+        self.out_dtypes = [dtype]
+        self.dtype, self.out_features, self.has_bias = dtype, out_features, has_bias
+
+    def __call__(self, x: mx.array, arrays: List[mx.array], factors: mx.array,
+                 bias: Optional[mx.array] = None) -> mx.array:
+        inputs = [x, *arrays, factors] if bias is None else [x, *arrays, factors, bias]
+        return self.kernel(inputs=inputs, grid=self.grid, threadgroup=self.threadgroup,
+                           output_shapes=[x.shape[:-1] + (self.out_features,)], output_dtypes=self.out_dtypes)[0]
+
+    def bound(self, arrays: List[mx.array], factors: mx.array) -> Callable[[mx.array, tuple, Optional[mx.array]],
+                                                                          mx.array]:
+        """``run(x, x_shape, bias) -> y`` with the planes' arrays fixed. ``x_shape``
+        is ``x.shape`` (the caller has read it); ``bias`` is cast to x's dtype if needed."""
+        kernel, grid, threadgroup, out_dtypes = self.kernel, self.grid, self.threadgroup, self.out_dtypes
+        dtype, tail, has_bias = self.dtype, (self.out_features,), self.has_bias
+        rest = [*arrays, factors]
+        out_shapes: Dict[tuple, List[tuple]] = {}
+
+        def run(x: mx.array, shape: tuple, bias: Optional[mx.array]) -> mx.array:
+            shapes = out_shapes.get(shape)
+            if shapes is None:
+                shapes = out_shapes[shape] = [shape[:-1] + tail]
+            if has_bias:
+                if bias.dtype != dtype:
+                    bias = bias.astype(dtype)
+                inputs = [x, *rest, bias]
+            else:
+                inputs = [x, *rest]
+            return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=shapes,
+                          output_dtypes=out_dtypes)[0]
+
+        return run
 
 
 class _ShapeOnly:
@@ -242,7 +285,7 @@ def launcher(
     dtype: mx.Dtype, scale_dtype: mx.Dtype, has_bias: bool, tuning: Optional[NestedTuning] = None,
     shared: Optional[bool] = None,
 ) -> Launcher:
-    """A cached ``run(x, arrays, factors, bias=None) -> y`` for one gear's shape.
+    """A cached :class:`Launcher` ``run(x, arrays, factors, bias=None) -> y`` for one gear's shape.
 
     ``arrays`` is ``[w0, s0, b0, w1, s1, b1, ...]`` of the planes read, and
     ``factors`` their float32 ``(n,)`` factors; everything else is worked out
@@ -252,15 +295,7 @@ def launcher(
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
     spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
     kernel = _build(backend, spec["name"], len(bits), has_bias, gpu.constants_source(backend, spec["constants"]))
-    grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
-    tail = (out_features,)
-
-    def run(x: mx.array, arrays: List[mx.array], factors: mx.array, bias: Optional[mx.array] = None) -> mx.array:
-        inputs = [x, *arrays, factors] if bias is None else [x, *arrays, factors, bias]
-        return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup,
-                      output_shapes=[x.shape[:-1] + tail], output_dtypes=out_dtypes)[0]
-
-    return run
+    return Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias)
 
 
 def plane_arrays(planes: Sequence[PlaneLike], n: int) -> List[mx.array]:
