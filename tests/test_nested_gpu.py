@@ -44,7 +44,7 @@ def test_launch_spec_names_every_parameter():
     spec = nested_gpu.launch_spec("cuda", x, planes, 3, True)
     for part in ("cuda", "q4g64_q4g32_q8g32", "shared", "bf16", "sbf16", "bias"):
         assert part in spec["name"], (part, spec["name"])
-    t = nested_gpu.TUNING[3]
+    t = nested_gpu.default_tuning(3, 67)
     assert spec["grid"] == (-(-67 // (8 * t.rows)) * 256, 1, 1) and spec["threadgroup"] == (256, 1, 1)
     assert spec["input_names"] == ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"]
     assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
@@ -87,6 +87,62 @@ def test_where_the_kernel_does_not_apply():
     with pytest.raises(ValueError, match="threadgroup-memory"):
         big = make_planes(9, 6272, (4,), 64, mx.bfloat16)
         nested_gpu.launch_spec("cuda", make_x((6272,), mx.bfloat16), big, 1, False, shared=True)
+
+
+def test_small_matrices_get_fewer_rows_per_simd_group():
+    big = nested_gpu.default_tuning(3, 14336)
+    assert big == nested_gpu.TUNING[3]
+    for n in (1, 2, 3):
+        for out_features in (8, 67, 1024, 4096, 14336):
+            t = nested_gpu.default_tuning(n, out_features)
+            groups = -(-out_features // (8 * t.rows))
+            assert t.vec == nested_gpu.TUNING[n].vec and 1 <= t.rows <= nested_gpu.TUNING[n].rows
+            # as many rows as the threadgroup floor allows, never fewer
+            assert t.rows == 1 or groups >= nested_gpu.MIN_THREADGROUPS
+            assert t.rows == nested_gpu.TUNING[n].rows or -(-out_features // (16 * t.rows)) < nested_gpu.MIN_THREADGROUPS
+
+
+def test_light_source_names_what_the_full_source_passes():
+    """The stub must make MLX pass the same arguments: every input's _shape,
+    _strides or _ndim the full source uses, and no other."""
+    for n in (1, 2, 3):
+        for bias in (False, True):
+            _, full = nested_gpu.kernel_sources("cuda", n, bias, compact=True)
+            names = nested_gpu.input_names(n, bias)
+            stub = nested_gpu.light_source(full, names)
+            for name in names:
+                for suffix in ("_shape", "_strides", "_ndim"):
+                    assert ((name + suffix) in stub) == ((name + suffix) in full), (n, bias, name + suffix)
+            assert "w0_shape" in stub and len(stub) < 200
+    # a source that used another input's shape: the stub names it too
+    assert "x_strides" in nested_gpu.light_source("x_strides[0] + w0_shape[1]", ["x", "w0"])
+
+
+def test_light_launches_follow_one_full_evaluation(monkeypatch):
+    """Launcher.bound runs the full kernel once per device, evaluated, then
+    only the light one; without a light kernel, always the full one."""
+    log = []
+
+    def fake(tag):
+        def kernel(inputs, grid, threadgroup, output_shapes, output_dtypes):
+            log.append((tag, float(mx.sum(inputs[0].astype(mx.float32)).item())))
+            return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+        return kernel
+
+    planes = make_planes(16, 128, (4, 4, 6), 64, mx.bfloat16)
+    arrays, factors = nested_gpu.plane_arrays(planes, 3), nested_gpu.factors_of(planes, 3)
+    launcher = nested_gpu.Launcher(fake("full"), (256, 1, 1), (256, 1, 1), mx.bfloat16, 16, True, fake("light"), 128)
+    x = mx.ones((1, 128), dtype=mx.bfloat16)
+    run = launcher.bound(arrays, factors)
+    assert log == [("full", 0.0)]  # the compile run: zeros, evaluated at bind time
+    bias = mx.ones((16,), dtype=mx.float32)
+    assert run(x, x.shape, bias).shape == (1, 16) and run(x[0], x[0].shape, bias).shape == (16,)
+    assert log[1:] == [("light", 128.0), ("light", 128.0)]
+    launcher.bound(arrays, factors)(x, x.shape, bias)  # another matrix, same device: no second compile run
+    assert [t for t, _ in log] == ["full", "light", "light", "light"]
+    plain = nested_gpu.Launcher(fake("full"), (256, 1, 1), (256, 1, 1), mx.bfloat16, 16, True, None, 128)
+    plain.bound(arrays, factors)(x, x.shape, bias)
+    assert log[-1] == ("full", 128.0) and len(log) == 5
 
 
 def test_names_differ_by_source_text(tmp_path):
@@ -339,6 +395,26 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
             assert y is not None and y.shape == (1, out_features) and y.dtype == dtype
             want, mag = reference64(x, planes, n, b)
             assert_close(y, want, mag, dtype, what=f"cuda n={n}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", [KERNEL_PLAN, (4, 4, 8)])
+def test_cuda_bound_light_launches_match_the_reference(plan):
+    """The decode path: NestedProduct binds each gear once (a full launch),
+    then launches through the light stub; every call must still be the gear."""
+    from gearbx_mlx.nested.matmul import NestedProduct
+
+    for shape in ((1024, 4096), (67, 320)):
+        planes = make_planes(*shape, plan, 64 if isinstance(plan[0], int) else None, mx.bfloat16, seed=11)
+        prod = NestedProduct(planes)
+        bias = make_x((shape[0],), mx.bfloat16, seed=4)
+        for n in (1, 2, 3):
+            for k in range(3):
+                x = make_x((1, 1, shape[1]), mx.bfloat16, seed=20 + k)
+                b = bias if k % 2 else None
+                y = prod(x, n, b)
+                want, mag = reference64(x, planes, n, b)
+                assert_close(y, want, mag, mx.bfloat16, what=f"bound {shape} n={n} call {k}")
 
 
 @needs_cuda

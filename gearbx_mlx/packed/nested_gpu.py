@@ -64,15 +64,23 @@ class NestedTuning:
     vec: int
 
 
-#: Defaults by the number of planes a gear reads: the best of the H200 sweep
-#: of scripts/bench_nested_gpu.py (4096x4096 and 14336x4096; neighbours within
-#: about 10%). More planes hold more words in registers per row, so the high
-#: gear shares each chunk of x among fewer rows.
+#: Defaults by the number of planes a gear reads, for the package's default
+#: plan (4/64, 4/32, 6/64): the best (geometric mean over 4096x4096 and
+#: 14336x4096) of the H200 sweep of scripts/bench_nested_gpu.py
+#: (benchmarks/results/nested_gpu_h200_default_plan.json).
 TUNING: Dict[int, NestedTuning] = {
-    1: NestedTuning(rows=8, vec=2),
-    2: NestedTuning(rows=8, vec=2),
-    3: NestedTuning(rows=2, vec=4),
+    1: NestedTuning(rows=4, vec=1),
+    2: NestedTuning(rows=2, vec=4),
+    3: NestedTuning(rows=4, vec=4),
 }
+#: A default tuning's rows per SIMD group shrink (to 1 at least) until the
+#: launch has this many threadgroups: a GPU of ~100+ cores needs one or more
+#: per core to keep memory busy, and a small matrix (Llama-3-8B's 1024-row
+#: k/v projections) at 4 rows per SIMD group would get 32.
+MIN_THREADGROUPS = 128
+#: Back ends whose calls after the first reuse the compiled kernel by name
+#: with a stub source (:class:`Launcher`): measured on CUDA only.
+LIGHT_BACKENDS: Tuple[str, ...] = ("cuda",)
 
 _DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 
@@ -178,6 +186,16 @@ def factors_of(planes: Sequence[PlaneLike], n: int) -> mx.array:
 # -- launch ---------------------------------------------------------------------------
 
 
+def default_tuning(n: int, out_features: int) -> NestedTuning:
+    """:data:`TUNING` of a gear of ``n`` planes, its rows shrunk for a small
+    matrix so that the launch keeps :data:`MIN_THREADGROUPS` threadgroups."""
+    t = TUNING[n]
+    rows = t.rows
+    while rows > 1 and -(-out_features // (gpu.SIMD_GROUPS * rows)) < MIN_THREADGROUPS:
+        rows //= 2
+    return t if rows == t.rows else NestedTuning(rows, t.vec)
+
+
 def launch_spec(
     backend: str, x: mx.array, planes: Sequence[PlaneLike], n: int, has_bias: bool, *,
     tuning: Optional[NestedTuning] = None, shared: Optional[bool] = None,
@@ -190,7 +208,7 @@ def launch_spec(
     if not supports(bits, gs, in_features, out_features, x.dtype, sdt):
         raise ValueError(f"no nested GPU kernel for planes {bits}, groups {gs}, shape ({out_features}, "
                          f"{in_features}), x {x.dtype}, scales {sdt}: use the reference")
-    t = tuning or TUNING[n]
+    t = tuning or default_tuning(n, out_features)
     if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > min(gs):
         raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= the smallest group {min(gs)}, got {t}")
     if 6 in bits and t.vec % 2:
@@ -224,6 +242,24 @@ def _build(backend: str, name: str, n_planes: int, has_bias: bool, consts_source
     return mx.fast.cuda_kernel(**kwargs)
 
 
+def light_source(full_source: str, names: Sequence[str]) -> str:
+    """The stub source of :class:`Launcher`'s light kernel: a comment naming
+    each input whose ``_shape``, ``_strides`` or ``_ndim`` the full source
+    uses. MLX decides which of those it passes by searching the source text,
+    so the stub's launches pass the very arguments the compiled kernel takes."""
+    used = [f"{n}{suffix}" for n in names for suffix in ("_shape", "_strides", "_ndim") if n + suffix in full_source]
+    return "  // light launch of a kernel compiled from its full source: " + " ".join(used) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _build_light(backend: str, name: str, n_planes: int, has_bias: bool, consts_source: str) -> Callable:
+    _, source = kernel_sources(backend, n_planes, has_bias, compact=True)
+    names = input_names(n_planes, has_bias)
+    return mx.fast.cuda_kernel(name=name, input_names=names, output_names=["y"],
+                               source=light_source(gpu._compact(consts_source) + source, names), header="",
+                               ensure_row_contiguous=True)
+
+
 class Launcher:
     """The compiled kernel of one gear's shape: ``run(x, arrays, factors, bias=None) -> y``.
 
@@ -231,13 +267,36 @@ class Launcher:
     ``factors`` their float32 ``(n,)`` factors. :meth:`bound` fixes them for
     a matrix: the per-call path of a decode step, which does no more than the
     launch needs (output shapes cached by input shape).
+
+    Light launches: MLX rebuilds a custom kernel's whole source text (header
+    and body, ~17 KB here) on every call, though it compiles it only once per
+    kernel name (its module cache, process-wide and never evicted, and a PTX
+    cache on disk under the same name). On the H200's host that text made a
+    nested call cost 3.9 us against 1.2 for ``QuantizedLinear``, hundreds of
+    times a decode step. Given ``light``, a kernel of the same name whose
+    source is a stub, :meth:`bound` first runs the full kernel once on this
+    device and evaluates it (so the name is compiled from the real source),
+    then launches through the stub: same compiled code, same arguments
+    (:func:`light_source`), a few bytes of text. The name carries a digest of
+    the real source, so no other text can ever be cached under it.
     """
 
     def __init__(self, kernel: Callable, grid: tuple, threadgroup: tuple, dtype: mx.Dtype, out_features: int,
-                 has_bias: bool) -> None:
+                 has_bias: bool, light: Optional[Callable] = None, in_features: int = 0) -> None:
         self.kernel, self.grid, self.threadgroup = kernel, grid, threadgroup
         self.out_dtypes = [dtype]
-        self.dtype, self.out_features, self.has_bias = dtype, out_features, has_bias
+        self.dtype, self.out_features, self.in_features, self.has_bias = dtype, out_features, in_features, has_bias
+        self.light = light
+        self._compiled_on: set = set()  # str(device) where the full kernel has been evaluated
+
+    def _compile_here(self, arrays: List[mx.array], factors: mx.array) -> None:
+        """Evaluate the full kernel once on the default device (compiling it under its name)."""
+        device = str(mx.default_device())
+        if device not in self._compiled_on:
+            x = mx.zeros((self.in_features,), dtype=self.dtype)
+            bias = mx.zeros((self.out_features,), dtype=self.dtype) if self.has_bias else None
+            mx.eval(self(x, arrays, factors, bias))
+            self._compiled_on.add(device)
 
     def __call__(self, x: mx.array, arrays: List[mx.array], factors: mx.array,
                  bias: Optional[mx.array] = None) -> mx.array:
@@ -249,7 +308,11 @@ class Launcher:
                                                                           mx.array]:
         """``run(x, x_shape, bias) -> y`` with the planes' arrays fixed. ``x_shape``
         is ``x.shape`` (the caller has read it); ``bias`` is cast to x's dtype if needed."""
-        kernel, grid, threadgroup, out_dtypes = self.kernel, self.grid, self.threadgroup, self.out_dtypes
+        kernel = self.kernel
+        if self.light is not None:
+            self._compile_here(arrays, factors)
+            kernel = self.light
+        grid, threadgroup, out_dtypes = self.grid, self.threadgroup, self.out_dtypes
         dtype, tail, has_bias = self.dtype, (self.out_features,), self.has_bias
         rest = [*arrays, factors]
         out_shapes: Dict[tuple, List[tuple]] = {}
@@ -294,8 +357,10 @@ def launcher(
     shapes = [_ShapeOnly(b, g, out_features, in_features, scale_dtype) for b, g in zip(bits, group_sizes)]
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
     spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
-    kernel = _build(backend, spec["name"], len(bits), has_bias, gpu.constants_source(backend, spec["constants"]))
-    return Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias)
+    consts = gpu.constants_source(backend, spec["constants"])
+    kernel = _build(backend, spec["name"], len(bits), has_bias, consts)
+    light = _build_light(backend, spec["name"], len(bits), has_bias, consts) if backend in LIGHT_BACKENDS else None
+    return Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias, light, in_features)
 
 
 def plane_arrays(planes: Sequence[PlaneLike], n: int) -> List[mx.array]:
