@@ -172,26 +172,30 @@ def time_mlx(shape: Tuple[int, int], fmt: str) -> Dict[str, float]:
 def bench_sweep(quick: bool) -> Dict[str, object]:
     shapes = [(1024, 1024)] if quick else [(4096, 4096), (14336, 4096)]
     small = None if quick else (1024, 4096)  # Llama-3-8B's k/v projections: timed, not scored
-    pairs = [(1, 4), (2, 4), (4, 4), (8, 4), (1, 2), (2, 2), (4, 2), (8, 2), (2, 1), (4, 1), (8, 1)]
+    # (rows, vec, ksplit): one SIMD group per row block, or all eight sharing it
+    grid = [(1, 4, 1), (2, 4, 1), (4, 4, 1), (8, 4, 1), (4, 2, 1), (8, 2, 1), (4, 1, 1), (8, 1, 1),
+            (1, 2, 8), (2, 2, 8), (4, 2, 8), (1, 4, 8), (2, 4, 8), (4, 4, 8), (2, 1, 8), (4, 1, 8)]
     result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": {}}
     for gear, n in GEARS.items():
         scores = {}
         six = any(b == 6 for b, _ in PLAN[:n])  # a 6-bit plane needs an even vec
-        for t in [nested_gpu.NestedTuning(r, v) for r, v in pairs if not (six and v % 2)]:
+        for t in [nested_gpu.NestedTuning(r, v, k) for r, v, k in grid if not (six and v % 2)]:
             try:
                 us = [time_nested(s, n, True, t)["us"] for s in shapes]
                 us_small = time_nested(small, n, True, t)["us"] if small else None
             except Exception as e:  # a tuning that does not compile or fit: record it
-                result["runs"].append({"gear": gear, "rows": t.rows, "vec": t.vec, "error": str(e)[:300]})
+                result["runs"].append({"gear": gear, "rows": t.rows, "vec": t.vec, "ksplit": t.ksplit,
+                                       "error": str(e)[:300]})
                 continue
-            result["runs"].append({"gear": gear, "rows": t.rows, "vec": t.vec, "us": us, "us_1024x4096": us_small})
+            result["runs"].append({"gear": gear, "rows": t.rows, "vec": t.vec, "ksplit": t.ksplit, "us": us,
+                                   "us_1024x4096": us_small})
             scores[t] = math.exp(sum(math.log(u) for u in us) / len(us))
-            print(f"  sweep {gear:4s} rows={t.rows} vec={t.vec}: " + ", ".join(f"{u:.1f}" for u in us) + " us"
+            print(f"  sweep {gear:4s} rows={t.rows} vec={t.vec} ksplit={t.ksplit}: " + ", ".join(f"{u:.1f}" for u in us) + " us"
                   + (f" (1024x4096: {us_small:.1f})" if us_small else ""), flush=True)
         if scores:
             best = min(scores, key=scores.get)
             nested_gpu.TUNING[n] = best
-            result["best"][gear] = {"rows": best.rows, "vec": best.vec}
+            result["best"][gear] = {"rows": best.rows, "vec": best.vec, "ksplit": best.ksplit}
     return result
 
 
@@ -408,7 +412,7 @@ def main(argv=None) -> int:
         print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s, read bandwidth {bw['read_GBps']:.0f} GB/s", flush=True)
     if not args.skip_sweep:
         section("sweep", lambda: bench_sweep(args.quick))
-    report["tuning"] = {n: {"rows": t.rows, "vec": t.vec} for n, t in nested_gpu.TUNING.items()}
+    report["tuning"] = {n: {"rows": t.rows, "vec": t.vec, "ksplit": t.ksplit} for n, t in nested_gpu.TUNING.items()}
     if not args.skip_host:
         section("host", lambda: bench_host((1024, 1024) if args.quick else (4096, 4096)))
     if args.shapes:

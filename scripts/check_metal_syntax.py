@@ -195,7 +195,8 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
         _, nsource = nested_gpu.kernel_sources(backend, len(bits), has_bias, directory, compact=True)
         groups = (gs,) + (32,) * (len(bits) - 1)  # per-plane groups: the residual planes' 32
         consts = kernels.constants_source(backend, nested_gpu.constants(
-            getattr(mx, dtype), getattr(mx, sdtype), bits, groups, nested_gpu.NestedTuning(2, vec), shared))
+            getattr(mx, dtype), getattr(mx, sdtype), bits, groups,
+            nested_gpu.NestedTuning(2, vec, 8 if shared else 1), shared))  # both row splits
         ins = [(n, {"x": types[dtype], "factors": "float", "bias": types[dtype]}.get(
             n, "uint32_t" if n.startswith("w") else types[sdtype]))
             for n in nested_gpu.input_names(len(bits), has_bias)]

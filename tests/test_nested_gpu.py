@@ -80,6 +80,10 @@ def test_where_the_kernel_does_not_apply():
         nested_gpu.launch_spec("cuda", make_x((2, 128), mx.bfloat16), planes, 3, False)
     with pytest.raises(ValueError, match="vec"):
         nested_gpu.launch_spec("cuda", x, planes, 3, False, tuning=nested_gpu.NestedTuning(2, 8))
+    with pytest.raises(ValueError, match="ksplit"):
+        nested_gpu.launch_spec("cuda", x, planes, 3, False, tuning=nested_gpu.NestedTuning(2, 2, 4))
+    split = nested_gpu.launch_spec("cuda", x, planes, 3, False, tuning=nested_gpu.NestedTuning(2, 2, 8))
+    assert split["grid"] == (8 * 256, 1, 1) and "_k8_" in split["name"]  # 16 rows, 2 per threadgroup
     with pytest.raises(ValueError, match="even vec"):
         six = make_planes(16, 128, (4, 6), 64, mx.bfloat16)
         nested_gpu.launch_spec("cuda", x, six, 2, False, tuning=nested_gpu.NestedTuning(2, 1))
@@ -159,14 +163,17 @@ def test_names_differ_by_source_text(tmp_path):
 
 HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_bfloat_t"}
 
-# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias); a plan of
-# (bits, group) pairs has per-plane groups (group size None).
+# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias[, ksplit]); a
+# plan of (bits, group) pairs has per-plane groups (group size None).
 HOST_CONFIGS = [
     (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
     (((4, 128), (8, 32), (4, 64)), mx.float16, mx.float16, None, 4, 2, False, False),
     (KERNEL_PLAN, mx.float16, mx.float32, None, 1, 2, False, False),
     (((6, 32), (4, 128), (8, 64)), mx.float32, mx.bfloat16, None, 2, 4, False, True),
     ((6,), mx.bfloat16, mx.float16, 64, 4, 2, True, False),
+    (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 2, True, True, 8),
+    ((4, 4), mx.float16, mx.float32, 64, 1, 4, False, False, 8),
+    ((8, 6), mx.float32, mx.bfloat16, 32, 4, 2, False, True, 8),
     ((4, 4, 8), mx.bfloat16, mx.bfloat16, 64, 2, 4, True, True),
     ((4, 4, 8), mx.float16, mx.float16, 128, 1, 4, False, False),
     ((4, 4), mx.float32, mx.float32, 32, 4, 2, True, False),
@@ -178,7 +185,8 @@ HOST_CONFIGS = [
 
 
 def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
-    plan, dtype, sdtype, gs, rows, vec, shared, bias = config
+    plan, dtype, sdtype, gs, rows, vec, shared, bias = config[:8]
+    ksplit = config[8] if len(config) > 8 else 1
     t, s = HOST_TYPES[dtype], HOST_TYPES[sdtype]
     params = [f"const {t}* x", "const uint32_t* w0", "Shape w0_shape", f"const {s}* s0", f"const {s}* b0"]
     for p in range(1, len(plan)):
@@ -188,7 +196,7 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     body = body.replace(gpu.backend_files("cuda", directory)[1], "GBX_HOST_ENTRY\n")
     specs = plane_specs(plan, gs)
     consts = nested_gpu.constants(dtype, sdtype, tuple(b for b, _ in specs), tuple(g for _, g in specs),
-                                  nested_gpu.NestedTuning(rows, vec), shared)
+                                  nested_gpu.NestedTuning(rows, vec, ksplit), shared)
     decl = "".join(
         f"  using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype)
         else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
@@ -201,7 +209,8 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
                  f"(const {s}*)f[\"b{p}\"].data()"]
     args += ["(const float*)f[\"factors\"].data()"] + ([f"(const {t}*)f[\"bias\"].data()"] if bias else [])
     args += [f"({t}*)y.data()"]
-    groups = f"(O + {8 * rows - 1}) / {8 * rows}"
+    per_group = 8 // ksplit * rows  # rows per threadgroup
+    groups = f"(O + {per_group - 1}) / {per_group}"
     call = f"    case {i}: gbx_emu_launch({groups}, [&] {{ kernel_{i}({', '.join(args)}); }}); break;"
     return kernel, call
 
@@ -297,7 +306,7 @@ def host_binary() -> Path:
 
 
 def host_case(config, shape, seed=0):
-    plan, dtype, sdtype, gs, rows, vec, shared, with_bias = config
+    plan, dtype, sdtype, gs, rows, vec, shared, with_bias = config[:8]
     out_features, in_features = shape
     if shared and in_features > kernel_files.format_constant("GBX_SHARED_K"):
         pytest.skip("the threadgroup-memory variant holds K <= GBX_SHARED_K only")
@@ -419,7 +428,8 @@ def test_cuda_bound_light_launches_match_the_reference(plan):
 
 @needs_cuda
 @pytest.mark.parametrize("tuning", [nested_gpu.NestedTuning(1, 4), nested_gpu.NestedTuning(4, 2),
-                                    nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4)])
+                                    nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4),
+                                    nested_gpu.NestedTuning(2, 2, 8), nested_gpu.NestedTuning(4, 1, 8)])
 def test_cuda_every_tuning(tuning):
     # an odd vec takes no 6-bit plane: the same plan with an 8-bit third plane
     plan = KERNEL_PLAN if tuning.vec % 2 == 0 else KERNEL_PLAN[:2] + ((8, 64),)

@@ -57,11 +57,14 @@ class NestedTuning:
 
     rows: output rows per SIMD group (they share each input chunk);
     vec: 32-bit words of a 4-bit plane per lane chunk, so a chunk is
-    ``8 * vec`` inputs (an 8-bit plane reads ``2 * vec`` words of it).
+    ``8 * vec`` inputs (an 8-bit plane reads ``2 * vec`` words of it);
+    ksplit: 1, or 8: the threadgroup's eight SIMD groups share its ``rows``
+    rows, each summing every eighth stripe of K (8x the threadgroups).
     """
 
     rows: int
     vec: int
+    ksplit: int = 1
 
 
 #: Defaults by the number of planes a gear reads, for the package's default
@@ -126,7 +129,7 @@ def constants(
     g = tuple(group_sizes) + (group_sizes[0],) * (3 - len(group_sizes))
     return [("T", dtype), ("S", scale_dtype), ("B0", b[0]), ("B1", b[1]), ("B2", b[2]),
             ("GS0", g[0]), ("GS1", g[1]), ("GS2", g[2]), ("ROWS", tuning.rows), ("VEC", tuning.vec),
-            ("SHARED", shared)]
+            ("KSPLIT", tuning.ksplit), ("SHARED", shared)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +140,7 @@ def kernel_name(
     header, source = kernel_sources(backend, len(bits), has_bias)
     digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
     plan = "_".join(f"q{b}g{g}" for b, g in zip(bits, group_sizes))
-    return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_"
+    return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_k{tuning.ksplit}_"
             f"{'shared' if shared else 'device'}_{_DTYPE_TAG[dtype]}_s{_DTYPE_TAG[scale_dtype]}_"
             f"{'bias' if has_bias else 'nobias'}_{digest}")
 
@@ -191,9 +194,9 @@ def default_tuning(n: int, out_features: int) -> NestedTuning:
     matrix so that the launch keeps :data:`MIN_THREADGROUPS` threadgroups."""
     t = TUNING[n]
     rows = t.rows
-    while rows > 1 and -(-out_features // (gpu.SIMD_GROUPS * rows)) < MIN_THREADGROUPS:
+    while rows > 1 and -(-out_features // (gpu.SIMD_GROUPS // t.ksplit * rows)) < MIN_THREADGROUPS:
         rows //= 2
-    return t if rows == t.rows else NestedTuning(rows, t.vec)
+    return t if rows == t.rows else NestedTuning(rows, t.vec, t.ksplit)
 
 
 def launch_spec(
@@ -211,6 +214,8 @@ def launch_spec(
     t = tuning or default_tuning(n, out_features)
     if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > min(gs):
         raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= the smallest group {min(gs)}, got {t}")
+    if t.ksplit not in (1, gpu.SIMD_GROUPS):
+        raise ValueError(f"ksplit is 1 or {gpu.SIMD_GROUPS} (the SIMD groups of a threadgroup), got {t}")
     if 6 in bits and t.vec % 2:
         raise ValueError(f"a 6-bit plane needs an even vec (a chunk of 8 * vec codes in whole words), got {t}")
     shared_k = format_constant("GBX_SHARED_K")
@@ -218,7 +223,7 @@ def launch_spec(
         shared = in_features <= shared_k
     elif shared and in_features > shared_k:
         raise ValueError(f"the threadgroup-memory variant holds K <= {shared_k}, got {in_features}")
-    n_groups = -(-out_features // (gpu.SIMD_GROUPS * t.rows))
+    n_groups = -(-out_features // (gpu.SIMD_GROUPS // t.ksplit * t.rows))
     return dict(
         name=kernel_name(backend, bits, gs, t, bool(shared), x.dtype, sdt, has_bias),
         n_planes=n,
