@@ -106,49 +106,6 @@ def test_small_matrices_get_fewer_rows_per_simd_group():
             assert t.rows == nested_gpu.TUNING[n].rows or -(-out_features // (16 * t.rows)) < nested_gpu.MIN_THREADGROUPS
 
 
-def test_light_source_names_what_the_full_source_passes():
-    """The stub must make MLX pass the same arguments: every input's _shape,
-    _strides or _ndim the full source uses, and no other."""
-    for n in (1, 2, 3):
-        for bias in (False, True):
-            _, full = nested_gpu.kernel_sources("cuda", n, bias, compact=True)
-            names = nested_gpu.input_names(n, bias)
-            stub = nested_gpu.light_source(full, names)
-            for name in names:
-                for suffix in ("_shape", "_strides", "_ndim"):
-                    assert ((name + suffix) in stub) == ((name + suffix) in full), (n, bias, name + suffix)
-            assert "w0_shape" in stub and len(stub) < 200
-    # a source that used another input's shape: the stub names it too
-    assert "x_strides" in nested_gpu.light_source("x_strides[0] + w0_shape[1]", ["x", "w0"])
-
-
-def test_light_launches_follow_one_full_evaluation(monkeypatch):
-    """Launcher.bound runs the full kernel once per device, evaluated, then
-    only the light one; without a light kernel, always the full one."""
-    log = []
-
-    def fake(tag):
-        def kernel(inputs, grid, threadgroup, output_shapes, output_dtypes):
-            log.append((tag, float(mx.sum(inputs[0].astype(mx.float32)).item())))
-            return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
-        return kernel
-
-    planes = make_planes(16, 128, (4, 4, 6), 64, mx.bfloat16)
-    arrays, factors = nested_gpu.plane_arrays(planes, 3), nested_gpu.factors_of(planes, 3)
-    launcher = nested_gpu.Launcher(fake("full"), (256, 1, 1), (256, 1, 1), mx.bfloat16, 16, True, fake("light"), 128)
-    x = mx.ones((1, 128), dtype=mx.bfloat16)
-    run = launcher.bound(arrays, factors)
-    assert log == [("full", 0.0)]  # the compile run: zeros, evaluated at bind time
-    bias = mx.ones((16,), dtype=mx.float32)
-    assert run(x, x.shape, bias).shape == (1, 16) and run(x[0], x[0].shape, bias).shape == (16,)
-    assert log[1:] == [("light", 128.0), ("light", 128.0)]
-    launcher.bound(arrays, factors)(x, x.shape, bias)  # another matrix, same device: no second compile run
-    assert [t for t, _ in log] == ["full", "light", "light", "light"]
-    plain = nested_gpu.Launcher(fake("full"), (256, 1, 1), (256, 1, 1), mx.bfloat16, 16, True, None, 128)
-    plain.bound(arrays, factors)(x, x.shape, bias)
-    assert log[-1] == ("full", 128.0) and len(log) == 5
-
-
 def test_names_differ_by_source_text(tmp_path):
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
@@ -408,9 +365,9 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
 
 @needs_cuda
 @pytest.mark.parametrize("plan", [KERNEL_PLAN, (4, 4, 8)])
-def test_cuda_bound_light_launches_match_the_reference(plan):
-    """The decode path: NestedProduct binds each gear once (a full launch),
-    then launches through the light stub; every call must still be the gear."""
+def test_cuda_bound_launches_match_the_reference(plan):
+    """The decode path: NestedProduct binds each gear's launcher on the first
+    call and launches it directly after; every call must still be the gear."""
     from gearbx_mlx.nested.matmul import NestedProduct
 
     for shape in ((1024, 4096), (67, 320)):

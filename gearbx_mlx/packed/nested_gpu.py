@@ -72,18 +72,16 @@ class NestedTuning:
 #: 14336x4096) of the H200 sweep of scripts/bench_nested_gpu.py
 #: (benchmarks/results/nested_gpu_h200_default_plan.json).
 TUNING: Dict[int, NestedTuning] = {
-    1: NestedTuning(rows=4, vec=1),
-    2: NestedTuning(rows=2, vec=4),
-    3: NestedTuning(rows=4, vec=4),
+    1: NestedTuning(rows=4, vec=4),
+    2: NestedTuning(rows=4, vec=4),
+    3: NestedTuning(rows=2, vec=4),
 }
 #: A default tuning's rows per SIMD group shrink (to 1 at least) until the
 #: launch has this many threadgroups: a GPU of ~100+ cores needs one or more
 #: per core to keep memory busy, and a small matrix (Llama-3-8B's 1024-row
 #: k/v projections) at 4 rows per SIMD group would get 32.
 MIN_THREADGROUPS = 128
-#: Back ends whose calls after the first reuse the compiled kernel by name
-#: with a stub source (:class:`Launcher`): measured on CUDA only.
-LIGHT_BACKENDS: Tuple[str, ...] = ("cuda",)
+
 
 _DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 
@@ -247,24 +245,6 @@ def _build(backend: str, name: str, n_planes: int, has_bias: bool, consts_source
     return mx.fast.cuda_kernel(**kwargs)
 
 
-def light_source(full_source: str, names: Sequence[str]) -> str:
-    """The stub source of :class:`Launcher`'s light kernel: a comment naming
-    each input whose ``_shape``, ``_strides`` or ``_ndim`` the full source
-    uses. MLX decides which of those it passes by searching the source text,
-    so the stub's launches pass the very arguments the compiled kernel takes."""
-    used = [f"{n}{suffix}" for n in names for suffix in ("_shape", "_strides", "_ndim") if n + suffix in full_source]
-    return "  // light launch of a kernel compiled from its full source: " + " ".join(used) + "\n"
-
-
-@functools.lru_cache(maxsize=None)
-def _build_light(backend: str, name: str, n_planes: int, has_bias: bool, consts_source: str) -> Callable:
-    _, source = kernel_sources(backend, n_planes, has_bias, compact=True)
-    names = input_names(n_planes, has_bias)
-    return mx.fast.cuda_kernel(name=name, input_names=names, output_names=["y"],
-                               source=light_source(gpu._compact(consts_source) + source, names), header="",
-                               ensure_row_contiguous=True)
-
-
 class Launcher:
     """The compiled kernel of one gear's shape: ``run(x, arrays, factors, bias=None) -> y``.
 
@@ -272,36 +252,13 @@ class Launcher:
     ``factors`` their float32 ``(n,)`` factors. :meth:`bound` fixes them for
     a matrix: the per-call path of a decode step, which does no more than the
     launch needs (output shapes cached by input shape).
-
-    Light launches: MLX rebuilds a custom kernel's whole source text (header
-    and body, ~17 KB here) on every call, though it compiles it only once per
-    kernel name (its module cache, process-wide and never evicted, and a PTX
-    cache on disk under the same name). On the H200's host that text made a
-    nested call cost 3.9 us against 1.2 for ``QuantizedLinear``, hundreds of
-    times a decode step. Given ``light``, a kernel of the same name whose
-    source is a stub, :meth:`bound` first runs the full kernel once on this
-    device and evaluates it (so the name is compiled from the real source),
-    then launches through the stub: same compiled code, same arguments
-    (:func:`light_source`), a few bytes of text. The name carries a digest of
-    the real source, so no other text can ever be cached under it.
     """
 
     def __init__(self, kernel: Callable, grid: tuple, threadgroup: tuple, dtype: mx.Dtype, out_features: int,
-                 has_bias: bool, light: Optional[Callable] = None, in_features: int = 0) -> None:
+                 has_bias: bool) -> None:
         self.kernel, self.grid, self.threadgroup = kernel, grid, threadgroup
         self.out_dtypes = [dtype]
-        self.dtype, self.out_features, self.in_features, self.has_bias = dtype, out_features, in_features, has_bias
-        self.light = light
-        self._compiled_on: set = set()  # str(device) where the full kernel has been evaluated
-
-    def _compile_here(self, arrays: List[mx.array], factors: mx.array) -> None:
-        """Evaluate the full kernel once on the default device (compiling it under its name)."""
-        device = str(mx.default_device())
-        if device not in self._compiled_on:
-            x = mx.zeros((self.in_features,), dtype=self.dtype)
-            bias = mx.zeros((self.out_features,), dtype=self.dtype) if self.has_bias else None
-            mx.eval(self(x, arrays, factors, bias))
-            self._compiled_on.add(device)
+        self.dtype, self.out_features, self.has_bias = dtype, out_features, has_bias
 
     def __call__(self, x: mx.array, arrays: List[mx.array], factors: mx.array,
                  bias: Optional[mx.array] = None) -> mx.array:
@@ -313,11 +270,7 @@ class Launcher:
                                                                           mx.array]:
         """``run(x, x_shape, bias) -> y`` with the planes' arrays fixed. ``x_shape``
         is ``x.shape`` (the caller has read it); ``bias`` is cast to x's dtype if needed."""
-        kernel = self.kernel
-        if self.light is not None:
-            self._compile_here(arrays, factors)
-            kernel = self.light
-        grid, threadgroup, out_dtypes = self.grid, self.threadgroup, self.out_dtypes
+        kernel, grid, threadgroup, out_dtypes = self.kernel, self.grid, self.threadgroup, self.out_dtypes
         dtype, tail, has_bias = self.dtype, (self.out_features,), self.has_bias
         rest = [*arrays, factors]
         out_shapes: Dict[tuple, List[tuple]] = {}
@@ -362,10 +315,8 @@ def launcher(
     shapes = [_ShapeOnly(b, g, out_features, in_features, scale_dtype) for b, g in zip(bits, group_sizes)]
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
     spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
-    consts = gpu.constants_source(backend, spec["constants"])
-    kernel = _build(backend, spec["name"], len(bits), has_bias, consts)
-    light = _build_light(backend, spec["name"], len(bits), has_bias, consts) if backend in LIGHT_BACKENDS else None
-    return Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias, light, in_features)
+    kernel = _build(backend, spec["name"], len(bits), has_bias, gpu.constants_source(backend, spec["constants"]))
+    return Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias)
 
 
 def plane_arrays(planes: Sequence[PlaneLike], n: int) -> List[mx.array]:
