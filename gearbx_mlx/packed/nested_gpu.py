@@ -73,7 +73,7 @@ class NestedTuning:
 #: (benchmarks/results/nested_gpu_h200_default_plan.json).
 TUNING: Dict[int, NestedTuning] = {
     1: NestedTuning(rows=4, vec=4),
-    2: NestedTuning(rows=4, vec=4),
+    2: NestedTuning(rows=1, vec=4),
     3: NestedTuning(rows=2, vec=4),
 }
 #: A default tuning's rows per SIMD group shrink (to 1 at least) until the
