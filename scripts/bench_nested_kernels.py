@@ -19,7 +19,12 @@ another fails):
    ``reference_matmul`` (one MLX ``quantized_matmul`` per plane), once per gear.
 3. ``verify``: the multi-row kernel, 4 activation rows of the high gear in one
    call, against 4 single-row calls.
-4. ``accuracy``: per gear and path, the relative RMS error of y against the
+4. ``compute``: each plane kind of the plan alone (bits, group), one thread,
+   on a 1024-row matrix read again and again (hot in the caches): codes per
+   second and the GB/s of its bytes, over the read bandwidth (best). A kind
+   whose hot rate is under the target cannot reach it from DRAM either: the
+   kernel is bound by its instructions, not by memory.
+5. ``accuracy``: per gear and path, the relative RMS error of y against the
    gear's exact product (float64; the kernel's own error) and against the
    unquantized weight (the gear's error plus the kernel's): what the int8
    activations of the intdot path cost next to the gear's own error. For
@@ -125,6 +130,25 @@ def bench_gemv(planes, x, cold: int, seconds: float) -> List[Dict[str, Any]]:
     return rows
 
 
+def bench_compute(k: int, scale_dtype: mx.Dtype, seconds: float) -> List[Dict[str, Any]]:
+    """Hot-cache rate of each (bits, group) plane kind of PLAN alone, one thread, both paths."""
+    rows = []
+    for bits, group in dict.fromkeys(PLAN):
+        planes = build_planes(make_weight((1024, k), scale_dtype, seed=3), ((bits, group),))
+        prep = nested_cpu.prepare_nested(planes)
+        x = make_x(k)
+        for path in PATHS:
+            for _ in range(3):
+                prep.gemv(x, 1, path=path, threads=1)  # warm the caches
+            t = time_calls([lambda: prep.gemv(x, 1, path=path, threads=1)], seconds, min_calls=20)
+            nbytes = plane_bytes(planes, 1)
+            rows.append({"bits": bits, "group": group, "path": path, "shape": [1024, k], "bytes": nbytes, **t,
+                         "gcodes_per_s_best": 1024 * k / t["best_s"] / 1e9, "best_gbs": nbytes / t["best_s"] / 1e9})
+            print(f"  hot {bits}-bit g{group:<3} {path:<6}: {rows[-1]['gcodes_per_s_best']:5.1f} Gcodes/s, "
+                  f"{rows[-1]['best_gbs']:5.1f} GB/s (best)", flush=True)
+    return rows
+
+
 def bench_verify(planes, k: int, seconds: float, rows: int = 4) -> Dict[str, Any]:
     prep = nested_cpu.prepare_nested(planes)
     xs = mx.stack([make_x(k, seed=s) for s in range(rows)])
@@ -226,10 +250,20 @@ def add_bandwidth_fractions(result: Dict[str, Any]) -> None:
             continue
         for stat in ("median", "best"):
             r[f"bw_fraction_{stat}"] = r[f"{stat}_gbs"] / ref[f"{stat}_gbs"]
+    one = bw.get("threads1")
+    for r in result.get("compute", []) if one else []:
+        r["bw_fraction_best"] = r["best_gbs"] / one["best_gbs"]
 
 
 def print_tables(result: Dict[str, Any]) -> None:
     bw = result.get("bandwidth", {})
+    if result.get("compute"):
+        print(f"\nplane kinds alone, hot in the caches, 1 thread (instruction-bound rate; target {TARGET:.0%} "
+              "of the read bandwidth):")
+        for r in result["compute"]:
+            frac = r.get("bw_fraction_best", float("nan"))
+            print(f"  {r['bits']}-bit g{r['group']:<3} {r['path']:<6} {r['gcodes_per_s_best']:6.1f} Gcodes/s "
+                  f"{r['best_gbs']:6.1f} GB/s  {frac:5.0%} of read BW" + ("  < target" if frac < TARGET else ""))
     print("\nread bandwidth (8 MiB pieces, cold):")
     for k in ("threads1", "threads2"):
         if k in bw:
@@ -306,6 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     section("bandwidth", lambda: bench_bandwidth(max(cold, 256 << 20), seconds))
     section("gemv", lambda: bench_gemv(planes, x, cold, seconds))
     section("verify", lambda: bench_verify(planes, shape[1], seconds))
+    section("compute", lambda: bench_compute(shape[1], getattr(mx, args.scale_dtype), seconds))
     if not args.skip_accuracy:
         section("accuracy", lambda: accuracy_all(args, w, planes))
     try:
