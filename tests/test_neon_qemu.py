@@ -38,6 +38,7 @@ BUILDS: Dict[str, List[str]] = {
     "no_dotprod": ["-march=armv8-a", "-DGEARBX_NO_DOTPROD"],
     "planted_bug": ["-march=armv8.2-a+dotprod", "-DGEARBX_PLANT_NIBBLE_BUG"],
     "planted_bug_no_dotprod": ["-march=armv8-a", "-DGEARBX_NO_DOTPROD", "-DGEARBX_PLANT_NIBBLE_BUG"],
+    "planted_six": ["-march=armv8-a", "-DGEARBX_PLANT_SIX_BUG"],
 }
 
 
@@ -108,3 +109,14 @@ def test_planted_nibble_order_bug_is_caught(binaries: Dict[str, Path], name: str
     assert any(ln.startswith("SUMMARY nested-float bits=4 ") for ln in summary), r.stdout[-2000:]
     assert any(ln.startswith("SUMMARY nested-intdot bits=4 ") for ln in summary), r.stdout[-2000:]
     assert not any(" bits=8 " in ln for ln in summary), r.stdout[-2000:]
+
+
+def test_planted_six_bit_order_bug_is_caught(binaries: Dict[str, Path]) -> None:
+    """Codes of each 3-byte triplet read in reverse by the NEON 6-bit float
+    kernel: its cases must fail; the 6-bit intdot planes (the scalar kernel on
+    NEON) and every other width must pass."""
+    r = run(binaries["planted_six"])
+    assert r.returncode != 0, "a reversed 6-bit code order went unnoticed"
+    summary = [ln for ln in r.stdout.splitlines() if ln.startswith("SUMMARY ")]
+    assert any(ln.startswith("SUMMARY nested-float bits=6 ") for ln in summary), r.stdout[-2000:]
+    assert not any("intdot" in ln or " bits=4 " in ln or " bits=8 " in ln for ln in summary), r.stdout[-2000:]

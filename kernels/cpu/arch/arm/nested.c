@@ -1,8 +1,9 @@
 /*
  * arch/arm/nested.c -- AArch64 kernels of the nested planes (../../nested.c).
  *
- * One function per plane (bits 4 or 8; 6-bit planes take the scalar kernels
- * of nested.c) and scale dtype, returning the
+ * One function per plane (bits 4, 8, and 6 on the float path: vld3
+ * deinterleaves 3-byte triplets; 6-bit intdot planes take the scalar kernel of
+ * nested.c) and scale dtype, returning the
  * plane's part of one output row: sum_g s_g (codes . x)_g + b_g xsum_g.
  *   float   NEON FMA against float32 x (4-bit codes against split-order x).
  *   intdot  int8 x (GBX_QK blocks), exact int32 dot products: vdotq_s32
@@ -120,6 +121,48 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
     return vaddvq_f32(vaddq_f32(acc0, acc1)) + group_dot_neon(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
+/* A block of 32 six-bit codes (24 bytes): vld3 deinterleaves its 8 triplets,
+ * so four vectors hold codes 4i, 4i+1, 4i+2, 4i+3 (i = 0..7), and vld4
+ * deinterleaves x the same way. */
+GBX_INLINE float32x4_t u6_block_float_neon(const uint8_t *wb, const float *xb)
+{
+    const uint8x8x3_t t = vld3_u8(wb);
+    uint8x8_t q[4];
+    q[0] = vand_u8(t.val[0], vdup_n_u8(0x3F));
+    q[1] = vorr_u8(vshr_n_u8(t.val[0], 6), vshl_n_u8(vand_u8(t.val[1], vdup_n_u8(0x0F)), 2));
+    q[2] = vorr_u8(vshr_n_u8(t.val[1], 4), vshl_n_u8(vand_u8(t.val[2], vdup_n_u8(0x03)), 4));
+    q[3] = vshr_n_u8(t.val[2], 2);
+#ifdef GEARBX_PLANT_SIX_BUG
+    uint8x8_t u = q[0];
+    q[0] = q[3], q[3] = u, u = q[1], q[1] = q[2], q[2] = u;
+#endif
+    const float32x4x4_t x0 = vld4q_f32(xb), x1 = vld4q_f32(xb + 16);
+    float32x4_t a = vdupq_n_f32(0.0f), b = vdupq_n_f32(0.0f);
+    for (int k = 0; k < 4; ++k) {
+        const uint16x8_t w16 = vmovl_u8(q[k]);
+        a = vfmaq_f32(a, vcvtq_f32_u32(vmovl_u16(vget_low_u16(w16))), x0.val[k]);
+        b = vfmaq_f32(b, vcvtq_f32_u32(vmovl_high_u16(w16)), x1.val[k]);
+    }
+    return vaddq_f32(a, b);
+}
+
+GBX_INLINE float plane6_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, const int dtype)
+{
+    const uint8_t *w = p->codes + (size_t)r * p->row_bytes;
+    const size_t off = (size_t)r * p->ng;
+    const float *x = c->x + (size_t)k * c->I;
+    float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
+    for (int b = 0; b < c->I / GBX_QK; ++b) {
+        const float32x4_t t = u6_block_float_neon(w + (size_t)b * (GBX_QK * 6 / 8), x + (size_t)b * GBX_QK);
+        const float sg = scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        if (b & 1)
+            acc1 = vfmaq_n_f32(acc1, t, sg);
+        else
+            acc0 = vfmaq_n_f32(acc0, t, sg);
+    }
+    return vaddvq_f32(vaddq_f32(acc0, acc1)) + group_dot_neon(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
+}
+
 /* ---- intdot path ---------------------------------------------------------- */
 
 /* Written once, instantiated per dot product (the dotprod instance carries
@@ -179,6 +222,8 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
 #define GBX_NESTED_INST(ATTR, BODY, NAME, DT) \
     ATTR static float NAME(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k) { return BODY(c, p, r, k, DT); }
 #define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8)                               \
+    GBX_NESTED_TABLE6(TABLE, ISA, ATTR, BODY4, BODY8, NULL, NULL, NULL)
+#define GBX_NESTED_TABLE6(TABLE, ISA, ATTR, BODY4, BODY8, F6_32, F6_16, F6_BF16)        \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f32, GBX_DTYPE_F32)                         \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f16, GBX_DTYPE_F16)                         \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_bf16, GBX_DTYPE_BF16)                       \
@@ -188,10 +233,14 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
     const gbx_nested_kernels TABLE = {ISA,                                             \
                                       {{TABLE##_4_f32, TABLE##_4_f16, TABLE##_4_bf16}, \
                                        {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}, \
-                                       {NULL, NULL, NULL}}};
+                                       {F6_32, F6_16, F6_BF16}}};
 
 #define GBX_NO_ATTR
-GBX_NESTED_TABLE(gbx_nested_float_neon, "neon", GBX_NO_ATTR, plane4_float_neon, plane8_float_neon)
+GBX_NESTED_INST(GBX_NO_ATTR, plane6_float_neon, gbx_nested_float_neon_6_f32, GBX_DTYPE_F32)
+GBX_NESTED_INST(GBX_NO_ATTR, plane6_float_neon, gbx_nested_float_neon_6_f16, GBX_DTYPE_F16)
+GBX_NESTED_INST(GBX_NO_ATTR, plane6_float_neon, gbx_nested_float_neon_6_bf16, GBX_DTYPE_BF16)
+GBX_NESTED_TABLE6(gbx_nested_float_neon, "neon", GBX_NO_ATTR, plane4_float_neon, plane8_float_neon,
+                  gbx_nested_float_neon_6_f32, gbx_nested_float_neon_6_f16, gbx_nested_float_neon_6_bf16)
 GBX_DEF_NESTED_INTDOT_NEON(mull, GBX_NO_ATTR, dot16_mull)
 GBX_NESTED_TABLE(gbx_nested_intdot_neon, "neon", GBX_NO_ATTR, plane4_intdot_mull, plane8_intdot_mull)
 #if GBX_DOTPROD
