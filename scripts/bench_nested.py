@@ -44,6 +44,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 STORES = (("separate", "original"), ("nested", "original"), ("nested", "planes"))
 GEARS = ("low", "mid", "high")
+QUALITY_VARIANTS = ("mlx-4bit", "mlx-8bit", "nested-low", "nested-mid", "nested-high-planes")
 
 
 def _load(model: Optional[str], dtype: Optional[str], store: str, high: str, kernel: str = "mlx", scope: str = "all"):
@@ -121,12 +122,6 @@ def run_memory(args: argparse.Namespace) -> List[Dict[str, Any]]:
 # -- quality: teacher-forced, through the real layers ------------------------------------------
 
 
-def _logprobs(model: Any, x: mx.array) -> mx.array:
-    """``(1, T) -> (1, T, V)`` float32 log-probabilities."""
-    lg = model(x).astype(mx.float32)
-    return lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-
-
 def _as_float(module: Any) -> Any:
     """A float layer holding the exact weight values ``module`` multiplies by."""
     import mlx.nn as nn
@@ -154,6 +149,7 @@ def _as_float(module: Any) -> Any:
 def run_quality(args: argparse.Namespace) -> List[Dict[str, Any]]:
     from mlx.utils import tree_unflatten
 
+    from gearbx_mlx.evaluation import metrics
     from gearbx_mlx.evaluation.harness import text_tokens
     from gearbx_mlx.nested.store import DEFAULT_PLAN, build_nested, gear_views
     from gearbx_mlx.sources.models import corpus_path
@@ -171,32 +167,32 @@ def run_quality(args: argparse.Namespace) -> List[Dict[str, Any]]:
         "reference": sep.originals, "mlx-4bit": sep.cache["low"], "mlx-8bit": sep.cache["mid"],
         "nested-low": views["low"], "nested-mid": views["mid"], "nested-high-planes": views["high"],
     }
+    unknown = set(args.variants) - set(variants)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {list(variants)}")
+    variants = {k: v for k, v in variants.items() if k == "reference" or k in args.variants}
     # Products on the CPU through float weights holding each gear's exact values:
     # MLX's quantized CPU kernels would take an hour here for the same numbers.
     # One variant's float copy at a time (a 0.5B model's is 2 GB); the
-    # reference log-probabilities of each window are kept for the others.
+    # reference rows of each window are kept for the others. The metrics are
+    # the evaluation harness's (numpy, tested against their MLX formulas).
     stats: Dict[str, Dict[str, float]] = {}
-    refs: List[mx.array] = []
+    refs: List[Any] = []
     for vi, (name, mods) in enumerate(variants.items()):
         tree = tree_unflatten([(p, _as_float(mod)) for p, mod in mods.items()])
         m.update_modules(tree)
         s = stats.setdefault(name, {"nll": 0.0, "kl": 0.0, "top1": 0.0, "n": 0})
         for wi, w in enumerate(windows):
-            x = mx.array(w)[None]
-            inp, target = x[:, :-1], x[:, 1:]
-            lp = _logprobs(m, inp)
+            logits = m(mx.array(w[:-1])[None])[0]
+            targets = list(w[1:])
             if vi == 0:
-                mx.eval(lp)
-                refs.append(lp)
-            ref = refs[wi]
-            kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
-            same = mx.argmax(lp, axis=-1) == mx.argmax(ref, axis=-1)
-            nll = -mx.take_along_axis(lp, target[..., None], axis=-1)
-            mx.eval(kl, same, nll)
-            s["nll"] += nll.sum().item()
-            s["kl"] += kl.sum().item()
-            s["top1"] += same.sum().item()
-            s["n"] += kl.size
+                rows, _, _ = metrics.reference(logits, targets)
+                refs.append(rows)
+            r = metrics.routed(logits, targets, refs[wi])
+            s["nll"] += sum(r["nll"])
+            s["kl"] += sum(r["kl"])
+            s["top1"] += sum(r["hits"])
+            s["n"] += len(r["kl"])
         del tree
         print(f"  {name} done", file=sys.stderr, flush=True)
     m.update_modules(tree_unflatten(list(variants["reference"].items())))
@@ -277,6 +273,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    choices=["memory", "quality", "shift", "speed"])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--variants", nargs="+", default=list(QUALITY_VARIANTS), choices=QUALITY_VARIANTS,
+                   help="quality rows besides the reference (nested-low is MLX 4-bit bit for bit: "
+                        "the tests check it, so a large model may leave both out)")
     p.add_argument("--shift-rounds", type=int, default=50)
     p.add_argument("--speed-tokens", type=int, default=48)
     p.add_argument("--kernels", nargs="+", default=["mlx", "packed"], choices=["mlx", "packed"])

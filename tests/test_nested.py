@@ -166,7 +166,7 @@ def test_nested_mid_is_closer_than_low_and_planes_high_is_near_exact():
 
 def test_nested_memory_counts_shared_planes_once():
     model = make_tiny_llama(hidden=256)
-    sep = PrecisionManager(make_tiny_llama(hidden=256), GearboxConfig(scope="all"))
+    sep = PrecisionManager(make_tiny_llama(hidden=256), GearboxConfig(scope="all", store="separate"))
     for g in ("low", "mid", "high"):
         sep.shift(g)
     orig = PrecisionManager(model, GearboxConfig(scope="all", store="nested")).memory()
@@ -204,7 +204,22 @@ def test_nested_store_refuses_a_4bit_model_and_foreign_bits():
     with pytest.raises(ValueError, match="store='separate'"):
         PrecisionManager(make_tiny_llama(), GearboxConfig(store="nested", bits={"low": 3, "mid": 6}))
     with pytest.raises(ValueError, match="store='nested'"):
-        GearboxConfig(high="planes")
+        GearboxConfig(store="separate", high="planes")
+
+
+def test_the_default_store_is_nested_for_float_weights_only():
+    from gearbx_mlx.config import resolve_store
+
+    assert resolve_store(GearboxConfig(), float_source=True) == "nested"
+    assert resolve_store(GearboxConfig(), float_source=False) == "separate"  # quantized: telemetry only
+    assert resolve_store(GearboxConfig(bits={"low": 3, "mid": 6}), float_source=True) == "separate"
+    assert resolve_store(GearboxConfig(high="planes"), float_source=True) == "nested"
+    assert resolve_store(GearboxConfig(store="separate"), float_source=True) == "separate"
+    assert PrecisionManager(make_tiny_llama(), GearboxConfig()).store == "nested"
+    quantized = make_tiny_llama()
+    nn.quantize(quantized, group_size=64, bits=8)
+    mgr = PrecisionManager(quantized, GearboxConfig())
+    assert mgr.store == "separate" and mgr.telemetry_only  # an 8-bit model is re-expressed only when asked
 
 
 def test_nested_weights_reject_mismatched_planes():
