@@ -101,10 +101,10 @@ def cpu_kernels_trusted() -> bool:
     """
     if cpu_backend() is None:
         return False
-    for bits in (4, 8):
-        w = mx.random.normal((37, 96), key=mx.random.key(bits))
-        layer = PackedLinear.from_linear(nn.Linear(96, 37), bits=bits, group_size=32)
-        layer.weight, layer.scales = formats.quantize_packed(w, bits, 32)
+    for bits in (4, 8):  # explicit keys: the caller's random stream is left alone
+        layer = PackedLinear(96, 37, bias=True, bits=bits, group_size=32)
+        layer.weight, layer.scales = formats.quantize_packed(mx.random.normal((37, 96), key=mx.random.key(bits)),
+                                                             bits, 32)
         layer(mx.random.normal((1, 96), key=mx.random.key(7)))
     return not guard.family_failed("gbx_gemv_cpu")
 
