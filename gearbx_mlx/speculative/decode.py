@@ -64,8 +64,10 @@ from ..entropy import EntropyMonitor, MonitorStep, entropy_bits_np
 from ..gearbox import Gearbox
 from ..generation import GearboxResponse, collect_text, encode_prompt
 from .acceptance import accept_block, make_log_dist
+from .calibration import calibrated_stop
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
+from .plan import CHOOSE, SpeculativePlan, plan_speculative
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -150,6 +152,7 @@ class SpeculativeStats:
     blocks: List[BlockRecord] = field(default_factory=list)
     tokens: int = 0
     drafter: Dict[str, Optional[str]] = field(default_factory=dict)
+    plan: Optional[Dict[str, Any]] = None  # the start-of-run decision, where one was made
 
     @property
     def drafted(self) -> int:
@@ -175,6 +178,7 @@ class SpeculativeStats:
             "tokens_per_block": self.tokens / nb,
             "stops": stops,
             "drafter": dict(self.drafter),
+            "plan": self.plan,
         }
 
 
@@ -353,6 +357,9 @@ def stream_speculative_generate(
     seed: Optional[int] = None,
     prompt_cache: Optional[List[Any]] = None,
     plain: bool = False,
+    mode: Optional[str] = None,
+    plan: Optional[SpeculativePlan] = None,
+    plan_options: Optional[Dict[str, Any]] = None,
     **options: Any,
 ) -> Generator[SpeculativeResponse, None, None]:
     """Stream tokens like ``gearbx_mlx.stream_generate``, drafted low and verified high.
@@ -369,8 +376,16 @@ def stream_speculative_generate(
             output follows it exactly (greedy when ``temp == 0``).
         prompt_cache: the high gear's trimmable KV cache, updated in place.
         plain: draft nothing: the high gear decodes alone through the same
-            loop, with the same responses (what the CLI does where drafting
-            cannot pay, :func:`~gearbx_mlx.speculative.plan.plan_speculative`).
+            loop, with the same responses.
+        mode: ``"auto"`` or ``"force"``: first measure on the prompt and
+            decide (:func:`~gearbx_mlx.speculative.plan.plan_speculative`):
+            ``auto`` decodes plainly where drafting models below break-even;
+            both pick fixed or gated blocks and the block length up to
+            ``config.max_draft`` (a ``config.draft_entropy_stop`` given is
+            kept). The decision is in ``stats.plan`` of every response.
+        plan: a decision already made (the CLI prints it first); applied as ``mode`` would.
+        plan_options: more arguments of ``plan_speculative`` (``stop``,
+            ``exact_k``, ``calibration``, ``measured``).
 
     Yields:
         :class:`SpeculativeResponse`, one per generated token; the last one
@@ -385,18 +400,25 @@ def stream_speculative_generate(
     if gearbox.model is not model:
         raise ValueError("this gearbox manages another model: pass the model it was made for")
     gearbox.manager.shift("high")  # the verifier is the loaded model itself
-    if draft is None and not plain:
+    if draft is None and (not plain or mode is not None):
         draft = get_draft(model, gearbox, config.draft_gear, config.draft_scope)
     elif draft is not None and draft.gear != config.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {config.draft_gear}")
     log_dist = make_log_dist(temp, top_p, min_p, top_k, min_tokens_to_keep)
-    if seed is not None:
-        mx.random.seed(seed)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
+    if plan is None and mode is not None:
+        opts = {"calibration": calibrated_stop(gearbox, config.draft_gear),
+                "stop": CHOOSE if config.draft_entropy_stop is None else config.draft_entropy_stop,
+                **(plan_options or {})}
+        plan = plan_speculative(model, draft, ids.tolist(), config.max_draft, greedy=temp == 0, mode=mode, **opts)
+    if plan is not None:
+        plain, config = apply_plan(config, plan)
+    if seed is not None:  # after the plan: its measurement must not move the sampling stream
+        mx.random.seed(seed)
     monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
-    stats = SpeculativeStats()
+    stats = SpeculativeStats(plan=plan.to_dict() if plan is not None else None)
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -428,6 +450,15 @@ def stream_speculative_generate(
     reason = "stop" if info.token in eos else "length"
     yield _response(info, detok.last_segment, ids.size, prompt_tps, info.index, tic,
                     time.perf_counter() - last, stats, draft, reason)
+
+
+def apply_plan(config: SpeculativeConfig, plan: SpeculativePlan) -> Tuple[bool, SpeculativeConfig]:
+    """``(plain, config)`` of a run that follows ``plan``: its block cap and stop where it drafts."""
+    if not plan.speculate:
+        return True, config
+    hard = config.hard_max_draft if config.hard_max_draft is None else min(config.hard_max_draft, plan.best_k)
+    return False, dataclasses.replace(config, max_draft=plan.best_k, draft_entropy_stop=plan.stop_bits,
+                                      hard_max_draft=hard)
 
 
 def _response(info: SpeculativeToken, text: str, prompt_tokens: int, prompt_tps: float, n: int,
