@@ -55,12 +55,12 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.generate import generation_stream
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import SCOPES
-from ..entropy import EntropyMonitor, MonitorStep, entropy_bits_np
+from ..entropy import EntropyMonitor, MonitorStep, entropy_bits, entropy_bits_np
 from ..gearbox import Gearbox
 from ..generation import GearboxResponse, collect_text, encode_prompt
 from .acceptance import accept_block, make_log_dist
@@ -237,6 +237,12 @@ def speculative_generate_step(
     stats = stats if stats is not None else SpeculativeStats()
     if prompt.size < 1:
         raise ValueError("the prompt has no tokens")
+    if draft is None:
+        # Nothing drafts: mlx-lm's own pipelined loop, so that a plain decision
+        # decodes as fast as plain mlx-lm (this loop syncs every block).
+        yield from plain_generate_step(prompt, model, config, max_tokens=max_tokens, log_dist=log_dist,
+                                       monitor=monitor, prompt_cache=prompt_cache, stats=stats)
+        return
     if config.hard_max_draft is not None and monitor is None:
         raise ValueError("hard_max_draft needs a monitor (the high gear's entropy history)")
     hcache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
@@ -288,6 +294,58 @@ def speculative_generate_step(
                 trim_prompt_cache(hcache, k + 1 - j)
                 drafter.rewind(drafts, emitted[:j])
             y = mx.array([tok], dtype=mx.uint32)
+
+
+def plain_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    config: SpeculativeConfig,
+    *,
+    max_tokens: int = 256,
+    log_dist: Optional[Callable[[mx.array], mx.array]] = None,
+    monitor: Optional[EntropyMonitor] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    stats: Optional[SpeculativeStats] = None,
+) -> Generator[SpeculativeToken, None, None]:
+    """:func:`speculative_generate_step` with no drafter: the high gear alone, in mlx-lm's ``generate_step``.
+
+    mlx-lm builds and queues step ``n + 1`` before it hands out token ``n``;
+    the token's entropy is computed in the same queued graph (the sampler
+    schedules it with the token), so reading it waits for nothing more. The
+    logits are cast to float32 first, as the drafting loop scores them, so the
+    tokens are the ones a verify would choose. Each token is a block of no
+    draft in ``stats``.
+    """
+    stats = stats if stats is not None else SpeculativeStats()
+    stats.drafter = make_drafter(None).describe()
+    pending: List[mx.array] = []
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        tok = mx.argmax(logprobs, axis=-1) if log_dist is None else mx.random.categorical(log_dist(logprobs))
+        h = entropy_bits(logprobs)
+        mx.async_eval(tok, h)  # with this step's graph, not after the next one
+        pending.append(h)
+        return tok
+
+    steps = generate_step(prompt.astype(mx.uint32), model, max_tokens=max_tokens, sampler=sampler,
+                          logits_processors=[lambda _, logits: logits.astype(mx.float32)],
+                          prompt_cache=prompt_cache, prefill_step_size=config.prefill_step_size)
+    tic = time.perf_counter()
+    try:
+        for n, (tok, logprobs) in enumerate(steps):
+            h = float(pending.pop(0).item())
+            seen = monitor.push(h) if monitor is not None else None
+            now = time.perf_counter()
+            stats.blocks.append(BlockRecord(0, 0, "max", now - tic))
+            tic = now
+            stats.tokens += 1
+            yield SpeculativeToken(
+                token=int(tok), index=n, block=n, drafted=0, accepted=False, gear="high", entropy=h,
+                draft_entropy=math.nan, smoothed=seen.smoothed if seen else math.nan,
+                predicted=seen.predicted if seen else math.nan, stop="max", logprobs=logprobs,
+            )
+    finally:
+        steps.close()
 
 
 # -- the library API ------------------------------------------------------------------

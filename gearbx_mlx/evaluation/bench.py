@@ -1,0 +1,437 @@
+"""One machine's numbers: what each gear, kernel, policy and speculative setting decodes at, and holds.
+
+:func:`run_bench` measures, on one model and one prompt, in one process:
+
+* the machine (:mod:`.machine`: chip and memory from the OS, versions, the
+  memory bandwidth MLX reaches);
+* plain decoding: ``mlx_lm.stream_generate`` on the loaded model, the
+  yardstick every row is divided by (``x_plain``);
+* each static gear through the gearbox, with MLX's quantized layers and with
+  the packed kernels; the dynamic (entropy) policy with each, and with the
+  nested store;
+* speculative decoding: the draft step ``c``, the verify of ``k + 1`` tokens
+  ``v(k)`` and the acceptance α measured here; fixed block lengths, gated
+  blocks (the best stop of the closed form), and the automatic decision
+  (:func:`~gearbx_mlx.speculative.plan.plan_speculative`), from the prompt
+  alone and from a draft-stop calibration;
+* resident memory of every store and of the drafter, and the process peak.
+
+Every row decodes the same continuation of the same prompt (routed rows are
+forced to the high gear's greedy tokens, speculative rows emit them), and the
+rows run interleaved, round after round, with plain decoding at the start and
+the end of each round, so the drift of a shared machine falls on all of them
+alike; a row's speed is the median of its rounds. The result is one
+JSON-ready dict (the format is ``docs/BENCHMARKS.md``, "The bench JSON");
+:mod:`.bench_report` prints and compares it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step, stream_generate as mlx_stream_generate
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..chat import encode_chat
+from ..config import GearboxConfig
+from ..gearbox import Gearbox, vocab_size_of
+from ..generation import load, stream_generate
+from ..packed import guard
+from ..policies import StaticPolicy
+from ..precision import default_kernel, nbytes
+from ..speculative.calibration import (
+    DraftStats,
+    best_replay,
+    calibrate_draft_stop,
+    draft_stats,
+    gating_table,
+    modeled_speedup,
+)
+from ..speculative.decode import SpeculativeConfig, get_draft, stream_speculative_generate
+from ..speculative.plan import CHOOSE, measure_start, plan_speculative
+from .machine import bandwidth, hardware, software
+from .speed import forcing_sampler
+
+#: Version of the JSON layout (docs/BENCHMARKS.md, "The bench JSON").
+FORMAT_VERSION = 1
+PROMPT = "Explain in one paragraph why the sky is blue."
+#: Random-weight llama shapes for ``--shape`` (as scripts/bench_speculative.py builds them).
+SHAPES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+}
+#: The automatic decision must decode at least this share of plain decoding's speed, in the same run.
+AUTO_FLOOR = 0.95
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What a bench run measures (defaults: the full run; :data:`QUICK` for CI).
+
+    Attributes:
+        tokens: decode tokens per run.
+        rounds: passes over every configuration; each row's speed is the median.
+        kernels: the quantized kernels of the gear rows (``mlx``, ``packed``).
+        scope: the layers the gears manage.
+        draft_gear: the speculative drafter's gear.
+        ks: the fixed block lengths run.
+        max_draft: the block cap the automatic decision models lengths up to.
+        nested: also run the dynamic policy on the nested store.
+        calibrate: run the draft-stop calibration (for the calibrated decision).
+        prompt: the prompt (chat-templated for a real model).
+    """
+
+    tokens: int = 64
+    rounds: int = 2
+    kernels: Tuple[str, ...] = ("mlx", "packed")
+    scope: str = "all"
+    draft_gear: str = "low"
+    ks: Tuple[int, ...] = (2, 4)
+    max_draft: int = 6
+    nested: bool = True
+    calibrate: bool = True
+    prompt: str = PROMPT
+
+    def __post_init__(self) -> None:
+        if self.tokens < 4:
+            raise ValueError(f"--tokens must be at least 4, got {self.tokens}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"--ks must be block lengths >= 1, got {self.ks}")
+
+
+#: The CI setting: a few seconds of decoding per row, one round, no calibration or nested store.
+QUICK = BenchSettings(tokens=16, rounds=1, ks=(4,), max_draft=4, nested=False, calibrate=False)
+
+
+class IdTokenizer:
+    """A stand-in tokenizer for random-weight models: a character per token, no EOS.
+
+    The bench feeds token ids; mlx-lm's detokenizer only needs ``encode`` and
+    ``decode`` to agree on something.
+    """
+
+    eos_token_id = None
+    bos_token = None
+    chat_template = None
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> Dict[str, int]:
+        return {f"{chr(97 + i % 26)}{i // 26}": i for i in range(self.vocab)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return [ord(ch) % self.vocab for ch in text]
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def apply_chat_template(self, *_: Any, **__: Any) -> Any:
+        raise ValueError("a random-weight model has no chat template")
+
+
+@dataclass
+class Subject:
+    """The model a bench runs on, and the prompt's token ids."""
+
+    model: nn.Module
+    tokenizer: Any
+    name: str
+    source: str  # "model" (a folder or the default) or "random" (a --shape)
+    prompt_ids: List[int]
+    dtype: str
+
+
+def load_subject(model: Optional[str] = None, shape: Optional[str] = None, dtype: Optional[str] = None,
+                 prompt: str = PROMPT) -> Subject:
+    """The default model, a model folder or hub id, or a random-weight llama of a named shape."""
+    if shape is not None:
+        if shape not in SHAPES:
+            raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape!r}")
+        from mlx_lm.models import llama
+
+        args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SHAPES[shape])
+        mx.random.seed(0)  # a fixed model: mlx-lm's own initialization, seeded
+        m = llama.Model(args)
+        m.set_dtype(getattr(mx, dtype or "bfloat16"))
+        mx.eval(m.parameters())
+        ids = mx.random.randint(0, args.vocab_size, (32,)).tolist()
+        return Subject(m, TokenizerWrapper(IdTokenizer(args.vocab_size)), f"{shape} (random weights)", "random",
+                       ids, dtype or "bfloat16")
+    m, tok, _ = load(model, dtype=dtype)
+    name = model or "default (SmolLM2-135M-Instruct)"
+    return Subject(m, tok, name, "model", encode_chat(tok, prompt), str(_dtype_of(m)).rsplit(".", 1)[-1])
+
+
+def _dtype_of(model: nn.Module) -> Any:
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return None
+
+
+# -- the runs -----------------------------------------------------------------------------
+
+
+def continuation(subject: Subject, n: int) -> List[int]:
+    """The high gear's greedy continuation of the prompt, ``n`` tokens (the work every row does)."""
+    steps = generate_step(mx.array(subject.prompt_ids), subject.model, max_tokens=n)
+    return [int(tok) for (tok, _), _i in zip(steps, range(n))]
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No warnings: the ones a bench triggers are known and recorded (the double-quantization note)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def run_plain(subject: Subject, forced: Sequence[int]) -> Dict[str, Any]:
+    """``mlx_lm.stream_generate`` on the loaded model: no gearbox at all."""
+    last = None
+    for resp in mlx_stream_generate(subject.model, subject.tokenizer, mx.array(subject.prompt_ids),
+                                    sampler=forcing_sampler(forced), max_tokens=len(forced)):
+        last = resp
+    return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens}
+
+
+def run_routed(subject: Subject, gearbox: Gearbox, policy: Any, forced: Sequence[int]) -> Dict[str, Any]:
+    """The gearbox's own decode loop (``gearbx_mlx.stream_generate``) with ``policy``."""
+    last = None
+    with quiet():
+        for resp in stream_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox, policy=policy,
+                                    sampler=forcing_sampler(forced), max_tokens=len(forced), prompt_text=""):
+            last = resp
+    s = last.session
+    return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens,
+            "gears": s.gear_counts(), "shifts": sum(1 for r in s.records if r.shifted)}
+
+
+def run_speculative(subject: Subject, gearbox: Gearbox, draft: Any, config: SpeculativeConfig, n: int,
+                    plan: Any = None) -> Dict[str, Any]:
+    """``stream_speculative_generate`` (greedy: it emits the high gear's own tokens)."""
+    last = None
+    for resp in stream_speculative_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox,
+                                            config=config, draft=draft, plan=plan, max_tokens=n):
+        last = resp
+    s = last.stats.summary()
+    return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens,
+            **{k: s[k] for k in ("blocks", "drafted", "accepted", "acceptance_rate", "tokens_per_block",
+                                 "mean_drafted_length", "stops")}}
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One configuration: how to run it once, and what it is."""
+
+    section: str
+    label: str
+    run: Callable[[], Dict[str, Any]]
+    meta: Dict[str, Any]
+    runs: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _continuation_stats(subject: Subject, draft: Any, forced: Sequence[int]) -> DraftStats:
+    """The drafter against the high gear on the high gear's own continuation (teacher-forced)."""
+    seq = list(subject.prompt_ids) + list(forced)
+    full = draft_stats(subject.model, draft, seq, window=len(seq))
+    keep = slice(len(subject.prompt_ids) - 1, len(seq) - 1)
+    return DraftStats(*[getattr(full, f)[keep] for f in ("draft_entropy", "high_entropy", "agree", "accept_prob")])
+
+
+def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
+              progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """Measure everything of the module doc on ``subject``; the JSON-ready result."""
+    say = progress or (lambda _: None)
+    tic = time.perf_counter()
+    model, n = subject.model, settings.tokens
+    say("machine: hardware, versions, memory bandwidth ...")
+    machine = {"hardware": hardware(), "software": software(), "bandwidth": bandwidth()}
+    say(f"the high gear's continuation ({n} tokens) ...")
+    forced = continuation(subject, n)
+    vocab = vocab_size_of(model)
+    info = {"name": subject.name, "source": subject.source, "dtype": subject.dtype, "vocab_size": vocab,
+            "weight_bytes": nbytes(model), "prompt_tokens": len(subject.prompt_ids)}
+
+    say("building the gears (quantizing once per kernel) ...")
+    boxes: Dict[str, Gearbox] = {}
+    prep: Dict[str, Dict[str, float]] = {}
+    for k in settings.kernels:
+        gb = Gearbox(model, GearboxConfig(kernel=k, scope=settings.scope, initial_gear="high"), vocab)
+        with quiet():
+            prep[k] = {g: gb.prepare(g) for g in ("low", "mid")}
+        boxes[k] = gb
+    if settings.nested:
+        say("building the nested store's planes ...")
+        t0 = time.perf_counter()
+        boxes["nested"] = Gearbox(model, GearboxConfig(kernel="packed", scope=settings.scope, store="nested",
+                                                       initial_gear="high"), vocab)
+        prep["nested"] = {"planes": time.perf_counter() - t0}
+
+    rows: List[Row] = [Row("plain", "plain decoding (mlx-lm)", lambda: run_plain(subject, forced), {"policy": "plain"})]
+    first = boxes[settings.kernels[0]]
+    rows.append(Row("static", "high (gearbox)", lambda: run_routed(subject, first, StaticPolicy("high"), forced),
+                    {"gear": "high", "policy": "static"}))
+    for k in settings.kernels:
+        for g in ("mid", "low"):
+            rows.append(Row("static", f"{g}, {k}", lambda g=g, k=k: run_routed(subject, boxes[k], StaticPolicy(g),
+                                                                                forced),
+                            {"gear": g, "kernel": k, "policy": "static", "store": "separate"}))
+    for k in list(settings.kernels) + (["nested"] if settings.nested else []):
+        label = "dynamic, packed, nested store" if k == "nested" else f"dynamic, {k}"
+        rows.append(Row("dynamic", label, lambda k=k: run_routed(subject, boxes[k], None, forced),
+                        {"policy": "entropy", "kernel": "packed" if k == "nested" else k,
+                         "store": "nested" if k == "nested" else "separate"}))
+
+    spec, spec_rows, draft = _speculative(subject, settings, forced, vocab, say)
+    rows += spec_rows
+    plain_row = rows[0]
+    order = rows + [plain_row]  # plain decoding brackets each round
+    total = settings.rounds * len(order)
+    done = 0
+    for r in range(settings.rounds):
+        for row in order:
+            done += 1
+            say(f"[{done}/{total}] round {r + 1}: {row.label} ...")
+            row.runs.append(row.run())
+    plain = statistics.median(x["tokens_per_s"] for x in plain_row.runs)
+    out_rows = [_summarize(row, plain) for row in rows]
+    checks = [{"name": f"{row['label']} >= {AUTO_FLOOR:.2f}x plain decoding", "value": row["x_plain"],
+               "floor": AUTO_FLOOR, "passed": row["x_plain"] >= AUTO_FLOOR}
+              for row in out_rows if row.get("policy") == "speculative-auto"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "gearbx-bench",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": dataclasses.asdict(settings),
+        "machine": machine,
+        "model": info,
+        "plain_tokens_per_s": plain,
+        "rows": out_rows,
+        "speculative": spec,
+        "memory": _memory(subject, boxes, draft),
+        "preparation_seconds": prep,
+        "first_use": guard.status(),
+        "checks": checks,
+        "seconds": time.perf_counter() - tic,
+    }
+
+
+def _summarize(row: Row, plain: float) -> Dict[str, Any]:
+    tps = [x["tokens_per_s"] for x in row.runs]
+    med = statistics.median(tps)
+    last = row.runs[-1]
+    extra = {k: v for k, v in last.items() if k not in ("tokens_per_s",)}
+    return {"section": row.section, "label": row.label, **row.meta, "tokens_per_s": med,
+            "x_plain": med / plain if plain else None, "runs_tokens_per_s": tps, **extra}
+
+
+def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
+                 say: Callable[[str], None]) -> Tuple[Dict[str, Any], List[Row], Any]:
+    """The drafter's measured costs and acceptance, the plans, and the speculative rows."""
+    model = subject.model
+    kernel = default_kernel()
+    gb = Gearbox(model, GearboxConfig(kernel=kernel, scope="all", initial_gear="high"), vocab)
+    with quiet():
+        draft = get_draft(model, gb, settings.draft_gear, "all")
+    cap = max(settings.max_draft, max(settings.ks))
+    say(f"timing a draft step and verifies of k+1 tokens (k = 1..{cap}) ...")
+    measured = measure_start(model, draft, subject.prompt_ids, cap)
+    cont = _continuation_stats(subject, draft, forced)
+    alpha = cont.summary()["alpha_greedy"]
+    c = measured.seconds["draft"] / measured.seconds["high"]
+    v = [1.0] + [t / measured.seconds["high"] for t in measured.seconds["verify"]]
+    cal: Optional[Dict[str, Any]] = None
+    if settings.calibrate and subject.source == "model":
+        say("calibrating the draft stop on the calibration prompts ...")
+        cal = calibrate_draft_stop(model, draft, subject.tokenizer, "replay", cost=(c, v))
+    elif settings.calibrate:  # random weights: no text to calibrate on; the continuation stands in
+        cal = {**cont.summary(), "n_samples": cont.n, **best_replay(cont, c, v),
+               "gating": {"greedy": gating_table(cont, True), "sampled": gating_table(cont, False)}}
+    plan_prompt = plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured)
+    plan_cal = (plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured,
+                                 calibration=cal) if cal else None)
+    # The best gated blocks the closed form finds on the continuation (or the calibration).
+    gated = plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured, stop=CHOOSE,
+                             calibration=cal or {"gating": {"greedy": gating_table(cont, True)}}).gated
+    base = SpeculativeConfig(draft_gear=settings.draft_gear, draft_scope="all")
+    rows: List[Row] = []
+    for k in settings.ks:
+        cfg = dataclasses.replace(base, max_draft=k)
+        rows.append(Row("speculative", f"speculative, fixed k={k}",
+                        lambda cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced)),
+                        {"policy": "speculative-fixed", "k": k,
+                         "modeled_x_high": modeled_speedup(alpha, k, c, v[min(k, len(v) - 1)])}))
+    if gated is not None:
+        cfg = dataclasses.replace(base, max_draft=int(gated["k"]), draft_entropy_stop=float(gated["stop_bits"]))
+        rows.append(Row("speculative", f"speculative, gated k<={gated['k']} stop {gated['stop_bits']:.2f} bits",
+                        lambda cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced)),
+                        {"policy": "speculative-gated", "k": int(gated["k"]), "stop_bits": gated["stop_bits"],
+                         "modeled_x_high": gated["speedup"]}))
+    for name, plan in (("auto", plan_prompt), ("auto, calibrated", plan_cal)):
+        if plan is None:
+            continue
+        cfg = dataclasses.replace(base, max_draft=settings.max_draft)
+        rows.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
+            f" k={plan.best_k}" if plan.speculate else ""),
+            lambda cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, len(forced), plan=plan),
+            {"policy": "speculative-auto", "choice": plan.choice, "k": plan.best_k if plan.speculate else None,
+             "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
+    spec = {
+        "draft_gear": settings.draft_gear, "kernel": kernel, "drafter": plan_prompt.drafter,
+        "costs": {"high_ms": 1e3 * measured.seconds["high"], "draft_ms": 1e3 * measured.seconds["draft"],
+                  "verify_ms": [1e3 * t for t in measured.seconds["verify"]], "c": c, "v": v},
+        "alpha": {"prompt": measured.alpha_greedy, "prompt_positions": measured.positions,
+                  "continuation": alpha, "continuation_positions": cont.n,
+                  "calibration": cal.get("alpha_greedy") if cal else None},
+        "plans": {"prompt": plan_prompt.to_dict(), "calibrated": plan_cal.to_dict() if plan_cal else None},
+        "calibration": cal,
+    }
+    return spec, rows, draft
+
+
+def _memory(subject: Subject, boxes: Dict[str, Gearbox], draft: Any) -> Dict[str, Any]:
+    """Bytes held: the loaded weights, each store's managed layers, the drafter, the process peak."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out: Dict[str, Any] = {
+        "weights_bytes": nbytes(subject.model),
+        "stores": {k: gb.manager.memory() for k, gb in boxes.items()},
+        "drafter": dict(draft.memory) if draft is not None else None,
+        # ru_maxrss is in bytes on macOS, in KiB on Linux.
+        "process_peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024,
+        "mlx_peak_bytes": mx.get_peak_memory(),
+        "mlx_active_bytes": mx.get_active_memory(),
+    }
+    return out
+
+
+def environment_command() -> str:
+    """The command line of this process, as the JSON records it."""
+    return " ".join(["python", "-m", "gearbx_mlx.bench"] + sys.argv[1:])
+
+
+__all__ = ["AUTO_FLOOR", "BenchSettings", "FORMAT_VERSION", "IdTokenizer", "PROMPT", "QUICK", "SHAPES", "Subject",
+           "continuation", "environment_command", "load_subject", "run_bench", "run_plain", "run_routed",
+           "run_speculative"]
+
