@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", nargs="+", choices=("mlx", "packed"), help="quantized kernels of the gear rows")
     p.add_argument("--no-nested", action="store_true", help="skip the nested store")
     p.add_argument("--no-calibrate", action="store_true", help="skip the draft-stop calibration")
-    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.json", help=f"where the JSON goes (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.json",
+                   help=f"where the JSON goes (default {DEFAULT_OUT})")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results side by side and exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p

@@ -160,7 +160,7 @@ def format_compare(a: Dict[str, Any], b: Dict[str, Any], names: Tuple[str, str] 
         c = (r["speculative"] or {}).get("costs") or {}
         if c:
             lines.append(f"{name}: c = {c['c']:.3f}, v(k) = " + "/".join(f"{x:.2f}" for x in c["v"][1:])
-                         + f"; checks: " + (", ".join("ok" if ch["passed"] else "FAILED" for ch in r["checks"])
+                         + "; checks: " + (", ".join("ok" if ch["passed"] else "FAILED" for ch in r["checks"])
                                             or "none"))
     return "\n".join(lines)
 
