@@ -335,3 +335,24 @@ def test_cpu_kernels_trusted_probe(monkeypatch):
     monkeypatch.setattr(cpu, "gemv", lambda p, s, x, **kw: real(kernelcheck.swap_nibbles(p, kw["bits"]), s, x, **kw))
     with pytest.warns(RuntimeWarning, match="first-use check"):
         assert layers.cpu_kernels_trusted() is False
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_guard_takes_another_formats_reference(broken):
+    """A kernel family with its own format (arrays, rows, reference), as the nested planes' will be."""
+    w = mx.random.normal((40, 64), key=mx.random.key(3))
+    x = mx.random.normal((64,), key=mx.random.key(4))
+    spec = guard.KernelSpec("dense test GEMV", 16, None, 64, 40,
+                            rows_of=lambda rows, weight: (mx.take(weight, rows, axis=0), None),
+                            reference=lambda x, weight: weight @ x)
+
+    def build():
+        run = (lambda x, weight: (weight @ x)[::-1]) if broken else (lambda x, weight: weight @ x)
+        run.kernel_name = "dense_test"
+        return run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = guard.guarded(spec, build, lambda r: None)(x, w)
+    assert mx.allclose(y, w @ x, atol=1e-4).item()  # right either way: the reference stood in
+    assert bool(guard_warnings(caught)) is broken and ("dense_test" in guard.failed()) is broken

@@ -345,3 +345,24 @@ def test_calibration_saves_per_length_costs_and_gating(llama_packed):
     assert set(block["gating"]) == {"greedy", "sampled"}
     for t in block["gating"]["greedy"]:
         assert 0 < t["p_continue"] < 1 and 0 <= t["alpha_below"] <= 1 and 0 <= t["alpha_above"] <= 1
+
+
+def test_cli_calibration_saves_the_costs_and_gating_the_decision_reads(monkeypatch, capsys, tmp_path, llama_packed):
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import build_parser
+    from gearbx_mlx.speculative.cli import run_speculative
+
+    model, gb, _ = llama_packed
+    thresholds = gb.thresholds
+    gb.set_calibration(Calibration(low=0.5, high=2.0, strategy="median", n_samples=10, vocab_size=VOCAB))
+    path = tmp_path / "cal.json"
+    args = build_parser().parse_args(["--speculative", "--calibrate", "--calibration", str(path), "--max-tokens", "8"])
+    try:
+        assert run_speculative(args, model, CharTokenizer(), gb, "abcdefghij", "abcdefghij") == 0
+    finally:
+        gb.calibration = None
+        gb.set_thresholds(*thresholds)
+    block = Calibration.load(path).extra["speculative"]["low"]
+    assert len(block["step_ms"]["verify"]) == max(REPLAY_MAX_DRAFT) and block["gating"]["greedy"]
+    err = capsys.readouterr().err
+    assert "saved calibration" in err and "Decision (auto)" in err and "v(k)" in err

@@ -35,6 +35,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -50,6 +51,7 @@ from ..generation import load, stream_generate
 from ..packed import guard
 from ..policies import StaticPolicy
 from ..precision import default_kernel, nbytes
+from ..sources.models import resolve_model
 from ..speculative.calibration import (
     DraftStats,
     best_replay,
@@ -157,6 +159,7 @@ class Subject:
     source: str  # "model" (a folder or the default) or "random" (a --shape)
     prompt_ids: List[int]
     dtype: str
+    folder: Optional[Path] = None  # the model's folder: the nested store caches its planes there
 
 
 def load_subject(model: Optional[str] = None, shape: Optional[str] = None, dtype: Optional[str] = None,
@@ -177,7 +180,9 @@ def load_subject(model: Optional[str] = None, shape: Optional[str] = None, dtype
                        ids, dtype or "bfloat16")
     m, tok, _ = load(model, dtype=dtype)
     name = model or "default (SmolLM2-135M-Instruct)"
-    return Subject(m, tok, name, "model", encode_chat(tok, prompt), str(_dtype_of(m)).rsplit(".", 1)[-1])
+    folder = Path(resolve_model(model, dtype))
+    return Subject(m, tok, name, "model", encode_chat(tok, prompt), str(_dtype_of(m)).rsplit(".", 1)[-1],
+                   folder if folder.is_dir() else None)
 
 
 def _dtype_of(model: nn.Module) -> Any:
@@ -286,8 +291,8 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
         say("building the nested store's planes ...")
         t0 = time.perf_counter()
         boxes["nested"] = Gearbox(model, GearboxConfig(kernel="packed", scope=settings.scope, store="nested",
-                                                       initial_gear="high"), vocab)
-        prep["nested"] = {"planes": time.perf_counter() - t0}
+                                                       initial_gear="high"), vocab, planes_dir=subject.folder)
+        prep["nested"] = {"planes": time.perf_counter() - t0, "origin": boxes["nested"].manager.planes_origin}
 
     rows: List[Row] = [Row("plain", "plain decoding (mlx-lm)", lambda: run_plain(subject, forced), {"policy": "plain"})]
     first = boxes[settings.kernels[0]]
@@ -304,7 +309,7 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
                         {"policy": "entropy", "kernel": "packed" if k == "nested" else k,
                          "store": "nested" if k == "nested" else "separate"}))
 
-    spec, spec_rows, draft = _speculative(subject, settings, forced, vocab, say)
+    spec, spec_rows, draft = _speculative(subject, settings, forced, vocab, boxes, say)
     rows += spec_rows
     plain_row = rows[0]
     order = rows + [plain_row]  # plain decoding brackets each round
@@ -348,11 +353,17 @@ def _summarize(row: Row, plain: float) -> Dict[str, Any]:
 
 
 def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
-                 say: Callable[[str], None]) -> Tuple[Dict[str, Any], List[Row], Any]:
-    """The drafter's measured costs and acceptance, the plans, and the speculative rows."""
+                 boxes: Dict[str, Gearbox], say: Callable[[str], None]) -> Tuple[Dict[str, Any], List[Row], Any]:
+    """The drafter's measured costs and acceptance, the plans, and the speculative rows.
+
+    The drafter is the one ``--speculative`` builds: every layer in the draft
+    gear, with this machine's default kernel (sharing that gearbox's gear when
+    the gear rows built it for every layer).
+    """
     model = subject.model
     kernel = default_kernel()
-    gb = Gearbox(model, GearboxConfig(kernel=kernel, scope="all", initial_gear="high"), vocab)
+    gb = boxes.get(kernel) if settings.scope == "all" else None
+    gb = gb or Gearbox(model, GearboxConfig(kernel=kernel, scope="all", initial_gear="high"), vocab)
     with quiet():
         draft = get_draft(model, gb, settings.draft_gear, "all")
     cap = max(settings.max_draft, max(settings.ks))

@@ -48,10 +48,20 @@ _warned: Set[str] = set()  # families already warned about
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """The layer a launcher computes: its packed format, shape and output splits.
+    """The layer a launcher computes: its format, shape and output splits.
 
     ``family`` names the kernel in the warning (``"metal packed GEMV"``);
     ``intdot``: the kernel rounds its activations to int8 (the C int-dot path).
+
+    A launcher is called ``run(x, *arrays)``. For the packed format the
+    arrays are ``(weight, scales, bias)`` and the reference is
+    :mod:`~gearbx_mlx.packed.formats`'; another format (the nested planes,
+    say) gives its own two functions of the same arrays:
+
+    * ``rows_of(rows, *arrays) -> (w, bias)``: the float32 weights of the
+      given output rows, ``(len(rows), in_features)``, and their bias or None;
+    * ``reference(x, *arrays) -> y``: the whole output, as the launcher
+      returns it (a list with ``splits``).
     """
 
     family: str
@@ -61,6 +71,8 @@ class KernelSpec:
     out_features: int
     splits: Tuple[int, ...] = ()
     intdot: bool = False
+    rows_of: Optional[Callable[..., Tuple[mx.array, Optional[mx.array]]]] = None
+    reference: Optional[Callable[..., Any]] = None
 
 
 def guarded(spec: KernelSpec, build: Callable[[], Callable[..., Any]],
@@ -91,8 +103,8 @@ def guarded(spec: KernelSpec, build: Callable[[], Callable[..., Any]],
         if shape in _trusted:
             return run
 
-    def first_call(x: mx.array, weight: mx.array, scales: mx.array, bias: Optional[mx.array] = None) -> Any:
-        ok, why, out = _first_call(spec, run, x, weight, scales, bias)
+    def first_call(x: mx.array, *arrays: Optional[mx.array]) -> Any:
+        ok, why, out = _first_call(spec, run, x, arrays)
         if ok:
             with _lock:
                 _trusted.add(shape)
@@ -100,26 +112,32 @@ def guarded(spec: KernelSpec, build: Callable[[], Callable[..., Any]],
             return out
         _fail(spec, name, why)
         settle(False)
-        return reference(spec, x, weight, scales, bias)
+        return reference(spec, x, *arrays)
 
     return first_call
 
 
-def _first_call(spec: KernelSpec, run: Callable[..., Any], x: mx.array, weight: mx.array, scales: mx.array,
-                bias: Optional[mx.array]) -> Tuple[bool, str, Any]:
+def _packed_rows(spec: KernelSpec, rows: mx.array, weight: mx.array, scales: mx.array,
+                 bias: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+    w = formats.dequantize(mx.take(weight, rows, axis=0), mx.take(scales, rows, axis=0), spec.bits,
+                           spec.group_size, spec.in_features)
+    return w, None if bias is None else mx.take(bias, rows)
+
+
+def _first_call(spec: KernelSpec, run: Callable[..., Any], x: mx.array,
+                arrays: Tuple[Optional[mx.array], ...]) -> Tuple[bool, str, Any]:
     """``(passed, what went wrong, output)`` of the launcher's first call."""
     try:
-        out = run(x, weight, scales, bias)
+        out = run(x, *arrays)
         mx.eval(out)
     except Exception as e:  # noqa: BLE001  (a compile or launch error surfaces at evaluation)
         return False, f"its first call raised ({_short(e)})", None
     y = mx.concatenate(out, axis=-1) if isinstance(out, (list, tuple)) else out
     rows = mx.array(sample_rows(spec.out_features, spec.splits))
-    w = formats.dequantize(mx.take(weight, rows, axis=0), mx.take(scales, rows, axis=0), spec.bits,
-                           spec.group_size, spec.in_features)
+    w, b = spec.rows_of(rows, *arrays) if spec.rows_of else _packed_rows(spec, rows, *arrays)
     ref = x.reshape(-1).astype(mx.float32) @ w.T
-    if bias is not None:
-        ref = ref + mx.take(bias, rows).astype(mx.float32)
+    if b is not None:
+        ref = ref + b.astype(mx.float32)
     bound = gemv_bound(x, w, ref, out_dtype=x.dtype, intdot=spec.intdot)
     result = compare(mx.take(y.reshape(-1), rows), ref, bound)
     if result.passed:
@@ -128,9 +146,11 @@ def _first_call(spec: KernelSpec, run: Callable[..., Any], x: mx.array, weight: 
                    f"{result.tolerance:.3g}"), out
 
 
-def reference(spec: KernelSpec, x: mx.array, weight: mx.array, scales: mx.array,
-              bias: Optional[mx.array] = None) -> Any:
+def reference(spec: KernelSpec, x: mx.array, *arrays: Optional[mx.array]) -> Any:
     """What the launcher should have returned, from the pure-MLX reference."""
+    if spec.reference is not None:
+        return spec.reference(x, *arrays)
+    weight, scales, bias = (list(arrays) + [None])[:3]
     y = formats.reference_matmul(x, weight, scales, bits=spec.bits, group_size=spec.group_size,
                                  in_features=spec.in_features, bias=bias)
     if not spec.splits:
