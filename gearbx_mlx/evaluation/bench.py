@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, stream_generate as mlx_stream_generate
+from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..chat import encode_chat
@@ -168,8 +169,6 @@ def load_subject(model: Optional[str] = None, shape: Optional[str] = None, dtype
     if shape is not None:
         if shape not in SHAPES:
             raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape!r}")
-        from mlx_lm.models import llama
-
         args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SHAPES[shape])
         mx.random.seed(0)  # a fixed model: mlx-lm's own initialization, seeded
         m = llama.Model(args)
