@@ -85,14 +85,17 @@ PLANTS: Dict[str, Plant] = {"nibble-order": swap_nibbles}
 
 
 def activation_steps(x: mx.array) -> mx.array:
-    """``d_b(j) / 2`` per input ``j``: half the int8 step of its block of :data:`ACT_BLOCK`."""
+    """``d_b(j) / 2`` per input ``j``: half the int8 step of its block of :data:`ACT_BLOCK`.
+
+    ``x``: ``(K,)`` or ``(m, K)`` (each row its own blocks); the result has ``x``'s shape.
+    """
     k = x.shape[-1]
-    xf = mx.abs(x.reshape(k).astype(mx.float32))
+    xf = mx.abs(x.reshape(-1, k).astype(mx.float32))
     pad = -k % ACT_BLOCK
     if pad:
-        xf = mx.concatenate([xf, mx.zeros((pad,), mx.float32)])
-    d = mx.max(xf.reshape(-1, ACT_BLOCK), axis=1) / 127.0
-    return mx.repeat(d / 2, ACT_BLOCK)[:k]
+        xf = mx.concatenate([xf, mx.zeros((xf.shape[0], pad), mx.float32)], axis=1)
+    d = mx.max(xf.reshape(xf.shape[0], -1, ACT_BLOCK), axis=2) / 127.0
+    return mx.repeat(d / 2, ACT_BLOCK, axis=1)[:, :k].reshape(x.shape)
 
 
 def gemv_bound(
@@ -103,30 +106,36 @@ def gemv_bound(
     out_dtype: Optional[mx.Dtype],
     accum: float = ACCUM_TOL,
     intdot: bool = False,
+    terms: Optional[mx.array] = None,
 ) -> mx.array:
-    """Largest allowed ``|y - ref|`` per output row of ``y = w @ x``.
+    """Largest allowed ``|y - ref|`` per output of ``y = x @ w.T``.
 
     Args:
-        x: ``(K,)`` (leading dims of size 1 allowed) the input.
+        x: ``(K,)`` or ``(m, K)`` (leading dims of size 1 allowed) the input.
         w: ``(O, K)`` the dequantized weights (float32) the kernel multiplies by.
-        ref: ``(O,)`` the reference output, float32.
+        ref: ``(O,)`` or ``(m, O)`` the reference output, float32.
         out_dtype: the output dtype (its rounding adds ``OUTPUT_RTOL * |ref|``);
             None for a float32 result compared before any cast.
         accum: :data:`ACCUM_TOL` against an MLX float32 reference,
             :data:`FLOAT_RTOL` against a float64 one.
         intdot: add the int8 activation term of the C int-dot path.
+        terms: ``(O, K)`` magnitudes of the terms the kernel sums per weight,
+            where they exceed ``|w|`` (an affine format sums ``s q`` and ``b``
+            apart: ``|s q| + |b|``); default ``|w|``.
 
     Returns:
-        ``(O,)`` float32.
+        ``ref``'s shape, float32.
     """
-    xf = x.reshape(-1).astype(mx.float32)
+    k = w.shape[-1]
+    xf = x.reshape(-1, k).astype(mx.float32)
     aw = mx.abs(w.astype(mx.float32))
-    bound = accum * (aw @ mx.abs(xf)) + ABS_FLOOR
+    mag = mx.abs(xf) @ (aw if terms is None else terms.astype(mx.float32)).T
+    bound = accum * mag + ABS_FLOOR
     if out_dtype is not None:
-        bound = bound + OUTPUT_RTOL[out_dtype] * mx.abs(ref.astype(mx.float32))
+        bound = bound + OUTPUT_RTOL[out_dtype] * mx.abs(ref.astype(mx.float32).reshape(bound.shape))
     if intdot:
-        bound = bound + aw @ activation_steps(xf)
-    return bound
+        bound = bound + activation_steps(xf) @ aw.T
+    return bound.reshape(ref.shape)
 
 
 @dataclass(frozen=True)

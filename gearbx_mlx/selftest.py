@@ -24,10 +24,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from .console import error_line, show_warning
 from .evaluation.machine import describe, hardware, software
 from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, table_rows
+from .nested import checks as nested_checks
 from .packed import checks as packed_checks, guard
 
 #: Every family's checks. A new kernel family adds its module's ``CHECKS`` here.
-SUITES: Sequence[Sequence[KernelCheck]] = (packed_checks.CHECKS,)
+SUITES: Sequence[Sequence[KernelCheck]] = (packed_checks.CHECKS, nested_checks.CHECKS)
 #: Version of the ``--json`` layout.
 FORMAT_VERSION = 1
 

@@ -25,7 +25,9 @@ import pytest
 from fault_models import tiny_model_folder
 
 from gearbx_mlx import kernelcheck, selftest
-from gearbx_mlx.packed import checks, cpu, formats, gpu as kernels, guard, layers
+from gearbx_mlx.nested import checks as nested_checks, matmul as nested_matmul
+from gearbx_mlx.nested.planes import reference_matmul as nested_reference
+from gearbx_mlx.packed import checks, cpu, formats, gpu as kernels, guard, layers, nested_cpu, nested_gpu
 from gearbx_mlx.packed.fused import fuse_modules
 from gearbx_mlx.packed.layers import PackedLinear
 
@@ -70,12 +72,40 @@ def emulated_gemv(plant=None):
     return gemv
 
 
+def emulated_nested_launcher(backend, bits, group_sizes, in_features, out_features, dtype, scale_dtype, has_bias,
+                             tuning=None, shared=None):
+    """What ``nested_gpu.launcher`` returns, computed from the dequantized planes in float32."""
+
+    def run(x, arrays, factors, bias=None):
+        y = None
+        for i, (b, g) in enumerate(zip(bits, group_sizes)):
+            w, s, z = arrays[3 * i: 3 * i + 3]  # float32 throughout, as the kernel accumulates
+            deq = mx.dequantize(w, s.astype(mx.float32), z.astype(mx.float32), group_size=g, bits=b)
+            t = (x.reshape(1, -1).astype(mx.float32) @ deq.T) * factors[i]
+            y = t if y is None else y + t
+        if bias is not None:
+            y = y + bias.astype(mx.float32)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], out_features)
+
+    run.kernel_name = f"gbx_nested_{backend}_emulated_{'_'.join(map(str, bits))}"
+    return run
+
+
+def emulated_nested_gemv(x, planes, n, bias=None, **_):
+    bits, gs = tuple(p.bits for p in planes[:n]), tuple(p.group_size for p in planes[:n])
+    run = emulated_nested_launcher("cuda", bits, gs, x.shape[-1], planes[0].weight.shape[0], x.dtype,
+                                   planes[0].scales.dtype, bias is not None)
+    return run(x, nested_gpu.plane_arrays(planes, n), nested_gpu.factors_of(planes, n), bias)
+
+
 @pytest.fixture
 def emulated_gpu(monkeypatch):
-    """Make the GPU checks and layers run on the CPU through :func:`emulated_launcher`."""
+    """Make the GPU checks and layers run on the CPU through emulated launchers."""
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "gemv", emulated_gemv())
     monkeypatch.setattr(kernels, "launcher", emulated_launcher)
+    monkeypatch.setattr(nested_gpu, "nested_gemv", emulated_nested_gemv)
+    monkeypatch.setattr(nested_gpu, "launcher", emulated_nested_launcher)
     return monkeypatch
 
 
@@ -158,7 +188,7 @@ def test_bad_arguments_exit_2(capsys):
     assert "matches no check" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("check", checks.CHECKS, ids=lambda c: c.name)
+@pytest.mark.parametrize("check", selftest.all_checks(), ids=lambda c: c.name)
 def test_every_family_catches_a_planted_nibble_order(check, emulated_gpu):
     """Every check passes on correct kernels and fails every case of a nibble-order bug.
 
@@ -356,3 +386,58 @@ def test_guard_takes_another_formats_reference(broken):
         y = guard.guarded(spec, build, lambda r: None)(x, w)
     assert mx.allclose(y, w @ x, atol=1e-4).item()  # right either way: the reference stood in
     assert bool(guard_warnings(caught)) is broken and ("dense_test" in guard.failed()) is broken
+
+
+# -- the nested planes' kernels ----------------------------------------------------------
+
+
+def test_selftest_runs_the_nested_family():
+    assert nested_checks.CHECKS[0] in selftest.all_checks()
+    assert {c.name for c in nested_checks.CHECKS} >= {"nested GEMV 1-3 planes", "C nested GEMV intdot"}
+
+
+def test_a_nested_c_kernel_that_disagrees_is_dropped_for_the_oracle(monkeypatch):
+    if not c_kernels():
+        pytest.skip("the C kernels are not built")
+    planes = nested_checks.make_planes(33, 1088, nested_checks.KERNEL_PLAN, mx.float32)
+    calls = []
+    real = nested_cpu.PreparedNested.gemv
+
+    def wrong(self, x, n=None, **kw):
+        calls.append(n)
+        return real(self, x, n, **kw)[..., ::-1]  # rows in the wrong order
+
+    monkeypatch.setattr(nested_cpu.PreparedNested, "gemv", wrong)
+    product = nested_matmul.NestedProduct(planes)
+    x = nested_checks.make_x((1088,), mx.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ys = [product(x, 2) for _ in range(3)]
+    want = nested_reference(x[None], planes, 2)[0]
+    assert all(mx.allclose(y, want, atol=1e-5).item() for y in ys)
+    assert calls == [2], "a failed kernel was called again"
+    assert len(guard_warnings(caught)) == 1 and "gbx_nested_cpu_4g64_4g32_float" in str(caught[-1].message)
+    assert nested_matmul.nested_kernels_trusted() is False
+
+
+def test_nested_gpu_launch_is_checked_and_falls_back(emulated_gpu):
+    planes = nested_checks.make_planes(33, 1088, nested_checks.KERNEL_PLAN, mx.bfloat16)
+    product = nested_matmul.NestedProduct(planes)
+    x = nested_checks.make_x((1088,), mx.bfloat16)
+    y = product(x, 3)
+    assert guard.status()["trusted"] and not guard.failed()
+
+    def rows_reversed(*a, **k):
+        run = emulated_nested_launcher(*a, **k)
+        return lambda *args: run(*args)[..., ::-1]
+
+    guard.reset()
+    emulated_gpu.setattr(nested_gpu, "launcher", rows_reversed)
+    bad = nested_matmul.NestedProduct(planes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = [bad(x, 3) for _ in range(2)]
+    want = nested_reference(x[None], planes, 3)[0]  # the oracle stood in, on the first call and after
+    assert all(mx.array_equal(a, want).item() for a in again) and y.shape == want.shape
+    assert len(guard_warnings(caught)) == 1 and "cuda nested GEMV" in str(caught[0].message)
+    assert bad.backend_for(x, 3) == "reference"

@@ -58,8 +58,10 @@ class KernelSpec:
     :mod:`~gearbx_mlx.packed.formats`'; another format (the nested planes,
     say) gives its own two functions of the same arrays:
 
-    * ``rows_of(rows, *arrays) -> (w, bias)``: the float32 weights of the
-      given output rows, ``(len(rows), in_features)``, and their bias or None;
+    * ``rows_of(rows, *arrays) -> (w, bias[, terms])``: the float32 weights
+      of the given output rows, ``(len(rows), in_features)``, their bias or
+      None, and optionally the magnitudes of the terms the kernel sums
+      (:func:`~gearbx_mlx.kernelcheck.gemv_bound`'s ``terms``);
     * ``reference(x, *arrays) -> y``: the whole output, as the launcher
       returns it (a list with ``splits``).
     """
@@ -134,12 +136,14 @@ def _first_call(spec: KernelSpec, run: Callable[..., Any], x: mx.array,
         return False, f"its first call raised ({_short(e)})", None
     y = mx.concatenate(out, axis=-1) if isinstance(out, (list, tuple)) else out
     rows = mx.array(sample_rows(spec.out_features, spec.splits))
-    w, b = spec.rows_of(rows, *arrays) if spec.rows_of else _packed_rows(spec, rows, *arrays)
-    ref = x.reshape(-1).astype(mx.float32) @ w.T
+    got = spec.rows_of(rows, *arrays) if spec.rows_of else _packed_rows(spec, rows, *arrays)
+    w, b, terms = (tuple(got) + (None,))[:3]
+    x2 = x.reshape(-1, spec.in_features)  # one input row, or a few (a verify)
+    ref = x2.astype(mx.float32) @ w.T
     if b is not None:
         ref = ref + b.astype(mx.float32)
-    bound = gemv_bound(x, w, ref, out_dtype=x.dtype, intdot=spec.intdot)
-    result = compare(mx.take(y.reshape(-1), rows), ref, bound)
+    bound = gemv_bound(x2, w, ref, out_dtype=x.dtype, intdot=spec.intdot, terms=terms)
+    result = compare(mx.take(y.reshape(-1, spec.out_features), rows, axis=1), ref, bound)
     if result.passed:
         return True, "", out
     return False, (f"its first result is off by {result.max_error:.3g} where the tests allow "
