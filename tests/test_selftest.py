@@ -441,3 +441,28 @@ def test_nested_gpu_launch_is_checked_and_falls_back(emulated_gpu):
     assert all(mx.array_equal(a, want).item() for a in again) and y.shape == want.shape
     assert len(guard_warnings(caught)) == 1 and "cuda nested GEMV" in str(caught[0].message)
     assert bad.backend_for(x, 3) == "reference"
+
+
+def test_a_nested_kernel_that_fails_to_build_does_not_stop_generate(model_folder, capsys, monkeypatch):
+    """The nested store on a GPU back end whose nested kernel does not compile: one
+    warning naming it, the oracle's path, and the text of a run with no custom kernel."""
+    with monkeypatch.context() as m:  # the text with every product on the oracle
+        m.setattr(nested_matmul.NestedProduct, "backend_for", lambda self, x, n, has_bias=False: "reference")
+        rc, want, caught = run_generate(model_folder, capsys, "--store", "nested")
+    assert rc == 0 and want.strip() and not caught
+    built = []
+
+    def no_compiler(backend, name, *args):
+        built.append(name)
+        raise RuntimeError("[metal::Device] Unable to build metal library from source: error: unknown type")
+
+    monkeypatch.setattr(kernels, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(nested_gpu, "_build", no_compiler)
+    monkeypatch.setattr(nested_gpu, "launcher", nested_gpu.launcher.__wrapped__)  # no launcher cached by others
+    rc, text, caught = run_generate(model_folder, capsys, "--store", "nested")
+    assert rc == 0 and text == want
+    assert built, "the nested kernel build was never tried"
+    assert len(caught) == 1, caught
+    assert "metal nested GEMV" in caught[0] and "failed to build" in caught[0] and "Unable to build" in caught[0]
+    assert "python -m gearbx_mlx.selftest" in caught[0]
+    assert all("nested" in name for name in guard.failed())
