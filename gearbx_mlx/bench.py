@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the default model's conversion, or of a --shape's weights (default bfloat16)")
     p.add_argument("--quick", action="store_true",
-                   help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, no calibration or nested "
-                        "store")
+                   help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, no calibration, "
+                        f"{QUICK.budget_s:.0f} s at most")
     p.add_argument("--tokens", type=int, help=f"decode tokens per run (default {d.tokens})")
     p.add_argument("--rounds", type=int, help=f"passes over every configuration (default {d.rounds})")
     p.add_argument("--ks", type=int, nargs="+", help=f"fixed block lengths to run (default {' '.join(map(str, d.ks))})")
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-gear", choices=("low", "mid"), help="the drafter's gear (default low)")
     p.add_argument("--scope", choices=("attention", "all"), help=f"layers the gears manage (default {d.scope})")
     p.add_argument("--kernels", nargs="+", choices=("mlx", "packed"), help="quantized kernels of the gear rows")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help=f"the whole run's time (default {d.budget_s:.0f}): each timed run stops after --tokens or "
+                        "its share of the time left, so a slow machine decodes fewer tokens per run")
+    p.add_argument("--no-budget", action="store_true", help="no time limit: every run decodes --tokens")
     p.add_argument("--no-nested", action="store_true", help="skip the nested store")
     p.add_argument("--no-calibrate", action="store_true", help="skip the draft-stop calibration")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.json",
@@ -65,8 +69,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     changes = {k: v for k, v in {
         "tokens": args.tokens, "rounds": args.rounds, "ks": tuple(args.ks) if args.ks else None,
         "max_draft": args.max_draft, "draft_gear": args.draft_gear, "scope": args.scope,
-        "kernels": tuple(args.kernels) if args.kernels else None,
+        "kernels": tuple(args.kernels) if args.kernels else None, "budget_s": args.budget,
     }.items() if v is not None}
+    if args.no_budget:
+        changes["budget_s"] = None
     if args.no_nested:
         changes["nested"] = False
     if args.no_calibrate:

@@ -10,13 +10,14 @@ the real default model within the time the README promises.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
 from fault_models import tiny_model_folder
 
 from gearbx_mlx import bench
-from gearbx_mlx.evaluation import bench_report, machine
+from gearbx_mlx.evaluation import bench as bench_mod, bench_report, machine
 from gearbx_mlx.evaluation.bench import AUTO_FLOOR, QUICK, BenchSettings
 
 #: Seconds the README promises for ``bench`` on the default model (full settings).
@@ -46,25 +47,33 @@ def test_quick_run_covers_every_section(quick_result):
     bench_report.check_result(r)
     labels = [row["label"] for row in r["rows"]]
     assert labels[0] == "plain decoding (mlx-lm)" and r["rows"][0]["x_plain"] == pytest.approx(1.0)
-    for want in ("high (gearbox)", "mid, mlx", "low, mlx", "mid, packed", "low, packed", "dynamic, mlx",
-                 "dynamic, packed", "speculative, fixed k=4"):
+    for want in ("high (gearbox)", "mid, mlx", "low, mlx", "mid, packed", "low, packed", "mid, nested store",
+                 "low, nested store", "dynamic, mlx", "dynamic, packed", "dynamic, packed, nested store",
+                 "speculative, fixed k=4"):
         assert want in labels, labels
-    assert any(label.startswith("speculative auto: ") for label in labels)
-    for row in r["rows"]:  # plain decoding runs at the start and the end of each round
-        rounds = 2 * QUICK.rounds if row["section"] == "plain" else QUICK.rounds
-        assert row["tokens_per_s"] > 0 and len(row["runs_tokens_per_s"]) == rounds
-        assert row["decode_tokens"] >= QUICK.tokens - 1
+    stores = {row["label"]: row.get("store") for row in r["rows"]}
+    assert stores["mid, packed"] == "separate" and stores["low, nested store"] == "nested"
+    auto = [row for row in r["rows"] if row.get("policy") == "speculative-auto"]
+    assert auto and all(row["label"].startswith("speculative auto: ") for row in auto)
+    pairs = QUICK.rounds + 1
+    for row in r["rows"]:
+        # plain decoding: at the start and the end of each round, then around each of the decision's pairs
+        runs = 2 * QUICK.rounds + pairs + 1 if row["section"] == "plain" else pairs if row in auto else QUICK.rounds
+        assert row["tokens_per_s"] > 0 and len(row["runs_tokens_per_s"]) == runs, row["label"]
+        assert row["decode_tokens"] >= QUICK.tokens - 1 and len(row["runs_decode_tokens"]) == runs
+    for row in auto:  # x plain of an automatic row: the median of its runs over the plain runs beside them
+        assert len(row["paired_x_plain"]) == pairs
+        assert row["x_plain"] == pytest.approx(statistics.median(row["paired_x_plain"]))
     static = {row["label"]: row for row in r["rows"] if row["section"] == "static"}
     assert static["low, packed"]["gears"]["low"] >= QUICK.tokens and static["mid, mlx"]["gears"]["mid"] >= QUICK.tokens
     sp = r["speculative"]
     assert sp["costs"]["c"] > 0 and len(sp["costs"]["v"]) == QUICK.max_draft + 1 and sp["costs"]["v"][0] == 1.0
     assert len(sp["costs"]["verify_ms"]) == QUICK.max_draft and 0 <= sp["alpha"]["continuation"] <= 1
     assert sp["plans"]["prompt"]["choice"] in ("plain", "fixed", "gated")
-    auto = [row for row in r["rows"] if row.get("policy") == "speculative-auto"]
-    assert auto and [c["value"] for c in r["checks"]] == [row["x_plain"] for row in auto]
+    assert [c["value"] for c in r["checks"]] == [row["x_plain"] for row in auto]
     assert all(c["floor"] == AUTO_FLOOR and c["passed"] == (c["value"] >= AUTO_FLOOR) for c in r["checks"])
     mem = r["memory"]
-    assert set(mem["stores"]) == {"mlx", "packed"} and mem["stores"]["packed"]["resident_total"] > 0
+    assert set(mem["stores"]) == {"mlx", "packed", "nested"} and mem["stores"]["packed"]["resident_total"] > 0
     assert mem["weights_bytes"] == r["model"]["weight_bytes"] > 0 and mem["process_peak_rss_bytes"] > 0
     hw, sw, bw = (r["machine"][k] for k in ("hardware", "software", "bandwidth"))
     assert hw["cpu_count"] >= 1 and sw["mlx"] and bw["read_gb_s"] > 0
@@ -116,7 +125,33 @@ def test_flags_override_the_quick_settings():
     args = bench.build_parser().parse_args(["--quick", "--tokens", "8", "--ks", "1", "3", "--no-nested"])
     s = bench.settings_from(args)
     assert s.tokens == 8 and s.ks == (1, 3) and s.rounds == QUICK.rounds and not s.nested
+    assert s.budget_s == QUICK.budget_s
+    assert bench.settings_from(bench.build_parser().parse_args(["--budget", "30"])).budget_s == 30
+    assert bench.settings_from(bench.build_parser().parse_args(["--no-budget"])).budget_s is None
+    with pytest.raises(ValueError, match="--budget"):
+        bench.settings_from(bench.build_parser().parse_args(["--budget", "0"]))
     assert bench.settings_from(bench.build_parser().parse_args([])) == BenchSettings()
+
+
+def test_a_run_stops_at_its_share_of_the_budget(monkeypatch):
+    """A slow run stops once its share is spent (after MIN_RUN_TOKENS), a fast one decodes every token,
+    and the shares spread what is left of the budget over the runs left."""
+    now = [0.0]
+    monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: now[0])
+
+    def stream(seconds_per_token, n):
+        for i in range(n):
+            now[0] += seconds_per_token
+            yield i + 1
+
+    assert bench_mod._until(stream(1.0, 40), cap=5.0) == bench_mod.MIN_RUN_TOKENS  # 8 s > 5 s, but 8 tokens
+    assert bench_mod._until(stream(0.1, 400), cap=5.0) == 51  # past 5 s after 51 tokens
+    assert bench_mod._until(stream(0.1, 30), cap=5.0) == 30 and bench_mod._until(stream(9.0, 30), None) == 30
+    now[0] = 100.0
+    clock = bench_mod.Clock(100.0, 120.0, runs=10)
+    assert clock.cap() == pytest.approx(12.0)
+    now[0] = 210.0  # 10 s left for 9 runs: each gets the floor
+    assert clock.cap() == bench_mod.MIN_RUN_SECONDS and bench_mod.Clock(0.0, None, 3).cap() is None
 
 
 def test_a_random_weight_shape_runs_without_a_tokenizer(tmp_path, capsys):

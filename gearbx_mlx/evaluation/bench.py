@@ -54,6 +54,7 @@ from ..policies import StaticPolicy
 from ..precision import default_kernel, nbytes
 from ..sources.models import resolve_model
 from ..speculative.calibration import (
+    CALIBRATION_TOKENS,
     DraftStats,
     best_replay,
     calibrate_draft_stop,
@@ -80,6 +81,10 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 }
 #: The automatic decision must decode at least this share of plain decoding's speed, in the same run.
 AUTO_FLOOR = 0.95
+#: A run that hits its share of the time budget stops once it has decoded this many tokens.
+MIN_RUN_TOKENS = 8
+#: The least time a run is given, however little of the budget is left.
+MIN_RUN_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -87,15 +92,20 @@ class BenchSettings:
     """What a bench run measures (defaults: the full run; :data:`QUICK` for CI).
 
     Attributes:
-        tokens: decode tokens per run.
+        tokens: decode tokens per run (at most: see ``budget_s``).
         rounds: passes over every configuration; each row's speed is the median.
-        kernels: the quantized kernels of the gear rows (``mlx``, ``packed``).
+        kernels: the quantized kernels of the separate store's gear rows (``mlx``, ``packed``).
         scope: the layers the gears manage.
         draft_gear: the speculative drafter's gear.
         ks: the fixed block lengths run.
         max_draft: the block cap the automatic decision models lengths up to.
-        nested: also run the dynamic policy on the nested store.
+        nested: also run the gears and the dynamic policy on the nested store.
         calibrate: run the draft-stop calibration (for the calibrated decision).
+        budget_s: the whole bench's time (setup included): each timed run
+            stops after ``tokens`` or its share of what is left, whichever
+            comes first (but not before :data:`MIN_RUN_TOKENS` tokens, nor
+            :data:`MIN_RUN_SECONDS`), so a slow or busy machine decodes fewer
+            tokens per run rather than running past it. None: no limit.
         prompt: the prompt (chat-templated for a real model).
     """
 
@@ -108,6 +118,7 @@ class BenchSettings:
     max_draft: int = 6
     nested: bool = True
     calibrate: bool = True
+    budget_s: Optional[float] = 270.0
     prompt: str = PROMPT
 
     def __post_init__(self) -> None:
@@ -117,10 +128,12 @@ class BenchSettings:
             raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"--ks must be block lengths >= 1, got {self.ks}")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise ValueError(f"--budget must be seconds > 0, got {self.budget_s}")
 
 
-#: The CI setting: a few seconds of decoding per row, one round, no calibration or nested store.
-QUICK = BenchSettings(tokens=16, rounds=1, ks=(4,), max_draft=4, nested=False, calibrate=False)
+#: The CI setting: a few seconds of decoding per row, one round, no calibration.
+QUICK = BenchSettings(tokens=16, rounds=1, ks=(4,), max_draft=4, calibrate=False, budget_s=120.0)
 
 
 class IdTokenizer:
@@ -208,34 +221,40 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def run_plain(subject: Subject, forced: Sequence[int]) -> Dict[str, Any]:
-    """``mlx_lm.stream_generate`` on the loaded model: no gearbox at all."""
-    last = None
-    for resp in mlx_stream_generate(subject.model, subject.tokenizer, mx.array(subject.prompt_ids),
-                                    sampler=forcing_sampler(forced), max_tokens=len(forced)):
+def _until(stream: Iterator[Any], cap: Optional[float]) -> Any:
+    """The last response of ``stream``, which stops early once ``cap`` seconds have
+    passed and :data:`MIN_RUN_TOKENS` tokens are out (tokens/s is then over those)."""
+    tic, last = time.perf_counter(), None
+    for i, resp in enumerate(stream, 1):
         last = resp
+        if cap is not None and i >= MIN_RUN_TOKENS and time.perf_counter() - tic > cap:
+            break
+    return last
+
+
+def run_plain(subject: Subject, forced: Sequence[int], cap: Optional[float] = None) -> Dict[str, Any]:
+    """``mlx_lm.stream_generate`` on the loaded model: no gearbox at all."""
+    last = _until(mlx_stream_generate(subject.model, subject.tokenizer, mx.array(subject.prompt_ids),
+                                      sampler=forcing_sampler(forced), max_tokens=len(forced)), cap)
     return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens}
 
 
-def run_routed(subject: Subject, gearbox: Gearbox, policy: Any, forced: Sequence[int]) -> Dict[str, Any]:
+def run_routed(subject: Subject, gearbox: Gearbox, policy: Any, forced: Sequence[int],
+               cap: Optional[float] = None) -> Dict[str, Any]:
     """The gearbox's own decode loop (``gearbx_mlx.stream_generate``) with ``policy``."""
-    last = None
     with quiet():
-        for resp in stream_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox, policy=policy,
-                                    sampler=forcing_sampler(forced), max_tokens=len(forced), prompt_text=""):
-            last = resp
+        last = _until(stream_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox, policy=policy,
+                                      sampler=forcing_sampler(forced), max_tokens=len(forced), prompt_text=""), cap)
     s = last.session
     return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens,
             "gears": s.gear_counts(), "shifts": sum(1 for r in s.records if r.shifted)}
 
 
 def run_speculative(subject: Subject, gearbox: Gearbox, draft: Any, config: SpeculativeConfig, n: int,
-                    plan: Any = None) -> Dict[str, Any]:
+                    plan: Any = None, cap: Optional[float] = None) -> Dict[str, Any]:
     """``stream_speculative_generate`` (greedy: it emits the high gear's own tokens)."""
-    last = None
-    for resp in stream_speculative_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox,
-                                            config=config, draft=draft, plan=plan, max_tokens=n):
-        last = resp
+    last = _until(stream_speculative_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox,
+                                              config=config, draft=draft, plan=plan, max_tokens=n), cap)
     s = last.stats.summary()
     return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens,
             **{k: s[k] for k in ("blocks", "drafted", "accepted", "acceptance_rate", "tokens_per_block",
@@ -247,13 +266,29 @@ def run_speculative(subject: Subject, gearbox: Gearbox, draft: Any, config: Spec
 
 @dataclass
 class Row:
-    """One configuration: how to run it once, and what it is."""
+    """One configuration: how to run it once (``run(cap)``), and what it is."""
 
     section: str
     label: str
-    run: Callable[[], Dict[str, Any]]
+    run: Callable[[Optional[float]], Dict[str, Any]]
     meta: Dict[str, Any]
     runs: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    paired: List[float] = dataclasses.field(default_factory=list)  # each run over its neighbouring plain runs
+
+
+class Clock:
+    """Each run's share of the time left: ``(deadline - now) / runs left``, at least :data:`MIN_RUN_SECONDS`."""
+
+    def __init__(self, start: float, budget_s: Optional[float], runs: int) -> None:
+        self.deadline = None if budget_s is None else start + budget_s
+        self.left = runs
+
+    def cap(self) -> Optional[float]:
+        if self.deadline is None:
+            return None
+        share = (self.deadline - time.perf_counter()) / max(self.left, 1)
+        self.left -= 1
+        return max(MIN_RUN_SECONDS, share)
 
 
 def _continuation_stats(subject: Subject, draft: Any, forced: Sequence[int]) -> DraftStats:
@@ -264,9 +299,58 @@ def _continuation_stats(subject: Subject, draft: Any, forced: Sequence[int]) -> 
     return DraftStats(*[getattr(full, f)[keep] for f in ("draft_entropy", "high_entropy", "agree", "accept_prob")])
 
 
+def _gear_rows(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
+               say: Callable[[str], None]) -> Tuple[Dict[str, Gearbox], Dict[str, Any], List[Row]]:
+    """The gearboxes (one per kernel on the separate store, and the nested store) and their rows."""
+    boxes: Dict[str, Gearbox] = {}
+    prep: Dict[str, Any] = {}
+    say("building the gears (quantizing once per kernel) ...")
+    for k in settings.kernels:
+        gb = Gearbox(subject.model, GearboxConfig(kernel=k, scope=settings.scope, store="separate",
+                                                  initial_gear="high"), vocab)
+        with quiet():
+            prep[k] = {g: gb.prepare(g) for g in ("low", "mid")}
+        boxes[k] = gb
+    if settings.nested:
+        say("building the nested store's planes (or reading them from the model's folder) ...")
+        t0 = time.perf_counter()
+        with quiet():
+            boxes["nested"] = Gearbox(subject.model, GearboxConfig(kernel="packed", scope=settings.scope,
+                                                                   store="nested", initial_gear="high"),
+                                      vocab, planes_dir=subject.folder)
+        prep["nested"] = {"planes": time.perf_counter() - t0, "origin": boxes["nested"].manager.planes_origin}
+
+    def routed(gb: Gearbox, policy: Any) -> Callable[[Optional[float]], Dict[str, Any]]:
+        return lambda cap: run_routed(subject, gb, policy, forced, cap)
+
+    first = boxes[settings.kernels[0]]
+    rows = [Row("static", "high (gearbox)", routed(first, StaticPolicy("high")), {"gear": "high", "policy": "static"})]
+    stores = [(k, k, "separate") for k in settings.kernels] + ([("nested", "packed", "nested")] if settings.nested
+                                                               else [])
+    for box, kernel, store in stores:
+        name = "nested store" if store == "nested" else kernel
+        for g in ("mid", "low"):
+            rows.append(Row("static", f"{g}, {name}", routed(boxes[box], StaticPolicy(g)),
+                            {"gear": g, "kernel": kernel, "policy": "static", "store": store}))
+    for box, kernel, store in stores:
+        label = "dynamic, packed, nested store" if store == "nested" else f"dynamic, {kernel}"
+        rows.append(Row("dynamic", label, routed(boxes[box], None),
+                        {"policy": "entropy", "kernel": kernel, "store": store}))
+    return boxes, prep, rows
+
+
 def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
               progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
-    """Measure everything of the module doc on ``subject``; the JSON-ready result."""
+    """Measure everything of the module doc on ``subject``; the JSON-ready result.
+
+    The timed runs come in two phases. The table's rounds: every row once
+    per round, plain decoding at the start and the end of each. Then the
+    decision's pairs: plain decoding and the automatic rows alternate,
+    ``rounds + 1`` times, with plain decoding last; each automatic run is
+    divided by the mean of the plain runs right before and after its group,
+    and the median of these ratios is its ``x_plain`` (the drift of a shared
+    machine between neighbours is small next to its drift over a round).
+    """
     say = progress or (lambda _: None)
     tic = time.perf_counter()
     model, n = subject.model, settings.tokens
@@ -278,51 +362,43 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
     info = {"name": subject.name, "source": subject.source, "dtype": subject.dtype, "vocab_size": vocab,
             "weight_bytes": nbytes(model), "prompt_tokens": len(subject.prompt_ids)}
 
-    say("building the gears (quantizing once per kernel) ...")
-    boxes: Dict[str, Gearbox] = {}
-    prep: Dict[str, Dict[str, float]] = {}
-    for k in settings.kernels:
-        gb = Gearbox(model, GearboxConfig(kernel=k, scope=settings.scope, initial_gear="high"), vocab)
-        with quiet():
-            prep[k] = {g: gb.prepare(g) for g in ("low", "mid")}
-        boxes[k] = gb
-    if settings.nested:
-        say("building the nested store's planes ...")
-        t0 = time.perf_counter()
-        boxes["nested"] = Gearbox(model, GearboxConfig(kernel="packed", scope=settings.scope, store="nested",
-                                                       initial_gear="high"), vocab, planes_dir=subject.folder)
-        prep["nested"] = {"planes": time.perf_counter() - t0, "origin": boxes["nested"].manager.planes_origin}
-
-    rows: List[Row] = [Row("plain", "plain decoding (mlx-lm)", lambda: run_plain(subject, forced), {"policy": "plain"})]
-    first = boxes[settings.kernels[0]]
-    rows.append(Row("static", "high (gearbox)", lambda: run_routed(subject, first, StaticPolicy("high"), forced),
-                    {"gear": "high", "policy": "static"}))
-    for k in settings.kernels:
-        for g in ("mid", "low"):
-            rows.append(Row("static", f"{g}, {k}", lambda g=g, k=k: run_routed(subject, boxes[k], StaticPolicy(g),
-                                                                                forced),
-                            {"gear": g, "kernel": k, "policy": "static", "store": "separate"}))
-    for k in list(settings.kernels) + (["nested"] if settings.nested else []):
-        label = "dynamic, packed, nested store" if k == "nested" else f"dynamic, {k}"
-        rows.append(Row("dynamic", label, lambda k=k: run_routed(subject, boxes[k], None, forced),
-                        {"policy": "entropy", "kernel": "packed" if k == "nested" else k,
-                         "store": "nested" if k == "nested" else "separate"}))
-
-    spec, spec_rows, draft = _speculative(subject, settings, forced, vocab, boxes, say)
-    rows += spec_rows
-    plain_row = rows[0]
+    boxes, prep, gear_rows = _gear_rows(subject, settings, forced, vocab, say)
+    plain_row = Row("plain", "plain decoding (mlx-lm)", lambda cap: run_plain(subject, forced, cap),
+                    {"policy": "plain"})
+    spec, spec_rows, auto_rows, draft = _speculative(subject, settings, forced, vocab, boxes, say)
+    rows = [plain_row] + gear_rows + spec_rows
     order = rows + [plain_row]  # plain decoding brackets each round
-    total = settings.rounds * len(order)
+    pairs = settings.rounds + 1
+    total = settings.rounds * len(order) + pairs * len(auto_rows) + (pairs + 1 if auto_rows else 0)
+    clock = Clock(tic, settings.budget_s, total)
     done = 0
     for r in range(settings.rounds):
         for row in order:
             done += 1
             say(f"[{done}/{total}] round {r + 1}: {row.label} ...")
-            row.runs.append(row.run())
+            row.runs.append(row.run(clock.cap()))
+    if auto_rows:
+        say("the automatic decision against plain decoding, run by run ...")
+        before = None
+        for i in range(pairs + 1):
+            done += 1
+            say(f"[{done}/{total}] pair {min(i + 1, pairs)}: {plain_row.label} ...")
+            plain_row.runs.append(plain_row.run(clock.cap()))
+            after = plain_row.runs[-1]["tokens_per_s"]
+            if before is not None:
+                for row in auto_rows:
+                    row.paired.append(row.runs[-1]["tokens_per_s"] / (0.5 * (before + after)))
+            before = after
+            if i == pairs:
+                break
+            for row in auto_rows:
+                done += 1
+                say(f"[{done}/{total}] pair {i + 1}: {row.label} ...")
+                row.runs.append(row.run(clock.cap()))
     plain = statistics.median(x["tokens_per_s"] for x in plain_row.runs)
-    out_rows = [_summarize(row, plain) for row in rows]
+    out_rows = [_summarize(row, plain) for row in rows + auto_rows]
     checks = [{"name": f"{row['label']} >= {AUTO_FLOOR:.2f}x plain decoding", "value": row["x_plain"],
-               "floor": AUTO_FLOOR, "passed": row["x_plain"] >= AUTO_FLOOR}
+               "floor": AUTO_FLOOR, "passed": row["x_plain"] >= AUTO_FLOOR, "pairs": row["paired_x_plain"]}
               for row in out_rows if row.get("policy") == "speculative-auto"]
     return {
         "format_version": FORMAT_VERSION,
@@ -346,14 +422,21 @@ def _summarize(row: Row, plain: float) -> Dict[str, Any]:
     tps = [x["tokens_per_s"] for x in row.runs]
     med = statistics.median(tps)
     last = row.runs[-1]
-    extra = {k: v for k, v in last.items() if k not in ("tokens_per_s",)}
-    return {"section": row.section, "label": row.label, **row.meta, "tokens_per_s": med,
-            "x_plain": med / plain if plain else None, "runs_tokens_per_s": tps, **extra}
+    extra = {k: v for k, v in last.items() if k not in ("tokens_per_s", "decode_tokens")}
+    out = {"section": row.section, "label": row.label, **row.meta, "tokens_per_s": med,
+           "x_plain": (statistics.median(row.paired) if row.paired else med / plain) if plain else None,
+           "runs_tokens_per_s": tps, "decode_tokens": min(x["decode_tokens"] for x in row.runs),
+           "runs_decode_tokens": [x["decode_tokens"] for x in row.runs], **extra}
+    if row.paired:
+        out["paired_x_plain"] = list(row.paired)
+    return out
 
 
 def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
-                 boxes: Dict[str, Gearbox], say: Callable[[str], None]) -> Tuple[Dict[str, Any], List[Row], Any]:
-    """The drafter's measured costs and acceptance, the plans, and the speculative rows.
+                 boxes: Dict[str, Gearbox], say: Callable[[str], None]
+                 ) -> Tuple[Dict[str, Any], List[Row], List[Row], Any]:
+    """The drafter's measured costs and acceptance, the plans, the speculative rows
+    (fixed and gated blocks) and the automatic decision's rows.
 
     The drafter is the one ``--speculative`` builds: every layer in the draft
     gear, with this machine's default kernel (sharing that gearbox's gear when
@@ -375,7 +458,8 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
     cal: Optional[Dict[str, Any]] = None
     if settings.calibrate and subject.source == "model":
         say("calibrating the draft stop on the calibration prompts ...")
-        cal = calibrate_draft_stop(model, draft, subject.tokenizer, "replay", cost=(c, v))
+        cal = calibrate_draft_stop(model, draft, subject.tokenizer, "replay", cost=(c, v),
+                                   max_tokens=min(CALIBRATION_TOKENS, settings.tokens))
     elif settings.calibrate:  # random weights: no text to calibrate on; the continuation stands in
         cal = {**cont.summary(), "n_samples": cont.n, **best_replay(cont, c, v),
                "gating": {"greedy": gating_table(cont, True), "sampled": gating_table(cont, False)}}
@@ -390,22 +474,23 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
     for k in settings.ks:
         cfg = dataclasses.replace(base, max_draft=k)
         rows.append(Row("speculative", f"speculative, fixed k={k}",
-                        lambda cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced)),
+                        lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
                         {"policy": "speculative-fixed", "k": k,
                          "modeled_x_high": modeled_speedup(alpha, k, c, v[min(k, len(v) - 1)])}))
     if gated is not None:
         cfg = dataclasses.replace(base, max_draft=int(gated["k"]), draft_entropy_stop=float(gated["stop_bits"]))
         rows.append(Row("speculative", f"speculative, gated k<={gated['k']} stop {gated['stop_bits']:.2f} bits",
-                        lambda cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced)),
+                        lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
                         {"policy": "speculative-gated", "k": int(gated["k"]), "stop_bits": gated["stop_bits"],
                          "modeled_x_high": gated["speedup"]}))
+    auto: List[Row] = []
     for name, plan in (("auto", plan_prompt), ("auto, calibrated", plan_cal)):
         if plan is None:
             continue
         cfg = dataclasses.replace(base, max_draft=settings.max_draft)
-        rows.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
+        auto.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
             f" k={plan.best_k}" if plan.speculate else ""),
-            lambda cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, len(forced), plan=plan),
+            lambda cap, cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, len(forced), plan=plan, cap=cap),
             {"policy": "speculative-auto", "choice": plan.choice, "k": plan.best_k if plan.speculate else None,
              "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
     spec = {
@@ -418,7 +503,7 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
         "plans": {"prompt": plan_prompt.to_dict(), "calibrated": plan_cal.to_dict() if plan_cal else None},
         "calibration": cal,
     }
-    return spec, rows, draft
+    return spec, rows, auto, draft
 
 
 def _memory(subject: Subject, boxes: Dict[str, Gearbox], draft: Any) -> Dict[str, Any]:

@@ -84,8 +84,14 @@ def _table(head: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[i
     return [line(head).rstrip(), "  ".join("-" * w for w in widths)] + [line(b).rstrip() for b in body]
 
 
-def _notes(row: Dict[str, Any]) -> str:
+def _notes(row: Dict[str, Any], tokens: Optional[int] = None) -> str:
     parts = []
+    runs = row.get("runs_decode_tokens") or []
+    if tokens and runs and min(runs) < tokens:  # the time budget cut some runs short
+        parts.append(f"{min(runs)}-{max(runs)} tokens")
+    if row.get("paired_x_plain"):
+        parts.append("x plain: median of " + "/".join(f"{x:.2f}" for x in row["paired_x_plain"])
+                     + " against the plain runs beside each")
     if row.get("gears"):
         parts.append("gears " + "/".join(f"{g} {n}" for g, n in row["gears"].items() if n))
     if row.get("acceptance_rate") is not None:
@@ -100,9 +106,12 @@ def format_result(result: Dict[str, Any]) -> str:
     m = result["model"]
     lines = [f"Machine: {machine_line(result)}",
              f"Model: {m['name']} ({m.get('dtype')}, {_mib(m.get('weight_bytes'))} of weights, vocab "
-             f"{m.get('vocab_size')}); {result['settings']['tokens']} decode tokens per run, "
-             f"{result['settings']['rounds']} round(s), scope {result['settings']['scope']}", ""]
-    body = [(r["section"], r["label"], f"{r['tokens_per_s']:.1f}", f"{r['x_plain']:.2f}", _notes(r))
+             f"{m.get('vocab_size')}); up to {result['settings']['tokens']} decode tokens per run, "
+             f"{result['settings']['rounds']} round(s), scope {result['settings']['scope']}"
+             + (f", {result['settings']['budget_s']:.0f} s budget" if result["settings"].get("budget_s") else ""),
+             ""]
+    tokens = result["settings"]["tokens"]
+    body = [(r["section"], r["label"], f"{r['tokens_per_s']:.1f}", f"{r['x_plain']:.2f}", _notes(r, tokens))
             for r in result["rows"]]
     lines += _table(("section", "configuration", "tok/s", "x plain", "notes"), body, right=(2, 3))
     sp = result["speculative"]
