@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the default model's conversion, or of a --shape's weights (default bfloat16)")
     p.add_argument("--quick", action="store_true",
-                   help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, no calibration, "
+                   help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, one fixed block length, "
                         f"{QUICK.budget_s:.0f} s at most")
     p.add_argument("--tokens", type=int, help=f"decode tokens per run (default {d.tokens})")
     p.add_argument("--rounds", type=int, help=f"passes over every configuration (default {d.rounds})")
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its share of the time left, so a slow machine decodes fewer tokens per run")
     p.add_argument("--no-budget", action="store_true", help="no time limit: every run decodes --tokens")
     p.add_argument("--no-nested", action="store_true", help="skip the nested store")
-    p.add_argument("--no-calibrate", action="store_true", help="skip the draft-stop calibration")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated decision's row")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.json",
                    help=f"where the JSON goes (default {DEFAULT_OUT})")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results side by side and exit")

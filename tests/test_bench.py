@@ -54,7 +54,8 @@ def test_quick_run_covers_every_section(quick_result):
     stores = {row["label"]: row.get("store") for row in r["rows"]}
     assert stores["mid, packed"] == "separate" and stores["low, nested store"] == "nested"
     auto = [row for row in r["rows"] if row.get("policy") == "speculative-auto"]
-    assert auto and all(row["label"].startswith("speculative auto: ") for row in auto)
+    assert [row["label"].split(":")[0] for row in auto] == ["speculative auto", "speculative auto, calibrated"]
+    assert r["speculative"]["calibration"]["source"] == "continuation"
     pairs = QUICK.rounds + 1
     for row in r["rows"]:
         # plain decoding: at the start and the end of each round, then around each of the decision's pairs

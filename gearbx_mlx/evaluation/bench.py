@@ -7,13 +7,14 @@
 * plain decoding: ``mlx_lm.stream_generate`` on the loaded model, the
   yardstick every row is divided by (``x_plain``);
 * each static gear through the gearbox, with MLX's quantized layers and with
-  the packed kernels; the dynamic (entropy) policy with each, and with the
-  nested store;
+  the packed kernels, and on the nested store (the default for float
+  weights); the dynamic (entropy) policy on each;
 * speculative decoding: the draft step ``c``, the verify of ``k + 1`` tokens
   ``v(k)`` and the acceptance α measured here; fixed block lengths, gated
   blocks (the best stop of the closed form), and the automatic decision
   (:func:`~gearbx_mlx.speculative.plan.plan_speculative`), from the prompt
-  alone and from a draft-stop calibration;
+  alone and calibrated (the statistics ``--calibrate`` saves, read off the
+  high gear's continuation that every row decodes);
 * resident memory of every store and of the drafter, and the process peak.
 
 Every row decodes the same continuation of the same prompt (routed rows are
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import resource
 import statistics
 import sys
@@ -54,17 +56,15 @@ from ..policies import StaticPolicy
 from ..precision import default_kernel, nbytes
 from ..sources.models import resolve_model
 from ..speculative.calibration import (
-    CALIBRATION_TOKENS,
     DraftStats,
     best_replay,
-    calibrate_draft_stop,
     draft_stats,
     gating_table,
     modeled_speedup,
 )
 from ..speculative.decode import SpeculativeConfig, get_draft, stream_speculative_generate
 from ..speculative.plan import CHOOSE, measure_start, plan_speculative
-from .machine import bandwidth, hardware, software
+from .machine import bandwidth, hardware, load_average, software
 from .speed import forcing_sampler
 
 #: Version of the JSON layout (docs/BENCHMARKS.md, "The bench JSON").
@@ -83,6 +83,8 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 AUTO_FLOOR = 0.95
 #: A run that hits its share of the time budget stops once it has decoded this many tokens.
 MIN_RUN_TOKENS = 8
+#: The share of the budget the high gear's continuation (the tokens every row decodes) may take.
+CONTINUATION_SHARE = 0.08
 #: The least time a run is given, however little of the budget is left.
 MIN_RUN_SECONDS = 2.0
 
@@ -100,7 +102,7 @@ class BenchSettings:
         ks: the fixed block lengths run.
         max_draft: the block cap the automatic decision models lengths up to.
         nested: also run the gears and the dynamic policy on the nested store.
-        calibrate: run the draft-stop calibration (for the calibrated decision).
+        calibrate: also run the calibrated decision (its statistics from the continuation).
         budget_s: the whole bench's time (setup included): each timed run
             stops after ``tokens`` or its share of what is left, whichever
             comes first (but not before :data:`MIN_RUN_TOKENS` tokens, nor
@@ -132,8 +134,8 @@ class BenchSettings:
             raise ValueError(f"--budget must be seconds > 0, got {self.budget_s}")
 
 
-#: The CI setting: a few seconds of decoding per row, one round, no calibration.
-QUICK = BenchSettings(tokens=16, rounds=1, ks=(4,), max_draft=4, calibrate=False, budget_s=120.0)
+#: The CI setting: a few seconds of decoding per row, one round.
+QUICK = BenchSettings(tokens=16, rounds=1, ks=(4,), max_draft=4, budget_s=120.0)
 
 
 class IdTokenizer:
@@ -207,10 +209,20 @@ def _dtype_of(model: nn.Module) -> Any:
 # -- the runs -----------------------------------------------------------------------------
 
 
-def continuation(subject: Subject, n: int) -> List[int]:
-    """The high gear's greedy continuation of the prompt, ``n`` tokens (the work every row does)."""
+def continuation(subject: Subject, n: int, cap: Optional[float] = None) -> List[int]:
+    """The high gear's greedy continuation of the prompt, ``n`` tokens (the work every row does),
+    fewer where ``cap`` seconds run out first (but at least :data:`MIN_RUN_TOKENS`)."""
     steps = generate_step(mx.array(subject.prompt_ids), subject.model, max_tokens=n)
-    return [int(tok) for (tok, _), _i in zip(steps, range(n))]
+    return [int(tok) for tok, _ in itertools.islice(_steps_until(steps, cap), n)]
+
+
+def _steps_until(stream: Iterator[Any], cap: Optional[float]) -> Iterator[Any]:
+    """``stream``, ending once ``cap`` seconds have passed and :data:`MIN_RUN_TOKENS` items are out."""
+    tic = time.perf_counter()
+    for i, item in enumerate(stream, 1):
+        yield item
+        if cap is not None and i >= MIN_RUN_TOKENS and time.perf_counter() - tic > cap:
+            return
 
 
 @contextlib.contextmanager
@@ -224,11 +236,9 @@ def quiet() -> Iterator[None]:
 def _until(stream: Iterator[Any], cap: Optional[float]) -> Any:
     """The last response of ``stream``, which stops early once ``cap`` seconds have
     passed and :data:`MIN_RUN_TOKENS` tokens are out (tokens/s is then over those)."""
-    tic, last = time.perf_counter(), None
-    for i, resp in enumerate(stream, 1):
-        last = resp
-        if cap is not None and i >= MIN_RUN_TOKENS and time.perf_counter() - tic > cap:
-            break
+    last = None
+    for last in _steps_until(stream, cap):  # noqa: B007  (the last response is the run's)
+        pass
     return last
 
 
@@ -355,9 +365,11 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
     tic = time.perf_counter()
     model, n = subject.model, settings.tokens
     say("machine: hardware, versions, memory bandwidth ...")
-    machine = {"hardware": hardware(), "software": software(), "bandwidth": bandwidth()}
+    machine = {"hardware": hardware(), "software": software(), "bandwidth": bandwidth(),
+               "load_average": {"start": load_average()}}
     say(f"the high gear's continuation ({n} tokens) ...")
-    forced = continuation(subject, n)
+    # Every row decodes these tokens: on a slow machine, fewer (a share of the budget, as a run's).
+    forced = continuation(subject, n, None if settings.budget_s is None else CONTINUATION_SHARE * settings.budget_s)
     vocab = vocab_size_of(model)
     info = {"name": subject.name, "source": subject.source, "dtype": subject.dtype, "vocab_size": vocab,
             "weight_bytes": nbytes(model), "prompt_tokens": len(subject.prompt_ids)}
@@ -397,6 +409,7 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
                 row.runs.append(row.run(clock.cap()))
     plain = statistics.median(x["tokens_per_s"] for x in plain_row.runs)
     out_rows = [_summarize(row, plain) for row in rows + auto_rows]
+    machine["load_average"]["end"] = load_average()
     checks = [{"name": f"{row['label']} >= {AUTO_FLOOR:.2f}x plain decoding", "value": row["x_plain"],
                "floor": AUTO_FLOOR, "passed": row["x_plain"] >= AUTO_FLOOR, "pairs": row["paired_x_plain"]}
               for row in out_rows if row.get("policy") == "speculative-auto"]
@@ -456,12 +469,12 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
     c = measured.seconds["draft"] / measured.seconds["high"]
     v = [1.0] + [t / measured.seconds["high"] for t in measured.seconds["verify"]]
     cal: Optional[Dict[str, Any]] = None
-    if settings.calibrate and subject.source == "model":
-        say("calibrating the draft stop on the calibration prompts ...")
-        cal = calibrate_draft_stop(model, draft, subject.tokenizer, "replay", cost=(c, v),
-                                   max_tokens=min(CALIBRATION_TOKENS, settings.tokens))
-    elif settings.calibrate:  # random weights: no text to calibrate on; the continuation stands in
-        cal = {**cont.summary(), "n_samples": cont.n, **best_replay(cont, c, v),
+    if settings.calibrate:
+        # What --calibrate measures on its prompts' continuations (alpha, the
+        # gating table, the best replayed stop), read off the continuation the
+        # rows decode: no extra decoding, which on a slow machine would take
+        # the runs' time (and random weights have no text to calibrate on).
+        cal = {**cont.summary(), "n_samples": cont.n, **best_replay(cont, c, v), "source": "continuation",
                "gating": {"greedy": gating_table(cont, True), "sampled": gating_table(cont, False)}}
     plan_prompt = plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured)
     plan_cal = (plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured,

@@ -104,7 +104,10 @@ def _notes(row: Dict[str, Any], tokens: Optional[int] = None) -> str:
 def format_result(result: Dict[str, Any]) -> str:
     """One bench run as text: the machine, the rows, the speculative costs, memory, checks."""
     m = result["model"]
-    lines = [f"Machine: {machine_line(result)}",
+    load = result["machine"].get("load_average") or {}
+    busy = (f" (load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end)"
+            if load.get("start") and load.get("end") else "")
+    lines = [f"Machine: {machine_line(result)}{busy}",
              f"Model: {m['name']} ({m.get('dtype')}, {_mib(m.get('weight_bytes'))} of weights, vocab "
              f"{m.get('vocab_size')}); up to {result['settings']['tokens']} decode tokens per run, "
              f"{result['settings']['rounds']} round(s), scope {result['settings']['scope']}"

@@ -81,6 +81,15 @@ def hardware() -> Dict[str, Any]:
     return out
 
 
+def load_average() -> Optional[List[float]]:
+    """The OS's 1, 5 and 15 minute load averages (None where it has none): a busy
+    machine's speeds are not its own, and a result should say so."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _version(dist: str) -> Optional[str]:
     try:
         return metadata.version(dist)
@@ -165,4 +174,4 @@ def describe(hw: Dict[str, Any], sw: Dict[str, Any]) -> List[str]:
     return lines
 
 
-__all__ = ["BANDWIDTH_MIB", "bandwidth", "describe", "hardware", "software"]
+__all__ = ["BANDWIDTH_MIB", "bandwidth", "describe", "hardware", "load_average", "software"]
