@@ -79,6 +79,7 @@ def test_quick_run_covers_every_section(quick_result):
     hw, sw, bw = (r["machine"][k] for k in ("hardware", "software", "bandwidth"))
     assert hw["cpu_count"] >= 1 and sw["mlx"] and bw["read_gb_s"] > 0
     assert r["settings"]["tokens"] == QUICK.tokens and r["command"].startswith("python -m gearbx_mlx.bench")
+    assert r["rounds_run"] == QUICK.rounds
 
 
 def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path):
@@ -153,6 +154,17 @@ def test_a_run_stops_at_its_share_of_the_budget(monkeypatch):
     assert clock.cap() == pytest.approx(12.0)
     now[0] = 210.0  # 10 s left for 9 runs: each gets the floor
     assert clock.cap() == bench_mod.MIN_RUN_SECONDS and bench_mod.Clock(0.0, None, 3).cap() is None
+
+
+def test_a_spent_budget_skips_the_later_rounds_not_the_decision(tmp_path, capsys):
+    out = tmp_path / "short.json"
+    rc, _, err = run(["--shape", "tiny", "--quick", "--rounds", "3", "--budget", "0.5", "--kernels", "packed",
+                      "--no-nested", "--out", str(out)], capsys)
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["rounds_run"] == 1 and "no room for round 2 of 3" in err
+    auto = [row for row in r["rows"] if row.get("policy") == "speculative-auto"]
+    assert auto and all(len(row["paired_x_plain"]) == 4 for row in auto) and r["checks"]
+    assert all(len(row["runs_tokens_per_s"]) == 1 for row in r["rows"] if row["section"] in ("static", "dynamic"))
 
 
 def test_a_random_weight_shape_runs_without_a_tokenizer(tmp_path, capsys):

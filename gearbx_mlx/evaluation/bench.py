@@ -353,13 +353,14 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
               progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Measure everything of the module doc on ``subject``; the JSON-ready result.
 
-    The timed runs come in two phases. The table's rounds: every row once
-    per round, plain decoding at the start and the end of each. Then the
-    decision's pairs: plain decoding and the automatic rows alternate,
-    ``rounds + 1`` times, with plain decoding last; each automatic run is
-    divided by the mean of the plain runs right before and after its group,
-    and the median of these ratios is its ``x_plain`` (the drift of a shared
-    machine between neighbours is small next to its drift over a round).
+    The timed runs: the table's first round (every row once, plain decoding
+    at its start and end); the decision's pairs (plain decoding and the
+    automatic rows alternate ``rounds + 1`` times, plain decoding first and
+    last; each automatic run is divided by the mean of the plain runs right
+    before and after its group, and the median of these ratios is its
+    ``x_plain``: the drift of a shared machine between neighbours is small
+    next to its drift over a round); then the table's other rounds, each only
+    if the budget has room for another as long as the first (``rounds_run``).
     """
     say = progress or (lambda _: None)
     tic = time.perf_counter()
@@ -383,30 +384,28 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
     pairs = settings.rounds + 1
     total = settings.rounds * len(order) + pairs * len(auto_rows) + (pairs + 1 if auto_rows else 0)
     clock = Clock(tic, settings.budget_s, total)
-    done = 0
+    progress_count = [0]
+
+    def run(row: Row, what: str) -> Dict[str, Any]:
+        progress_count[0] += 1
+        say(f"[{progress_count[0]}/{total}] {what}: {row.label} ...")
+        return row.run(clock.cap())
+
+    rounds_run, round_seconds = 0, 0.0
     for r in range(settings.rounds):
+        # The first round, then the decision's pairs (the check needs them),
+        # then the other rounds while one more fits in the budget.
+        if r > 0 and clock.deadline is not None and time.perf_counter() + round_seconds > clock.deadline:
+            say(f"the time budget leaves no room for round {r + 1} of {settings.rounds}: "
+                f"rows keep {rounds_run} (--budget or --no-budget gives more)")
+            break
+        t0 = time.perf_counter()
         for row in order:
-            done += 1
-            say(f"[{done}/{total}] round {r + 1}: {row.label} ...")
-            row.runs.append(row.run(clock.cap()))
-    if auto_rows:
-        say("the automatic decision against plain decoding, run by run ...")
-        before = None
-        for i in range(pairs + 1):
-            done += 1
-            say(f"[{done}/{total}] pair {min(i + 1, pairs)}: {plain_row.label} ...")
-            plain_row.runs.append(plain_row.run(clock.cap()))
-            after = plain_row.runs[-1]["tokens_per_s"]
-            if before is not None:
-                for row in auto_rows:
-                    row.paired.append(row.runs[-1]["tokens_per_s"] / (0.5 * (before + after)))
-            before = after
-            if i == pairs:
-                break
-            for row in auto_rows:
-                done += 1
-                say(f"[{done}/{total}] pair {i + 1}: {row.label} ...")
-                row.runs.append(row.run(clock.cap()))
+            row.runs.append(run(row, f"round {r + 1}"))
+        round_seconds, rounds_run = time.perf_counter() - t0, rounds_run + 1
+        if r == 0 and auto_rows:
+            say("the automatic decision against plain decoding, run by run ...")
+            _pairs(plain_row, auto_rows, pairs, run)
     plain = statistics.median(x["tokens_per_s"] for x in plain_row.runs)
     out_rows = [_summarize(row, plain) for row in rows + auto_rows]
     machine["load_average"]["end"] = load_average()
@@ -421,6 +420,7 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
         "machine": machine,
         "model": info,
         "plain_tokens_per_s": plain,
+        "rounds_run": rounds_run,
         "rows": out_rows,
         "speculative": spec,
         "memory": _memory(subject, boxes, draft),
@@ -429,6 +429,24 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
         "checks": checks,
         "seconds": time.perf_counter() - tic,
     }
+
+
+def _pairs(plain_row: Row, auto_rows: Sequence[Row], pairs: int,
+           run: Callable[[Row, str], Dict[str, Any]]) -> None:
+    """Plain decoding and the automatic rows in turn, ``pairs`` times, plain decoding first and last;
+    each automatic run over the mean of the plain runs right before and after its group."""
+    before = None
+    for i in range(pairs + 1):
+        plain_row.runs.append(run(plain_row, f"pair {min(i + 1, pairs)}"))
+        after = plain_row.runs[-1]["tokens_per_s"]
+        if before is not None:
+            for row in auto_rows:
+                row.paired.append(row.runs[-1]["tokens_per_s"] / (0.5 * (before + after)))
+        before = after
+        if i == pairs:
+            break
+        for row in auto_rows:
+            row.runs.append(run(row, f"pair {i + 1}"))
 
 
 def _summarize(row: Row, plain: float) -> Dict[str, Any]:
