@@ -67,6 +67,7 @@ def test_quick_run_covers_every_section(quick_result):
         assert row["x_plain"] == pytest.approx(statistics.median(row["paired_x_plain"]))
     static = {row["label"]: row for row in r["rows"] if row["section"] == "static"}
     assert static["low, packed"]["gears"]["low"] >= QUICK.tokens and static["mid, mlx"]["gears"]["mid"] >= QUICK.tokens
+    assert static["mid, nested store"]["gears"]["high"] == 1  # the prompt's pass in the high gear, then mid
     sp = r["speculative"]
     assert sp["costs"]["c"] > 0 and len(sp["costs"]["v"]) == QUICK.max_draft + 1 and sp["costs"]["v"][0] == 1.0
     assert len(sp["costs"]["verify_ms"]) == QUICK.max_draft and 0 <= sp["alpha"]["continuation"] <= 1
