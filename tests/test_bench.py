@@ -91,6 +91,9 @@ def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path
     for row in other["rows"]:
         row["tokens_per_s"] *= 2  # a machine twice as fast
     other["rows"].append({**other["rows"][1], "label": "only in B"})
+    for row in other["rows"]:  # B decided otherwise: its automatic rows still face A's
+        if row.get("policy") == "speculative-auto":
+            row["label"] = row["key"] + ": gated k=3"
     b = tmp_path / "b.json"
     b.write_text(json.dumps(other))
     rc, out, _ = run(["--compare", str(path), str(b)], capsys)
@@ -98,6 +101,10 @@ def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path
     lines = {line.split("  ")[0].strip(): line for line in out.splitlines()}
     assert lines["plain decoding (mlx-lm)"].split()[-1] == "2.00"
     assert "only in B" in out and "a tok/s" in out and "b/a" in out
+    auto = [row for row in r["rows"] if row.get("policy") == "speculative-auto"]
+    for row in auto:
+        line = next(line for line in out.splitlines() if line.startswith(row["key"] + " ("))
+        assert "/ gated k=3)" in line and line.split()[-1] == "2.00"
 
 
 @pytest.mark.parametrize("content, message", [

@@ -366,7 +366,7 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
     if the budget has room for another as long as the first (``rounds_run``).
     """
     say = progress or (lambda _: None)
-    tic = time.perf_counter()
+    tic, created = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     model, n = subject.model, settings.tokens
     say("machine: hardware, versions, memory bandwidth ...")
     machine = {"hardware": hardware(), "software": software(), "bandwidth": bandwidth(),
@@ -418,7 +418,7 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
     return {
         "format_version": FORMAT_VERSION,
         "kind": "gearbx-bench",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created": created,
         "settings": dataclasses.asdict(settings),
         "machine": machine,
         "model": info,
@@ -515,7 +515,8 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
         cfg = dataclasses.replace(base, max_draft=int(gated["k"]), draft_entropy_stop=float(gated["stop_bits"]))
         rows.append(Row("speculative", f"speculative, gated k<={gated['k']} stop {gated['stop_bits']:.2f} bits",
                         lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
-                        {"policy": "speculative-gated", "k": int(gated["k"]), "stop_bits": gated["stop_bits"],
+                        {"policy": "speculative-gated", "key": "speculative, gated", "k": int(gated["k"]),
+                         "stop_bits": gated["stop_bits"],
                          "modeled_x_high": gated["speedup"]}))
     auto: List[Row] = []
     for name, plan in (("auto", plan_prompt), ("auto, calibrated", plan_cal)):
@@ -525,7 +526,8 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
         auto.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
             f" k={plan.best_k}" if plan.speculate else ""),
             lambda cap, cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, len(forced), plan=plan, cap=cap),
-            {"policy": "speculative-auto", "choice": plan.choice, "k": plan.best_k if plan.speculate else None,
+            {"policy": "speculative-auto", "key": f"speculative {name}", "choice": plan.choice,
+             "k": plan.best_k if plan.speculate else None,
              "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
     spec = {
         "draft_gear": settings.draft_gear, "kernel": kernel, "drafter": plan_prompt.drafter,

@@ -147,10 +147,15 @@ def format_result(result: Dict[str, Any]) -> str:
 
 
 def _pair(a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> List[Tuple[Optional[Dict], Optional[Dict]]]:
-    """Rows of ``a`` and ``b`` matched by label, in ``a``'s order, then ``b``'s extra rows."""
-    by_b = {r["label"]: r for r in b}
-    out = [(r, by_b.pop(r["label"], None)) for r in a]
-    return out + [(None, r) for r in b if r["label"] in by_b]
+    """Rows of ``a`` and ``b`` matched by ``key`` (rows whose label names a decision
+    measured on the machine) or label, in ``a``'s order, then ``b``'s extra rows."""
+    by_b = {_key(r): r for r in b}
+    out = [(r, by_b.pop(_key(r), None)) for r in a]
+    return out + [(None, r) for r in b if _key(r) in by_b]
+
+
+def _key(row: Dict[str, Any]) -> str:
+    return row.get("key") or row["label"]
 
 
 def format_compare(a: Dict[str, Any], b: Dict[str, Any], names: Tuple[str, str] = ("A", "B")) -> str:
@@ -159,7 +164,8 @@ def format_compare(a: Dict[str, Any], b: Dict[str, Any], names: Tuple[str, str] 
              f"{names[1]}: {machine_line(b)}; model {b['model']['name']}", ""]
     body = []
     for ra, rb in _pair(a["rows"], b["rows"]):
-        label = (ra or rb)["label"]
+        label = (ra or rb)["label"] if not (ra and rb) or ra["label"] == rb["label"] else (
+            f"{_key(ra)} ({ra['label'].split(': ')[-1]} / {rb['label'].split(': ')[-1]})")
         ta = f"{ra['tokens_per_s']:.1f}" if ra else "-"
         tb = f"{rb['tokens_per_s']:.1f}" if rb else "-"
         xa = f"{ra['x_plain']:.2f}" if ra else "-"
