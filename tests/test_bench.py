@@ -69,6 +69,7 @@ def test_quick_run_covers_every_section(quick_result):
     assert static["low, packed"]["gears"]["low"] >= QUICK.tokens and static["mid, mlx"]["gears"]["mid"] >= QUICK.tokens
     assert static["mid, nested store"]["gears"]["high"] == 1  # the prompt's pass in the high gear, then mid
     sp = r["speculative"]
+    assert sp["store"] == "nested" and sp["kernel"] == "packed"  # the default store's drafter, as generate's
     assert sp["costs"]["c"] > 0 and len(sp["costs"]["v"]) == QUICK.max_draft + 1 and sp["costs"]["v"][0] == 1.0
     assert len(sp["costs"]["verify_ms"]) == QUICK.max_draft and 0 <= sp["alpha"]["continuation"] <= 1
     assert sp["plans"]["prompt"]["choice"] in ("plain", "fixed", "gated")

@@ -230,8 +230,10 @@ def run_generate(folder: Path, capsys, *extra: str) -> Tuple[int, str, list]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
+            # The packed layers live in the separate store (the nested store, the
+            # default for float weights, reads its planes through its own kernels).
             rc = main(["--model", str(folder), "--prompt", "hello there", "--max-tokens", "12", "--kernel",
-                       "packed", "--scope", "all", "--static-gear", "mid", "--quiet", *extra])
+                       "packed", "--store", "separate", "--scope", "all", "--static-gear", "mid", "--quiet", *extra])
     finally:
         warnings.showwarning = shown
     out, err = capsys.readouterr()

@@ -473,13 +473,19 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
     (fixed and gated blocks) and the automatic decision's rows.
 
     The drafter is the one ``--speculative`` builds: every layer in the draft
-    gear, with this machine's default kernel (sharing that gearbox's gear when
-    the gear rows built it for every layer).
+    gear, views of the nested store's planes where the bench runs that store
+    (the default for float weights), else with this machine's default kernel
+    (sharing that gearbox's gear when the gear rows built it for every layer).
     """
     model = subject.model
     kernel = default_kernel()
-    gb = boxes.get(kernel) if settings.scope == "all" else None
-    gb = gb or Gearbox(model, GearboxConfig(kernel=kernel, scope="all", initial_gear="high"), vocab)
+    # As generate --speculative drafts: from the nested store's planes where it
+    # is run (the default for float weights), else this machine's kernel's gear.
+    store = "nested" if "nested" in boxes and settings.scope == "all" else "separate"
+    gb = boxes["nested"] if store == "nested" else boxes.get(kernel) if settings.scope == "all" else None
+    gb = gb or Gearbox(model, GearboxConfig(kernel=kernel, scope="all", store="separate", initial_gear="high"),
+                       vocab)
+    kernel = gb.config.kernel
     with quiet():
         draft = get_draft(model, gb, settings.draft_gear, "all")
     cap = max(settings.max_draft, max(settings.ks))
@@ -530,7 +536,7 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
              "k": plan.best_k if plan.speculate else None,
              "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
     spec = {
-        "draft_gear": settings.draft_gear, "kernel": kernel, "drafter": plan_prompt.drafter,
+        "draft_gear": settings.draft_gear, "store": store, "kernel": kernel, "drafter": plan_prompt.drafter,
         "costs": {"high_ms": 1e3 * measured.seconds["high"], "draft_ms": 1e3 * measured.seconds["draft"],
                   "verify_ms": [1e3 * t for t in measured.seconds["verify"]], "c": c, "v": v},
         "alpha": {"prompt": measured.alpha_greedy, "prompt_positions": measured.positions,
