@@ -30,17 +30,19 @@ from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_n
 from ..packed import cpu, gpu as packed_gpu, nested_cpu, nested_gpu
 from ..packed.checks import _c_unavailable, _gpu_device, _gpu_unavailable
 from .matmul import NestedProduct, gear_rows
-from .planes import Plane, build_planes
+from .planes import DEFAULT_PLAN, Plane, build_planes
 
 DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 #: The widest plan the kernels read: the default low and mid planes and an
-#: 8-bit third plane (the default's third is 6 bits, which only the oracle reads).
+#: 8-bit third plane.
 KERNEL_PLAN: Tuple[Tuple[int, int], ...] = ((4, 64), (4, 32), (8, 64))
 #: (out, in, plan): rows not a multiple of any split, K with a tail past the
-#: last 64-input span, K above the GPU's threadgroup-memory limit, and one
-#: plan of 32-groups on a K no 64-group divides.
+#: last 64-input span, K above the GPU's threadgroup-memory limit, one plan
+#: of 32-groups on a K no 64-group divides, and the default plan (its third
+#: plane 6 bits).
 CASES: Tuple[Tuple[int, int, Tuple[Tuple[int, int], ...]], ...] = (
     (33, 1088, KERNEL_PLAN), (9, 6272, KERNEL_PLAN), (17, 320, KERNEL_PLAN), (67, 96, ((4, 32), (4, 32))),
+    (37, 576, DEFAULT_PLAN),
 )
 C_PATHS: Tuple[str, ...] = ("float", "intdot", "ref", "intdot_ref")
 
