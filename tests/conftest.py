@@ -60,3 +60,14 @@ def make_tiny_tokenizer(vocab: int = 256):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernel_guard():
+    """Each test starts with no kernel trusted or failed: the first-use guard
+    (gearbx_mlx.packed.guard) keeps its verdicts per process, and a test's fake
+    kernel must not decide another test's path."""
+    from gearbx_mlx.packed import guard
+
+    guard.reset()
+    yield

@@ -13,7 +13,7 @@ from nested_cases import assert_close, make_planes, make_x, reference64
 from gearbx_mlx.nested import matmul
 from gearbx_mlx.nested.matmul import NestedKernelConfig, NestedProduct, nested_matmul
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, reference_matmul
-from gearbx_mlx.packed import cpu, gpu, nested_gpu
+from gearbx_mlx.packed import cpu, gpu, guard, nested_gpu
 
 needs_cpu_ext = pytest.mark.skipif(not cpu.available(), reason="C extension not built")
 on_cpu_device = pytest.mark.skipif(gpu.gpu_backend() is not None, reason="the default device is a GPU")
@@ -95,6 +95,9 @@ def test_a_gpu_device_takes_the_fused_kernel_for_one_row(monkeypatch):
 
     monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(nested_gpu, "launcher", fake_launcher)
+    # The recording kernel returns zeros, which the first-use check would drop
+    # for the oracle (tests/test_selftest.py tests that): trust it here.
+    monkeypatch.setattr(guard, "guarded", lambda spec, build, settle: build())
     planes = make_planes(24, 128, (4, 4, 8), 64, mx.bfloat16)
     prod = NestedProduct(planes)
     x = make_x((1, 128), mx.bfloat16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import make_tiny_llama
 from mlx.utils import tree_map
@@ -16,7 +17,14 @@ from gearbx_mlx.gearbox import Gearbox
 from gearbx_mlx.packed import cpu
 from gearbx_mlx.speculative import plan as plan_mod
 from gearbx_mlx.speculative.acceptance import make_log_dist
-from gearbx_mlx.speculative.calibration import modeled_speedup
+from gearbx_mlx.speculative.calibration import (
+    REPLAY_MAX_DRAFT,
+    DraftStats,
+    calibrate_draft_stop,
+    gated_speedup,
+    gating_table,
+    modeled_speedup,
+)
 from gearbx_mlx.speculative.decode import (
     SpeculativeConfig,
     SpeculativeStats,
@@ -27,6 +35,7 @@ from gearbx_mlx.speculative.draft import build_draft
 from gearbx_mlx.speculative.drafter import make_drafter
 from gearbx_mlx.speculative.plan import (
     FALLBACK_ALPHA,
+    GATED_MARGIN,
     MIN_MODELED_SPEEDUP,
     StartMeasurement,
     measure_start,
@@ -138,7 +147,8 @@ def test_cheap_drafter_drafts_and_costly_one_decodes_plainly(llama_packed):
     cheap = plan_speculative(model, draft, PROMPT, 4, measured=measured(0.08, 1.3))
     want = max(modeled_speedup(0.8, k, 0.08, 1 + 0.3 * k / 4) for k in range(1, 5))
     assert cheap.speculate and cheap.best_speedup == pytest.approx(want) and want >= MIN_MODELED_SPEEDUP
-    assert "drafting." in cheap.message() and "prompt positions" in cheap.alpha_source
+    assert "drafting, fixed blocks of" in cheap.message() and "prompt positions" in cheap.alpha_source
+    assert cheap.choice == "fixed" and cheap.gated is None and cheap.stop_bits is None
     costly = plan_speculative(model, draft, PROMPT, 4, measured=measured(0.9, 1.6))
     assert not costly.speculate and costly.best_speedup < MIN_MODELED_SPEEDUP
     assert "decoding plainly" in costly.message() and "--speculative force" in costly.message()
@@ -165,12 +175,14 @@ def test_alpha_comes_from_the_calibration_then_the_prompt_then_a_guess(llama_pac
 def test_measure_start_times_both_gears_on_the_prompt(llama_packed):
     model, _, draft = llama_packed
     m = measure_start(model, draft, PROMPT, 3, reps=1)
-    assert m.positions == len(PROMPT) and m.max_k == 3
-    assert all(s > 0 and math.isfinite(s) for s in m.seconds.values())
+    assert m.positions == len(PROMPT) and m.max_k == 3 and m.stats.n == len(PROMPT)
+    assert len(m.seconds["verify"]) == 3  # one verify per block length
+    assert all(s > 0 and math.isfinite(s) for s in [m.seconds["high"], m.seconds["draft"], *m.seconds["verify"]])
     assert 0 <= m.alpha_greedy <= 1 and 0 <= m.alpha_sampled <= 1
     p = plan_speculative(model, draft, PROMPT, 3, measured=m)
     assert p.draft_cost == pytest.approx(m.seconds["draft"] / m.seconds["high"])
     assert len(p.verify_cost) == 4 and p.verify_cost[0] == 1.0
+    assert p.verify_cost[1:] == pytest.approx([t / m.seconds["high"] for t in m.seconds["verify"]])
 
 
 # -- the command line: both decisions end to end ----------------------------------
@@ -219,3 +231,138 @@ def test_cli_follows_the_measured_decision(monkeypatch, capsys, tmp_path, llama_
     assert (ran != "none") is drafts and (t.summary["drafted"] > 0) is drafts
     assert f"Drafter: {ran} path" in err and "Decision (" + mode in err
     assert ("decoding plainly" in err) is (not drafts)
+
+
+# -- fixed or gated blocks, from the closed form ---------------------------------------
+
+
+def simulated_gated(k, c, v, p, lo, hi, blocks=200_000, seed=0):
+    """Monte Carlo of the block process :func:`gated_speedup` models: fresh i.i.d. drafts."""
+    rng = np.random.default_rng(seed)
+    tokens = cost = 0.0
+    for _ in range(blocks):
+        drafted, accepted, rejected = 0, 0, False
+        while drafted < k:
+            drafted += 1
+            low = rng.random() < p
+            ok = rng.random() < (lo if low else hi)
+            if not rejected and ok:
+                accepted += 1
+            else:
+                rejected = True
+            if not low:
+                break
+        tokens += accepted + 1
+        cost += drafted * c + v[drafted]
+    return tokens / cost
+
+
+@pytest.mark.parametrize("k, c, p, lo, hi", [
+    (4, 0.1, 0.7, 0.9, 0.3), (6, 0.25, 0.5, 0.95, 0.1), (2, 0.05, 0.9, 0.6, 0.5),
+])
+def test_gated_closed_form_matches_the_block_process(k, c, p, lo, hi):
+    v = [1.0 + 0.05 * d for d in range(k + 1)]
+    want = gated_speedup(k, c, v, p, lo, hi)
+    assert simulated_gated(k, c, v, p, lo, hi) == pytest.approx(want, rel=0.01)
+    # Without a stop (every draft continues) it is the fixed-length closed form.
+    assert gated_speedup(k, c, v, 1.0, lo, hi) == pytest.approx(modeled_speedup(lo, k, c, v[k]))
+
+
+def stats_of(entropies, agree):
+    return DraftStats(list(entropies), [0.0] * len(agree), list(agree), [float(a) for a in agree])
+
+
+def with_stats(stats, c=0.1, v=(1.1, 1.15, 1.2, 1.25, 1.3, 1.35)):
+    s = stats.summary()
+    return StartMeasurement({"high": 0.01, "draft": c * 0.01, "verify": [0.01 * x for x in v]}, len(v),
+                            s["alpha_greedy"], s["alpha_sampled"], stats.n, stats)
+
+
+def informative(n=200, seed=0):
+    """Low-entropy drafts agree, high-entropy ones do not: a stop pays."""
+    rng = np.random.default_rng(seed)
+    h = rng.random(n) * 8
+    return stats_of(h.tolist(), (h < 4).tolist())
+
+
+def uninformative(n=200, seed=0):
+    """Agreement independent of entropy: a stop only cuts blocks short."""
+    rng = np.random.default_rng(seed)
+    return stats_of((rng.random(n) * 8).tolist(), (rng.random(n) < 0.8).tolist())
+
+
+def test_the_plan_chooses_gated_blocks_where_the_entropy_predicts_rejection(llama_packed):
+    model, _, draft = llama_packed
+    p = plan_speculative(model, draft, PROMPT, 6, measured=with_stats(informative()))
+    assert p.speculate and p.choice == "gated" and p.stop_bits is not None
+    assert p.gated["speedup"] > GATED_MARGIN * p.fixed["speedup"] and p.best_speedup == p.gated["speedup"]
+    assert 3.0 <= p.stop_bits <= 5.0 and p.gated["alpha_below"] > 0.9 > 0.1 > p.gated["alpha_above"]
+    assert "gated blocks of up to" in p.message() and p.gating_source == "prompt positions"
+    u = plan_speculative(model, draft, PROMPT, 6, measured=with_stats(uninformative()))
+    assert u.choice == "fixed" and u.stop_bits is None and u.gated is not None
+    assert u.gated["speedup"] <= GATED_MARGIN * u.fixed["speedup"]
+    # Pinned by the caller: fixed blocks only, or this stop only.
+    f = plan_speculative(model, draft, PROMPT, 6, measured=with_stats(informative()), stop=None)
+    assert f.choice == "fixed" and f.gated is None
+    g = plan_speculative(model, draft, PROMPT, 6, measured=with_stats(uninformative()), stop=2.0)
+    assert g.choice == "gated" and g.stop_bits == 2.0 and g.gated["p_continue"] == pytest.approx(0.25, abs=0.1)
+    e = plan_speculative(model, draft, PROMPT, 6, measured=with_stats(uninformative()), exact_k=True, stop=None)
+    assert e.best_k == 6
+    # A costly drafter decodes plainly, whatever the gating.
+    plain = plan_speculative(model, draft, PROMPT, 6, measured=with_stats(informative(), c=1.5))
+    assert not plain.speculate and plain.choice == "plain"
+
+
+def test_the_plan_reads_the_saved_gating_table(llama_packed):
+    model, _, draft = llama_packed
+    table = gating_table(informative(), greedy=True)
+    assert [t["percentile"] for t in table] == sorted(t["percentile"] for t in table) and table
+    cal = {"alpha_greedy": 0.5, "n_samples": 200, "gating": {"greedy": table, "sampled": table}}
+    p = plan_speculative(model, draft, PROMPT, 6, calibration=cal, measured=with_stats(uninformative()))
+    assert p.choice == "gated" and p.gating_source == "saved calibration" and p.alpha == 0.5
+
+
+def test_the_api_decides_and_follows_the_decision(monkeypatch, llama_packed):
+    model, gb, draft = llama_packed
+    for c, drafts in ((0.05, True), (1.5, False)):
+        monkeypatch.setattr(plan_mod, "measure_start", lambda *a, c=c, **k: with_stats(uninformative(), c=c))
+        got = list(stream_speculative_generate(model, CharTokenizer(), PROMPT, gb, draft=draft, mode="auto",
+                                               max_tokens=16))
+        assert [r.token for r in got] == greedy_reference(model, PROMPT, 16)
+        s = got[-1].stats
+        assert s.plan["speculate"] is drafts and (s.drafted > 0) is drafts
+        assert s.plan["choice"] == ("fixed" if drafts else "plain")
+        if drafts:
+            assert max(b.drafted for b in s.blocks) <= s.plan["best_k"]
+
+
+def test_calibration_saves_per_length_costs_and_gating(llama_packed):
+    model, gb, draft = llama_packed
+    block = calibrate_draft_stop(model, draft, CharTokenizer(), "replay", prompts=["abcdefgh", "ijklmnop"],
+                                 max_tokens=12)
+    assert len(block["verify_cost"]) == max(REPLAY_MAX_DRAFT) + 1 and block["verify_cost"][0] == 1.0
+    assert len(block["step_ms"]["verify"]) == max(REPLAY_MAX_DRAFT)
+    assert set(block["gating"]) == {"greedy", "sampled"}
+    for t in block["gating"]["greedy"]:
+        assert 0 < t["p_continue"] < 1 and 0 <= t["alpha_below"] <= 1 and 0 <= t["alpha_above"] <= 1
+
+
+def test_cli_calibration_saves_the_costs_and_gating_the_decision_reads(monkeypatch, capsys, tmp_path, llama_packed):
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import build_parser
+    from gearbx_mlx.speculative.cli import run_speculative
+
+    model, gb, _ = llama_packed
+    thresholds = gb.thresholds
+    gb.set_calibration(Calibration(low=0.5, high=2.0, strategy="median", n_samples=10, vocab_size=VOCAB))
+    path = tmp_path / "cal.json"
+    args = build_parser().parse_args(["--speculative", "--calibrate", "--calibration", str(path), "--max-tokens", "8"])
+    try:
+        assert run_speculative(args, model, CharTokenizer(), gb, "abcdefghij", "abcdefghij") == 0
+    finally:
+        gb.calibration = None
+        gb.set_thresholds(*thresholds)
+    block = Calibration.load(path).extra["speculative"]["low"]
+    assert len(block["step_ms"]["verify"]) == max(REPLAY_MAX_DRAFT) and block["gating"]["greedy"]
+    err = capsys.readouterr().err
+    assert "saved calibration" in err and "Decision (auto)" in err and "v(k)" in err

@@ -17,7 +17,9 @@ this order (:meth:`NestedProduct.backend_for` tells which a call takes):
 
 A layer (``NestedLinear``) keeps one :class:`NestedProduct` per matrix: it
 checks the planes and builds the kernels' state once, and a gear shift only
-changes ``n``. :func:`nested_matmul` is the same product without the cache.
+changes ``n``. Each kernel's first call per gear and shape checks itself
+against the oracle (:mod:`gearbx_mlx.packed.guard`); one that fails to build
+or disagrees is dropped for the oracle, with one warning. :func:`nested_matmul` is the same product without the cache.
 The planes are treated as immutable once a product has used them.
 """
 
@@ -28,9 +30,9 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..packed import gpu, nested_cpu, nested_gpu
+from ..packed import gpu, guard, nested_cpu, nested_gpu
 from ..packed.layers import cpu_backend
-from .planes import Plane, reference_matmul
+from .planes import Plane, build_planes, reference_matmul
 
 #: Names :meth:`NestedProduct.backend_for` returns.
 BACKENDS = ("metal", "cuda", "cpu", "reference")
@@ -73,6 +75,7 @@ class NestedProduct:
         self._prepared: Optional[nested_cpu.PreparedNested] = None
         self._cpu_ok: Optional[bool] = None
         self._gpu: Dict[tuple, object] = {}  # (backend, dtype, n, bias) -> launcher or False
+        self._cpu: Dict[int, object] = {}  # n -> the C kernels' run(x), or False after a failed first use
         # (dtype, n, bias) -> run(x, shape, bias): the one-token GPU call with
         # everything but x and the bias bound, valid while the default device
         # is self._fast_device (a decode step makes hundreds of these calls)
@@ -95,9 +98,52 @@ class NestedProduct:
             sdt = used[0].scales.dtype
             uniform = all(p.scales.dtype == sdt and p.biases.dtype == sdt for p in used)
             ok = uniform and nested_gpu.supports(bits, gs, self.in_features, self.out_features, dtype, sdt)
-            run = ok and nested_gpu.launcher(backend, bits, gs, self.in_features, self.out_features, dtype, sdt,
-                                             has_bias)
+
+            def settle(r: object) -> None:
+                self._gpu[key] = r
+                self._fast.pop((dtype, n, has_bias), None)  # rebound to the bare launcher on the next call
+
+            run = ok and guard.guarded(
+                self._spec(f"{backend} nested GEMV", n, False),
+                lambda: nested_gpu.launcher(backend, bits, gs, self.in_features, self.out_features, dtype, sdt,
+                                            has_bias), settle)
             self._gpu[key] = run
+        return run
+
+    def _spec(self, family: str, n: int, intdot: bool) -> guard.KernelSpec:
+        """What the first-use guard checks a kernel of the gear of ``n`` planes against."""
+        planes = self.planes[:n]
+
+        def rows_of(rows: mx.array, *args: object) -> Tuple[mx.array, Optional[mx.array], mx.array]:
+            bias = args[-1] if len(args) == 3 else None  # the GPU launcher's (arrays, factors, bias)
+            w, terms = gear_rows(planes, len(planes), rows)
+            return w, None if bias is None else mx.take(bias, rows), terms
+
+        def reference(x: mx.array, *args: object) -> mx.array:
+            bias = args[-1] if len(args) == 3 else None
+            y = reference_matmul(x.reshape(-1, self.in_features), planes, len(planes), bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+
+        return guard.KernelSpec(family, 0, None, self.in_features, self.out_features, intdot=intdot,
+                                rows_of=rows_of, reference=reference)
+
+    def _cpu_launcher(self, n: int):
+        """The C kernels' ``run(x) -> y`` (float32, no bias) for the gear of ``n`` planes, or False."""
+        run = self._cpu.get(n)
+        if run is None:
+            path, prepared = self.cpu_path(n), self._prepared
+            plan = "_".join(f"{p.bits}g{p.group_size}" for p in self.planes[:n])
+
+            def build():
+                def gemv(x: mx.array) -> mx.array:
+                    return prepared.gemv(x, n, path=path)
+
+                gemv.kernel_name = f"gbx_nested_cpu_{plan}_{path}"
+                return gemv
+
+            run = guard.guarded(self._spec("C nested GEMV", n, path == "intdot"), build,
+                                lambda r: self._cpu.__setitem__(n, r))
+            self._cpu[n] = run
         return run
 
     def cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
@@ -158,15 +204,59 @@ class NestedProduct:
             raise ValueError(f"a gear reads 1 to {len(self.planes)} planes, got {n}")
         path = self.backend_for(x, n, bias is not None)
         if path in ("metal", "cuda"):
+            run = self._gpu_launcher(path, x.dtype, n, bias is not None)
+            if not hasattr(run, "bound"):  # the first-use check's wrapper: one call, then settled
+                if bias is not None and bias.dtype != x.dtype:
+                    bias = bias.astype(x.dtype)
+                return run(x, nested_gpu.plane_arrays(self.planes, n), nested_gpu.factors_of(self.planes, n), bias)
             return self._bind_gpu(path, x.dtype, n, bias is not None)(x, x.shape, bias)
-        if path == "cpu":
-            y = self._prepared.gemv(x, n, path=self.cpu_path(n))
+        run = self._cpu_launcher(n) if path == "cpu" else False
+        if run:
+            y = run(x)
             if bias is not None:
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype)
         if x.ndim == 1:  # MLX's CUDA quantized_matmul wants a matrix
             return reference_matmul(x[None], self.planes, n, bias)[0]
         return reference_matmul(x, self.planes, n, bias)
+
+
+def gear_rows(planes: Sequence[Plane], n: int, rows: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """``(w, terms)`` of the first ``n`` planes, float32 ``(rows, in)`` (all rows if None).
+
+    ``w = sum f (s q + b)``, the gear's weights formed from the stored codes
+    (read back through ``mx.dequantize`` with unit scales: exact); ``terms =
+    sum f (|s q| + |b|)``, the magnitudes a kernel's float32 sums carry
+    (:func:`gearbx_mlx.kernelcheck.gemv_bound`).
+    """
+    w = terms = None
+    for p in planes[:n]:
+        code, scales, biases = (p.weight, p.scales, p.biases) if rows is None else (
+            mx.take(p.weight, rows, axis=0), mx.take(p.scales, rows, axis=0), mx.take(p.biases, rows, axis=0))
+        q = mx.dequantize(code, mx.ones(scales.shape, mx.float32), mx.zeros(scales.shape, mx.float32),
+                          group_size=p.group_size, bits=p.bits)
+        s = mx.repeat(scales.astype(mx.float32), p.group_size, axis=1)
+        b = mx.repeat(biases.astype(mx.float32), p.group_size, axis=1)
+        wp, tp = p.factor * (s * q + b), p.factor * (mx.abs(s * q) + mx.abs(b))
+        w, terms = (wp, tp) if w is None else (w + wp, terms + tp)
+    return w, terms
+
+
+def nested_kernels_trusted() -> bool:
+    """True if the C nested kernels pass a first-use check on a small odd matrix of each plane width.
+
+    For callers that read planes through the C kernels without a
+    :class:`NestedProduct` (the speculative drafter's host step).
+    """
+    if cpu_backend() is None:
+        return False
+    w = mx.random.normal((37, 128), key=mx.random.key(11)) * 0.02  # explicit keys: the caller's stream is untouched
+    x = mx.random.normal((128,), key=mx.random.key(12))
+    from_planes = build_planes(w, ((4, 64), (4, 32), (8, 64)))
+    product = NestedProduct(from_planes)
+    for n in (1, 2, 3):
+        product(x, n)
+    return not guard.family_failed("gbx_nested_cpu")
 
 
 def nested_matmul(

@@ -13,6 +13,10 @@ counts their bytes truthfully. The product is chosen at call time
    input dtype and reused until the input dtype changes;
 4. otherwise the reference of :mod:`gearbx_mlx.packed.formats`: dequantize, then matmul
    in float32. Multi-token input (prefill) always takes 3 or 4.
+
+A kernel's first call per layer shape checks itself against the reference
+(:mod:`gearbx_mlx.packed.guard`); a kernel that fails to build or disagrees
+is dropped for 3 or 4 with one warning, and the generation goes on.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cpu, formats, gpu as kernels
+from . import cpu, formats, gpu as kernels, guard
 
 #: Names :func:`backend_for` returns.
 BACKENDS = ("metal", "cuda", "cpu", "dequant-cache", "reference")
@@ -68,6 +72,43 @@ def backend_for(
     return "dequant-cache" if dequant_cache else "reference"
 
 
+def cpu_launcher(bits: int, group_size: Optional[int], in_features: int, out_features: int):
+    """``run(x, weight, scales, bias) -> y`` through the C kernels, like a GPU launcher.
+
+    ``y`` has ``x``'s dtype and leading dims; the C kernel computes in float32
+    on the path :data:`CPU_GEMV_PATH`.
+    """
+    lib = cpu_backend()
+    if lib is None:
+        raise RuntimeError("the C CPU kernels are not available")
+
+    def run(x: mx.array, weight: mx.array, scales: mx.array, bias: Optional[mx.array] = None) -> mx.array:
+        y = lib.gemv(weight, scales, x.reshape(in_features), bits=bits, group_size=group_size,
+                     in_features=in_features, path=CPU_GEMV_PATH)
+        if bias is not None:
+            y = y + bias.astype(mx.float32)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], out_features)
+
+    run.kernel_name = f"gbx_gemv_cpu_q{bits}_{'row' if group_size is None else f'g{group_size}'}_{CPU_GEMV_PATH}"
+    return run
+
+
+def cpu_kernels_trusted() -> bool:
+    """True if the C kernels load and pass a first-use check on a small odd layer of each bit width.
+
+    For callers that use the C GEMV without a packed layer's dispatch (the
+    speculative drafter's host step): a failure warns once, like a layer's.
+    """
+    if cpu_backend() is None:
+        return False
+    for bits in (4, 8):  # explicit keys: the caller's random stream is left alone
+        layer = PackedLinear(96, 37, bias=True, bits=bits, group_size=32)
+        layer.weight, layer.scales = formats.quantize_packed(mx.random.normal((37, 96), key=mx.random.key(bits)),
+                                                             bits, 32)
+        layer(mx.random.normal((1, 96), key=mx.random.key(7)))
+    return not guard.family_failed("gbx_gemv_cpu")
+
+
 class KernelRuntime:
     """Per-layer state that is not a parameter: kernel launchers and the §7.1 cache.
 
@@ -76,7 +117,8 @@ class KernelRuntime:
     """
 
     def __init__(self) -> None:
-        # (backend, dtype) -> launcher, or False where the kernel does not apply.
+        # (backend, dtype, bias) -> launcher, or False where the kernel does not
+        # apply or failed its first-use check (gearbx_mlx.packed.guard).
         self.launchers: dict = {}
         self.weight: Optional[mx.array] = None  # the dequant cache
 
@@ -85,19 +127,25 @@ class KernelRuntime:
         """The layer's cached kernel launcher, or False where no kernel applies.
 
         ``layer`` needs ``bits``, ``group_size``, ``in_features`` and
-        ``out_features``; ``splits`` asks for the matrix-unit kernel with
-        2-3 outputs (a fused group, ``gearbx_mlx.packed.fused``).
+        ``out_features``; ``backend`` is "metal", "cuda" or "cpu" (the C
+        kernels); ``splits`` asks for the matrix-unit kernel with 2-3 outputs
+        (a fused group, ``gearbx_mlx.packed.fused``). The first call of a new
+        launcher checks itself against the reference (:func:`guard.guarded`).
         """
         key = (backend, dtype, has_bias)
         run = self.launchers.get(key)
         if run is None:
-            applies = kernels.supports_mma if splits else kernels.supports
-            ok = applies(layer.bits, layer.group_size, layer.in_features, layer.out_features,
-                         dtype)
-            run = ok and kernels.launcher(
-                backend, layer.bits, layer.group_size, layer.in_features, layer.out_features,
-                dtype, has_bias, None, None, True if splits else None, tuple(splits),
-            )
+            bits, gs, k, o = layer.bits, layer.group_size, layer.in_features, layer.out_features
+            if backend == "cpu":
+                ok, build = bits in (4, 8), lambda: cpu_launcher(bits, gs, k, o)
+            else:
+                ok = (kernels.supports_mma if splits else kernels.supports)(bits, gs, k, o, dtype)
+                build = lambda: kernels.launcher(  # noqa: E731
+                    backend, bits, gs, k, o, dtype, has_bias, None, None, True if splits else None, tuple(splits))
+            family = "C packed GEMV" if backend == "cpu" else f"{backend} packed GEMV"
+            spec = guard.KernelSpec(family, bits, gs, k, o, tuple(splits),
+                                    intdot=backend == "cpu" and CPU_GEMV_PATH in ("auto", "intdot"))
+            run = ok and guard.guarded(spec, build, lambda r: self.launchers.__setitem__(key, r))
             self.launchers[key] = run
         return run
 
@@ -165,14 +213,10 @@ class PackedBase(nn.Module):
             )
         path = self.backend_for(x)
         if path == "cpu":
-            y = cpu_backend().gemv(
-                self.weight, self.scales, x.reshape(self.in_features),
-                bits=self.bits, group_size=self.group_size, in_features=self.in_features,
-                path=CPU_GEMV_PATH,
-            )
-            if bias is not None:
-                y = y + bias.astype(mx.float32)
-            return y.astype(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            run = self.runtime.launcher(self, "cpu", x.dtype, bias is not None)
+            if run:
+                return run(x, self["weight"], self["scales"], bias)
+            path = "dequant-cache" if self.dequant_cache else "reference"  # the C kernel failed here
         if path == "dequant-cache":
             y = x @ self.runtime.dequantized(self, x.dtype).T
             return y if bias is None else y + bias.astype(x.dtype)

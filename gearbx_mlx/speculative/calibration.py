@@ -43,6 +43,8 @@ STOP_STRATEGIES = ("replay", "median", "percentile")
 REPLAY_PERCENTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: Block caps tried by the replay strategy.
 REPLAY_MAX_DRAFT = (1, 2, 3, 4, 5, 6, 8)
+#: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
+CALIBRATION_KEY = "speculative"
 #: Tokens the high gear generates per calibration prompt (more than the
 #: router's 24: the replay needs runs of consecutive positions).
 CALIBRATION_TOKENS = 48
@@ -232,29 +234,43 @@ def step_seconds(model: Any, ids: Sequence[int], n_in: int, reps: int,
 def step_costs(
     model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = 3,
     caches: Optional[Tuple[List[Any], List[Any]]] = None,
-) -> Dict[str, float]:
-    """Seconds of one high-gear step, one draft step and one verify of ``max_k + 1`` tokens.
+) -> Dict[str, Any]:
+    """Seconds of one high-gear step, one draft step and a verify of ``k + 1`` tokens for k = 1..max_k.
 
     Best of ``reps`` synchronous calls on a warm cache (the best call is the
-    closest to an idle machine).
+    closest to an idle machine). ``"verify"`` is the list of the verify
+    seconds, ``verify[k - 1]`` for a block of k drafts.
 
     Args:
         caches: ``(high, draft)`` KV caches already holding ``ids`` (else made).
     """
     hc, dc = caches if caches is not None else (None, None)
+    if hc is None:
+        hc = make_prompt_cache(model)
+        mx.eval(model(mx.array(ids)[None], cache=hc))
     return {
         "high": min(step_seconds(model, ids, 1, reps, hc)),
         "draft": min(step_seconds(draft, ids, 1, reps, dc)),
-        "verify": min(step_seconds(model, ids, max_k + 1, reps, hc)),
+        "verify": [min(step_seconds(model, ids, k + 1, reps, hc)) for k in range(1, max_k + 1)],
     }
 
 
-def cost_ratios(seconds: Dict[str, float], max_k: int) -> Tuple[float, List[float]]:
-    """``(c, v)`` in high-gear steps from :func:`step_costs`: ``v[k]`` for k = 0..max_k,
-    linear between 1 (k = 0, a plain step) and the measured verify at ``max_k``."""
+def cost_ratios(seconds: Dict[str, Any], max_k: int) -> Tuple[float, List[float]]:
+    """``(c, v)`` in high-gear steps from :func:`step_costs`: ``v[k]`` for k = 0..max_k.
+
+    ``v[0] = 1`` (a plain step). ``seconds["verify"]`` is either the list of
+    measured verifies for k = 1.. (beyond its end the last one holds), or one
+    number, the verify at ``max_k`` (then ``v`` is linear between 1 and it).
+    """
     high = seconds["high"]
-    v_max = seconds["verify"] / high
-    return seconds["draft"] / high, [1.0 + (v_max - 1.0) * k / max(max_k, 1) for k in range(max_k + 1)]
+    verify = seconds["verify"]
+    if isinstance(verify, (list, tuple)):
+        measured = [t / high for t in verify]
+        v = [1.0] + [measured[min(k, len(measured)) - 1] for k in range(1, max_k + 1)]
+    else:
+        v_max = verify / high
+        v = [1.0 + (v_max - 1.0) * k / max(max_k, 1) for k in range(max_k + 1)]
+    return seconds["draft"] / high, v
 
 
 def measure_costs(
@@ -276,6 +292,61 @@ def modeled_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
         return 1.0 / v
     tokens = float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens / (k * c + v)
+
+
+def gated_speedup(k: int, c: float, v: Sequence[float], p_continue: float, alpha_below: float,
+                  alpha_above: float) -> float:
+    """Expected tokens per block over its cost, for blocks that stop at a high draft entropy.
+
+    Each draft independently has entropy at or below the stop with
+    probability ``p_continue`` (acceptance ``alpha_below``; drafting goes on)
+    or above it (acceptance ``alpha_above``; the block ends after it); at
+    most ``k`` drafts. A block of ``d`` drafts costs ``d c + v[d]`` high steps
+    and emits its accepted prefix plus one token, so (renewal reward) the
+    speed-up is ``(1 + Σ_i (p a_lo)^(i-1) ā) / (c Σ_i p^(i-1) + Σ_d P(D = d) v[d])``
+    with ``ā = p a_lo + (1 - p) a_hi``. With ``p_continue = 1`` it is
+    :func:`modeled_speedup`.
+
+    Args:
+        v: ``v[d]``, a verify of ``d + 1`` tokens in high steps, d = 0..k.
+    """
+    if k == 0:
+        return 1.0 / v[0]
+    p, lo, hi = p_continue, alpha_below, alpha_above
+    mean = p * lo + (1 - p) * hi
+    tokens = 1.0 + sum((p * lo) ** (i - 1) * mean for i in range(1, k + 1))
+    drafted = sum(p ** (i - 1) for i in range(1, k + 1))
+    verify = sum(p ** (d - 1) * (1 - p) * v[d] for d in range(1, k)) + p ** (k - 1) * v[k]
+    return tokens / (c * drafted + verify)
+
+
+def gating_table(stats: DraftStats, greedy: bool = True) -> List[Dict[str, float]]:
+    """Candidate entropy stops and what :func:`gated_speedup` needs of each.
+
+    One entry per percentile of :data:`REPLAY_PERCENTILES` of the drafter's
+    entropies: ``stop_bits``, ``percentile``, ``p_continue`` (share of
+    positions at or below the stop), ``alpha_below`` and ``alpha_above``
+    (greedy agreement, or ``sum min(p, q)`` with ``greedy=False``, on each
+    side). Stops with no position on one side are left out.
+    """
+    e = sorted(stats.draft_entropy)
+    accept = [float(a) for a in stats.agree] if greedy else list(stats.accept_prob)
+    out = []
+    for q in REPLAY_PERCENTILES if e else ():
+        stop = e[min(int(q * len(e)), len(e) - 1)]
+        below = [a for h, a in zip(stats.draft_entropy, accept) if h <= stop]
+        above = [a for h, a in zip(stats.draft_entropy, accept) if h > stop]
+        if below and above:
+            out.append({"percentile": q, "stop_bits": stop, "p_continue": len(below) / len(accept),
+                        "alpha_below": sum(below) / len(below), "alpha_above": sum(above) / len(above)})
+    return out
+
+
+def calibrated_stop(gearbox: Any, draft_gear: str) -> Optional[Dict[str, Any]]:
+    """The saved draft-stop calibration of ``draft_gear`` (:func:`calibrate_draft_stop`'s block), if any."""
+    cal = getattr(gearbox, "calibration", None)
+    block = (cal.extra.get(CALIBRATION_KEY) or {}).get(draft_gear) if cal is not None else None
+    return block if isinstance(block, dict) and ("stop_bits" in block or "max_draft" in block) else None
 
 
 def stop_threshold(draft_entropies: Sequence[float], strategy: str, vocab_size: int) -> float:
@@ -364,7 +435,13 @@ def calibrate_draft_stop(
     out: Dict[str, Any] = {"draft_gear": draft.gear, "bits": draft.bits, "scope": draft.scope,
                            "strategy": strategy, "n_samples": stats.n, **stats.summary()}
     if strategy == "replay":
-        c, v = cost if cost is not None else measure_costs(model, draft, first_ids, max(REPLAY_MAX_DRAFT))
+        if cost is None:
+            seconds = step_costs(model, draft, first_ids, max(REPLAY_MAX_DRAFT))
+            c, v = cost_ratios(seconds, max(REPLAY_MAX_DRAFT))
+            out["step_ms"] = {"high": 1e3 * seconds["high"], "draft": 1e3 * seconds["draft"],
+                              "verify": [1e3 * t for t in seconds["verify"]]}
+        else:
+            c, v = cost
         out.update(draft_cost=c, verify_cost=list(v), **best_replay(stats, c, v))
     else:
         out["stop_bits"] = stop_threshold(stats.draft_entropy, strategy, vocab_size_of(model))
@@ -375,12 +452,15 @@ def calibrate_draft_stop(
         out["alpha_below_stop"] = sum(below) / len(below) if below else None
         out["alpha_above_stop"] = sum(above) / len(above) if above else None
     out["median_draft_entropy"] = statistics.median(stats.draft_entropy) if stats.n else None
+    # What the start-of-run decision (gearbx_mlx.speculative.plan) reads instead of the prompt's statistics.
+    out["gating"] = {"greedy": gating_table(stats, True), "sampled": gating_table(stats, False)}
     out["prompts"] = prompts
     return out
 
 
 __all__ = [
-    "CALIBRATION_TOKENS", "DraftStats", "STOP_STRATEGIES", "auc", "best_replay",
-    "calibrate_draft_stop", "compare_logits", "cost_ratios", "draft_stats", "measure_costs", "modeled_speedup",
-    "replay_blocks", "replay_speedup", "step_costs", "step_seconds", "stop_threshold",
+    "CALIBRATION_KEY", "CALIBRATION_TOKENS", "calibrated_stop", "DraftStats", "STOP_STRATEGIES", "auc", "best_replay",
+    "calibrate_draft_stop", "compare_logits", "cost_ratios", "draft_stats", "gated_speedup", "gating_table",
+    "measure_costs", "modeled_speedup", "replay_blocks", "replay_speedup", "step_costs", "step_seconds",
+    "stop_threshold",
 ]

@@ -18,13 +18,17 @@ from ..config import SCOPES
 from ..console import print_stream
 from ..generation import encode_prompt
 from ..telemetry.trace import TraceWriter, token_record as routed_record
-from .calibration import calibrate_draft_stop
-from .decode import SpeculativeConfig, SpeculativeResponse, get_draft, speculative_summary, stream_speculative_generate
+from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
+from .decode import (
+    SpeculativeConfig,
+    SpeculativeResponse,
+    apply_plan,
+    get_draft,
+    speculative_summary,
+    stream_speculative_generate,
+)
 from .draft import DRAFT_GEARS
-from .plan import MIN_MODELED_SPEEDUP, MODES, SpeculativePlan, plan_speculative
-
-#: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
-CALIBRATION_KEY = "speculative"
+from .plan import CHOOSE, MIN_MODELED_SPEEDUP, MODES, SpeculativePlan, plan_speculative
 
 
 def _positive_int(text: str) -> int:
@@ -58,9 +62,11 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--speculative", nargs="?", const="auto", choices=MODES, default=None,
                    help="draft with a quantized gear, verify every token with the high gear. 'auto' (the "
-                        "default): first time a draft step and a verify against a high-gear step on the prompt, "
-                        "and decode plainly in the high gear where the modeled speed-up is below "
-                        f"{MIN_MODELED_SPEEDUP:g}x (drafting would be slower); 'force': draft anyway. The fast "
+                        "default): first time a draft step and a verify of every block length against a "
+                        "high-gear step on the prompt, then choose plain decoding, fixed blocks or blocks gated by "
+                        "the draft's entropy (and the block length) by the modeled speed-up, decoding plainly in "
+                        f"the high gear where it is below {MIN_MODELED_SPEEDUP:g}x (drafting would be slower); "
+                        "'force': draft anyway, the better of fixed and gated blocks. The fast "
                         "drafter (a numpy decode step around the C kernels, no MLX graph) applies to greedy "
                         "decoding of mlx-lm llama models in float32 on the CPU with --kernel packed (the "
                         "default there); elsewhere drafts go through the MLX module tree. The summary and the "
@@ -68,11 +74,12 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-gear", choices=DRAFT_GEARS, default=d.draft_gear,
                    help="gear that drafts: low (4-bit) or mid (8-bit)")
     g.add_argument("--max-draft", type=_positive_int, default=None, metavar="N",
-                   help="most tokens drafted per block (default: the calibrated cap of "
-                        f"--calibrate/--calibration, else {d.max_draft})")
+                   help="most tokens drafted per block; the decision models every length up to it (default: "
+                        f"the calibrated cap of --calibrate/--calibration, else {d.max_draft})")
     g.add_argument("--draft-entropy-stop", type=_stop_bits, default=argparse.SUPPRESS, metavar="BITS",
                    help="end a block after a draft whose entropy exceeds BITS; 'off' for fixed-length "
-                        "blocks (default: the calibrated stop of --calibrate/--calibration, else off)")
+                        "blocks (default: the decision picks a stop among the drafter's entropy percentiles, from "
+                        "the saved calibration or the prompt, or none)")
     g.add_argument("--hard-max-draft", type=int, default=None, metavar="N",
                    help="cap blocks at N drafts while the predicted entropy is above the high "
                         "threshold (default: no cap)")
@@ -106,7 +113,12 @@ def check_speculative_args(args: argparse.Namespace) -> None:
 
 
 def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeConfig:
-    """The config of a CLI run: flags first, then the saved calibration, then the defaults."""
+    """The config of a CLI run before the decision: flags first, then the saved calibration, then the defaults.
+
+    ``max_draft`` is the block cap the decision models lengths up to; the
+    entropy stop is the flag's where one was given (the decision keeps it),
+    else the calibrated one (the decision may choose another, or none).
+    """
     block = calibrated_stop(gearbox, args.draft_gear) or {}
     if hasattr(args, "draft_entropy_stop"):
         stop = args.draft_entropy_stop
@@ -120,13 +132,6 @@ def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeCon
         draft_gear=args.draft_gear, max_draft=int(max_draft), draft_entropy_stop=stop,
         hard_max_draft=hard, draft_scope=args.draft_scope,
     )
-
-
-def calibrated_stop(gearbox: Any, draft_gear: str) -> Optional[Dict[str, Any]]:
-    """The saved draft-stop calibration of ``draft_gear``, if the gearbox has one."""
-    cal = getattr(gearbox, "calibration", None)
-    block = (cal.extra.get(CALIBRATION_KEY) or {}).get(draft_gear) if cal is not None else None
-    return block if isinstance(block, dict) and ("stop_bits" in block or "max_draft" in block) else None
 
 
 def token_record(resp: SpeculativeResponse) -> Dict[str, Any]:
@@ -169,10 +174,16 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
         )
     plan = s.get("plan")
     if plan:
-        lines.append(f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, alpha {plan['alpha']:.2f} "
-                     f"({plan['alpha_source']}), modeled {plan['best_speedup']:.2f}x at best (block of "
-                     f"{plan['best_k']}) -> " + ("drafted" if plan["speculate"] else
-                                                 f"below {plan['threshold']:.2f}x: decoded plainly"))
+        v = "/".join(f"{x:.2f}" for x in plan["verify_cost"][1:])
+        gated = plan.get("gated")
+        lines.append(
+            f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, v(k) {v}, alpha {plan['alpha']:.2f} "
+            f"({plan['alpha_source']}); modeled fixed {plan['fixed']['speedup']:.2f}x (k={plan['fixed']['k']})"
+            + (f", gated {gated['speedup']:.2f}x (k<={gated['k']}, stop {gated['stop_bits']:.2f} bits)"
+               if gated else ", gated: no statistics")
+            + " -> " + {"plain": f"below {plan['threshold']:.2f}x: decoded plainly",
+                        "fixed": f"fixed blocks of {plan['best_k']}",
+                        "gated": f"gated blocks of up to {plan['best_k']}"}[plan["choice"]])
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)
@@ -207,15 +218,17 @@ def run_speculative(
     plan = plan_speculative(
         model, draft, encode_prompt(tokenizer, templated).tolist(), config.max_draft, greedy=args.temp == 0,
         mode=args.speculative, calibration=calibrated_stop(gearbox, args.draft_gear),
+        stop=args.draft_entropy_stop if hasattr(args, "draft_entropy_stop") else CHOOSE,
     )
     print(f"[gearbx] {plan.message()}", file=sys.stderr, flush=True)
+    _, config = apply_plan(config, plan)  # what runs: the plan's block length and stop
     if writer is None and args.trace:
         writer = TraceWriter(args.trace)
     last: Optional[SpeculativeResponse] = None
     interrupted = False
     try:
         stream = stream_speculative_generate(
-            model, tokenizer, templated, gearbox, config=config, draft=draft, plain=not plan.speculate,
+            model, tokenizer, templated, gearbox, config=config, draft=draft, plan=plan,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
             top_k=args.top_k, seed=args.seed,
         )

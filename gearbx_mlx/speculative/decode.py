@@ -55,17 +55,19 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.generate import generation_stream
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import SCOPES
-from ..entropy import EntropyMonitor, MonitorStep, entropy_bits_np
+from ..entropy import EntropyMonitor, MonitorStep, entropy_bits, entropy_bits_np
 from ..gearbox import Gearbox
 from ..generation import GearboxResponse, collect_text, encode_prompt
 from .acceptance import accept_block, make_log_dist
+from .calibration import calibrated_stop
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
+from .plan import CHOOSE, SpeculativePlan, plan_speculative
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -150,6 +152,7 @@ class SpeculativeStats:
     blocks: List[BlockRecord] = field(default_factory=list)
     tokens: int = 0
     drafter: Dict[str, Optional[str]] = field(default_factory=dict)
+    plan: Optional[Dict[str, Any]] = None  # the start-of-run decision, where one was made
 
     @property
     def drafted(self) -> int:
@@ -175,6 +178,7 @@ class SpeculativeStats:
             "tokens_per_block": self.tokens / nb,
             "stops": stops,
             "drafter": dict(self.drafter),
+            "plan": self.plan,
         }
 
 
@@ -233,6 +237,12 @@ def speculative_generate_step(
     stats = stats if stats is not None else SpeculativeStats()
     if prompt.size < 1:
         raise ValueError("the prompt has no tokens")
+    if draft is None:
+        # Nothing drafts: mlx-lm's own pipelined loop, so that a plain decision
+        # decodes as fast as plain mlx-lm (this loop syncs every block).
+        yield from plain_generate_step(prompt, model, config, max_tokens=max_tokens, log_dist=log_dist,
+                                       monitor=monitor, prompt_cache=prompt_cache, stats=stats)
+        return
     if config.hard_max_draft is not None and monitor is None:
         raise ValueError("hard_max_draft needs a monitor (the high gear's entropy history)")
     hcache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
@@ -284,6 +294,58 @@ def speculative_generate_step(
                 trim_prompt_cache(hcache, k + 1 - j)
                 drafter.rewind(drafts, emitted[:j])
             y = mx.array([tok], dtype=mx.uint32)
+
+
+def plain_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    config: SpeculativeConfig,
+    *,
+    max_tokens: int = 256,
+    log_dist: Optional[Callable[[mx.array], mx.array]] = None,
+    monitor: Optional[EntropyMonitor] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    stats: Optional[SpeculativeStats] = None,
+) -> Generator[SpeculativeToken, None, None]:
+    """:func:`speculative_generate_step` with no drafter: the high gear alone, in mlx-lm's ``generate_step``.
+
+    mlx-lm builds and queues step ``n + 1`` before it hands out token ``n``;
+    the token's entropy is computed in the same queued graph (the sampler
+    schedules it with the token), so reading it waits for nothing more. The
+    logits are cast to float32 first, as the drafting loop scores them, so the
+    tokens are the ones a verify would choose. Each token is a block of no
+    draft in ``stats``.
+    """
+    stats = stats if stats is not None else SpeculativeStats()
+    stats.drafter = make_drafter(None).describe()
+    pending: List[mx.array] = []
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        tok = mx.argmax(logprobs, axis=-1) if log_dist is None else mx.random.categorical(log_dist(logprobs))
+        h = entropy_bits(logprobs)
+        mx.async_eval(tok, h)  # with this step's graph, not after the next one
+        pending.append(h)
+        return tok
+
+    steps = generate_step(prompt.astype(mx.uint32), model, max_tokens=max_tokens, sampler=sampler,
+                          logits_processors=[lambda _, logits: logits.astype(mx.float32)],
+                          prompt_cache=prompt_cache, prefill_step_size=config.prefill_step_size)
+    tic = time.perf_counter()
+    try:
+        for n, (tok, logprobs) in enumerate(steps):
+            h = float(pending.pop(0).item())
+            seen = monitor.push(h) if monitor is not None else None
+            now = time.perf_counter()
+            stats.blocks.append(BlockRecord(0, 0, "max", now - tic))
+            tic = now
+            stats.tokens += 1
+            yield SpeculativeToken(
+                token=int(tok), index=n, block=n, drafted=0, accepted=False, gear="high", entropy=h,
+                draft_entropy=math.nan, smoothed=seen.smoothed if seen else math.nan,
+                predicted=seen.predicted if seen else math.nan, stop="max", logprobs=logprobs,
+            )
+    finally:
+        steps.close()
 
 
 # -- the library API ------------------------------------------------------------------
@@ -353,6 +415,9 @@ def stream_speculative_generate(
     seed: Optional[int] = None,
     prompt_cache: Optional[List[Any]] = None,
     plain: bool = False,
+    mode: Optional[str] = None,
+    plan: Optional[SpeculativePlan] = None,
+    plan_options: Optional[Dict[str, Any]] = None,
     **options: Any,
 ) -> Generator[SpeculativeResponse, None, None]:
     """Stream tokens like ``gearbx_mlx.stream_generate``, drafted low and verified high.
@@ -369,8 +434,16 @@ def stream_speculative_generate(
             output follows it exactly (greedy when ``temp == 0``).
         prompt_cache: the high gear's trimmable KV cache, updated in place.
         plain: draft nothing: the high gear decodes alone through the same
-            loop, with the same responses (what the CLI does where drafting
-            cannot pay, :func:`~gearbx_mlx.speculative.plan.plan_speculative`).
+            loop, with the same responses.
+        mode: ``"auto"`` or ``"force"``: first measure on the prompt and
+            decide (:func:`~gearbx_mlx.speculative.plan.plan_speculative`):
+            ``auto`` decodes plainly where drafting models below break-even;
+            both pick fixed or gated blocks and the block length up to
+            ``config.max_draft`` (a ``config.draft_entropy_stop`` given is
+            kept). The decision is in ``stats.plan`` of every response.
+        plan: a decision already made (the CLI prints it first); applied as ``mode`` would.
+        plan_options: more arguments of ``plan_speculative`` (``stop``,
+            ``exact_k``, ``calibration``, ``measured``).
 
     Yields:
         :class:`SpeculativeResponse`, one per generated token; the last one
@@ -385,18 +458,25 @@ def stream_speculative_generate(
     if gearbox.model is not model:
         raise ValueError("this gearbox manages another model: pass the model it was made for")
     gearbox.manager.shift("high")  # the verifier is the loaded model itself
-    if draft is None and not plain:
+    if draft is None and (not plain or mode is not None):
         draft = get_draft(model, gearbox, config.draft_gear, config.draft_scope)
     elif draft is not None and draft.gear != config.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {config.draft_gear}")
     log_dist = make_log_dist(temp, top_p, min_p, top_k, min_tokens_to_keep)
-    if seed is not None:
-        mx.random.seed(seed)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
+    if plan is None and mode is not None:
+        opts = {"calibration": calibrated_stop(gearbox, config.draft_gear),
+                "stop": CHOOSE if config.draft_entropy_stop is None else config.draft_entropy_stop,
+                **(plan_options or {})}
+        plan = plan_speculative(model, draft, ids.tolist(), config.max_draft, greedy=temp == 0, mode=mode, **opts)
+    if plan is not None:
+        plain, config = apply_plan(config, plan)
+    if seed is not None:  # after the plan: its measurement must not move the sampling stream
+        mx.random.seed(seed)
     monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
-    stats = SpeculativeStats()
+    stats = SpeculativeStats(plan=plan.to_dict() if plan is not None else None)
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -428,6 +508,15 @@ def stream_speculative_generate(
     reason = "stop" if info.token in eos else "length"
     yield _response(info, detok.last_segment, ids.size, prompt_tps, info.index, tic,
                     time.perf_counter() - last, stats, draft, reason)
+
+
+def apply_plan(config: SpeculativeConfig, plan: SpeculativePlan) -> Tuple[bool, SpeculativeConfig]:
+    """``(plain, config)`` of a run that follows ``plan``: its block cap and stop where it drafts."""
+    if not plan.speculate:
+        return True, config
+    hard = config.hard_max_draft if config.hard_max_draft is None else min(config.hard_max_draft, plan.best_k)
+    return False, dataclasses.replace(config, max_draft=plan.best_k, draft_entropy_stop=plan.stop_bits,
+                                      hard_max_draft=hard)
 
 
 def _response(info: SpeculativeToken, text: str, prompt_tokens: int, prompt_tps: float, n: int,

@@ -19,8 +19,9 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
 from ..nested.layers import NestedEmbedding, NestedLinear
+from ..nested.matmul import nested_kernels_trusted
 from ..packed import cpu as cpu_kernels, layers as packed_layers, nested_cpu
-from ..packed.layers import PackedBase, PackedEmbedding, cpu_backend
+from ..packed.layers import PackedBase, PackedEmbedding, cpu_backend, cpu_kernels_trusted
 
 HOST_PREFILL_MAX = 64
 
@@ -289,6 +290,11 @@ def host_support(module: nn.Module) -> Optional[str]:
         return f"the device is {mx.default_device()}: the host step runs on the CPU only"
     if cpu_backend() is None:
         return "the C kernels are not built (pip install -e . builds them)"
+    if not cpu_kernels_trusted():  # the host step calls the C GEMV without a layer's first-use check
+        return "the C kernels failed their first-use check (python -m gearbx_mlx.selftest says more)"
+    nested = any(isinstance(m, (NestedLinear, NestedEmbedding)) for _, m in module.named_modules())
+    if nested and not nested_kernels_trusted():
+        return "the C nested kernels failed their first-use check (python -m gearbx_mlx.selftest says more)"
     kind = type(module).__module__
     if kind != "mlx_lm.models.llama":
         return f"the model is {kind.rsplit('.', 1)[-1]!r}: the host step covers mlx-lm's llama only"

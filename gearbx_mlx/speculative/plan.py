@@ -1,27 +1,37 @@
-"""Whether speculative decoding can pay on this machine, measured before decoding.
+"""Whether speculative decoding can pay on this machine, and how, measured before decoding.
 
 A block of ``k`` drafts costs ``k`` draft steps and one verify of ``k + 1``
 tokens and emits ``(1 - α^(k+1)) / (1 - α)`` tokens on average (i.i.d.
-acceptance α), so its speed-up over the high gear alone is
+acceptance α), so fixed blocks speed the high gear up by
 
     S(k) = (1 - α^(k+1)) / ((1 - α)(k c + v(k)))
 
 with ``c`` a draft step and ``v(k)`` a verify, both in high-gear steps
-(:func:`~gearbx_mlx.speculative.calibration.modeled_speedup`).
+(:func:`~gearbx_mlx.speculative.calibration.modeled_speedup`). Gated blocks
+end early after a draft whose entropy exceeds a stop: with ``p`` the share of
+drafts at or below it and ``α_lo``, ``α_hi`` the acceptance on each side,
+:func:`~gearbx_mlx.speculative.calibration.gated_speedup` is the same
+expectation for blocks of random length.
 
-:func:`measure_start` times the three calls on the prompt (the median of a
-few interleaved rounds on warm caches, on the path that will draft) and reads α
-off the same prefill: the share of prompt positions where both gears'
-greedy choices agree. The prompt is user text, less predictable than the
-model's own continuation, so this α tends to err low, on the side of
-decoding plainly; a saved draft-stop calibration
-(:func:`~gearbx_mlx.speculative.calibration.calibrate_draft_stop`) measured
-α on the high gear's continuations, and wins when there is one.
+:func:`measure_start` times, on the prompt, a high-gear step, a draft step
+and a verify of ``k + 1`` tokens for every ``k`` up to the block cap (the
+median of a few interleaved rounds on warm caches, on the path that will
+draft), and reads the drafter's statistics off the same prefill: where its
+greedy choice agrees with the high gear's, and its entropy, per prompt
+position. The prompt is user text, less predictable than the model's own
+continuation, so this α tends to err low, on the side of decoding plainly; a
+saved draft-stop calibration
+(:func:`~gearbx_mlx.speculative.calibration.calibrate_draft_stop`, run by
+``--calibrate --speculative``) measured α and the gating statistics on the
+high gear's continuations, and wins when there is one.
 
-:func:`plan_speculative` drafts only where the best ``S(k)`` over the block
-caps ``k <= max_draft`` reaches :data:`MIN_MODELED_SPEEDUP`; ``mode="force"``
-drafts anyway. The plan says which draft path runs and why
-(:mod:`gearbx_mlx.speculative.drafter`).
+:func:`plan_speculative` models every fixed block length up to the cap and
+every candidate stop (the drafter's entropy percentiles) and picks plain
+decoding, fixed blocks or gated blocks: it drafts only where the best
+modeled speed-up reaches :data:`MIN_MODELED_SPEEDUP` (``mode="force"``
+drafts anyway), and prefers gated blocks only where they beat the best fixed
+length by :data:`GATED_MARGIN`. The plan says which draft path runs, what it
+chose and why (:mod:`gearbx_mlx.speculative.drafter`).
 """
 
 from __future__ import annotations
@@ -29,13 +39,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .calibration import compare_logits, cost_ratios, modeled_speedup
+from .calibration import DraftStats, compare_logits, cost_ratios, gated_speedup, gating_table, modeled_speedup
 from .draft import DraftModel
 from .drafter import make_drafter
 
@@ -47,6 +57,12 @@ MODES = ("auto", "force")
 #: low, which makes it pessimistic; a margin on top of both declined the
 #: default model's 4-bit drafter on a busy machine where it measured faster.
 MIN_MODELED_SPEEDUP = 1.0
+#: Gated blocks are chosen only where they model this much above the best
+#: fixed length: their stop is picked from a few candidates on few
+#: positions, so their best is the more optimistic of the two.
+GATED_MARGIN = 1.02
+#: ``plan_speculative(stop=CHOOSE)``: the plan picks fixed or gated blocks.
+CHOOSE = "choose"
 #: Prompt positions needed to trust α measured on the prompt; below, :data:`FALLBACK_ALPHA`.
 MIN_ALPHA_POSITIONS = 8
 #: α assumed where neither a calibration nor the prompt gives one: a middling guess.
@@ -55,6 +71,8 @@ FALLBACK_ALPHA = 0.5
 MEASURE_TOKENS = 256
 #: Rounds of timed calls (each kind's median counts), after one to warm up.
 MEASURE_REPS = 5
+#: What a plan chooses.
+CHOICES = ("plain", "fixed", "gated")
 
 
 @dataclass
@@ -63,17 +81,20 @@ class StartMeasurement:
 
     Attributes:
         seconds: ``{"high", "draft", "verify"}`` median seconds of a high-gear
-            step, a draft step and a verify of ``max_k + 1`` tokens.
-        max_k: the block cap the verify was timed at.
+            step, a draft step, and (a list) a verify of ``k + 1`` tokens for
+            k = 1..max_k; a single number is the verify at ``max_k`` alone.
+        max_k: the block cap the verifies were timed up to.
         alpha_greedy, alpha_sampled: agreement of the greedy choices and
             ``sum min(p, q)`` at temperature 1, over ``positions`` prompt positions.
+        stats: the per-position statistics (entropy, agreement) they came from.
     """
 
-    seconds: Dict[str, float]
+    seconds: Dict[str, Any]
     max_k: int
     alpha_greedy: float
     alpha_sampled: float
     positions: int
+    stats: Optional[DraftStats] = None
 
 
 def measure_start(
@@ -82,12 +103,12 @@ def measure_start(
     """Time both gears and read their agreement on the prompt ``ids`` (its last
     :data:`MEASURE_TOKENS`).
 
-    One prefill each (its logits give α), then ``reps`` rounds, after one to
-    warm up, each timing a high-gear step, a draft step and a verify of
-    ``max_k + 1`` tokens back to back on the warm caches (trimmed back after
-    each call). Each kind's median over the rounds counts: on a shared
-    machine, interleaving puts a slow spell on all three alike, and the
-    median drops the odd stalled call.
+    One prefill each (its logits give the statistics), then ``reps`` rounds,
+    after one to warm up, each timing a high-gear step, a draft step and a
+    verify of ``k + 1`` tokens for k = 1..max_k back to back on the warm
+    caches (trimmed back after each call). Each kind's median over the rounds
+    counts: on a shared machine, interleaving puts a slow spell on all of
+    them alike, and the median drops the odd stalled call.
     """
     ids = list(ids)[-MEASURE_TOKENS:]
     x = mx.array(ids)[None]
@@ -95,8 +116,9 @@ def measure_start(
     stats = compare_logits(model(x, cache=hc)[0], draft(x, cache=dc)[0])
     mx.eval([c.state for c in hc], [c.state for c in dc])
     one = mx.array(ids[-1:])[None]
-    block = mx.array((ids * (max_k + 1))[-(max_k + 1):])[None]
-    calls = {"high": (model, one, hc), "draft": (draft, one, dc), "verify": (model, block, hc)}
+    calls = {"high": (model, one, hc), "draft": (draft, one, dc)}
+    for k in range(1, max_k + 1):
+        calls[f"verify{k}"] = (model, mx.array((ids * (k + 1))[-(k + 1):])[None], hc)
     times: Dict[str, List[float]] = {k: [] for k in calls}
     for _ in range(reps + 1):
         for kind, (m, inp, cache) in calls.items():
@@ -105,8 +127,9 @@ def measure_start(
             times[kind].append(time.perf_counter() - tic)
             trim_prompt_cache(cache, inp.shape[1])
     s = stats.summary()
-    seconds = {k: statistics.median(t[1:]) for k, t in times.items()}
-    return StartMeasurement(seconds, max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n)
+    med = {k: statistics.median(t[1:]) for k, t in times.items()}
+    seconds = {"high": med["high"], "draft": med["draft"], "verify": [med[f"verify{k}"] for k in range(1, max_k + 1)]}
+    return StartMeasurement(seconds, max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n, stats)
 
 
 @dataclass
@@ -119,11 +142,19 @@ class SpeculativePlan:
         drafter: ``{"path", "detail", "reason"}`` of the path that drafts
             (:meth:`~gearbx_mlx.speculative.drafter.Drafter.describe`).
         draft_cost: c, a draft step in high-gear steps.
-        verify_cost: ``v[k]``, a verify of ``k + 1`` tokens in high-gear steps.
+        verify_cost: ``v[k]``, a verify of ``k + 1`` tokens in high-gear steps (k = 0..cap).
         alpha, alpha_source: the acceptance used, and where it came from.
-        speedups: ``S(k)`` for k = 1..max_draft.
-        best_k, best_speedup: the best of them.
+        speedups: fixed blocks' ``S(k)`` for k = 1..cap.
+        best_k, best_speedup: the chosen block cap and its modeled speed-up
+            (of gated blocks where ``choice == "gated"``).
         high_ms, draft_ms: the measured steps.
+        choice: ``plain``, ``fixed`` or ``gated`` (what runs).
+        stop_bits: the entropy stop of gated blocks, else None.
+        fixed: ``{"k", "speedup"}`` of the best fixed length.
+        gated: the best gated candidate (``k``, ``stop_bits``, ``percentile``,
+            ``p_continue``, ``alpha_below``, ``alpha_above``, ``speedup``), or
+            None where no statistics gave candidates.
+        gating_source: where the gated candidates came from.
     """
 
     speculate: bool
@@ -139,22 +170,52 @@ class SpeculativePlan:
     high_ms: float
     draft_ms: float
     threshold: float = MIN_MODELED_SPEEDUP
+    choice: str = "fixed"
+    stop_bits: Optional[float] = None
+    fixed: Dict[str, float] = field(default_factory=dict)
+    gated: Optional[Dict[str, float]] = None
+    gating_source: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
+    def chosen(self) -> str:
+        """The blocks that run, in words."""
+        if self.choice == "gated":
+            return f"gated blocks of up to {self.best_k} drafts, ending after a draft above {self.stop_bits:.2f} bits"
+        if self.choice == "fixed":
+            return f"fixed blocks of {self.best_k} drafts"
+        return "plain decoding in the high gear"
+
     def message(self) -> str:
         """One paragraph for the user: the path, the numbers, the decision."""
         d = self.drafter
         why = f"; {d['reason']}" if d.get("reason") else ""
+        v = "/".join(f"{x:.2f}" for x in self.verify_cost[1:])
         head = (f"drafter: {d['path']} path ({d['detail']}{why}). A draft step costs {self.draft_cost:.2f} of a "
-                f"high-gear step ({self.draft_ms:.1f} vs {self.high_ms:.1f} ms); alpha {self.alpha:.2f} "
-                f"({self.alpha_source}); modeled speed-up {self.best_speedup:.2f}x at best (block of {self.best_k})")
+                f"high-gear step ({self.draft_ms:.1f} vs {self.high_ms:.1f} ms), a verify of k+1 tokens "
+                f"{v} (k = 1..{len(self.verify_cost) - 1}); alpha {self.alpha:.2f} ({self.alpha_source}). "
+                f"Modeled: fixed blocks {self.fixed.get('speedup', 0.0):.2f}x at best (k={self.fixed.get('k')})")
+        if self.gated is not None:
+            g = self.gated
+            head += f", gated {g['speedup']:.2f}x (k<={g['k']}, stop {g['stop_bits']:.2f} bits)"
         if self.speculate:
-            return head + (": drafting (forced)." if self.best_speedup < self.threshold else ": drafting.")
-        return (head + f", below {self.threshold:.2f}x: decoding plainly in the high gear "
+            forced = " (forced)" if self.best_speedup < self.threshold else ""
+            return head + f": drafting{forced}, {self.chosen()}."
+        return (head + f"; below {self.threshold:.2f}x: decoding plainly in the high gear "
                 "(--speculative force drafts anyway).")
+
+
+def _gate_at(stats: DraftStats, stop: float, greedy: bool) -> Optional[Dict[str, float]]:
+    """The gating statistics of one given stop (None where a side is empty)."""
+    accept = [float(a) for a in stats.agree] if greedy else list(stats.accept_prob)
+    below = [a for h, a in zip(stats.draft_entropy, accept) if h <= stop]
+    above = [a for h, a in zip(stats.draft_entropy, accept) if h > stop]
+    if not below or not above:
+        return None
+    return {"percentile": None, "stop_bits": stop, "p_continue": len(below) / len(accept),
+            "alpha_below": sum(below) / len(below), "alpha_above": sum(above) / len(above)}
 
 
 def plan_speculative(
@@ -167,30 +228,38 @@ def plan_speculative(
     mode: str = "auto",
     calibration: Optional[Mapping[str, Any]] = None,
     measured: Optional[StartMeasurement] = None,
+    stop: Union[str, float, None] = CHOOSE,
+    exact_k: bool = False,
 ) -> SpeculativePlan:
-    """Decide whether to draft, from the costs measured here (see the module doc).
+    """Decide between plain decoding, fixed blocks and gated blocks from the costs measured here.
 
     Args:
         ids: the prompt's token ids (timed on, and α read off, unless ``measured``).
-        max_draft: the block cap of the run.
+        max_draft: the block cap of the run: lengths 1..max_draft are modeled.
         greedy: greedy decoding (α of the greedy choices; the host path).
         mode: ``auto`` (draft only where it models at least
             :data:`MIN_MODELED_SPEEDUP`) or ``force``.
         calibration: the saved draft-stop block of this drafter
-            (``alpha_greedy``, ``alpha_sampled``, ``n_samples``), if any.
+            (``alpha_greedy``, ``alpha_sampled``, ``n_samples``, ``gating``), if any.
         measured: a :class:`StartMeasurement` to use instead of measuring.
+        stop: :data:`CHOOSE` (the plan picks fixed or gated blocks), None
+            (fixed blocks only), or bits (gated blocks at this stop only).
+        exact_k: model only ``max_draft`` itself, not the shorter lengths.
 
     Raises:
-        ValueError: an unknown mode, or a block cap below 1.
+        ValueError: an unknown mode, a block cap below 1, or a negative stop.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if max_draft < 1:
         raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+    if stop != CHOOSE and stop is not None and not (isinstance(stop, (int, float)) and stop >= 0):
+        raise ValueError(f"stop must be {CHOOSE!r}, None or bits >= 0, got {stop!r}")
     m = measured if measured is not None else measure_start(model, draft, ids, max_draft)
     c, v = cost_ratios(m.seconds, m.max_k)
     v = [v[min(k, len(v) - 1)] for k in range(max_draft + 1)]
     key = "alpha_greedy" if greedy else "alpha_sampled"
+    saved = calibration.get("gating", {}).get("greedy" if greedy else "sampled") if calibration else None
     if calibration and calibration.get(key) is not None:
         alpha = float(calibration[key])
         source = f"saved calibration, {calibration.get('n_samples', '?')} positions of the high gear's continuations"
@@ -199,14 +268,44 @@ def plan_speculative(
         source = f"measured on {m.positions} prompt positions"
     else:
         alpha, source = FALLBACK_ALPHA, f"assumed: the prompt has {m.positions} positions"
+    ks = [max_draft] if exact_k else list(range(1, max_draft + 1))
     speedups = [modeled_speedup(alpha, k, c, v[k]) for k in range(1, max_draft + 1)]
-    best = max(range(max_draft), key=lambda i: speedups[i])
+    best_fixed = max(ks, key=lambda k: (round(speedups[k - 1], 9), -k))
+    fixed = {"k": best_fixed, "speedup": speedups[best_fixed - 1]}
+
+    # Gated candidates: the calibration's table, else the prompt's statistics.
+    stats = m.stats if m.stats is not None and m.positions >= MIN_ALPHA_POSITIONS else None
+    if stop == CHOOSE or stop is None:
+        table = saved if saved else (gating_table(stats, greedy) if stats is not None else [])
+        gating_source = ("saved calibration" if saved else "prompt positions" if stats is not None else None)
+    else:
+        at = _gate_at(stats, float(stop), greedy) if stats is not None else None
+        table = [at] if at else []
+        gating_source = f"the stop asked for, on {'prompt positions' if at else 'no statistics'}"
+    gated = None
+    if stop is not None and table:
+        cands = [{**g, "k": k, "speedup": gated_speedup(k, c, v, g["p_continue"], g["alpha_below"],
+                                                          g["alpha_above"])} for g in table for k in ks]
+        gated = max(cands, key=lambda g: (round(g["speedup"], 9), -g["k"]))
+
+    if stop not in (CHOOSE, None) and gated is None:
+        # A stop asked for without statistics to model it: model its blocks as fixed ones (p = 1).
+        gated = {"percentile": None, "stop_bits": float(stop), "p_continue": 1.0, "alpha_below": alpha,
+                 "alpha_above": alpha, "k": best_fixed, "speedup": fixed["speedup"]}
+    if stop is None or gated is None:
+        choice, best = "fixed", fixed
+    elif stop != CHOOSE or gated["speedup"] > GATED_MARGIN * fixed["speedup"]:
+        choice, best = "gated", gated
+    else:
+        choice, best = "fixed", fixed
+    speculate = mode == "force" or best["speedup"] >= MIN_MODELED_SPEEDUP
     sampled = None if greedy else _any_sampling  # make_drafter reads only whether drafts are sampled
     return SpeculativePlan(
-        speculate=mode == "force" or speedups[best] >= MIN_MODELED_SPEEDUP, mode=mode,
-        drafter=make_drafter(draft, log_dist=sampled).describe(), draft_cost=c, verify_cost=v, alpha=alpha,
-        alpha_source=source, speedups=speedups, best_k=best + 1, best_speedup=speedups[best],
-        high_ms=1e3 * m.seconds["high"], draft_ms=1e3 * m.seconds["draft"],
+        speculate=speculate, mode=mode, drafter=make_drafter(draft, log_dist=sampled).describe(), draft_cost=c,
+        verify_cost=v, alpha=alpha, alpha_source=source, speedups=speedups, best_k=int(best["k"]),
+        best_speedup=float(best["speedup"]), high_ms=1e3 * m.seconds["high"], draft_ms=1e3 * m.seconds["draft"],
+        choice=choice if speculate else "plain", stop_bits=float(best["stop_bits"]) if choice == "gated" else None,
+        fixed=fixed, gated=gated, gating_source=gating_source,
     )
 
 
@@ -215,6 +314,6 @@ def _any_sampling(logits: mx.array) -> mx.array:
 
 
 __all__ = [
-    "FALLBACK_ALPHA", "MEASURE_REPS", "MEASURE_TOKENS", "MIN_ALPHA_POSITIONS", "MIN_MODELED_SPEEDUP", "MODES",
-    "SpeculativePlan", "StartMeasurement", "measure_start", "plan_speculative",
+    "CHOICES", "CHOOSE", "FALLBACK_ALPHA", "GATED_MARGIN", "MEASURE_REPS", "MEASURE_TOKENS", "MIN_ALPHA_POSITIONS",
+    "MIN_MODELED_SPEEDUP", "MODES", "SpeculativePlan", "StartMeasurement", "measure_start", "plan_speculative",
 ]

@@ -1,0 +1,119 @@
+"""``python -m gearbx_mlx.bench``: what gearbx_mlx buys on this machine, in one table and one JSON file.
+
+The command line over :mod:`gearbx_mlx.evaluation.bench` (the measurements)
+and :mod:`gearbx_mlx.evaluation.bench_report` (the table, the comparison).
+``--compare A.json B.json`` prints two runs side by side and measures
+nothing. The JSON layout is documented in docs/BENCHMARKS.md ("The bench
+JSON"); attach the file to a bug report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .console import error_line, show_warning
+from .evaluation.bench import QUICK, SHAPES, BenchSettings, environment_command, load_subject, run_bench
+from .evaluation.bench_report import format_compare, format_result, load_result
+
+DEFAULT_OUT = "gearbx-bench.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchSettings()
+    p = argparse.ArgumentParser(
+        prog="python -m gearbx_mlx.bench",
+        description="Measure decode speed on this machine: plain decoding, every static gear with MLX's and the "
+                    "packed kernels, the dynamic policy (separate and nested store), speculative decoding (fixed "
+                    "and gated blocks, the automatic decision, with the draft and verify costs and acceptance "
+                    "measured here), memory. Prints a table and writes JSON.",
+    )
+    p.add_argument("--model", help="mlx-lm folder or hub id (default: the default model)")
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="a random-weight llama of this shape instead (speed only: acceptance and entropy of random "
+                        "weights are not a real model's)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="dtype of the default model's conversion, or of a --shape's weights (default bfloat16)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, one fixed block length, "
+                        f"{QUICK.budget_s:.0f} s at most")
+    p.add_argument("--tokens", type=int, help=f"decode tokens per run (default {d.tokens})")
+    p.add_argument("--rounds", type=int, help=f"passes over every configuration (default {d.rounds})")
+    p.add_argument("--ks", type=int, nargs="+", help=f"fixed block lengths to run (default {' '.join(map(str, d.ks))})")
+    p.add_argument("--max-draft", type=int, help=f"block cap of the automatic decision (default {d.max_draft})")
+    p.add_argument("--draft-gear", choices=("low", "mid"), help="the drafter's gear (default low)")
+    p.add_argument("--scope", choices=("attention", "all"), help=f"layers the gears manage (default {d.scope})")
+    p.add_argument("--kernels", nargs="+", choices=("mlx", "packed"), help="quantized kernels of the gear rows")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help=f"the whole run's time (default {d.budget_s:.0f}): each timed run stops after --tokens or "
+                        "its share of the time left, so a slow machine decodes fewer tokens per run")
+    p.add_argument("--no-budget", action="store_true", help="no time limit: every run decodes --tokens")
+    p.add_argument("--no-nested", action="store_true", help="skip the nested store")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated decision's row")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.json",
+                   help=f"where the JSON goes (default {DEFAULT_OUT})")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results side by side and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    """The settings the flags ask for: ``--quick`` or the defaults, then each flag given."""
+    base = QUICK if args.quick else BenchSettings()
+    changes = {k: v for k, v in {
+        "tokens": args.tokens, "rounds": args.rounds, "ks": tuple(args.ks) if args.ks else None,
+        "max_draft": args.max_draft, "draft_gear": args.draft_gear, "scope": args.scope,
+        "kernels": tuple(args.kernels) if args.kernels else None, "budget_s": args.budget,
+    }.items() if v is not None}
+    if args.no_budget:
+        changes["budget_s"] = None
+    if args.no_nested:
+        changes["nested"] = False
+    if args.no_calibrate:
+        changes["calibrate"] = False
+    return dataclasses.replace(base, **changes)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.showwarning = show_warning
+    try:
+        if args.compare:
+            a, b = (load_result(p) for p in args.compare)
+            print(format_compare(a, b, (Path(args.compare[0]).stem, Path(args.compare[1]).stem)))
+            return 0
+        if args.model and args.shape:
+            raise ValueError("give --model or --shape, not both")
+        out = Path(args.out).expanduser()
+        if not out.parent.is_dir():
+            raise FileNotFoundError(f"--out directory does not exist: {out.parent}")
+        settings = settings_from(args)
+        # As the speculative CLI does: MLX-CUDA reads it once, before the first attention call.
+        os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+        progress = None if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
+        if progress:
+            progress(f"loading {args.shape or args.model or 'the default model'} ...")
+        subject = load_subject(args.model, args.shape, args.dtype, settings.prompt)
+        result = run_bench(subject, settings, progress)
+        result["command"] = environment_command() if argv is None else "python -m gearbx_mlx.bench " + " ".join(argv)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(format_result(result))
+        print(f"wrote {out}: attach it to a bug report, or compare two with --compare A.json B.json",
+              file=sys.stderr)
+        return 0
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(error_line(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,574 @@
+"""One machine's numbers: what each gear, kernel, policy and speculative setting decodes at, and holds.
+
+:func:`run_bench` measures, on one model and one prompt, in one process:
+
+* the machine (:mod:`.machine`: chip and memory from the OS, versions, the
+  memory bandwidth MLX reaches);
+* plain decoding: ``mlx_lm.stream_generate`` on the loaded model, the
+  yardstick every row is divided by (``x_plain``);
+* each static gear through the gearbox, with MLX's quantized layers and with
+  the packed kernels, and on the nested store (the default for float
+  weights); the dynamic (entropy) policy on each;
+* speculative decoding: the draft step ``c``, the verify of ``k + 1`` tokens
+  ``v(k)`` and the acceptance α measured here; fixed block lengths, gated
+  blocks (the best stop of the closed form), and the automatic decision
+  (:func:`~gearbx_mlx.speculative.plan.plan_speculative`), from the prompt
+  alone and calibrated (the statistics ``--calibrate`` saves, read off the
+  high gear's continuation that every row decodes);
+* resident memory of every store and of the drafter, and the process peak.
+
+Every row decodes the same continuation of the same prompt (routed rows are
+forced to the high gear's greedy tokens, speculative rows emit them), and the
+rows run interleaved, round after round, with plain decoding at the start and
+the end of each round, so the drift of a shared machine falls on all of them
+alike; a row's speed is the median of its rounds. The result is one
+JSON-ready dict (the format is ``docs/BENCHMARKS.md``, "The bench JSON");
+:mod:`.bench_report` prints and compares it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import resource
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step, stream_generate as mlx_stream_generate
+from mlx_lm.models import llama
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..chat import encode_chat
+from ..config import GearboxConfig
+from ..gearbox import Gearbox, vocab_size_of
+from ..generation import load, stream_generate
+from ..packed import guard
+from ..policies import PositionPolicy, StaticPolicy
+from ..precision import default_kernel, nbytes
+from ..sources.models import resolve_model
+from ..speculative.calibration import (
+    DraftStats,
+    best_replay,
+    draft_stats,
+    gating_table,
+    modeled_speedup,
+)
+from ..speculative.decode import SpeculativeConfig, get_draft, stream_speculative_generate
+from ..speculative.plan import CHOOSE, measure_start, plan_speculative
+from .machine import bandwidth, hardware, load_average, software
+from .speed import forcing_sampler
+
+#: Version of the JSON layout (docs/BENCHMARKS.md, "The bench JSON").
+FORMAT_VERSION = 1
+PROMPT = "Explain in one paragraph why the sky is blue."
+#: Random-weight llama shapes for ``--shape`` (as scripts/bench_speculative.py builds them).
+SHAPES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+}
+#: The automatic decision must decode at least this share of plain decoding's speed, in the same run.
+AUTO_FLOOR = 0.95
+#: A run that hits its share of the time budget stops once it has decoded this many tokens.
+MIN_RUN_TOKENS = 8
+#: The share of the budget the high gear's continuation (the tokens every row decodes) may take.
+CONTINUATION_SHARE = 0.08
+#: The least time a run is given, however little of the budget is left.
+MIN_RUN_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What a bench run measures (defaults: the full run; :data:`QUICK` for CI).
+
+    Attributes:
+        tokens: decode tokens per run (at most: see ``budget_s``).
+        rounds: passes over every configuration; each row's speed is the median.
+        kernels: the quantized kernels of the separate store's gear rows (``mlx``, ``packed``).
+        scope: the layers the gears manage.
+        draft_gear: the speculative drafter's gear.
+        ks: the fixed block lengths run.
+        max_draft: the block cap the automatic decision models lengths up to.
+        nested: also run the gears and the dynamic policy on the nested store.
+        calibrate: also run the calibrated decision (its statistics from the continuation).
+        budget_s: the whole bench's time (setup included): each timed run
+            stops after ``tokens`` or its share of what is left, whichever
+            comes first (but not before :data:`MIN_RUN_TOKENS` tokens, nor
+            :data:`MIN_RUN_SECONDS`), so a slow or busy machine decodes fewer
+            tokens per run rather than running past it. None: no limit.
+        prompt: the prompt (chat-templated for a real model).
+    """
+
+    tokens: int = 64
+    rounds: int = 2
+    kernels: Tuple[str, ...] = ("mlx", "packed")
+    scope: str = "all"
+    draft_gear: str = "low"
+    ks: Tuple[int, ...] = (2, 4)
+    max_draft: int = 6
+    nested: bool = True
+    calibrate: bool = True
+    budget_s: Optional[float] = 270.0
+    prompt: str = PROMPT
+
+    def __post_init__(self) -> None:
+        if self.tokens < 4:
+            raise ValueError(f"--tokens must be at least 4, got {self.tokens}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"--ks must be block lengths >= 1, got {self.ks}")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise ValueError(f"--budget must be seconds > 0, got {self.budget_s}")
+
+
+#: The CI setting: a few seconds of decoding per row, one round.
+QUICK = BenchSettings(tokens=16, rounds=1, ks=(4,), max_draft=4, budget_s=120.0)
+
+
+class IdTokenizer:
+    """A stand-in tokenizer for random-weight models: a character per token, no EOS.
+
+    The bench feeds token ids; mlx-lm's detokenizer only needs ``encode`` and
+    ``decode`` to agree on something.
+    """
+
+    eos_token_id = None
+    bos_token = None
+    chat_template = None
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> Dict[str, int]:
+        return {f"{chr(97 + i % 26)}{i // 26}": i for i in range(self.vocab)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return [ord(ch) % self.vocab for ch in text]
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def apply_chat_template(self, *_: Any, **__: Any) -> Any:
+        raise ValueError("a random-weight model has no chat template")
+
+
+@dataclass
+class Subject:
+    """The model a bench runs on, and the prompt's token ids."""
+
+    model: nn.Module
+    tokenizer: Any
+    name: str
+    source: str  # "model" (a folder or the default) or "random" (a --shape)
+    prompt_ids: List[int]
+    dtype: str
+    folder: Optional[Path] = None  # the model's folder: the nested store caches its planes there
+
+
+def load_subject(model: Optional[str] = None, shape: Optional[str] = None, dtype: Optional[str] = None,
+                 prompt: str = PROMPT) -> Subject:
+    """The default model, a model folder or hub id, or a random-weight llama of a named shape."""
+    if shape is not None:
+        if shape not in SHAPES:
+            raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape!r}")
+        args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SHAPES[shape])
+        mx.random.seed(0)  # a fixed model: mlx-lm's own initialization, seeded
+        m = llama.Model(args)
+        m.set_dtype(getattr(mx, dtype or "bfloat16"))
+        mx.eval(m.parameters())
+        ids = mx.random.randint(0, args.vocab_size, (32,)).tolist()
+        return Subject(m, TokenizerWrapper(IdTokenizer(args.vocab_size)), f"{shape} (random weights)", "random",
+                       ids, dtype or "bfloat16")
+    m, tok, _ = load(model, dtype=dtype)
+    name = model or "default (SmolLM2-135M-Instruct)"
+    folder = Path(resolve_model(model, dtype))
+    return Subject(m, tok, name, "model", encode_chat(tok, prompt), str(_dtype_of(m)).rsplit(".", 1)[-1],
+                   folder if folder.is_dir() else None)
+
+
+def _dtype_of(model: nn.Module) -> Any:
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return None
+
+
+# -- the runs -----------------------------------------------------------------------------
+
+
+def continuation(subject: Subject, n: int, cap: Optional[float] = None) -> List[int]:
+    """The high gear's greedy continuation of the prompt, ``n`` tokens (the work every row does),
+    fewer where ``cap`` seconds run out first (but at least :data:`MIN_RUN_TOKENS`)."""
+    steps = generate_step(mx.array(subject.prompt_ids), subject.model, max_tokens=n)
+    return [int(tok) for tok, _ in itertools.islice(_steps_until(steps, cap), n)]
+
+
+def _steps_until(stream: Iterator[Any], cap: Optional[float]) -> Iterator[Any]:
+    """``stream``, ending once ``cap`` seconds have passed and :data:`MIN_RUN_TOKENS` items are out."""
+    tic = time.perf_counter()
+    for i, item in enumerate(stream, 1):
+        yield item
+        if cap is not None and i >= MIN_RUN_TOKENS and time.perf_counter() - tic > cap:
+            return
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No warnings: the ones a bench triggers are known and recorded (the double-quantization note)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _until(stream: Iterator[Any], cap: Optional[float]) -> Any:
+    """The last response of ``stream``, which stops early once ``cap`` seconds have
+    passed and :data:`MIN_RUN_TOKENS` tokens are out (tokens/s is then over those)."""
+    last = None
+    for last in _steps_until(stream, cap):  # noqa: B007  (the last response is the run's)
+        pass
+    return last
+
+
+def run_plain(subject: Subject, forced: Sequence[int], cap: Optional[float] = None) -> Dict[str, Any]:
+    """``mlx_lm.stream_generate`` on the loaded model: no gearbox at all."""
+    last = _until(mlx_stream_generate(subject.model, subject.tokenizer, mx.array(subject.prompt_ids),
+                                      sampler=forcing_sampler(forced), max_tokens=len(forced)), cap)
+    return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens}
+
+
+def run_routed(subject: Subject, gearbox: Gearbox, policy: Any, forced: Sequence[int],
+               cap: Optional[float] = None) -> Dict[str, Any]:
+    """The gearbox's own decode loop (``gearbx_mlx.stream_generate``) with ``policy``."""
+    with quiet():
+        last = _until(stream_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox, policy=policy,
+                                      sampler=forcing_sampler(forced), max_tokens=len(forced), prompt_text=""), cap)
+    s = last.session
+    return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens,
+            "gears": s.gear_counts(), "shifts": sum(1 for r in s.records if r.shifted)}
+
+
+def run_speculative(subject: Subject, gearbox: Gearbox, draft: Any, config: SpeculativeConfig, n: int,
+                    plan: Any = None, cap: Optional[float] = None) -> Dict[str, Any]:
+    """``stream_speculative_generate`` (greedy: it emits the high gear's own tokens)."""
+    last = _until(stream_speculative_generate(subject.model, subject.tokenizer, subject.prompt_ids, gearbox,
+                                              config=config, draft=draft, plan=plan, max_tokens=n), cap)
+    s = last.stats.summary()
+    return {"tokens_per_s": last.generation_tps, "decode_tokens": last.generation_tokens,
+            **{k: s[k] for k in ("blocks", "drafted", "accepted", "acceptance_rate", "tokens_per_block",
+                                 "mean_drafted_length", "stops")}}
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One configuration: how to run it once (``run(cap)``), and what it is."""
+
+    section: str
+    label: str
+    run: Callable[[Optional[float]], Dict[str, Any]]
+    meta: Dict[str, Any]
+    runs: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    paired: List[float] = dataclasses.field(default_factory=list)  # each run over its neighbouring plain runs
+
+
+class Clock:
+    """Each run's share of the time left: ``(deadline - now) / runs left``, at least :data:`MIN_RUN_SECONDS`."""
+
+    def __init__(self, start: float, budget_s: Optional[float], runs: int) -> None:
+        self.deadline = None if budget_s is None else start + budget_s
+        self.left = runs
+
+    def cap(self) -> Optional[float]:
+        if self.deadline is None:
+            return None
+        share = (self.deadline - time.perf_counter()) / max(self.left, 1)
+        self.left -= 1
+        return max(MIN_RUN_SECONDS, share)
+
+
+def _continuation_stats(subject: Subject, draft: Any, forced: Sequence[int]) -> DraftStats:
+    """The drafter against the high gear on the high gear's own continuation (teacher-forced)."""
+    seq = list(subject.prompt_ids) + list(forced)
+    full = draft_stats(subject.model, draft, seq, window=len(seq))
+    keep = slice(len(subject.prompt_ids) - 1, len(seq) - 1)
+    return DraftStats(*[getattr(full, f)[keep] for f in ("draft_entropy", "high_entropy", "agree", "accept_prob")])
+
+
+def _gear_rows(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
+               say: Callable[[str], None]) -> Tuple[Dict[str, Gearbox], Dict[str, Any], List[Row]]:
+    """The gearboxes (one per kernel on the separate store, and the nested store) and their rows."""
+    boxes: Dict[str, Gearbox] = {}
+    prep: Dict[str, Any] = {}
+    say("building the gears (quantizing once per kernel) ...")
+    for k in settings.kernels:
+        gb = Gearbox(subject.model, GearboxConfig(kernel=k, scope=settings.scope, store="separate",
+                                                  initial_gear="high"), vocab)
+        with quiet():
+            prep[k] = {g: gb.prepare(g) for g in ("low", "mid")}
+        boxes[k] = gb
+    if settings.nested:
+        say("building the nested store's planes (or reading them from the model's folder) ...")
+        t0 = time.perf_counter()
+        with quiet():
+            boxes["nested"] = Gearbox(subject.model, GearboxConfig(kernel="packed", scope=settings.scope,
+                                                                   store="nested", initial_gear="high"),
+                                      vocab, planes_dir=subject.folder)
+        prep["nested"] = {"planes": time.perf_counter() - t0, "origin": boxes["nested"].manager.planes_origin}
+
+    def routed(gb: Gearbox, policy: Any) -> Callable[[Optional[float]], Dict[str, Any]]:
+        return lambda cap: run_routed(subject, gb, policy, forced, cap)
+
+    first = boxes[settings.kernels[0]]
+    rows = [Row("static", "high (gearbox)", routed(first, StaticPolicy("high")), {"gear": "high", "policy": "static"})]
+    stores = [(k, k, "separate") for k in settings.kernels] + ([("nested", "packed", "nested")] if settings.nested
+                                                               else [])
+    for box, kernel, store in stores:
+        name = "nested store" if store == "nested" else kernel
+        for g in ("mid", "low"):
+            # The prompt in the high gear, every decoded token in g: the table is
+            # about decode speed, and quantized layers on MLX's CPU backend
+            # prefill so slowly that it took most of a static row's time.
+            rows.append(Row("static", f"{g}, {name}", routed(boxes[box], PositionPolicy(1, "high", g)),
+                            {"gear": g, "kernel": kernel, "policy": "static", "store": store}))
+    for box, kernel, store in stores:
+        label = "dynamic, packed, nested store" if store == "nested" else f"dynamic, {kernel}"
+        rows.append(Row("dynamic", label, routed(boxes[box], None),
+                        {"policy": "entropy", "kernel": kernel, "store": store}))
+    return boxes, prep, rows
+
+
+def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
+              progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """Measure everything of the module doc on ``subject``; the JSON-ready result.
+
+    The timed runs: the table's first round (every row once, plain decoding
+    at its start and end); the decision's pairs (plain decoding and the
+    automatic rows alternate ``rounds + 1`` times, plain decoding first and
+    last; each automatic run is divided by the mean of the plain runs right
+    before and after its group, and the median of these ratios is its
+    ``x_plain``: the drift of a shared machine between neighbours is small
+    next to its drift over a round); then the table's other rounds, each only
+    if the budget has room for another as long as the first (``rounds_run``).
+    """
+    say = progress or (lambda _: None)
+    tic, created = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    model, n = subject.model, settings.tokens
+    say("machine: hardware, versions, memory bandwidth ...")
+    machine = {"hardware": hardware(), "software": software(), "bandwidth": bandwidth(),
+               "load_average": {"start": load_average()}}
+    say(f"the high gear's continuation ({n} tokens) ...")
+    # Every row decodes these tokens: on a slow machine, fewer (a share of the budget, as a run's).
+    forced = continuation(subject, n, None if settings.budget_s is None else CONTINUATION_SHARE * settings.budget_s)
+    vocab = vocab_size_of(model)
+    info = {"name": subject.name, "source": subject.source, "dtype": subject.dtype, "vocab_size": vocab,
+            "weight_bytes": nbytes(model), "prompt_tokens": len(subject.prompt_ids)}
+
+    boxes, prep, gear_rows = _gear_rows(subject, settings, forced, vocab, say)
+    plain_row = Row("plain", "plain decoding (mlx-lm)", lambda cap: run_plain(subject, forced, cap),
+                    {"policy": "plain"})
+    spec, spec_rows, auto_rows, draft = _speculative(subject, settings, forced, vocab, boxes, say)
+    rows = [plain_row] + gear_rows + spec_rows
+    order = rows + [plain_row]  # plain decoding brackets each round
+    pairs = settings.rounds + 1
+    total = settings.rounds * len(order) + pairs * len(auto_rows) + (pairs + 1 if auto_rows else 0)
+    clock = Clock(tic, settings.budget_s, total)
+    progress_count = [0]
+
+    def run(row: Row, what: str) -> Dict[str, Any]:
+        progress_count[0] += 1
+        say(f"[{progress_count[0]}/{total}] {what}: {row.label} ...")
+        return row.run(clock.cap())
+
+    rounds_run, round_seconds = 0, 0.0
+    for r in range(settings.rounds):
+        # The first round, then the decision's pairs (the check needs them),
+        # then the other rounds while one more fits in the budget.
+        if r > 0 and clock.deadline is not None and time.perf_counter() + round_seconds > clock.deadline:
+            say(f"the time budget leaves no room for round {r + 1} of {settings.rounds}: "
+                f"rows keep {rounds_run} (--budget or --no-budget gives more)")
+            break
+        t0 = time.perf_counter()
+        for row in order:
+            row.runs.append(run(row, f"round {r + 1}"))
+        round_seconds, rounds_run = time.perf_counter() - t0, rounds_run + 1
+        if r == 0 and auto_rows:
+            say("the automatic decision against plain decoding, run by run ...")
+            _pairs(plain_row, auto_rows, pairs, run)
+    plain = statistics.median(x["tokens_per_s"] for x in plain_row.runs)
+    out_rows = [_summarize(row, plain) for row in rows + auto_rows]
+    machine["load_average"]["end"] = load_average()
+    checks = [{"name": f"{row['label']} >= {AUTO_FLOOR:.2f}x plain decoding", "value": row["x_plain"],
+               "floor": AUTO_FLOOR, "passed": row["x_plain"] >= AUTO_FLOOR, "pairs": row["paired_x_plain"]}
+              for row in out_rows if row.get("policy") == "speculative-auto"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "gearbx-bench",
+        "created": created,
+        "settings": dataclasses.asdict(settings),
+        "machine": machine,
+        "model": info,
+        "plain_tokens_per_s": plain,
+        "rounds_run": rounds_run,
+        "rows": out_rows,
+        "speculative": spec,
+        "memory": _memory(subject, boxes, draft),
+        "preparation_seconds": prep,
+        "first_use": guard.status(),
+        "checks": checks,
+        "seconds": time.perf_counter() - tic,
+    }
+
+
+def _pairs(plain_row: Row, auto_rows: Sequence[Row], pairs: int,
+           run: Callable[[Row, str], Dict[str, Any]]) -> None:
+    """Plain decoding and the automatic rows in turn, ``pairs`` times, plain decoding first and last;
+    each automatic run over the mean of the plain runs right before and after its group."""
+    before = None
+    for i in range(pairs + 1):
+        plain_row.runs.append(run(plain_row, f"pair {min(i + 1, pairs)}"))
+        after = plain_row.runs[-1]["tokens_per_s"]
+        if before is not None:
+            for row in auto_rows:
+                row.paired.append(row.runs[-1]["tokens_per_s"] / (0.5 * (before + after)))
+        before = after
+        if i == pairs:
+            break
+        for row in auto_rows:
+            row.runs.append(run(row, f"pair {i + 1}"))
+
+
+def _summarize(row: Row, plain: float) -> Dict[str, Any]:
+    tps = [x["tokens_per_s"] for x in row.runs]
+    med = statistics.median(tps)
+    last = row.runs[-1]
+    extra = {k: v for k, v in last.items() if k not in ("tokens_per_s", "decode_tokens")}
+    out = {"section": row.section, "label": row.label, **row.meta, "tokens_per_s": med,
+           "x_plain": (statistics.median(row.paired) if row.paired else med / plain) if plain else None,
+           "runs_tokens_per_s": tps, "decode_tokens": min(x["decode_tokens"] for x in row.runs),
+           "runs_decode_tokens": [x["decode_tokens"] for x in row.runs], **extra}
+    if row.paired:
+        out["paired_x_plain"] = list(row.paired)
+    return out
+
+
+def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
+                 boxes: Dict[str, Gearbox], say: Callable[[str], None]
+                 ) -> Tuple[Dict[str, Any], List[Row], List[Row], Any]:
+    """The drafter's measured costs and acceptance, the plans, the speculative rows
+    (fixed and gated blocks) and the automatic decision's rows.
+
+    The drafter is the one ``--speculative`` builds: every layer in the draft
+    gear, views of the nested store's planes where the bench runs that store
+    (the default for float weights), else with this machine's default kernel
+    (sharing that gearbox's gear when the gear rows built it for every layer).
+    """
+    model = subject.model
+    kernel = default_kernel()
+    # As generate --speculative drafts: from the nested store's planes where it
+    # is run (the default for float weights), else this machine's kernel's gear.
+    store = "nested" if "nested" in boxes and settings.scope == "all" else "separate"
+    gb = boxes["nested"] if store == "nested" else boxes.get(kernel) if settings.scope == "all" else None
+    gb = gb or Gearbox(model, GearboxConfig(kernel=kernel, scope="all", store="separate", initial_gear="high"),
+                       vocab)
+    kernel = gb.config.kernel
+    with quiet():
+        draft = get_draft(model, gb, settings.draft_gear, "all")
+    cap = max(settings.max_draft, max(settings.ks))
+    say(f"timing a draft step and verifies of k+1 tokens (k = 1..{cap}) ...")
+    measured = measure_start(model, draft, subject.prompt_ids, cap)
+    cont = _continuation_stats(subject, draft, forced)
+    alpha = cont.summary()["alpha_greedy"]
+    c = measured.seconds["draft"] / measured.seconds["high"]
+    v = [1.0] + [t / measured.seconds["high"] for t in measured.seconds["verify"]]
+    cal: Optional[Dict[str, Any]] = None
+    if settings.calibrate:
+        # What --calibrate measures on its prompts' continuations (alpha, the
+        # gating table, the best replayed stop), read off the continuation the
+        # rows decode: no extra decoding, which on a slow machine would take
+        # the runs' time (and random weights have no text to calibrate on).
+        cal = {**cont.summary(), "n_samples": cont.n, **best_replay(cont, c, v), "source": "continuation",
+               "gating": {"greedy": gating_table(cont, True), "sampled": gating_table(cont, False)}}
+    plan_prompt = plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured)
+    plan_cal = (plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured,
+                                 calibration=cal) if cal else None)
+    # The best gated blocks the closed form finds on the continuation (or the calibration).
+    gated = plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured, stop=CHOOSE,
+                             calibration=cal or {"gating": {"greedy": gating_table(cont, True)}}).gated
+    base = SpeculativeConfig(draft_gear=settings.draft_gear, draft_scope="all")
+    rows: List[Row] = []
+    for k in settings.ks:
+        cfg = dataclasses.replace(base, max_draft=k)
+        rows.append(Row("speculative", f"speculative, fixed k={k}",
+                        lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
+                        {"policy": "speculative-fixed", "k": k,
+                         "modeled_x_high": modeled_speedup(alpha, k, c, v[min(k, len(v) - 1)])}))
+    if gated is not None:
+        cfg = dataclasses.replace(base, max_draft=int(gated["k"]), draft_entropy_stop=float(gated["stop_bits"]))
+        rows.append(Row("speculative", f"speculative, gated k<={gated['k']} stop {gated['stop_bits']:.2f} bits",
+                        lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
+                        {"policy": "speculative-gated", "key": "speculative, gated", "k": int(gated["k"]),
+                         "stop_bits": gated["stop_bits"],
+                         "modeled_x_high": gated["speedup"]}))
+    auto: List[Row] = []
+    for name, plan in (("auto", plan_prompt), ("auto, calibrated", plan_cal)):
+        if plan is None:
+            continue
+        cfg = dataclasses.replace(base, max_draft=settings.max_draft)
+        auto.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
+            f" k={plan.best_k}" if plan.speculate else ""),
+            lambda cap, cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, len(forced), plan=plan, cap=cap),
+            {"policy": "speculative-auto", "key": f"speculative {name}", "choice": plan.choice,
+             "k": plan.best_k if plan.speculate else None,
+             "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
+    spec = {
+        "draft_gear": settings.draft_gear, "store": store, "kernel": kernel, "drafter": plan_prompt.drafter,
+        "costs": {"high_ms": 1e3 * measured.seconds["high"], "draft_ms": 1e3 * measured.seconds["draft"],
+                  "verify_ms": [1e3 * t for t in measured.seconds["verify"]], "c": c, "v": v},
+        "alpha": {"prompt": measured.alpha_greedy, "prompt_positions": measured.positions,
+                  "continuation": alpha, "continuation_positions": cont.n,
+                  "calibration": cal.get("alpha_greedy") if cal else None},
+        "plans": {"prompt": plan_prompt.to_dict(), "calibrated": plan_cal.to_dict() if plan_cal else None},
+        "calibration": cal,
+    }
+    return spec, rows, auto, draft
+
+
+def _memory(subject: Subject, boxes: Dict[str, Gearbox], draft: Any) -> Dict[str, Any]:
+    """Bytes held: the loaded weights, each store's managed layers, the drafter, the process peak."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out: Dict[str, Any] = {
+        "weights_bytes": nbytes(subject.model),
+        "stores": {k: gb.manager.memory() for k, gb in boxes.items()},
+        "drafter": dict(draft.memory) if draft is not None else None,
+        # ru_maxrss is in bytes on macOS, in KiB on Linux.
+        "process_peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024,
+        "mlx_peak_bytes": mx.get_peak_memory(),
+        "mlx_active_bytes": mx.get_active_memory(),
+    }
+    return out
+
+
+def environment_command() -> str:
+    """The command line of this process, as the JSON records it."""
+    return " ".join(["python", "-m", "gearbx_mlx.bench"] + sys.argv[1:])
+
+
+__all__ = ["AUTO_FLOOR", "BenchSettings", "FORMAT_VERSION", "IdTokenizer", "PROMPT", "QUICK", "SHAPES", "Subject",
+           "continuation", "environment_command", "load_subject", "run_bench", "run_plain", "run_routed",
+           "run_speculative"]
+
