@@ -13,6 +13,11 @@ A gear shift is one ``model.update_modules`` call driven by a plan
   The high gear is the loaded weights (``high='original'``) or every plane
   (``high='planes'``, and the loaded weights are dropped).
 
+On a model sharded with ``model.shard()`` (mlx.distributed) the managed
+modules are MLX's sharded linears: each rank builds every gear from its own
+shard (:mod:`gearbx_mlx.distributed.layers`), so the gears of a rank hold
+only its shard, and a sharded-to-all gear keeps the sum over the ranks.
+
 Memory, truthfully: MLX on Apple Silicon has one unified memory pool, and on
 the Linux CPU backend there is no device pool at all, so nothing is
 offloaded. :meth:`PrecisionManager.memory` counts every array the gears hold,
@@ -34,6 +39,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .affine import bytes_per_weight
 from .config import GEARS, GearboxConfig, bits_for, resolve_store
+from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
 from .nested.layers import NestedWeights
 from .nested.store import (
     PlanesCacheError,
@@ -106,13 +112,15 @@ def discover(
     ``all``: every ``nn.Linear``, plus the embedding of a tied-embedding model
     (its ``as_linear`` is the output projection, the largest matrix of a
     small model). Layers whose input size is not a multiple of the group size
-    cannot be quantized by MLX and stay in full precision. With ``quantized``,
+    cannot be quantized by MLX and stay in full precision (for a sharded
+    linear, the input size of the rank's shard). With ``quantized``,
     MLX's quantized layers are managed instead of float ones (the nested store
     re-expresses 8-bit layers).
     """
     managed, skipped = [], []
     tied = scope == "all" and _output_is_tied(model)
-    linear = nn.QuantizedLinear if quantized else nn.Linear
+    # MLX's sharded linears count as linears: their gears are built from the rank's shard.
+    linear = (nn.QuantizedLinear, *QUANTIZED_SHARDED) if quantized else (nn.Linear, *FLOAT_SHARDED)
     embedding = nn.QuantizedEmbedding if quantized else nn.Embedding
     for path, m in model.named_modules():
         if isinstance(m, linear):
@@ -132,12 +140,16 @@ def discover(
 
 def _all_affine_8bit(model: nn.Module) -> bool:
     """True if every quantized layer of the model is MLX 8-bit affine."""
-    found = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, *QUANTIZED_SHARDED)
+    found = [m for _, m in model.named_modules() if isinstance(m, kinds)]
     return bool(found) and all(m.bits == 8 and getattr(m, "mode", "affine") == "affine" for m in found)
 
 
 def read_bytes(module: nn.Module) -> int:
     """Bytes a forward pass through ``module`` reads: a nested view's planes, else every array."""
+    if isinstance(module, ShardedSumLinear):
+        bias = module.get("bias")
+        return read_bytes(module.local) + (bias.nbytes if bias is not None else 0)
     weights = getattr(module, "nested", None)
     if isinstance(weights, NestedWeights):
         bias = weights.get("bias")
@@ -264,6 +276,9 @@ class PrecisionManager:
         modules = dict(model.named_modules())
         # The very objects that were loaded: the high gear restores these (unless it reads planes).
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}
+        # What the gears are built from: each module itself, or the rank's shard of a sharded linear.
+        self.sources: Dict[str, nn.Module] = {
+            p: local_linear(m) if is_sharded(m) else m for p, m in self.originals.items()}
         #: Bytes of the managed modules as loaded (kept: a nested high gear lets them go).
         self.managed_loaded_bytes = sum(nbytes(m) for m in self.originals.values())
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
@@ -289,30 +304,38 @@ class PrecisionManager:
         plan = plan_for(c.high, self.source == "quantized-8bit", c.group_size)
         key = None
         if planes_dir is not None:
-            key = cache_key(fingerprint(planes_dir), self.paths, plan)
+            key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard())
             self.planes_file = cache_path(planes_dir, key, cache_dir() / "planes")
             if self.planes_file.exists():
-                shapes = {p: module_shape(m) for p, m in self.originals.items()}
+                shapes = {p: module_shape(m) for p, m in self.sources.items()}
                 try:
                     self.nested = load_nested(self.planes_file, key, shapes, plan)
                     self.planes_origin = "cache"
                 except PlanesCacheError as e:
                     warnings.warn(f"{e}; rebuilding it", stacklevel=3)
         if self.nested is None:
-            self.nested = build_nested(self.originals, plan)
+            self.nested = build_nested(self.sources, plan)
             self.planes_origin = "built"
             if self.planes_file is not None and key is not None:
                 try:
                     save_nested(self.planes_file, self.nested, key)
                 except OSError as e:
                     self.planes_origin = f"built (cache not written: {e})"
-        self.cache = gear_views(self.nested, self.originals, c.high, fused=c.kernel == "packed")
+        views = gear_views(self.nested, self.originals, c.high, fused=c.kernel == "packed")
+        self.cache = {g: {p: shard_gear(m, self.originals[p]) for p, m in mods.items()} for g, mods in views.items()}
         mx.eval([w.parameters() for w in self.nested.values()])
         self.planes_seconds = time.perf_counter() - tic
         if c.high == "planes":
             # The high gear reads the planes: install it now, and let the loaded weights go.
             self.model.update_modules(self._tree("high"))
-            self.originals = {}
+            self.originals, self.sources = {}, {}
+
+    def _shard(self) -> Tuple[int, int]:
+        """``(rank, ranks)`` of the group the managed layers are sharded over; ``(0, 1)`` if none."""
+        for m in self.originals.values():
+            if is_sharded(m):
+                return m.group.rank(), m.group.size()
+        return 0, 1
 
     # -- quantization -------------------------------------------------------
     def prepare(self, gear: str) -> float:
@@ -322,7 +345,7 @@ class PrecisionManager:
             return 0.0  # a nested store built every gear with its planes
         tic = time.perf_counter()
         built = {
-            p: self._quantizer(m, bits, self.config.group_size) for p, m in self.originals.items()
+            p: self._quantizer(m, bits, self.config.group_size) for p, m in self.sources.items()
         }
         mx.eval([m.parameters() for m in built.values()])
         if self.config.kernel == "packed":
@@ -330,6 +353,7 @@ class PrecisionManager:
             # cannot fuse; on the CPU each member computes its own rows).
 
             built = fuse_modules(built)
+        built = {p: shard_gear(m, self.originals[p]) for p, m in built.items()}
         dt = time.perf_counter() - tic
         self.cache[gear] = built
         self.quantize_seconds[gear] = dt

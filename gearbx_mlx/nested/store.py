@@ -21,6 +21,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
 from .layers import NestedWeights, is_embedding, make_view, nested_weights_of
 from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, PlaneSpec
@@ -66,11 +67,16 @@ def gear_views(
     return out
 
 
+#: MLX's quantized layers, sharded ones (``model.shard()`` of a quantized model) included.
+QUANTIZED_LAYERS = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)
+
+
 def module_shape(module: nn.Module) -> Tuple[int, int]:
-    """``(out, in)`` of a float or MLX-quantized linear/embedding, without evaluating it."""
+    """``(out, in)`` of a float or MLX-quantized linear/embedding, without evaluating it
+    (of the rank's shard, for a sharded linear)."""
     rows, cols = module.weight.shape
     bits = getattr(module, "bits", None)
-    return (rows, cols * 32 // bits) if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else (rows, cols)
+    return (rows, cols * 32 // bits) if isinstance(module, QUANTIZED_LAYERS) else (rows, cols)
 
 
 # -- the disk cache ----------------------------------------------------------------------
@@ -123,10 +129,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
-def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[PlaneSpec]) -> str:
-    """What a planes file is valid for: the weights, the managed paths, the plan."""
-    text = json.dumps([FORMAT_VERSION, model_fingerprint, list(paths), [list(s) for s in plan]])
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[PlaneSpec],
+              shard: Tuple[int, int] = (0, 1)) -> str:
+    """What a planes file is valid for: the weights, the managed paths, the plan, and for a
+    model sharded over ``shard = (rank, ranks)`` with ``ranks > 1``, which shard."""
+    parts: list = [FORMAT_VERSION, model_fingerprint, list(paths), [list(s) for s in plan]]
+    if shard[1] > 1:  # one process keeps the key it always had
+        parts.append(list(shard))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
 def cache_path(model_dir: Path, key: str, fallback_dir: Path) -> Path:
