@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -177,6 +177,7 @@ def collect_entropies(
     prompts: Sequence[str] = CALIBRATION_PROMPTS,
     max_tokens: int = CALIBRATION.tokens_per_prompt,
     batched: bool = True,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
 ) -> List[float]:
     """Entropies (bits) of greedy generation from each prompt, model as is.
 
@@ -187,9 +188,11 @@ def collect_entropies(
     loop's (``batched=False``, the reference), to float rounding of the
     batched products; models whose cache is not mlx-lm's plain KVCache
     (sliding-window layers) are run one prompt at a time.
+    ``sampler``: the greedy choice (default mlx-lm's argmax; a sharded model
+    passes one that takes rank 0's, so that every rank generates the same text).
     """
     if batched and len(prompts) > 1 and all(type(c) is KVCache for c in make_prompt_cache(model)):
-        return _collect_batched(model, tokenizer, prompts, max_tokens)
+        return _collect_batched(model, tokenizer, prompts, max_tokens, sampler)
     out: List[float] = []
     for prompt in prompts:
         ids = encode_chat(tokenizer, prompt)
@@ -201,7 +204,7 @@ def collect_entropies(
 
         for _n, (tok, _lp) in zip(
             range(max_tokens),
-            generate_step(mx.array(ids), model, max_tokens=max_tokens, logits_processors=[record]),
+            generate_step(mx.array(ids), model, max_tokens=max_tokens, logits_processors=[record], sampler=sampler),
         ):
             if tok in getattr(tokenizer, "eos_token_ids", ()):
                 break
@@ -210,7 +213,8 @@ def collect_entropies(
     return out
 
 
-def _collect_batched(model: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> List[float]:
+def _collect_batched(model: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int,
+                     sampler: Optional[Callable[[mx.array], mx.array]] = None) -> List[float]:
     """:func:`collect_entropies` with the prompts as rows of one left-padded batch."""
     encoded = [encode_chat(tokenizer, p) for p in prompts]
     width = max(len(e) for e in encoded)
@@ -223,7 +227,7 @@ def _collect_batched(model: Any, tokenizer: Any, prompts: Sequence[str], max_tok
     left = [max_tokens] * len(prompts)
     logits = model(mx.array([[0] * p + e for p, e in zip(pad, encoded)]), cache=cache)[:, -1, :]
     for _ in range(max_tokens):
-        h, y = entropy_bits(logits), mx.argmax(logits, axis=-1)
+        h, y = entropy_bits(logits), sampler(logits) if sampler is not None else mx.argmax(logits, axis=-1)
         mx.eval(h, y)
         for r, (hr, yr) in enumerate(zip(h.tolist(), y.tolist())):
             if left[r] > 0:
@@ -242,6 +246,7 @@ def calibrate(
     prompts: Optional[Sequence[str]] = None,
     vocab_size: Optional[int] = None,
     model_name: str = "",
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
 ) -> Calibration:
     """Run a calibration strategy on ``model`` (in whatever gear it is in).
 
@@ -249,11 +254,12 @@ def calibrate(
         strategy: ``"median"`` or ``"percentile"``.
         prompts: calibration prompts; defaults to three mixed-difficulty ones.
         vocab_size: the model's vocabulary size (needed by the caps).
+        sampler: the greedy choice of each step (see :func:`collect_entropies`).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown calibration strategy {strategy!r}: choose one of {STRATEGIES}")
     prompts = list(prompts or CALIBRATION_PROMPTS)
-    samples = collect_entropies(model, tokenizer, prompts)
+    samples = collect_entropies(model, tokenizer, prompts, sampler=sampler)
     if vocab_size is None:
         raise ValueError("calibrate needs vocab_size")
     if strategy == "median":

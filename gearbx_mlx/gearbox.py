@@ -16,6 +16,7 @@ import mlx.nn as nn
 from .calibration import Calibration, calibrate
 from .classifier import PromptClass, classify_prompt
 from .config import GearboxConfig
+from .distributed.ranks import Ranks, model_identity
 from .entropy import EntropyMonitor, MonitorStep, scaled_thresholds
 from .precision import PrecisionManager
 from .sourcecheck import SourceCheck, check_modules
@@ -45,6 +46,10 @@ class Gearbox:
         calibration: calibrated thresholds (override the scaled defaults).
         model_name: for telemetry.
         planes_dir: the model's folder, where the nested store caches its planes.
+        ranks: the ranks the model is sharded over (found from the model's
+            sharded layers when None; stays None for a model on one process).
+            A sharded model's gears are built from each rank's shard, and
+            every rank takes rank 0's routing decisions.
     """
 
     def __init__(
@@ -55,8 +60,13 @@ class Gearbox:
         calibration: Optional[Calibration] = None,
         model_name: str = "",
         planes_dir: Optional[Path] = None,
+        ranks: Optional[Ranks] = None,
     ) -> None:
         self.model = model
+        self.ranks = ranks or Ranks.of_model(model)
+        if self.ranks is not None and self.ranks.identity is None:
+            # Before the manager: a nested high gear drops the loaded weights.
+            self.ranks.identity = model_identity(model)
         self.config = config or GearboxConfig()
         self.vocab_size = vocab_size or vocab_size_of(model)
         self.model_name = model_name
@@ -91,12 +101,16 @@ class Gearbox:
         """Calibrate thresholds once for this session (in the high gear)."""
         previous = self.manager.gear
         self.manager.shift("high")
+        # Sharded: every rank generates rank 0's text, and takes rank 0's thresholds.
+        sampler = self.ranks.exchange.greedy_sampler() if self.ranks else None
         try:
             cal = calibrate(
-                self.model, tokenizer, strategy, prompts, self.vocab_size, self.model_name
+                self.model, tokenizer, strategy, prompts, self.vocab_size, self.model_name, sampler=sampler
             )
         finally:
             self.manager.shift(previous)
+        if self.ranks:
+            cal.low, cal.high = self.ranks.first([cal.low, cal.high])
         self.set_calibration(cal)
         return cal
 

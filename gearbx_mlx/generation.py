@@ -4,10 +4,17 @@ They follow mlx-lm's habits: ``load`` returns the model and tokenizer (plus
 the gearbox), ``stream_generate`` yields mlx-lm's ``GenerationResponse``
 fields plus per-token routing telemetry, ``generate`` returns the text.
 Tokenization, KV cache, sampling and the decode loop stay mlx-lm's.
+
+Under ``mlx.launch``, ``load(..., group=mx.distributed.init())`` shards the
+model over the ranks with mlx-lm's ``model.shard()`` and builds every gear
+from the rank's shard; ``stream_generate`` then runs on every rank in
+lockstep, each rank taking rank 0's token and routing decision at every step
+(:mod:`gearbx_mlx.distributed`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -16,12 +23,15 @@ from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tup
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm import load as mlx_load
-from mlx_lm.generate import GenerationResponse, stream_generate as _mlx_stream_generate
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.generate import GenerationResponse, generation_stream, stream_generate as _mlx_stream_generate
+from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
 from .calibration import Calibration
 from .config import GearboxConfig
+from .distributed.ranks import Ranks, facts_of
+from .distributed.shard import shard_model
 from .gearbox import Gearbox
 from .policies import Policy
 from .routing import RoutedModel, RoutingSession
@@ -94,6 +104,12 @@ class GearboxResponse(GenerationResponse):
         index: 0-based position among the generated tokens.
         nonfinite: this token's logits held NaN or infinity (the NaN guard
             replaced them; a :class:`NonFiniteLogitsWarning` says so once).
+        rank_gears: on a sharded model, the gear each rank ran this step in
+            (always all alike; None on one process).
+        ranks_agree: on a sharded model, whether every rank's own token,
+            entropy and NaN flag equalled rank 0's (every rank uses rank 0's).
+        exchange_seconds: on a sharded model, the wait for this step's
+            exchange once the step's own values were ready.
     """
 
     entropy: float = math.nan
@@ -106,6 +122,9 @@ class GearboxResponse(GenerationResponse):
     step_seconds: float = 0.0
     index: int = 0
     nonfinite: bool = False
+    rank_gears: Optional[List[str]] = None
+    ranks_agree: Optional[bool] = None
+    exchange_seconds: float = math.nan
     session: Optional[RoutingSession] = field(default=None, repr=False, compare=False)
 
 
@@ -116,6 +135,7 @@ def load(
     calibration: Union[None, str, Path, Calibration] = None,
     dtype: Optional[str] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
+    group: Optional[Any] = None,
     **options: Any,
 ) -> Tuple[nn.Module, Any, Gearbox]:
     """Load a model, its tokenizer and a gearbox.
@@ -127,23 +147,44 @@ def load(
         calibration: a Calibration, a saved calibration JSON path, or a
             strategy name (``"median"`` / ``"percentile"``) to calibrate now.
         dtype: dtype of the converted default model (float16 / float32 / bfloat16).
+        group: an ``mx.distributed`` group of several processes (under
+            ``mlx.launch``: ``mx.distributed.init()``): every rank calls
+            ``load`` alike, the model is sharded over the group for tensor
+            parallelism with mlx-lm's ``model.shard()``, and the gears are
+            built from each rank's shard. None, or a group of one: one process.
 
     Returns:
         ``(model, tokenizer, gearbox)``.
 
     Raises:
         FileNotFoundError: no such model, or a folder without its files.
-        ValueError: a folder or file that is not a model mlx-lm can load (names it).
+        ValueError: a folder or file that is not a model mlx-lm can load (names it);
+            with ``group``, a model that cannot be sharded over it. With a
+            group, whatever fails on one rank fails on every rank
+            (:meth:`~gearbx_mlx.distributed.ranks.Ranks.stage`).
     """
     config = config or GearboxConfig()
     if options:
         config = config.replace(**options)
+    if group is not None and group.size() > 1:
+        return _load_sharded(model, config, calibration, dtype, tokenizer_config, Ranks(group))
     path = resolve_model(model, dtype)
     nested = config.store != "separate" and not config.telemetry_only
     # Lazily, where the nested store may be used: with high='planes' and a valid
     # planes cache the managed float weights are never read from disk.
+    m, tokenizer = _mlx_load(path, tokenizer_config, lazy=nested)
+    local = Path(path).is_dir()
+    gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
+                      planes_dir=Path(path) if nested and local else None)
+    if nested:
+        mx.eval(m.parameters())
+    _set_calibration(gearbox, tokenizer, calibration)
+    return m, tokenizer, gearbox
+
+
+def _mlx_load(path: str, tokenizer_config: Optional[Dict[str, Any]], lazy: bool) -> Tuple[nn.Module, Any]:
     try:
-        m, tokenizer = mlx_load(path, tokenizer_config=tokenizer_config, lazy=nested)
+        return mlx_load(path, tokenizer_config=tokenizer_config, lazy=lazy)
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001  (mlx-lm, transformers and tokenizers raise many kinds on a broken folder)
@@ -151,17 +192,41 @@ def load(
             f"cannot load the model at {path} ({type(e).__name__}: {str(e)[:300]}): is the folder complete and from "
             "a model mlx-lm supports?"
         ) from None
-    local = Path(path).is_dir()
-    gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
-                      planes_dir=Path(path) if nested and local else None)
-    if nested:
-        mx.eval(m.parameters())
+
+
+def _set_calibration(gearbox: Gearbox, tokenizer: Any, calibration: Union[None, str, Path, Calibration]) -> None:
     if isinstance(calibration, Calibration):
         gearbox.set_calibration(calibration)
     elif calibration in ("median", "percentile"):
         gearbox.calibrate(tokenizer, str(calibration))
     elif calibration is not None:
         gearbox.set_calibration(Calibration.load(calibration))
+
+
+def _load_sharded(
+    model: Optional[str], config: GearboxConfig, calibration: Union[None, str, Path, Calibration],
+    dtype: Optional[str], tokenizer_config: Optional[Dict[str, Any]], ranks: Ranks,
+) -> Tuple[nn.Module, Any, Gearbox]:
+    """:func:`load` on every rank of ``ranks``: what mlx-lm's ``sharded_load`` does for
+    tensor parallelism (a lazy load, ``model.shard()``, the shard's weights read),
+    with each step that may fail on one rank alone made a stage that fails on all."""
+    nested = config.store == "nested" and not config.telemetry_only
+    with ranks.stage("loading the model"):
+        path = resolve_model(model, dtype)
+        # Lazily: each rank reads only its shard of the sharded weights.
+        m, tokenizer = _mlx_load(path, tokenizer_config, lazy=True)
+        shard_model(m, ranks.group)
+        mx.eval(m.parameters())
+    with ranks.stage("building the gears"):
+        local = Path(path).is_dir()
+        gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
+                          planes_dir=Path(path) if nested and local else None, ranks=ranks)
+        if isinstance(calibration, (str, Path)) and calibration not in ("median", "percentile"):
+            calibration = Calibration.load(calibration)
+        if isinstance(calibration, Calibration):
+            gearbox.set_calibration(calibration)
+    if calibration in ("median", "percentile"):  # collectives inside: every rank is here
+        gearbox.calibrate(tokenizer, str(calibration))
     return m, tokenizer, gearbox
 
 
@@ -235,6 +300,10 @@ def stream_generate(
         mx.random.seed(seed)
 
     session = RoutingSession(gearbox, policy, lag)
+    if gearbox.ranks is not None:
+        check_ranks_agree(gearbox, ids, policy=session.policy.name, lag=session.lag, seed=seed, **sampler_args,
+                          **{k: v for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, float, str))})
+    kwargs["sampler"] = session.sampler(kwargs.get("sampler") or greedy_sampler)
     session.start(prompt_text)
     session.quantize_marks["start"] = session.quantize_seconds
     processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
@@ -261,12 +330,36 @@ def stream_generate(
                 step_seconds=now - last,
                 index=n,
                 nonfinite=rec.nonfinite,
+                rank_gears=rec.rank_gears,
+                ranks_agree=rec.ranks_agree,
+                exchange_seconds=rec.exchange_seconds,
                 session=session,
             )
             last = now
     finally:
+        if gearbox.ranks is not None:
+            # mlx-lm leaves one step (and its collectives) running on its stream when the
+            # stream stops: finish it on every rank, so that no rank leaves (or reaches its
+            # next collective) while another still waits in it.
+            mx.synchronize(generation_stream)
         # Outside a stream the model is always the one that was loaded.
         gearbox.manager.shift("high")
+
+
+def check_ranks_agree(gearbox: Gearbox, ids: mx.array, **options: Any) -> None:
+    """On a sharded model, raise on every rank unless every rank is about to run the same
+    generation: the same model, gearbox settings, thresholds, prompt and ``options``.
+
+    Raises:
+        ValueError: naming what the ranks disagree on.
+    """
+    ranks = gearbox.ranks
+    if ranks is None:
+        return
+    ranks.check_same(facts_of(
+        model=ranks.identity or "", settings=gearbox.config.to_dict(), thresholds=list(gearbox.thresholds),
+        prompt=hashlib.sha256(np.asarray(ids).astype(np.int64).tobytes()).hexdigest(), options=options,
+    ))
 
 
 def generate(

@@ -16,17 +16,33 @@ step n+2. Two hooks avoid forking the loop:
 
 Chunked prefill calls the proxy before any processor call: they run in the
 initial gear.
+
+On a model sharded over several ranks (``mlx.distributed``) every rank must
+take the same gear at the same step. A decision reads the step's entropy,
+and ranks' logits may differ in their last bits, so the values a decision
+reads are rank 0's: the sampler is wrapped (:meth:`RoutingSession.sampler`)
+so that each step's token, entropy and NaN flag go through one small
+collective (:class:`~gearbx_mlx.distributed.exchange.StepExchange`), lazily,
+inside the step's graph. Every rank then runs the same deterministic policy
+on the same numbers. The same collective carries each rank's own values and
+gear, so :meth:`RoutingSession.commit` checks that every rank ran the step in
+the same gear (and raises on every rank if not) and records whether the
+ranks' own tokens and entropies agreed with rank 0's.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
+from .config import GEAR_INDEX, GEARS
+from .distributed.exchange import Shared, agreement
+from .distributed.ranks import RankError
 from .entropy import entropy_bits, sanitize_logits
 from .gearbox import Gearbox
 from .policies import EntropyPolicy, Policy, make_policy
@@ -46,6 +62,11 @@ class StepRecord:
     next_gear: Optional[str] = None  # what the policy chose after seeing it
     catastrophic: bool = False
     nonfinite: bool = False  # the logits held NaN or an infinity (the NaN guard replaced them)
+    # Sharded runs only: every rank's gear of this step, whether every rank's own
+    # token, entropy and NaN flag equalled rank 0's, and the wait for the exchange.
+    rank_gears: Optional[List[str]] = None
+    ranks_agree: Optional[bool] = None
+    exchange_seconds: float = math.nan
 
     @property
     def committed(self) -> bool:
@@ -72,7 +93,12 @@ class RoutingSession:
         if self.lag not in (0, 1):
             raise ValueError(f"lag must be 0 or 1, got {lag!r}")
         self.records: List[StepRecord] = []
-        self._pending: List[Tuple[int, mx.array, mx.array]] = []
+        # (index, entropy, NaN flag, the step's exchange on a sharded model)
+        self._pending: List[Tuple[int, mx.array, mx.array, Optional[Shared]]] = []
+        #: Rank 0's values of each step, on a sharded model (None on one process).
+        self.exchange = gearbox.ranks.exchange if gearbox.ranks is not None else None
+        self.exchange_seconds = 0.0
+        self._exchanges_before = self.exchange.count if self.exchange is not None else 0
         self._target = gearbox.manager.gear
         self._last_shift: Tuple[bool, float] = (False, 0.0)
         self._prev_gear: Optional[str] = None
@@ -105,8 +131,24 @@ class RoutingSession:
         # Read with the entropy, in the same sync: a NaN guard that hides broken
         # logits (every step then looks maximally uncertain) must not hide that it did.
         bad = mx.logical_not(mx.all(mx.isfinite(logits)))
-        self._pending.append((index, entropy_bits(logits).reshape(()), bad))
+        self._pending.append((index, entropy_bits(logits).reshape(()), bad, None))
         return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits
+
+    def sampler(self, inner: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        """mlx-lm sampler: ``inner``'s token; on a sharded model, rank 0's token, and the
+        step's entropy and NaN flag replaced by rank 0's (one collective, in the graph)."""
+        if self.exchange is None:
+            return inner
+
+        def sample(logprobs: mx.array) -> mx.array:
+            token = inner(logprobs)
+            index, h, bad, _ = self._pending[-1]
+            gear = mx.array(GEAR_INDEX[self.records[index].gear], dtype=mx.uint32)
+            shared = self.exchange.share(token, h, bad, gear)
+            self._pending[-1] = (index, shared.values[1], shared.values[2], shared)
+            return shared.values[0]
+
+        return sample
 
     def before_forward(self) -> None:
         """Model-proxy hook: settle the decision, then shift if needed."""
@@ -124,9 +166,12 @@ class RoutingSession:
         if not pending:
             return
         self._pending = self._pending[len(pending):]
-        mx.eval([x for _, h, bad in pending for x in (h, bad)])
+        shared = [x for *_, x in pending if x is not None]
+        if shared:
+            self._settle(pending, shared)
+        mx.eval([x for _, h, bad, _ in pending for x in (h, bad)])
         prewarm = isinstance(self.policy, EntropyPolicy)
-        for index, h, bad in pending:
+        for index, h, bad, _ in pending:
             seen = self.gearbox.observe(h.item(), prewarm=prewarm)
             rec = self.records[index]
             if bad.item():
@@ -146,11 +191,44 @@ class RoutingSession:
             self._target = self.policy.next_gear(index, seen)
             rec.next_gear = self._target
 
+    def _settle(self, pending: List[Tuple[int, mx.array, mx.array, Optional[Shared]]],
+                shared: List[Shared]) -> None:
+        """Read the steps' exchanges: check every rank's gear, record agreement and the wait.
+
+        The wait is timed after the step's own values are ready, so it is what
+        the exchange adds to the step (the collective may have run meanwhile).
+
+        Raises:
+            RankError: on every rank alike, if some rank ran a step in another gear.
+        """
+        mx.eval([s.local for s in shared])  # this rank's own values: the step itself
+        tic = time.perf_counter()
+        mx.eval([s.table for s in shared])
+        wait = (time.perf_counter() - tic) / len(shared)
+        self.exchange_seconds += wait * len(shared)
+        for index, _, _, s in pending:
+            if s is None:
+                continue
+            rows = s.rows()
+            rec = self.records[index]
+            gears = [GEARS[int(g)] if int(g) < len(GEARS) else "?" for g in rows[:, s.columns(3)].reshape(-1)]
+            rec.rank_gears, rec.exchange_seconds = gears, wait
+            rec.ranks_agree = all(agreement(rows, [s.columns(i) for i in range(3)]))
+            if any(g != gears[0] for g in gears):
+                raise RankError(
+                    f"step {index}: the ranks ran in different gears ({', '.join(gears)}): their routing "
+                    "diverged, which rank 0's shared decisions should make impossible; please report it")
+
     def _apply(self) -> None:
         record = self.gearbox.shift(self._target)
         if record is not None:
             self._last_shift = (True, record.seconds)
             self.shift_seconds += record.seconds - record.quantize_seconds
+
+    @property
+    def exchanges(self) -> int:
+        """Decision collectives this session made (one per forward step on a sharded model, else 0)."""
+        return self.exchange.count - self._exchanges_before if self.exchange is not None else 0
 
     @property
     def quantize_seconds(self) -> float:
