@@ -77,6 +77,12 @@ def print_stream(
     return last, interrupted
 
 
+def say(args: Any, message: str) -> None:
+    """``[gearbx] MESSAGE`` on stderr, from rank 0 only (``args.rank``; a run of one process is rank 0)."""
+    if getattr(args, "rank", 0) == 0:
+        print(f"[gearbx] {message}", file=sys.stderr, flush=True)
+
+
 def show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
     print(f"[gearbx] warning: {message}", file=sys.stderr, flush=True)
 

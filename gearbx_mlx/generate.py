@@ -7,7 +7,9 @@ stdout as it is generated; the summary goes to stderr after a separator.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -23,13 +25,15 @@ from .console import (
     finite,
     print_stream,
     read_stdin_text,
+    say,
     show_warning,
     use_color,
 )
+from .distributed.ranks import Ranks, launched_ranks, stage
 from .generation import check_generation_options, load, stream_generate
 from .precision import default_kernel
 from .speculative.cli import add_speculative_args, check_speculative_args, run_speculative
-from .telemetry.trace import TraceWriter, empty_summary, run_summary, token_record
+from .telemetry.trace import TraceWriter, empty_summary, ranks_header, run_summary, token_record
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -136,13 +140,14 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if args.thresholds and (args.calibrate or args.calibration):
         raise ValueError("give --thresholds or --calibrate/--calibration, not both")
-    if args.trace and not Path(args.trace).expanduser().parent.is_dir():
+    writes = getattr(args, "rank", 0) == 0  # a sharded run: rank 0 alone writes the trace and a calibration
+    if args.trace and writes and not Path(args.trace).expanduser().parent.is_dir():
         raise FileNotFoundError(f"trace directory does not exist: {Path(args.trace).parent}")
-    if args.trace and Path(args.trace).expanduser().is_dir():
+    if args.trace and writes and Path(args.trace).expanduser().is_dir():
         raise ValueError(f"--trace {args.trace} is a directory: give a file name")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")
-    if args.calibrate and args.calibration and not Path(args.calibration).expanduser().parent.is_dir():
+    if args.calibrate and args.calibration and writes and not Path(args.calibration).expanduser().parent.is_dir():
         raise FileNotFoundError(f"calibration directory does not exist: {Path(args.calibration).parent}")
 
 
@@ -225,12 +230,26 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
     if not s["telemetry_only"]:
         lines.append(memory_line(s["memory"], s.get("store", "separate"), s.get("high", "original")))
     lines += _bytes_lines(s)
+    if s.get("distributed"):
+        lines.append(ranks_line(s["distributed"]))
     if s.get("nonfinite_steps"):
         lines.append(f"Non-finite logits: {s['nonfinite_steps']} steps (NaN or infinity; the NaN guard replaced "
                      "them, so those steps' text and entropy mean nothing)")
     if s["interrupted"]:
         lines.append("Interrupted.")
     return "\n".join(lines)
+
+
+def ranks_line(d: Dict[str, Any]) -> str:
+    """One line: a sharded run's ranks, its decision collectives and whether the ranks agreed."""
+    per = d.get("collectives_per_step")
+    median = d.get("exchange_seconds_median")
+    steps = d["steps_ranks_agree"] + d["steps_ranks_differ"]
+    return (f"Ranks: {d['ranks']} (tensor parallel, this summary is rank 0's); gear decisions: rank 0's, "
+            f"{d['decision_collectives']} collectives for {d['forward_steps']} forward steps"
+            + (f" ({per:.2f} per step)" if per is not None else "")
+            + (f", median wait {1e3 * median:.3f} ms" if median is not None else "")
+            + f"; every rank's own token and entropy equal to rank 0's at {d['steps_ranks_agree']} of {steps} steps")
 
 
 def memory_line(mem: Dict[str, Any], store: str, high: str) -> str:
@@ -250,32 +269,53 @@ def run(args: argparse.Namespace) -> int:
     Its header is written before the model loads (and rewritten with more
     fields as they become known), so Ctrl-C at any point leaves a trace whose
     summary says ``"interrupted": true``, with ``stage`` telling where.
+
+    Under ``mlx.launch`` with several processes the model is sharded over
+    them (tensor parallelism, mlx-lm's ``model.shard()``): every rank runs
+    this alike, rank 0 alone prints the text and the summary and writes the
+    trace, the others print nothing but an error.
     """
-    prompt = _read_prompt(args)
-    _check_args(args)
-    if args.speculative:
-        check_speculative_args(args)
-    config = _config(args)
-    writer = TraceWriter(Path(args.trace).expanduser()) if args.trace else None
-    stage, last, interrupted, error = "loading", None, False, None
+    ranks = launched_ranks()
+    args.rank = ranks.rank if ranks is not None else 0
+    if args.rank == 0:
+        return _run(args, ranks)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args.quiet = True
+        return _run(args, ranks)
+
+
+def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
+    with stage(ranks, "checking the flags"):
+        prompt = _read_prompt(args)
+        _check_args(args)
+        if args.speculative:
+            check_speculative_args(args)
+        config = _config(args)
+    writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
+    stage_name, last, interrupted, error = "loading", None, False, None
     gearbox: Any = None
     try:
         if writer:
             writer.header(model=args.model or "default", sampling=_sampling(args))
-        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype)
-        if args.thresholds:
-            gearbox.set_thresholds(*args.thresholds)
-        elif args.calibrate:
-            stage = "calibrating"
-            print(f"[gearbx] calibrating thresholds ({args.calibrate}) ...", file=sys.stderr, flush=True)
+        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
+                                         group=ranks.group if ranks is not None else None)
+        with stage(ranks, "setting the thresholds"):
+            if args.thresholds:
+                gearbox.set_thresholds(*args.thresholds)
+            elif args.calibration and not args.calibrate:
+                gearbox.set_calibration(Calibration.load(args.calibration))
+        if args.calibrate and not args.thresholds:
+            stage_name = "calibrating"
+            say(args, f"calibrating thresholds ({args.calibrate}) ...")
             cal = gearbox.calibrate(tokenizer, args.calibrate)
-            if args.calibration:
-                cal.save(args.calibration)
-        elif args.calibration:
-            gearbox.set_calibration(Calibration.load(args.calibration))
-        _check_thresholds(gearbox)
-        stage = "prefill"
-        templated = _templated(tokenizer, args, prompt)
+            with stage(ranks, "saving the calibration"):
+                if args.calibration and args.rank == 0:
+                    cal.save(args.calibration)
+        stage_name = "prefill"
+        with stage(ranks, "preparing the prompt"):
+            _check_thresholds(gearbox)
+            templated = _templated(tokenizer, args, prompt)
         if args.speculative:  # exact high-gear output, drafted by a lower gear
             return run_speculative(args, model, tokenizer, gearbox, prompt, templated, writer=writer)
         if writer:
@@ -283,8 +323,8 @@ def run(args: argparse.Namespace) -> int:
         if args.static_gear != "high":
             gearbox.warn_if_prequantized_source()  # before the text starts streaming
         if gearbox.manager.telemetry_only and not args.quiet:
-            print(f"[gearbx] telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
-                  "but nothing is swapped: every token runs on the loaded weights.", file=sys.stderr, flush=True)
+            say(args, f"telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
+                "but nothing is swapped: every token runs on the loaded weights.")
         stream = stream_generate(
             model, tokenizer, templated, gearbox,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
@@ -299,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         interrupted = True
-        doing = {"loading": "loading the model", "prefill": "preparing the prompt"}.get(stage, stage)
+        doing = {"loading": "loading the model", "prefill": "preparing the prompt"}.get(stage_name, stage_name)
         print(f"interrupted while {doing}", file=sys.stderr)
     except Exception as e:
         error = error_line(e)[len("error: "):]
@@ -308,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         if last is not None:
             summary = run_summary(last.session, last, interrupted, error)
         else:
-            summary = empty_summary(interrupted, error, stage)
+            summary = empty_summary(interrupted, error, stage_name)
         if writer and not writer.summarized:
             writer.summary(**summary)
         if last is not None and not args.quiet:
@@ -339,7 +379,9 @@ def _model_header(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
         "window": c.window, "hysteresis": c.hysteresis,
         "min_gear_duration": c.min_gear_duration,
         "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),
+        **ranks_header(gearbox),
     }
+
 
 
 def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:

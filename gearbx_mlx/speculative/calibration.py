@@ -23,7 +23,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -397,6 +397,7 @@ def calibrate_draft_stop(
     prompts: Optional[Sequence[str]] = None,
     max_tokens: int = CALIBRATION_TOKENS,
     cost: Optional[Tuple[float, Sequence[float]]] = None,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
 ) -> Dict[str, Any]:
     """Calibrate the drafter's stop (and, with ``replay``, its block cap).
 
@@ -407,6 +408,8 @@ def calibrate_draft_stop(
     Args:
         strategy: ``replay`` (best replayed speed-up; measures the costs
             unless ``cost`` gives ``(c, v)``), ``median`` or ``percentile``.
+        sampler: the high gear's greedy choice (default argmax; a sharded
+            model passes one that takes rank 0's).
 
     Returns:
         The JSON-ready block saved under
@@ -423,7 +426,7 @@ def calibrate_draft_stop(
         ids = encode_chat(tokenizer, prompt)
         first_ids = first_ids or ids
         gen: List[int] = []
-        for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+        for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens, sampler=sampler):
             gen.append(int(tok))
             if int(tok) in eos or len(gen) >= max_tokens:
                 break

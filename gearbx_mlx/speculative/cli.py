@@ -15,9 +15,10 @@ import sys
 from typing import Any, Dict, Optional
 
 from ..config import SCOPES
-from ..console import print_stream
+from ..console import print_stream, say
+from ..distributed.ranks import stage
 from ..generation import encode_prompt
-from ..telemetry.trace import TraceWriter, token_record as routed_record
+from ..telemetry.trace import TraceWriter, ranks_header, token_record as routed_record
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import (
     SpeculativeConfig,
@@ -172,6 +173,10 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
             f"+ gear store {mem.get('store_bytes', 0) / 1e6:.1f} MB + drafter's own {mem['extra_bytes'] / 1e6:.1f} MB; "
             f"the drafter shares {mem['shared_bytes'] / 1e6:.1f} MB)"
         )
+    d = s.get("distributed")
+    if d:
+        lines.append(f"Ranks: {d['ranks']} (tensor parallel, this summary is rank 0's); drafts and verdicts: rank "
+                     f"0's, {d['decision_collectives']} collectives for {d['forward_steps']} forward passes")
     plan = s.get("plan")
     if plan:
         v = "/".join(f"{x:.2f}" for x in plan["verify_cost"][1:])
@@ -204,25 +209,32 @@ def run_speculative(
         prompt: the user's text (for the trace); templated: what is encoded.
         writer: the run's trace, header already begun (default: opened here if ``args.trace``).
     """
+    ranks = gearbox.ranks  # a sharded model: measured choices are rank 0's, every rank takes them
     draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
     if getattr(args, "calibrate", None) and gearbox.calibration is not None:
         # The router's strategy sets its thresholds; the drafter's stop and
         # block cap are always the replay's (the best modeled speed-up).
-        print("[gearbx] calibrating the draft stop and block cap ...", file=sys.stderr, flush=True)
-        block = calibrate_draft_stop(model, draft, tokenizer, "replay")
+        say(args, "calibrating the draft stop and block cap ...")
+        block = calibrate_draft_stop(model, draft, tokenizer, "replay",
+                                     sampler=ranks.exchange.greedy_sampler() if ranks else None)
+        block = ranks.first(block) if ranks else block
         gearbox.calibration.extra.setdefault(CALIBRATION_KEY, {})[args.draft_gear] = block
-        if args.calibration:
-            gearbox.calibration.save(args.calibration)
-    config = speculative_config(args, gearbox)
-    print("[gearbx] timing the drafter against the high gear on the prompt ...", file=sys.stderr, flush=True)
+        with stage(ranks, "saving the calibration"):
+            if args.calibration and getattr(args, "rank", 0) == 0:
+                gearbox.calibration.save(args.calibration)
+    with stage(ranks, "setting up speculative decoding"):
+        config = speculative_config(args, gearbox)
+    say(args, "timing the drafter against the high gear on the prompt ...")
     plan = plan_speculative(
         model, draft, encode_prompt(tokenizer, templated).tolist(), config.max_draft, greedy=args.temp == 0,
         mode=args.speculative, calibration=calibrated_stop(gearbox, args.draft_gear),
         stop=args.draft_entropy_stop if hasattr(args, "draft_entropy_stop") else CHOOSE,
     )
-    print(f"[gearbx] {plan.message()}", file=sys.stderr, flush=True)
+    if ranks is not None:  # timings differ between ranks: rank 0's decision to draft holds for all
+        plan = SpeculativePlan(**ranks.first(plan.to_dict()))
+    say(args, plan.message())
     _, config = apply_plan(config, plan)  # what runs: the plan's block length and stop
-    if writer is None and args.trace:
+    if writer is None and args.trace and getattr(args, "rank", 0) == 0:
         writer = TraceWriter(args.trace)
     last: Optional[SpeculativeResponse] = None
     interrupted = False
@@ -267,4 +279,5 @@ def _header(args: argparse.Namespace, gearbox: Any, config: SpeculativeConfig, d
         "prompt_tokens": first.prompt_tokens,
         "sampling": {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p,
                      "top_k": args.top_k, "seed": args.seed},
+        **ranks_header(gearbox),
     }

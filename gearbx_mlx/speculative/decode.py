@@ -36,6 +36,14 @@ from 0.38 to 0.08 of a high step. Elsewhere it drafts through the MLX tree.
 Whether drafting can pay at all is measured before decoding
 (:mod:`gearbx_mlx.speculative.plan`).
 
+On a model sharded over several ranks (``mlx.distributed``) every rank runs
+this loop in lockstep, and every choice that steers it is rank 0's: each
+draft (token and entropy), and each block's verdict (accepted count, next
+token, the high gear's entropies that feed the monitor), one small
+collective each (:class:`~gearbx_mlx.distributed.exchange.StepExchange`). So
+ranks whose logits differ in their last bits still draft, accept, stop and
+trim alike, and their collectives keep matching.
+
 On a GPU: MLX-CUDA (0.32) hands a multi-row attention call over a key length
 it has not seen to cuDNN, which builds a new execution plan each time, tens
 of ms per verify block (measured on the H100, ~45-60 ms a block). Set
@@ -60,9 +68,10 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import SCOPES
+from ..distributed.exchange import StepExchange
 from ..entropy import EntropyMonitor, MonitorStep, entropy_bits, entropy_bits_np
 from ..gearbox import Gearbox
-from ..generation import GearboxResponse, collect_text, encode_prompt
+from ..generation import GearboxResponse, check_ranks_agree, collect_text, encode_prompt
 from .acceptance import accept_block, make_log_dist
 from .calibration import calibrated_stop
 from .draft import DraftModel, build_draft, check_draft_gear
@@ -153,6 +162,8 @@ class SpeculativeStats:
     tokens: int = 0
     drafter: Dict[str, Optional[str]] = field(default_factory=dict)
     plan: Optional[Dict[str, Any]] = None  # the start-of-run decision, where one was made
+    ranks: int = 1  # processes the model is sharded over
+    exchanges: int = 0  # their decision collectives (drafts and verdicts), sharded only
 
     @property
     def drafted(self) -> int:
@@ -179,6 +190,12 @@ class SpeculativeStats:
             "stops": stops,
             "drafter": dict(self.drafter),
             "plan": self.plan,
+            **({"distributed": {
+                "ranks": self.ranks, "decision_collectives": self.exchanges,
+                # a draft is one drafter forward pass, a block one verify pass
+                "forward_steps": drafted + len(self.blocks),
+                "collectives_per_step": self.exchanges / max(drafted + len(self.blocks), 1),
+            }} if self.ranks > 1 else {}),
         }
 
 
@@ -209,6 +226,7 @@ def speculative_generate_step(
     draft_cache: Optional[List[Any]] = None,
     stats: Optional[SpeculativeStats] = None,
     single_token_drafts: bool = False,
+    exchange: Optional[StepExchange] = None,
 ) -> Generator[SpeculativeToken, None, None]:
     """Yield the generated tokens of speculative decoding, one :class:`SpeculativeToken` each.
 
@@ -232,6 +250,8 @@ def speculative_generate_step(
         stats: filled with the blocks and the draft path (``stats.drafter``).
         single_token_drafts: feed the drafter one token per call (the packed
             kernels have a GEMV for one token only).
+        exchange: a sharded model's exchange: every draft and every block's
+            verdict are then rank 0's (see the module doc).
     """
     config = config or SpeculativeConfig()
     stats = stats if stats is not None else SpeculativeStats()
@@ -250,7 +270,9 @@ def speculative_generate_step(
         kinds = sorted({type(x).__name__ for x in hcache if not x.is_trimmable()})
         raise ValueError(f"speculative decoding needs a trimmable prompt_cache (got {kinds})")
     drafter = make_drafter(draft, draft_cache, log_dist=log_dist, entropy_stop=config.draft_entropy_stop,
-                           single_token=single_token_drafts, prefill_step=config.prefill_step_size)
+                           single_token=single_token_drafts, prefill_step=config.prefill_step_size,
+                           exchange=exchange)
+    exchanges_before = exchange.count if exchange is not None else 0
     stats.drafter = drafter.describe()
     draft_gear = draft.gear if draft is not None else "high"
     ntoks, seen = 0, None  # seen: the monitor's last step
@@ -264,12 +286,20 @@ def speculative_generate_step(
             stop, k = block.stop or stop, block.tokens.size
             logits = model(mx.concatenate([y, block.tokens])[None], cache=hcache)[0, -(k + 1):].astype(mx.float32)
             n, tok = accept_block(logits, block.tokens, block.log_q, log_dist)
-            mx.eval(n, tok, logits, block.tokens, block.entropies)
+            if exchange is not None:  # rank 0's verdict, and the entropies the monitor reads
+                n, tok, shared_h = exchange.share(n, tok, entropy_bits(logits)).values
+                mx.eval(n, tok, shared_h, block.tokens, block.entropies)
+                stats.exchanges = exchange.count - exchanges_before
+            else:
+                mx.eval(n, tok, logits, block.tokens, block.entropies)
             n, tok = int(n.item()), int(tok.item())
-            # The high gear's entropies of the emitted positions, in numpy: MLX's
-            # CPU exp over (k+1) x V took ~4 ms a block on the default model.
-            lnp = np.asarray(logits)
-            hh = [entropy_bits_np(lnp[i]) for i in range(n + 1)]
+            if exchange is not None:
+                hh = shared_h.tolist()[: n + 1]
+            else:
+                # The high gear's entropies of the emitted positions, in numpy: MLX's
+                # CPU exp over (k+1) x V took ~4 ms a block on the default model.
+                lnp = np.asarray(logits)
+                hh = [entropy_bits_np(lnp[i]) for i in range(n + 1)]
             drafts, dh = block.tokens.tolist(), block.entropies.tolist()
             emitted = drafts[:n] + [tok]
             stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
@@ -466,17 +496,24 @@ def stream_speculative_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
+    ranks = gearbox.ranks
     if plan is None and mode is not None:
         opts = {"calibration": calibrated_stop(gearbox, config.draft_gear),
                 "stop": CHOOSE if config.draft_entropy_stop is None else config.draft_entropy_stop,
                 **(plan_options or {})}
         plan = plan_speculative(model, draft, ids.tolist(), config.max_draft, greedy=temp == 0, mode=mode, **opts)
+        if ranks is not None:  # timings differ between ranks: rank 0's decision to draft holds for all
+            plan = SpeculativePlan(**ranks.first(plan.to_dict()))
     if plan is not None:
         plain, config = apply_plan(config, plan)
+    if ranks is not None:
+        check_ranks_agree(gearbox, ids, speculative=dataclasses.asdict(config), plain=plain, max_tokens=max_tokens,
+                          temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
     if seed is not None:  # after the plan: its measurement must not move the sampling stream
         mx.random.seed(seed)
     monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
-    stats = SpeculativeStats(plan=plan.to_dict() if plan is not None else None)
+    stats = SpeculativeStats(plan=plan.to_dict() if plan is not None else None,
+                             ranks=ranks.size if ranks is not None else 1)
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -484,6 +521,7 @@ def stream_speculative_generate(
         ids, model, None if plain else draft, config, max_tokens=max_tokens, log_dist=log_dist, monitor=monitor,
         prompt_cache=prompt_cache, stats=stats,
         single_token_drafts=single_token_drafts(gearbox.config),
+        exchange=ranks.exchange if ranks is not None else None,
     )
     tic = last = time.perf_counter()
     prompt_tps, info = 0.0, None

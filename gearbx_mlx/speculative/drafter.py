@@ -25,6 +25,11 @@ The paths (:data:`DRAFTER_PATHS`):
     from the host forward when the cache is a host cache (sampling there).
 ``none``
     :class:`NoDrafter`: no drafts; every block is one plain high-gear step.
+
+On a model sharded over several ranks the MLX tree drafts (the host step has
+no collectives), and each draft is rank 0's: its token and entropy go
+through the step's exchange (:class:`~gearbx_mlx.distributed.exchange.StepExchange`),
+so every rank feeds back the same token and stops a block at the same draft.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..distributed.exchange import StepExchange
 from ..entropy import entropy_bits, entropy_bits_np
 from .draft import DraftModel
 from .host import HostKVCache
@@ -161,14 +167,17 @@ class TreeDrafter(Drafter):
         single_token: feed the drafter one token per call (the packed
             kernels have a GEMV for one token only; on a GPU a multi-row
             attention call over a new key length is slow).
+        exchange: on a sharded model, takes each draft's token and entropy
+            from rank 0 (one small collective per draft).
     """
 
     path = "mlx"
 
     def __init__(self, draft: DraftModel, cache: List[Any], entropy_stop: Optional[float], prefill_step: int,
-                 log_dist: Optional[Callable[[mx.array], mx.array]] = None, single_token: bool = False) -> None:
+                 log_dist: Optional[Callable[[mx.array], mx.array]] = None, single_token: bool = False,
+                 exchange: Optional[StepExchange] = None) -> None:
         super().__init__(draft, cache, entropy_stop, prefill_step)
-        self.log_dist, self.single_token = log_dist, single_token
+        self.log_dist, self.single_token, self.exchange = log_dist, single_token, exchange
 
     def _logits(self, tokens: mx.array) -> mx.array:
         if self.single_token:
@@ -192,6 +201,8 @@ class TreeDrafter(Drafter):
                 d = mx.random.categorical(lq)
                 log_qs.append(lq)
             h = entropy_bits(logits)
+            if self.exchange is not None:
+                d, h = self.exchange.share(d, h).values
             tokens.append(d)
             ents.append(h)
             if self.entropy_stop is not None:
@@ -247,6 +258,7 @@ def make_drafter(
     entropy_stop: Optional[float] = None,
     single_token: bool = False,
     prefill_step: int = 512,
+    exchange: Optional[StepExchange] = None,
 ) -> Drafter:
     """The fastest draft path that applies (see the module doc).
 
@@ -255,6 +267,7 @@ def make_drafter(
         cache: the drafter's trimmable KV cache (made if None: a host cache
             where the host step applies).
         log_dist: the sampling distribution (None: greedy).
+        exchange: a sharded model's exchange (drafts are then rank 0's).
 
     Raises:
         ValueError: a cache that cannot be trimmed.
@@ -267,7 +280,7 @@ def make_drafter(
         raise ValueError(f"speculative decoding needs a trimmable draft_cache (got {kinds})")
     if log_dist is None and draft.host is not None and isinstance(cache[0], HostKVCache):
         return HostDrafter(draft, cache, entropy_stop, prefill_step)
-    return TreeDrafter(draft, cache, entropy_stop, prefill_step, log_dist, single_token)
+    return TreeDrafter(draft, cache, entropy_stop, prefill_step, log_dist, single_token, exchange)
 
 
 __all__ = ["DRAFTER_PATHS", "DraftBlock", "Drafter", "HostDrafter", "NoDrafter", "TreeDrafter", "make_drafter",

@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from ..distributed.layers import group_of
 from ..nested.layers import NestedEmbedding, NestedLinear
 from ..nested.matmul import nested_kernels_trusted
 from ..packed import cpu as cpu_kernels, layers as packed_layers, nested_cpu
@@ -288,6 +289,9 @@ def host_support(module: nn.Module) -> Optional[str]:
     """
     if mx.default_device() != mx.cpu:
         return f"the device is {mx.default_device()}: the host step runs on the CPU only"
+    group = group_of(module)
+    if group is not None:
+        return f"the model is sharded over {group.size()} ranks: the host step computes whole layers in one process"
     if cpu_backend() is None:
         return "the C kernels are not built (pip install -e . builds them)"
     if not cpu_kernels_trusted():  # the host step calls the C GEMV without a layer's first-use check

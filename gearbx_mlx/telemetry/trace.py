@@ -173,7 +173,50 @@ def token_record(resp: Any) -> Dict[str, Any]:
         "shift_seconds": resp.shift_seconds,
         "step_seconds": resp.step_seconds,
         "nonfinite": bool(getattr(resp, "nonfinite", False)),
+        **ranks_record(resp),
     }
+
+
+def ranks_record(resp: Any) -> Dict[str, Any]:
+    """A sharded run's fields of one token: every rank's gear, whether the ranks' own
+    token and entropy agreed with rank 0's, the wait for the step's exchange (none on one process)."""
+    if getattr(resp, "rank_gears", None) is None:
+        return {}
+    return {"rank_gears": list(resp.rank_gears), "ranks_agree": bool(resp.ranks_agree),
+            "exchange_seconds": resp.exchange_seconds}
+
+
+def ranks_header(gearbox: Any) -> Dict[str, Any]:
+    """A sharded run's header block (empty on one process)."""
+    ranks = getattr(gearbox, "ranks", None)
+    if ranks is None:
+        return {}
+    return {"distributed": {
+        "ranks": ranks.size, "sharding": "tensor parallel, mlx-lm model.shard()",
+        "decisions": "rank 0's, shared in one all_sum per forward step", "written_by": "rank 0",
+    }}
+
+
+def ranks_summary(session: Any, tokens: int) -> Dict[str, Any]:
+    """A sharded run's summary block (empty on one process): ranks, the decision
+    collectives made against the forward steps they served, their wait, agreement."""
+    exchange = getattr(session, "exchange", None)
+    if exchange is None:
+        return {}
+    recs = [r for r in session.records if r.rank_gears is not None]
+    emitted = recs[:tokens]
+    waits = sorted(r.exchange_seconds for r in emitted if math.isfinite(r.exchange_seconds))
+    return {"distributed": {
+        "ranks": exchange.size,
+        "decision_collectives": session.exchanges,
+        "forward_steps": len(session.records),
+        "collectives_per_step": session.exchanges / len(session.records) if session.records else None,
+        "exchange_seconds_total": sum(waits),
+        "exchange_seconds_median": waits[len(waits) // 2] if waits else None,
+        "steps_ranks_agree": sum(1 for r in emitted if r.ranks_agree),
+        "steps_ranks_differ": sum(1 for r in emitted if not r.ranks_agree),
+        "gears_agree": all(len(set(r.rank_gears)) == 1 for r in emitted),
+    }}
 
 
 def empty_summary(
@@ -239,6 +282,7 @@ def run_summary(session: Any, last: Any, interrupted: bool = False, error: Optio
             managed_bytes(session.gearbox.model, "all", mgr.config.group_size) / mgr.loaded_read_bytes
             if mgr.loaded_read_bytes and not mgr.telemetry_only else None
         ),
+        **ranks_summary(session, len(recs)),
     }
 
 
@@ -341,7 +385,7 @@ _TOKEN_FIELDS = {
     "index": "int", "token": "int", "text": "str", "entropy": "number", "smoothed_entropy": "number",
     "predicted_entropy": "number", "gear": "gear", "shift": "bool", "shift_seconds": "number",
     "step_seconds": "number", "entropy_upper": "number", "logprob": "number", "residual_mass": "number",
-    "prompt": "int", "variant": "gear", "nonfinite": "bool",
+    "prompt": "int", "variant": "gear", "nonfinite": "bool", "ranks_agree": "bool", "exchange_seconds": "number",
 }
 _SUMMARY_FIELDS = {
     "interrupted": "bool", "error": "str", "generation_tokens": "int", "tokens_per_gear": "object",
