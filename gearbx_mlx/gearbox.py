@@ -102,7 +102,7 @@ class Gearbox:
         previous = self.manager.gear
         self.manager.shift("high")
         # Sharded: every rank generates rank 0's text, and takes rank 0's thresholds.
-        sampler = self.ranks.exchange.greedy_sampler() if self.ranks else None
+        sampler = self.ranks.exchange.greedy_sampler() if self.ranks and self.ranks.exchange else None
         try:
             cal = calibrate(
                 self.model, tokenizer, strategy, prompts, self.vocab_size, self.model_name, sampler=sampler

@@ -145,6 +145,9 @@ class RoutingSession:
             index, h, bad, _ = self._pending[-1]
             gear = mx.array(GEAR_INDEX[self.records[index].gear], dtype=mx.uint32)
             shared = self.exchange.share(token, h, bad, gear)
+            # The step up to its own values is one evaluation and the collective the next
+            # (mlx-lm's), so the wait between the two is the collective's (timed in _settle).
+            mx.async_eval(shared.local)
             self._pending[-1] = (index, shared.values[1], shared.values[2], shared)
             return shared.values[0]
 
@@ -195,8 +198,9 @@ class RoutingSession:
                 shared: List[Shared]) -> None:
         """Read the steps' exchanges: check every rank's gear, record agreement and the wait.
 
-        The wait is timed after the step's own values are ready, so it is what
-        the exchange adds to the step (the collective may have run meanwhile).
+        The wait runs from the step's own values being ready to rank 0's being
+        known: the collective as it delays the step (with ``lag=0``; with
+        ``lag=1`` mlx-lm's own sync has already waited for it, and it reads ~0).
 
         Raises:
             RankError: on every rank alike, if some rank ran a step in another gear.

@@ -72,6 +72,10 @@ class Ranks:
     Attributes:
         rank, size: this process's rank and the group's size.
         exchange: the per-step :class:`~gearbx_mlx.distributed.exchange.StepExchange`.
+            Set it to None and every rank decides on its own logits, with no
+            collective of its own: valid only where the ranks' logits are bit
+            for bit the same (a trace's ``ranks_agree`` shows whether they
+            were); the benchmark uses it to measure what the exchange costs.
         identity: the model's identity for :meth:`check_same` (set by whoever
             knows the model: :func:`model_identity`).
     """

@@ -216,7 +216,7 @@ def run_speculative(
         # block cap are always the replay's (the best modeled speed-up).
         say(args, "calibrating the draft stop and block cap ...")
         block = calibrate_draft_stop(model, draft, tokenizer, "replay",
-                                     sampler=ranks.exchange.greedy_sampler() if ranks else None)
+                                     sampler=ranks.exchange.greedy_sampler() if ranks and ranks.exchange else None)
         block = ranks.first(block) if ranks else block
         gearbox.calibration.extra.setdefault(CALIBRATION_KEY, {})[args.draft_gear] = block
         with stage(ranks, "saving the calibration"):
