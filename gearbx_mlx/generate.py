@@ -298,8 +298,8 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
     try:
         if writer:
             writer.header(model=args.model or "default", sampling=_sampling(args))
-        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
-                                         group=ranks.group if ranks is not None else None)
+        sharded = {"group": ranks.group} if ranks is not None else {}
+        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype, **sharded)
         with stage(ranks, "setting the thresholds"):
             if args.thresholds:
                 gearbox.set_thresholds(*args.thresholds)
