@@ -36,13 +36,10 @@ from 0.38 to 0.08 of a high step. Elsewhere it drafts through the MLX tree.
 Whether drafting can pay at all is measured before decoding
 (:mod:`gearbx_mlx.speculative.plan`).
 
-On a model sharded over several ranks (``mlx.distributed``) every rank runs
-this loop in lockstep, and every choice that steers it is rank 0's: each
-draft (token and entropy), and each block's verdict (accepted count, next
-token, the high gear's entropies that feed the monitor), one small
-collective each (:class:`~gearbx_mlx.distributed.exchange.StepExchange`). So
-ranks whose logits differ in their last bits still draft, accept, stop and
-trim alike, and their collectives keep matching.
+On a model sharded over several ranks every choice that steers this loop is
+rank 0's on every rank (each draft, each block's verdict and entropies; one
+small collective each, :mod:`gearbx_mlx.distributed.exchange`), so the ranks
+draft, accept, stop and trim alike even where their logits differ in the last bits.
 
 On a GPU: MLX-CUDA (0.32) hands a multi-row attention call over a key length
 it has not seen to cuDNN, which builds a new execution plan each time, tens
@@ -62,17 +59,16 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import SCOPES
 from ..distributed.exchange import StepExchange
-from ..entropy import EntropyMonitor, MonitorStep, entropy_bits, entropy_bits_np
+from ..entropy import EntropyMonitor, MonitorStep, entropy_bits
 from ..gearbox import Gearbox
 from ..generation import GearboxResponse, check_ranks_agree, collect_text, encode_prompt
-from .acceptance import accept_block, make_log_dist
+from .acceptance import make_log_dist, read_verdict
 from .calibration import calibrated_stop
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
@@ -261,7 +257,7 @@ def speculative_generate_step(
         # Nothing drafts: mlx-lm's own pipelined loop, so that a plain decision
         # decodes as fast as plain mlx-lm (this loop syncs every block).
         yield from plain_generate_step(prompt, model, config, max_tokens=max_tokens, log_dist=log_dist,
-                                       monitor=monitor, prompt_cache=prompt_cache, stats=stats)
+                                       monitor=monitor, prompt_cache=prompt_cache, stats=stats, exchange=exchange)
         return
     if config.hard_max_draft is not None and monitor is None:
         raise ValueError("hard_max_draft needs a monitor (the high gear's entropy history)")
@@ -285,21 +281,9 @@ def speculative_generate_step(
             block = drafter.draft(cap)
             stop, k = block.stop or stop, block.tokens.size
             logits = model(mx.concatenate([y, block.tokens])[None], cache=hcache)[0, -(k + 1):].astype(mx.float32)
-            n, tok = accept_block(logits, block.tokens, block.log_q, log_dist)
-            if exchange is not None:  # rank 0's verdict, and the entropies the monitor reads
-                n, tok, shared_h = exchange.share(n, tok, entropy_bits(logits)).values
-                mx.eval(n, tok, shared_h, block.tokens, block.entropies)
-                stats.exchanges = exchange.count - exchanges_before
-            else:
-                mx.eval(n, tok, logits, block.tokens, block.entropies)
-            n, tok = int(n.item()), int(tok.item())
-            if exchange is not None:
-                hh = shared_h.tolist()[: n + 1]
-            else:
-                # The high gear's entropies of the emitted positions, in numpy: MLX's
-                # CPU exp over (k+1) x V took ~4 ms a block on the default model.
-                lnp = np.asarray(logits)
-                hh = [entropy_bits_np(lnp[i]) for i in range(n + 1)]
+            n, tok, hh = read_verdict(logits, block.tokens, block.log_q, log_dist, exchange,
+                                      also=(block.tokens, block.entropies))
+            stats.exchanges = exchange.count - exchanges_before if exchange is not None else 0
             drafts, dh = block.tokens.tolist(), block.entropies.tolist()
             emitted = drafts[:n] + [tok]
             stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
@@ -336,6 +320,7 @@ def plain_generate_step(
     monitor: Optional[EntropyMonitor] = None,
     prompt_cache: Optional[List[Any]] = None,
     stats: Optional[SpeculativeStats] = None,
+    exchange: Optional[StepExchange] = None,
 ) -> Generator[SpeculativeToken, None, None]:
     """:func:`speculative_generate_step` with no drafter: the high gear alone, in mlx-lm's ``generate_step``.
 
@@ -344,15 +329,19 @@ def plain_generate_step(
     schedules it with the token), so reading it waits for nothing more. The
     logits are cast to float32 first, as the drafting loop scores them, so the
     tokens are the ones a verify would choose. Each token is a block of no
-    draft in ``stats``.
+    draft in ``stats``. ``exchange``: a sharded model's; each step's token and
+    entropy are then rank 0's on every rank (one collective, in the step's graph).
     """
     stats = stats if stats is not None else SpeculativeStats()
+    exchanges_before = exchange.count if exchange is not None else 0
     stats.drafter = make_drafter(None).describe()
     pending: List[mx.array] = []
 
     def sampler(logprobs: mx.array) -> mx.array:
         tok = mx.argmax(logprobs, axis=-1) if log_dist is None else mx.random.categorical(log_dist(logprobs))
         h = entropy_bits(logprobs)
+        if exchange is not None:
+            tok, h = exchange.share(tok, h).values
         mx.async_eval(tok, h)  # with this step's graph, not after the next one
         pending.append(h)
         return tok
@@ -369,6 +358,7 @@ def plain_generate_step(
             stats.blocks.append(BlockRecord(0, 0, "max", now - tic))
             tic = now
             stats.tokens += 1
+            stats.exchanges = exchange.count - exchanges_before if exchange is not None else 0
             yield SpeculativeToken(
                 token=int(tok), index=n, block=n, drafted=0, accepted=False, gear="high", entropy=h,
                 draft_entropy=math.nan, smoothed=seen.smoothed if seen else math.nan,
