@@ -210,7 +210,7 @@ def _load_sharded(
     """:func:`load` on every rank of ``ranks``: what mlx-lm's ``sharded_load`` does for
     tensor parallelism (a lazy load, ``model.shard()``, the shard's weights read),
     with each step that may fail on one rank alone made a stage that fails on all."""
-    nested = config.store == "nested" and not config.telemetry_only
+    nested = config.store != "separate" and not config.telemetry_only  # may use the nested store
     with ranks.stage("loading the model"):
         path = resolve_model(model, dtype)
         # Lazily: each rank reads only its shard of the sharded weights.

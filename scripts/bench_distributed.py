@@ -12,6 +12,10 @@ reads from the traces:
   step's own values were ready (``exchange_seconds``, median and total);
 * whether every rank's own token and entropy equalled rank 0's at every step.
 
+What the gears hold on each rank against one process (every gear built, each
+store): ``PrecisionManager.memory()['resident_total']``, which should be one
+shard's share of one process's, and each process's peak resident set.
+
 Then, on the ranks, what the exchange costs a token: the same generation
 with rank 0's values shared (the default) and with every rank deciding on its
 own logits (``Ranks.exchange = None``; valid here only because the traces show
@@ -101,6 +105,26 @@ for r in range(rounds + 1):  # the first round warms up
 gb.ranks.exchange = exchange
 print("AB", json.dumps({"rank": gb.ranks.rank, "tps": {m: statistics.median(v) for m, v in rates.items()},
                         "rounds": rounds, "same_tokens": texts["shared"] == texts["own"]}))
+"""
+
+
+#: What the gears hold on each rank (and in one process): every gear built, with each store.
+MEMORY = r"""
+import json, resource, sys
+import mlx.core as mx
+from gearbx_mlx import load
+from gearbx_mlx.distributed import launched_group
+g = launched_group()
+out = {"rank": g.rank() if g is not None else 0, "ranks": g.size() if g is not None else 1, "stores": {}}
+for store in ("separate", "nested"):
+    model, tok, gb = load(sys.argv[1] or None, group=g, store=store)
+    for gear in ("mid", "low"):
+        gb.manager.prepare(gear)
+    mem = gb.manager.memory()
+    out["stores"][store] = {"managed_modules": len(gb.manager.paths), **mem}
+    del model, tok, gb
+out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print("MEMORY", json.dumps(out))
 """
 
 
@@ -198,6 +222,30 @@ def launched(script: str, tag: str, ranks: int, argv: List[str], timeout: int) -
                   key=lambda r: r["rank"])
 
 
+def alone(script: str, tag: str, argv: List[str], timeout: int) -> Dict[str, Any]:
+    """Run ``script`` in one process; the JSON it printed after ``tag``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(script)
+    try:
+        p = run([sys.executable, f.name, *argv], timeout)
+    finally:
+        os.unlink(f.name)
+    return next(json.loads(ln.split(" ", 1)[1]) for ln in p.stdout.splitlines() if ln.startswith(tag + " "))
+
+
+def memory_rows(one: Dict[str, Any], ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per store and rank: the gears' resident bytes against one process's, and the share expected."""
+    rows = []
+    for store, mem in one["stores"].items():
+        for r in ranks:
+            got = r["stores"][store]
+            rows.append({"store": store, "rank": r["rank"], "ranks": r["ranks"],
+                         "resident_bytes": got["resident_total"], "one_process_bytes": mem["resident_total"],
+                         "fraction_of_one_process": got["resident_total"] / mem["resident_total"],
+                         "managed_modules": got["managed_modules"]})
+    return rows
+
+
 def table(result: Dict[str, Any]) -> str:
     lines = [f"{'run':44s} {'ranks':>5s} {'tok/s':>8s} {'coll/step':>9s} {'wait ms':>8s} {'agree':>7s}"]
     for r in result["runs"]:
@@ -211,6 +259,10 @@ def table(result: Dict[str, Any]) -> str:
         t = ab["tps"]
         lines.append(f"rank {ab['rank']}: {t['shared']:.2f} tok/s with rank 0's values shared, {t['own']:.2f} with "
                      f"each rank deciding alone (median of {ab['rounds']} rounds; same tokens: {ab['same_tokens']})")
+    for m in result["memory"]:
+        lines.append(f"rank {m['rank']} of {m['ranks']}, {m['store']} store: gears hold "
+                     f"{m['resident_bytes'] / 2**20:.2f} MiB, one process {m['one_process_bytes'] / 2**20:.2f} MiB "
+                     f"({m['fraction_of_one_process']:.4f}; one shard = {1 / m['ranks']:.4f})")
     for m in result["micro"]:
         lines.append(f"rank {m['rank']}: exchange alone {1e3 * m['exchange_s']:.3f} ms, one hidden row's all_sum "
                      f"{1e3 * m['hidden_row_all_sum_s']:.3f} ms (median of {result['reps']})")
@@ -263,6 +315,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("with and without the exchange ...", flush=True)
     result["exchange_ab"] = launched(AB, "AB", ranks, [args.model or "", str(args.tokens), str(args.rounds), PROMPT],
                                      args.timeout)
+    print("memory of the gears ...", flush=True)
+    one = alone(MEMORY, "MEMORY", [args.model or ""], args.timeout)
+    result["memory_one_process"] = one
+    result["memory_ranks"] = launched(MEMORY, "MEMORY", ranks, [args.model or ""], args.timeout)
+    result["memory"] = memory_rows(one, result["memory_ranks"])
     result["micro"] = launched(MICRO, "MICRO", ranks, [str(args.reps), str(hidden)], args.timeout)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

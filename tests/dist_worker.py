@@ -85,22 +85,25 @@ def gears(model: Any, tok: Any, prompt: Any, tokens: int, dynamic: Optional[tupl
     """Every static gear with both stores and kernels, the dynamic policy, speculative decoding
     (``few``: every static gear and the dynamic policy only)."""
     runs: Dict[str, Any] = {}
-    for gear in ("high", "mid", "low"):
-        runs[f"static-{gear}"] = run(model, tok, prompt, tokens, GearboxConfig(static_gear=gear, **base))
+    for gear in ("high", "mid", "low"):  # the separate store by name: the default may be nested
+        runs[f"static-{gear}"] = run(model, tok, prompt, tokens,
+                                     GearboxConfig(static_gear=gear, store="separate", **base))
     if few:
         runs["dynamic-lag0"] = run(model, tok, prompt, tokens, GearboxConfig(**base), thresholds=dynamic)
         return runs
     for gear in ("high", "mid", "low"):
         runs[f"scope-all-{gear}"] = run(model, tok, prompt, tokens, GearboxConfig(
-            static_gear=gear, **{**base, "scope": "all"}))
+            static_gear=gear, store="separate", **{**base, "scope": "all"}))
     for gear in ("mid", "low"):
-        runs[f"static-{gear}-mlx"] = run(model, tok, prompt, tokens,
-                                         GearboxConfig(static_gear=gear, **{**base, "kernel": "mlx"}))
+        runs[f"static-{gear}-mlx"] = run(model, tok, prompt, tokens, GearboxConfig(
+            static_gear=gear, store="separate", **{**base, "kernel": "mlx"}))
         runs[f"nested-{gear}"] = run(model, tok, prompt, tokens,
                                      GearboxConfig(static_gear=gear, store="nested", **base))
     for lag in (0, 1):
-        runs[f"dynamic-lag{lag}"] = run(model, tok, prompt, tokens, GearboxConfig(lag=lag, **base),
+        runs[f"dynamic-lag{lag}"] = run(model, tok, prompt, tokens, GearboxConfig(lag=lag, store="separate", **base),
                                         thresholds=dynamic)
+    runs["dynamic-nested"] = run(model, tok, prompt, tokens, GearboxConfig(store="nested", **base),
+                                 thresholds=dynamic)
     gb = Gearbox(model, GearboxConfig(**base))
     greedy = speculative_generate(model, tok, prompt, gb, max_tokens=tokens, max_draft=3)
     sampled = speculative_generate(model, tok, prompt, gb, max_tokens=tokens, max_draft=3, temp=0.8)
@@ -142,6 +145,17 @@ def scenario(name: str, args: argparse.Namespace, group: Any) -> Dict[str, Any]:
         path = args.model if rank == 0 else args.model + "-missing"
         load(path, group=group)
         return {}
+    if name in ("disagree-calibration", "calibration-missing-on-one-rank"):
+        from gearbx_mlx.calibration import Calibration
+
+        cal = Path(args.out, f"calibration{rank}.json")
+        shift = 0.5 if rank == 1 and name == "disagree-calibration" else 0.0
+        Calibration(low=1.0 + shift, high=3.0, strategy="median", n_samples=4,
+                    vocab_size=json.loads(Path(args.model, "config.json").read_text())["vocab_size"]).save(cal)
+        if name == "calibration-missing-on-one-rank" and rank == 1:
+            cal = cal.with_name("missing.json")
+        model, tok, gb = load(args.model, group=group, calibration=cal)
+        return {"text": [r.token for r in stream_generate(model, tok, TINY_PROMPT, gb, max_tokens=args.tokens)]}
     if name == "not-shardable":
         with ranks.stage("sharding the model"):
             shard_model(tiny_gemma(), group)

@@ -32,7 +32,7 @@ from gearbx_mlx.distributed import (
 )
 from gearbx_mlx.distributed.exchange import agreement
 from gearbx_mlx.distributed.shard import world_sizes
-from gearbx_mlx.nested.store import cache_key
+from gearbx_mlx.nested.store import cache_key, plan_for
 from gearbx_mlx.precision import PrecisionManager, mlx_quantizer, packed_quantizer
 from gearbx_mlx.telemetry.trace import TraceError, TraceWriter, read_trace, token_record
 
@@ -203,9 +203,10 @@ def test_model_identity_sees_one_changed_weight_and_is_kept():
 
 
 def test_planes_cache_keys_differ_per_shard_and_stay_for_one_process():
-    base = cache_key("f" * 64, ["a.b"], (4, 4), 64)
-    assert base == cache_key("f" * 64, ["a.b"], (4, 4), 64, (0, 1))
-    keys = {cache_key("f" * 64, ["a.b"], (4, 4), 64, (r, 2)) for r in range(2)}
+    plan = plan_for("original", False, 64)
+    base = cache_key("f" * 64, ["a.b"], plan)
+    assert base == cache_key("f" * 64, ["a.b"], plan, (0, 1))
+    keys = {cache_key("f" * 64, ["a.b"], plan, (r, 2)) for r in range(2)}
     assert len(keys) == 2 and base not in keys
 
 

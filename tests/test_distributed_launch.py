@@ -135,12 +135,13 @@ def test_two_ranks_take_one_process_tokens_in_every_gear(ring, tmp_path):
     one = worker(tmp_path / "one", "gears-tiny")[0]
     two = worker(tmp_path / "two", "gears-tiny", ranks=2)
     static = [n for n in one["runs"] if n.startswith(("static", "nested", "scope"))]
-    check_against_one_process(one, two, static, ["dynamic-lag0", "dynamic-lag1"])
+    check_against_one_process(one, two, static, ["dynamic-lag0", "dynamic-lag1", "dynamic-nested"])
     runs = one["runs"]
     # The gears are really in: the low gear's entropies are not the high gear's.
     assert max(abs(a - b) for a, b in zip(runs["static-low"]["entropies"], runs["static-high"]["entropies"])) > 1e-3
     assert runs["scope-all-low"]["tokens"] != runs["scope-all-high"]["tokens"]
-    assert len({g for g in two[0]["runs"]["dynamic-lag0"]["gears"]}) > 1  # the router did shift
+    for name in ("dynamic-lag0", "dynamic-nested"):
+        assert len(set(two[0]["runs"][name]["gears"])) > 1, name  # the router did shift
     for r in (0, 1):
         got = two[r]["runs"]
         # Each rank's gears hold its own shard: half the one process's bytes (attention scope, no bias).
@@ -156,9 +157,12 @@ def test_two_ranks_take_one_process_tokens_in_every_gear(ring, tmp_path):
     ("disagree-thresholds", "the 2 ranks disagree on thresholds", None),
     ("disagree-model", "the 2 ranks disagree on model", None),
     ("missing-on-one-rank", "model path not found", "rank 1 of 2 failed while loading the model: model path not found"),
+    ("disagree-calibration", "the 2 ranks disagree on thresholds", None),
+    ("calibration-missing-on-one-rank", "missing.json", "rank 1 of 2 failed while building the gears"),
 ])
 def test_a_fault_ends_every_rank_with_one_clear_error(ring, tmp_path, scenario, own, other):
-    extra = ["--model", str(tiny_model_folder(tmp_path / "m"))] if scenario == "missing-on-one-rank" else []
+    folder = scenario in ("missing-on-one-rank", "disagree-calibration", "calibration-missing-on-one-rank")
+    extra = ["--model", str(tiny_model_folder(tmp_path / "m"))] if folder else []
     got = worker(tmp_path / "out", scenario, *extra, ranks=2, timeout=180)
     for r, res in got.items():
         assert "error" in res, f"rank {r} did not fail"
