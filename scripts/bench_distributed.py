@@ -84,27 +84,32 @@ print("MICRO", json.dumps({"rank": g.rank(), "exchange_s": timed(step), "hidden_
 
 #: The same generation with and without the exchange, interleaved, on every rank.
 AB = r"""
-import json, statistics, sys
+import json, statistics, sys, time
 import mlx.core as mx
 from gearbx_mlx import load, stream_generate
+from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.distributed import launched_group
 model, tok, gb = load(sys.argv[1] or None, group=launched_group())
-tokens, rounds, prompt = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tokens, rounds, prompt = int(sys.argv[2]), int(sys.argv[3]), apply_chat_template(tok, sys.argv[4])
 exchange = gb.ranks.exchange
 rates = {"shared": [], "own": []}
-texts = {}
+texts, counts = {}, {}
 for r in range(rounds + 1):  # the first round warms up
     for mode in ("shared", "own"):
         gb.ranks.exchange = exchange if mode == "shared" else None
-        last, ids = None, []
-        for last in stream_generate(model, tok, prompt, gb, max_tokens=tokens):
-            ids.append(int(last.token))
+        ids, stamps = [], []
+        for resp in stream_generate(model, tok, prompt, gb, max_tokens=tokens):
+            ids.append(int(resp.token))
+            stamps.append(time.perf_counter())
         texts.setdefault(mode, ids)
-        if r:
-            rates[mode].append(last.generation_tps)
+        counts[mode] = len(ids)
+        if r and len(ids) > 1:  # decode steps after the first token, as mlx-lm's generation rate
+            rates[mode].append((len(ids) - 1) / (stamps[-1] - stamps[0]))
 gb.ranks.exchange = exchange
-print("AB", json.dumps({"rank": gb.ranks.rank, "tps": {m: statistics.median(v) for m, v in rates.items()},
-                        "rounds": rounds, "same_tokens": texts["shared"] == texts["own"]}))
+tps = {m: statistics.median(v) for m, v in rates.items()}
+print("AB", json.dumps({"rank": gb.ranks.rank, "tps": tps, "rounds": rounds, "tokens": counts,
+                        "exchange_ms_per_token": 1e3 * (1 / tps["shared"] - 1 / tps["own"]),
+                        "same_tokens": texts["shared"] == texts["own"]}))
 """
 
 
@@ -258,7 +263,8 @@ def table(result: Dict[str, Any]) -> str:
     for ab in result["exchange_ab"]:
         t = ab["tps"]
         lines.append(f"rank {ab['rank']}: {t['shared']:.2f} tok/s with rank 0's values shared, {t['own']:.2f} with "
-                     f"each rank deciding alone (median of {ab['rounds']} rounds; same tokens: {ab['same_tokens']})")
+                     f"each rank deciding alone ({ab['exchange_ms_per_token']:+.2f} ms a token; median of "
+                     f"{ab['rounds']} rounds of {ab['tokens']['shared']} tokens; same tokens: {ab['same_tokens']})")
     for m in result["memory"]:
         lines.append(f"rank {m['rank']} of {m['ranks']}, {m['store']} store: gears hold "
                      f"{m['resident_bytes'] / 2**20:.2f} MiB, one process {m['one_process_bytes'] / 2**20:.2f} MiB "
