@@ -383,7 +383,6 @@ def _model_header(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
     }
 
 
-
 def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:
     pc = gearbox.prompt_class
     return {

@@ -21,8 +21,9 @@ with rank 0's values shared (the default) and with every rank deciding on its
 own logits (``Ranks.exchange = None``; valid here only because the traces show
 the ranks' logits agreeing bit for bit), interleaved over rounds, tokens/s of
 each (median); and the exchange timed on its own: ``StepExchange.share`` of
-one step's values, evaluated alone, beside an ``all_sum`` of one hidden-state
-row (what each sharded-to-all layer of the model does, twice per layer and step).
+one step's values, evaluated alone, beside an ``all_sum`` of its table alone
+(built beforehand) and of one hidden-state row (what each sharded-to-all
+layer of the model does, twice per layer and step).
 
 What it says and does not: ranks on ONE machine share its cores and talk over
 the loopback, so their tokens/s measures the cost of the collectives here,
@@ -78,7 +79,10 @@ def timed(make):
     return statistics.median(out)
 step = lambda i: ex.share(mx.array([i], mx.uint32), mx.array(1.5 + i), mx.array(False), mx.array(2, mx.uint32)).table
 row = lambda i: mx.distributed.all_sum(mx.full((1, hidden), float(i)), group=g)
-print("MICRO", json.dumps({"rank": g.rank(), "exchange_s": timed(step), "hidden_row_all_sum_s": timed(row)}))
+words = ex.share(mx.array([0], mx.uint32), mx.array(1.5), mx.array(False), mx.array(2, mx.uint32)).table.shape
+table = lambda i: mx.distributed.all_sum(mx.full(words, i, mx.uint32), group=g)
+print("MICRO", json.dumps({"rank": g.rank(), "exchange_s": timed(step), "hidden_row_all_sum_s": timed(row),
+                           "table_all_sum_s": timed(table), "table_shape": list(words)}))
 """
 
 
@@ -270,7 +274,8 @@ def table(result: Dict[str, Any]) -> str:
                      f"{m['resident_bytes'] / 2**20:.2f} MiB, one process {m['one_process_bytes'] / 2**20:.2f} MiB "
                      f"({m['fraction_of_one_process']:.4f}; one shard = {1 / m['ranks']:.4f})")
     for m in result["micro"]:
-        lines.append(f"rank {m['rank']}: exchange alone {1e3 * m['exchange_s']:.3f} ms, one hidden row's all_sum "
+        lines.append(f"rank {m['rank']}: exchange alone {1e3 * m['exchange_s']:.3f} ms (its table's all_sum alone "
+                     f"{1e3 * m['table_all_sum_s']:.3f} ms), one hidden row's all_sum "
                      f"{1e3 * m['hidden_row_all_sum_s']:.3f} ms (median of {result['reps']})")
     return "\n".join(lines)
 
