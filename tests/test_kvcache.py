@@ -283,6 +283,11 @@ def test_prompt_cache_file_round_trip(tmp_path):
     assert type(loaded[0]) is RotatedQuantizedKVCache and loaded[0].quantizer == "ls"
     assert mx.array_equal(loaded[0].key_offset, cache[0].key_offset).item()
     assert mx.allclose(a, b, atol=1e-5).item()
+    kv.check_cache(loaded)  # same transform: accepted
+    with apply_kv(model, KVConfig(bits=4, seed=1), calibrate_text(model, CAL)) as other:
+        with pytest.raises(ValueError, match="another KV transform"):
+            other.check_cache(loaded)
+        other.check_cache([KVCache() for _ in model.layers])  # empty mlx-lm caches are fine
 
 
 def test_mlx_lm_stream_generate_runs_on_the_handle_caches():

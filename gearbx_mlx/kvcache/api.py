@@ -19,6 +19,8 @@ q/k/v/o projections are then copied once with the transform folded in).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -31,6 +33,7 @@ from .config import KVConfig
 from .outliers import OUTLIER_THRESHOLD, outlier_scores
 from .quantize import bits_per_element
 from .rotation import Rotation, hadamard_supported
+from .sink import KeyRotation, sink_reflections
 from .transform import LayerTransform, LayerView, install, key_scale, uninstall
 
 
@@ -91,19 +94,24 @@ def build_transforms(
         vrot = Rotation.make(kind, d, config.seed, 2 * info.index + 1)
         stats = calibration.layers[info.index] if calibration is not None else None
         scale = key_offset = value_offset = None
+        key_rot = KeyRotation(rot, None, info.repeats)
         if stats is not None:
             lam = key_scale(stats, info, float(config.lam_alpha))
             if lam is not None:
                 scale = mx.array(lam.astype("float32"))
+            if config.sink and not rot.identity:
+                w = sink_reflections(stats.k_first, stats.k_mean, lam, rot, config.group_size)
+                if w is not None:
+                    key_rot = KeyRotation(rot, mx.array(w.astype("float32")), info.repeats)
             if config.key_offset != "none":
                 base = stats.k_mean if config.key_offset == "mean" else 0.5 * (stats.k_mean + stats.k_wmean)
                 mu = mx.array(base.astype("float32"))
                 if scale is not None:
                     mu = mu * scale  # λ per pair commutes with RoPE, so it scales the mean too
-                key_offset = rot.forward(mu)
+                key_offset = key_rot.forward_heads(mu)
             if config.value_offset:
                 value_offset = mx.array(stats.v_mean.astype("float32"))
-        out.append(LayerTransform(info, rot, vrot, scale, key_offset, value_offset,
+        out.append(LayerTransform(info, key_rot, vrot, scale, key_offset, value_offset,
                                   bits[info.index], config.group_size, config.quantizer))
     mx.eval([[t.scale, t.key_offset, t.value_offset] for t in out])
     return out
@@ -127,6 +135,11 @@ class KVHandle:
         self.transforms = transforms
         self._attns = attention_modules(model)
         self.active = False
+        digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
+        if calibration is not None:
+            digest.update(json.dumps(calibration.to_dict()["layers"]).encode())
+        #: Names this transform; the caches it makes carry it.
+        self.tag = digest.hexdigest()[:16]
 
     def _install(self) -> None:
         views = []
@@ -156,10 +169,30 @@ class KVHandle:
         out: List[Any] = []
         for t in self.transforms:
             if start > 0:
-                out.append(RotatedKVCache(t.key_offset, t.group_size, t.bits, t.quantizer))
+                out.append(RotatedKVCache(t.key_offset, t.group_size, t.bits, t.quantizer, self.tag))
             else:
-                out.append(RotatedQuantizedKVCache(t.group_size, t.bits, t.key_offset, t.quantizer))
+                out.append(RotatedQuantizedKVCache(t.group_size, t.bits, t.key_offset, t.quantizer, self.tag))
         return out
+
+    def check_cache(self, cache: List[Any]) -> None:
+        """ValueError unless ``cache`` (e.g. a loaded prompt cache) was made by this transform.
+
+        Its keys and values live in this transform's rotated basis; a cache
+        of another transform, or an mlx-lm cache that already holds tokens,
+        would be read as noise.
+        """
+        if len(cache) != len(self.transforms):
+            raise ValueError(f"the cache has {len(cache)} layers, the model {len(self.transforms)}")
+        for i, c in enumerate(cache):
+            tag = getattr(c, "tag", None)
+            if tag == self.tag:
+                continue
+            if tag is None and getattr(c, "offset", 0) == 0:
+                continue  # an empty mlx-lm cache holds nothing in any basis
+            raise ValueError(
+                f"layer {i}'s cache was made under another KV transform (or none): its keys are "
+                "in another basis; start from an empty cache or the same settings and calibration"
+            )
 
     # -- reporting -------------------------------------------------------------------
     @property
@@ -183,6 +216,7 @@ class KVHandle:
         return {
             "bits": c.bits, "group_size": c.group_size,
             "rotation": sorted({t.rotation.kind for t in self.transforms}),
+            "sink": any(t.rotation.reflect is not None for t in self.transforms),
             "lambda": any(t.scale is not None for t in self.transforms),
             "key_offset": any(t.key_offset is not None for t in self.transforms),
             "value_offset": any(t.value_offset is not None for t in self.transforms),

@@ -49,6 +49,9 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
         key_offset: ``(n_kv_heads, head_dim)`` subtracted from every key, or None.
         quantizer: ``"minmax"`` (``mx.quantize``) or ``"ls"`` (least-squares
             scales, :func:`gearbx_mlx.kvcache.quantize.quantize_ls`).
+        tag: names the transform whose basis the stored keys and values are in
+            (:attr:`gearbx_mlx.kvcache.KVHandle.tag`); saved with the cache so
+            that a prompt cache is never reused under another transform.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
         bits: int = 4,
         key_offset: Optional[mx.array] = None,
         quantizer: str = "minmax",
+        tag: str = "",
     ) -> None:
         check_bits_group(bits, group_size)
         if quantizer not in QUANTIZERS:
@@ -64,6 +68,7 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
         super().__init__(group_size=group_size, bits=bits)
         self.key_offset = key_offset
         self.quantizer = quantizer
+        self.tag = tag
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[Any, Any]:
         keys = _offset_keys(keys, self.key_offset)
@@ -108,14 +113,15 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
     @property
     def state(self) -> Tuple[Any, ...]:
         off = self.key_offset if self.key_offset is not None else mx.zeros((0,))
-        return (*super().state, off, self.quantizer)
+        return (*super().state, off, self.quantizer, self.tag)
 
     @state.setter
     def state(self, v: Tuple[Any, ...]) -> None:
-        *base, off, quantizer = v
+        *base, off, quantizer, tag = v
         mlc.QuantizedKVCache.state.fset(self, tuple(base))
         self.key_offset = off if isinstance(off, mx.array) and off.size else None
         self.quantizer = quantizer if isinstance(quantizer, str) else "minmax"
+        self.tag = tag if isinstance(tag, str) else ""
 
 
 class RotatedKVCache(mlc.KVCache):
@@ -127,6 +133,7 @@ class RotatedKVCache(mlc.KVCache):
             win over the arguments mlx-lm passes, which it takes from its own
             ``--kv-bits``/``--kv-group-size`` for every layer alike, while this
             cache may belong to a layer given other bits.
+        tag: as :class:`RotatedQuantizedKVCache`.
     """
 
     def __init__(
@@ -135,18 +142,20 @@ class RotatedKVCache(mlc.KVCache):
         group_size: int = 64,
         bits: int = 4,
         quantizer: str = "minmax",
+        tag: str = "",
     ) -> None:
         check_bits_group(bits, group_size)
         super().__init__()
         self.key_offset = key_offset
         self.target = (group_size, bits, quantizer)
+        self.tag = tag
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         return super().update_and_fetch(_offset_keys(keys, self.key_offset), values)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> RotatedQuantizedKVCache:
         g, b, method = self.target
-        out = RotatedQuantizedKVCache(g, b, self.key_offset, method)
+        out = RotatedQuantizedKVCache(g, b, self.key_offset, method, self.tag)
         out.offset = self.offset
         if self.keys is not None:
             # The stored keys already have the offset removed.
@@ -158,14 +167,15 @@ class RotatedKVCache(mlc.KVCache):
     def state(self) -> Tuple[Any, ...]:
         off = self.key_offset if self.key_offset is not None else mx.zeros((0,))
         g, b, method = self.target
-        return (*super().state, off, g, b, method)
+        return (*super().state, off, g, b, method, self.tag)
 
     @state.setter
     def state(self, v: Tuple[Any, ...]) -> None:
-        *base, off, g, b, method = v
+        *base, off, g, b, method, tag = v
         mlc.KVCache.state.fset(self, tuple(base))
         self.key_offset = off if isinstance(off, mx.array) and off.size else None
         self.target = (int(g), int(b), str(method))
+        self.tag = tag if isinstance(tag, str) else ""
 
 
 CACHE_CLASSES: Dict[str, type] = {

@@ -7,6 +7,7 @@ queries after RoPE, in the model's own basis, before any rotation):
 * ``k_var``: variance of k over tokens (centred);
 * ``k_mean``: mean of k over tokens (the key offset);
 * ``k_wmean``: mean of k weighted by the attention each key receives;
+* ``k_first``: the key of the first position (the attention sink);
 * ``v_mean``: mean of v.
 
 :mod:`gearbx_mlx.kvcache.transform` turns them into the scale λ and the key
@@ -45,7 +46,7 @@ from .arch import AttentionInfo, attention_modules, describe, input_norm_weight
 
 KV_CALIBRATION_FORMAT = 1
 SOURCES = ("text", "weights")
-_FIELDS = ("q_energy", "k_var", "k_mean", "k_wmean", "v_mean")
+_FIELDS = ("q_energy", "k_var", "k_mean", "k_wmean", "k_first", "v_mean")
 
 
 @dataclass
@@ -56,6 +57,7 @@ class LayerStats:
     k_var: np.ndarray
     k_mean: np.ndarray
     k_wmean: np.ndarray
+    k_first: np.ndarray
     v_mean: np.ndarray
 
     def to_dict(self) -> Dict[str, List[List[float]]]:
@@ -234,6 +236,7 @@ def _layer_stats(attn: Any, info: AttentionInfo, x: mx.array) -> LayerStats:
         "k_var": ((k - k_mean[:, None]) ** 2).mean(axis=1),
         "k_mean": k_mean,
         "k_wmean": (mass[..., None] * k).sum(axis=1) / mass.sum(axis=1)[:, None],
+        "k_first": k[:, 0],
         "v_mean": v.mean(axis=1),
     }
     mx.eval(out)
@@ -296,7 +299,7 @@ def calibrate_weights(model: nn.Module, context: int = 4096) -> KVCalibration:
             # Per-head norms hide the keys' scale and offset from the weights:
             # neutral statistics (λ = 1, no offset); calibrate from a text instead.
             one, zero = np.ones((nkv, d)), np.zeros((nkv, d))
-            layers.append(LayerStats(one, one.copy(), zero, zero.copy(), zero.copy()))
+            layers.append(LayerStats(one, one.copy(), zero, zero.copy(), zero.copy(), zero.copy()))
             continue
         wq, wk = _dense_weight(attn["q_proj"]), _dense_weight(attn["k_proj"])
         if wq is None or wk is None:
@@ -322,7 +325,7 @@ def calibrate_weights(model: nn.Module, context: int = 4096) -> KVCalibration:
             k_mean = mx.zeros((nkv, d))
         v_mean = bv.reshape(nkv, d) if bv is not None else mx.zeros((nkv, d))
         out = {"q_energy": q_energy, "k_var": ke.reshape(nkv, d), "k_mean": k_mean,
-               "k_wmean": k_mean, "v_mean": v_mean}
+               "k_wmean": k_mean, "k_first": k_mean, "v_mean": v_mean}
         mx.eval(out)
         layers.append(LayerStats(**{f: np.array(a, dtype=np.float64) for f, a in out.items()}))
     return KVCalibration(layers, model_fingerprint(model), "weights", 0)

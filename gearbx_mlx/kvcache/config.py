@@ -35,6 +35,8 @@ class KVConfig:
             Off by default: the first token's value is often near zero and
             carries most of the attention, and shifting it costs precision
             there (measured: worse on both models).
+        sink: map the calibrated attention-sink key onto the direction each
+            quantization group stores for free (:mod:`gearbx_mlx.kvcache.sink`).
         quantizer: ``"minmax"`` (MLX's) or ``"ls"`` (least-squares scales).
         quantized_kv_start: keep the float cache until this many tokens
             (mlx-lm's ``--quantized-kv-start``), then quantize.
@@ -55,6 +57,7 @@ class KVConfig:
     lam_alpha: float = 0.5
     key_offset: str = "mean"
     value_offset: bool = False
+    sink: bool = True
     quantizer: str = "minmax"
     quantized_kv_start: int = 0
     layer_bits: Dict[int, int] = field(default_factory=dict)
@@ -72,6 +75,8 @@ class KVConfig:
             raise TypeError(f"lam_alpha must be a number, got {type(self.lam_alpha).__name__}")
         if not 0.0 <= float(self.lam_alpha) <= 1.0:
             raise ValueError(f"lam_alpha must be in [0, 1] (0 turns λ off), got {self.lam_alpha}")
+        if not isinstance(self.sink, bool) or not isinstance(self.value_offset, bool) or not isinstance(self.fold, bool):
+            raise TypeError("sink, value_offset and fold must be True or False")
         if self.key_offset not in KEY_OFFSETS:
             raise ValueError(f"key_offset must be one of {KEY_OFFSETS}, got {self.key_offset!r}")
         if self.quantizer not in QUANTIZERS:
@@ -93,7 +98,7 @@ class KVConfig:
     @property
     def needs_statistics(self) -> bool:
         """True if λ or an offset is asked for (they come from a calibration)."""
-        return self.lam_alpha > 0 or self.key_offset != "none" or self.value_offset
+        return self.lam_alpha > 0 or self.key_offset != "none" or self.value_offset or self.sink
 
     def replace(self, **changes: Any) -> "KVConfig":
         return dataclasses.replace(self, **changes)
@@ -117,12 +122,13 @@ class KVConfig:
 def plain(bits: int = 4, group_size: int = 64, quantized_kv_start: int = 0) -> KVConfig:
     """mlx-lm's own ``--kv-bits`` behaviour: no rotation, no λ, no offset."""
     return KVConfig(bits=bits, group_size=group_size, rotation="none", lam_alpha=0.0,
-                    key_offset="none", quantized_kv_start=quantized_kv_start)
+                    key_offset="none", sink=False, quantized_kv_start=quantized_kv_start)
 
 
 def rotated_only(bits: int = 4, group_size: int = 64, rotation: str = "auto") -> KVConfig:
     """Rotation alone (the paper's recipe without λ): the plain-rotation baseline."""
-    return KVConfig(bits=bits, group_size=group_size, rotation=rotation, lam_alpha=0.0, key_offset="none")
+    return KVConfig(bits=bits, group_size=group_size, rotation=rotation, lam_alpha=0.0,
+                    key_offset="none", sink=False)
 
 
 def bits_summary(bits: Optional[int], group_size: int) -> str:

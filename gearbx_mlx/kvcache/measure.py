@@ -85,6 +85,8 @@ def spec(name: str) -> CacheSpec:
             cfg = cfg.replace(quantizer="ls")
         elif m == "mix":
             cfg = cfg.replace(key_offset="mix")
+        elif m == "nosink":
+            cfg = cfg.replace(sink=False)
         elif m == "vo":
             cfg = cfg.replace(value_offset=True)
         elif m == "nolam":

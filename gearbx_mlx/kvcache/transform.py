@@ -33,6 +33,7 @@ import numpy as np
 from .arch import AttentionInfo
 from .calibrate import LayerStats
 from .rotation import Rotation
+from .sink import KeyRotation
 
 #: Bounds of λ relative to its geometric mean, against a pair with
 #: near-zero calibration energy sending a scale to 0 or infinity.
@@ -74,7 +75,7 @@ class LayerTransform:
     """Everything one attention layer needs (arrays float32).
 
     Attributes:
-        rotation: of queries and keys after RoPE.
+        rotation: of queries and keys after RoPE (per head, with the sink reflection).
         value_rotation: of values (``o_proj``'s input is rotated back).
         scale: λ ``(n_kv_heads, head_dim)`` or None.
         key_offset: μ_k ``(n_kv_heads, head_dim)`` in the stored keys' basis, or None.
@@ -83,7 +84,7 @@ class LayerTransform:
     """
 
     info: AttentionInfo
-    rotation: Rotation
+    rotation: KeyRotation
     value_rotation: Rotation
     scale: Optional[mx.array]
     key_offset: Optional[mx.array]
