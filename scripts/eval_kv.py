@@ -35,6 +35,7 @@ benchmarks/results/). Every JSON records its command, machine and date.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -90,8 +91,8 @@ def machine() -> Dict[str, Any]:
     return info
 
 
-def load_model(args: argparse.Namespace) -> Any:
-    """(model, tokenizer or None, label)."""
+def load_model(args: argparse.Namespace, materialize: bool = True) -> Any:
+    """(model, tokenizer or None, label); ``materialize=False`` leaves random weights lazy."""
     import mlx.core as mx
 
     if args.shape:
@@ -106,7 +107,8 @@ def load_model(args: argparse.Namespace) -> Any:
         dtype = getattr(mx, args.dtype or "bfloat16")
         # Random weights at a sane scale (the speed does not depend on them).
         model.set_dtype(dtype)
-        mx.eval(model.parameters())
+        if materialize:
+            mx.eval(model.parameters())
         return model, None, f"random {args.shape}" + (f" ({args.layers} layers)" if args.layers else "")
     from mlx_lm import load
 
@@ -182,16 +184,18 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any) -> Dict[str, An
 def part_bytes(args: argparse.Namespace, model: Any) -> Dict[str, Any]:
     import mlx.core as mx
 
-    from gearbx_mlx.kvcache import calibrate_weights
     from gearbx_mlx.kvcache.measure import cache_nbytes_per_token, prepared, spec
 
     geo = geometry(model)
-    cals = {"text": calibrate_weights(model), "weights": calibrate_weights(model)}
     rows = []
     for name in args.caches.split(","):
         s = spec(name)
         row: Dict[str, Any] = {"cache": name, "bits_per_element": s.bits_per_element}
-        with prepared(model, s, cals) as make_cache:
+        if s.kind == "kv":
+            # Statistics change no byte (the key offset is one vector a layer,
+            # not per token): measure without them, so no weights are read.
+            s = dataclasses.replace(s, config=s.config.replace(lam_alpha=0.0, key_offset="none", sink=False))
+        with prepared(model, s, {}) as make_cache:
             for n in args.tokens_list:
                 row[f"bytes_per_token_{n}"] = cache_nbytes_per_token(
                     make_cache, geo["n_kv_heads"], geo["head_dim"], n, mx.float16)
@@ -267,7 +271,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ValueError as e:
             ap.error(str(e))
 
-    model, tok, label = load_model(args)
+    model, tok, label = load_model(args, materialize=args.part != "bytes")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if args.part == "quality":
         result = part_quality(args, model, tok)

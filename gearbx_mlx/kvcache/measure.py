@@ -180,19 +180,26 @@ def cache_nbytes_per_token(make_cache: MakeCache, n_kv_heads: Sequence[int], hea
 
     Measured from the arrays (mlx-lm's ``nbytes``: codes, scales, biases and
     the unused tail of the last 256-token block; pick ``tokens`` a multiple of
-    256 for the steady state).
+    256 for the steady state). Layers alike in head count, size, bits and
+    group are filled once and counted for all of them.
     """
     caches = make_cache()
+    measured: Dict[tuple, int] = {}
+    total = 0
     for c, h, d in zip(caches, n_kv_heads, head_dim):
-        done = 0
-        while done < tokens:
-            n = min(chunk, tokens - done)
-            k = mx.random.normal((1, h, n, d)).astype(dtype)
-            v = mx.random.normal((1, h, n, d)).astype(dtype)
-            c.update_and_fetch(k, v)
-            done += n
-        mx.eval(c.state[:2] if isinstance(c.state, tuple) else c.state)
-    return sum(c.nbytes for c in caches) / tokens
+        key = (type(c).__name__, h, d, getattr(c, "bits", None), getattr(c, "group_size", None))
+        if key not in measured:
+            done = 0
+            while done < tokens:
+                n = min(chunk, tokens - done)
+                k = mx.random.normal((1, h, n, d)).astype(dtype)
+                v = mx.random.normal((1, h, n, d)).astype(dtype)
+                c.update_and_fetch(k, v)
+                done += n
+                mx.eval(c.keys, c.values)
+            measured[key] = c.nbytes
+        total += measured[key]
+    return total / tokens
 
 
 def decode_speed(model: nn.Module, make_cache: MakeCache, context: int, steps: int = 32,
