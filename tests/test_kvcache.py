@@ -8,14 +8,22 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache, trim_prompt_cache
 
 from gearbx_mlx.kvcache import (
-    KVCalibration, KVConfig, RotatedKVCache, RotatedQuantizedKVCache, Rotation, apply_kv,
-    calibrate_text, calibrate_weights, hadamard_supported, load_prompt_cache, outlier_layers,
+    KVCalibration,
+    KVConfig,
+    RotatedKVCache,
+    RotatedQuantizedKVCache,
+    Rotation,
+    apply_kv,
+    calibrate_text,
+    calibrate_weights,
+    hadamard_supported,
+    load_prompt_cache,
+    outlier_layers,
     outlier_scores,
 )
 from gearbx_mlx.kvcache.arch import describe
@@ -365,7 +373,7 @@ def test_spec_names():
 @pytest.mark.slow
 def test_default_model_int4_recipe_beats_plain_int4(default_model):
     """256 Lee tokens through a 4-bit cache: the recipe's KL is well under mlx-lm's."""
-    from gearbx_mlx.models import corpus_path
+    from gearbx_mlx.sources.models import corpus_path
 
     model, tok, _ = default_model
     ids = tok.encode(corpus_path().read_text())[:257]

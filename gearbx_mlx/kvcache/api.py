@@ -75,20 +75,21 @@ def _check(config: KVConfig, infos: List[AttentionInfo]) -> None:
 
 
 def build_transforms(
-    model: nn.Module, config: KVConfig, calibration: Optional[KVCalibration]
+    model: nn.Module, config: KVConfig, calibration: Optional[KVCalibration], check_calibration: bool = True
 ) -> List[LayerTransform]:
     """Every layer's :class:`LayerTransform` (validates everything first)."""
     infos = describe(model)
     _check(config, infos)
     if calibration is not None:
-        calibration.check(model)
+        if check_calibration:
+            calibration.check(model)
         if len(calibration.layers) != len(infos):
             raise ValueError("the KV calibration has a different number of layers than the model")
     scores = outlier_scores(model) if config.outliers == "auto" else None
     bits = layer_bits(config, len(infos), scores)
     out = []
     for info in infos:
-        d, nkv = info.head_dim, info.n_kv_heads
+        d = info.head_dim
         kind = rotation_kind(config, d)
         rot = Rotation.make(kind, d, config.seed, 2 * info.index)
         vrot = Rotation.make(kind, d, config.seed, 2 * info.index + 1)
@@ -243,6 +244,7 @@ def apply_kv(
     model: nn.Module,
     config: Optional[KVConfig] = None,
     calibration: Optional[KVCalibration] = None,
+    check_calibration: bool = True,
 ) -> KVHandle:
     """Transform ``model``'s attention for a quantized KV cache (reversibly).
 
@@ -251,6 +253,9 @@ def apply_kv(
         config: the settings (default :class:`KVConfig`).
         calibration: statistics for λ and the offsets. None: taken from the
             weights (:func:`calibrate_weights`) when ``config`` asks for any.
+        check_calibration: check that ``calibration`` was taken on this
+            model's weights; off for a drafter's tree (its quantized
+            ``k_proj`` is the calibrated model's, rounded).
 
     Raises:
         ValueError: an unsupported attention, bits or group size, a head size
@@ -264,6 +269,6 @@ def apply_kv(
         raise TypeError(f"calibration must be a KVCalibration, got {type(calibration).__name__}")
     if calibration is None and config.needs_statistics:
         calibration = calibrate_weights(model)
-    handle = KVHandle(model, config, calibration, build_transforms(model, config, calibration))
+    handle = KVHandle(model, config, calibration, build_transforms(model, config, calibration, check_calibration))
     handle._install()
     return handle

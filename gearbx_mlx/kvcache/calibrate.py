@@ -294,7 +294,7 @@ def calibrate_weights(model: nn.Module, context: int = 4096) -> KVCalibration:
     infos = describe(model)
     layers = []
     for attn, info in zip(attention_modules(model), infos):
-        nh, nkv, d = info.n_heads, info.n_kv_heads, info.head_dim
+        nkv, d = info.n_kv_heads, info.head_dim
         if info.head_norms:
             # Per-head norms hide the keys' scale and offset from the weights:
             # neutral statistics (λ = 1, no offset); calibrate from a text instead.

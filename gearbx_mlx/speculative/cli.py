@@ -15,7 +15,7 @@ import sys
 from typing import Any, Dict, Optional
 
 from ..config import SCOPES
-from ..console import print_stream
+from ..console import kv_line, print_stream
 from ..generation import encode_prompt
 from ..telemetry.trace import TraceWriter, token_record as routed_record
 from .calibration import calibrate_draft_stop
@@ -86,7 +86,6 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     Also sets ``MLX_CUDA_USE_CUDNN_SDPA=0`` unless already set (no effect on the CPU).
     """
     clashes = [flag for flag, on in (
-        ("--kv-bits", getattr(args, "kv_bits", None) is not None),
         ("--max-kv-size", getattr(args, "max_kv_size", None) is not None),
         ("--static-gear", getattr(args, "static_gear", None) is not None),
         ("--telemetry-only", getattr(args, "telemetry_only", False)),
@@ -94,7 +93,7 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     if clashes:
         raise ValueError(
             f"{', '.join(clashes)} cannot be combined with --speculative: it needs trimmable "
-            "full-precision KV caches and builds its own draft gear"
+            "KV caches that grow without a window and builds its own draft gear"
         )
     hard = getattr(args, "hard_max_draft", None)
     if hard is not None and (hard < 0 or (args.max_draft is not None and hard > args.max_draft)):
@@ -167,6 +166,8 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
             f"+ gear store {mem.get('store_bytes', 0) / 1e6:.1f} MB + drafter's own {mem['extra_bytes'] / 1e6:.1f} MB; "
             f"the drafter shares {mem['shared_bytes'] / 1e6:.1f} MB)"
         )
+    if s.get("kv_cache"):
+        lines.append(kv_line(s["kv_cache"]) + (f" ({s['kv_cache']['caches']})" if s["kv_cache"].get("caches") else ""))
     plan = s.get("plan")
     if plan:
         lines.append(f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, alpha {plan['alpha']:.2f} "
@@ -217,7 +218,10 @@ def run_speculative(
         stream = stream_speculative_generate(
             model, tokenizer, templated, gearbox, config=config, draft=draft, plain=not plan.speculate,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-            top_k=args.top_k, seed=args.seed,
+            top_k=args.top_k, seed=args.seed, kv_bits=getattr(args, "kv_bits", None),
+            kv_group_size=getattr(args, "kv_group_size", 64),
+            quantized_kv_start=getattr(args, "quantized_kv_start", None),
+            kv_rotation=getattr(args, "kv_rotation", None),
         )
         if not args.quiet:
             print("=" * 10, file=sys.stderr, flush=True)
