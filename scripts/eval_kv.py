@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import sys
@@ -112,7 +113,7 @@ def load_model(args: argparse.Namespace, materialize: bool = True) -> Any:
         return model, None, f"random {args.shape}" + (f" ({args.layers} layers)" if args.layers else "")
     from mlx_lm import load
 
-    from gearbx_mlx.models import resolve_model
+    from gearbx_mlx.sources.models import resolve_model
 
     path = resolve_model(args.model, args.dtype)
     model, tok = load(path)
@@ -127,7 +128,7 @@ def geometry(model: Any) -> Dict[str, List[int]]:
 
 
 def corpus_ids(tok: Any, name: str) -> List[int]:
-    from gearbx_mlx.models import corpus_path
+    from gearbx_mlx.sources.models import corpus_path
 
     # lee.cor is not valid UTF-8 everywhere (a stray 0xa3); keep every other byte.
     return tok.encode(corpus_path(name).read_text(encoding="utf-8", errors="replace"))
@@ -135,7 +136,7 @@ def corpus_ids(tok: Any, name: str) -> List[int]:
 
 def part_quality(args: argparse.Namespace, model: Any, tok: Any) -> Dict[str, Any]:
     from gearbx_mlx.kvcache import calibrate_text, calibrate_weights, outlier_scores
-    from gearbx_mlx.kvcache.measure import chunked_logprobs, prepared, score, spec
+    from gearbx_mlx.kvcache.measure import chunked_logprobs, dequantized, prepared, score, spec
 
     if tok is None:
         raise SystemExit("error: quality needs a real model (--model), not --shape")
@@ -155,6 +156,8 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any) -> Dict[str, An
     for s in specs:
         tic = time.perf_counter()
         with prepared(model, s, cals) as make_cache:
+            if args.attention == "dequantized":
+                make_cache = dequantized(make_cache)
             lps = [chunked_logprobs(model, w, make_cache, args.chunk) for w in windows]
         q = score(windows, lps, ref)
         if s.kind == "float" and ref is None:
@@ -174,11 +177,38 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any) -> Dict[str, An
         raise SystemExit("error: include 'float' in --caches (the reference)")
     for r in rows:
         r["perplexity_increase"] = r["perplexity"] / base - 1
-    return {"windows": args.windows, "window": args.window, "chunk": args.chunk,
+    check = attention_check(args, model, windows[0][: args.check_tokens + 1], specs, cals) \
+        if args.attention == "dequantized" and args.check_tokens else None
+    return {"attention": args.attention, "attention_check": check,"windows": args.windows, "window": args.window, "chunk": args.chunk,
             "scored_tokens": args.windows * args.window, "corpus": "gensim 4.4.0 lee_background.cor",
             "calibration_text": f"first {len(cal_ids)} tokens of gensim lee.cor",
             "calibration_seconds": cal_s, "outlier_scores": [round(x, 2) for x in outlier_scores(model)],
             "rows": rows}
+
+
+def attention_check(args: argparse.Namespace, model: Any, ids: List[int], specs: List[Any],
+                    cals: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """mlx-lm's quantized attention against the dequantized read, same caches, first tokens."""
+    import mlx.core as mx
+
+    from gearbx_mlx.kvcache.measure import chunked_logprobs, dequantized, prepared
+
+    out = []
+    for s in specs:
+        if s.kind == "float" or s.name not in args.check_caches.split(","):
+            continue
+        with prepared(model, s, cals) as make_cache:
+            a = chunked_logprobs(model, ids, make_cache, args.chunk)
+            b = chunked_logprobs(model, ids, dequantized(make_cache), args.chunk)
+        tgt = mx.array(ids[1:])[:, None]
+        nll = [float(-mx.take_along_axis(x, tgt, axis=-1).mean().item()) for x in (a, b)]
+        row = {"cache": s.name, "tokens": len(ids) - 1, "max_abs_logprob_diff": float(mx.abs(a - b).max().item()),
+               "perplexity_quantized_attention": math.exp(nll[0]), "perplexity_dequantized": math.exp(nll[1])}
+        out.append(row)
+        print(f"check {s.name:24s} max |dlogprob| {row['max_abs_logprob_diff']:.2e}  ppl "
+              f"{row['perplexity_quantized_attention']:.4f} (quantized attention) vs "
+              f"{row['perplexity_dequantized']:.4f} (dequantized)", flush=True)
+    return out
 
 
 def part_bytes(args: argparse.Namespace, model: Any) -> Dict[str, Any]:
@@ -245,6 +275,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--calib-tokens", type=int, default=512)
+    ap.add_argument("--attention", choices=("quantized", "dequantized"), default="quantized",
+                    help="quality: read the quantized caches through mlx-lm's quantized attention, or hand "
+                         "float attention their dequantized codes (same codes; several times faster on a CPU)")
+    ap.add_argument("--check-tokens", type=int, default=256,
+                    help="with --attention dequantized: score this many tokens both ways (0: no check)")
+    ap.add_argument("--check-caches", default="affine-4-g64,kv-4-g64", help="caches of that check")
     ap.add_argument("--tokens", default="2048,8192", help="bytes: cache lengths")
     ap.add_argument("--contexts", default="1024,4096", help="speed: context lengths")
     ap.add_argument("--steps", type=int, default=32, help="speed: timed decode steps")

@@ -130,6 +130,47 @@ def prepared(model: nn.Module, s: CacheSpec, calibrations: Dict[str, KVCalibrati
         handle.restore()
 
 
+class Dequantized(KVCache):
+    """A quantized cache read through mlx-lm's float attention: same codes, faster on a CPU.
+
+    ``inner`` (a ``QuantizedKVCache`` or :class:`~.cache.RotatedQuantizedKVCache`)
+    stores every key and value exactly as it would in generation; this
+    wrapper hands attention their dequantized values instead of the codes,
+    so ``scaled_dot_product_attention`` takes its float path. The scores
+    differ from mlx-lm's quantized attention by float32 rounding only
+    (``eval_kv.py quality`` reports both on a short window), while MLX's CPU
+    ``quantized_matmul`` over a long cache is several times slower.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def offset(self) -> int:  # type: ignore[override]
+        return self.inner.offset
+
+    @offset.setter
+    def offset(self, v: int) -> None:
+        if hasattr(self, "inner"):
+            self.inner.offset = v
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        qk, qv = self.inner.update_and_fetch(keys, values)
+        g, b = self.inner.group_size, self.inner.bits
+        return (mx.dequantize(*qk, group_size=g, bits=b).astype(keys.dtype),
+                mx.dequantize(*qv, group_size=g, bits=b).astype(values.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+def dequantized(make_cache: MakeCache) -> MakeCache:
+    """``make_cache`` with each quantized layer cache wrapped in :class:`Dequantized`."""
+    return lambda: [Dequantized(c) if hasattr(c, "bits") else c for c in make_cache()]
+
+
 def chunked_logprobs(model: nn.Module, ids: Sequence[int], make_cache: MakeCache, chunk: int = 128) -> mx.array:
     """Next-token log-probabilities ``(len(ids) - 1, V)`` float32, fed in chunks."""
     if len(ids) < 2:
