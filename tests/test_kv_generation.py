@@ -226,3 +226,49 @@ def test_summary_line():
     assert "rotated 4-bit g64" in line and "layers 1 at 8 bits" in line and "2.0 KiB per token" in line
     assert "0.36x float16" in line
     assert kv_line({"kind": "float", "bytes_per_token": 1024.0}).startswith("KV cache: float")
+
+
+# -- the evaluation's KV column ---------------------------------------------------------------
+
+
+def test_evaluation_rows_carry_the_cache_beside_the_weights():
+    from gearbx_mlx.evaluation.harness import evaluate
+    from gearbx_mlx.evaluation.report import kv_note, table
+    from gearbx_mlx.evaluation.specs import base_specs
+
+    model = _model()
+    tok = make_tiny_tokenizer(VOCAB)
+    text = " ".join(f"t{(7 * i) % (VOCAB - 2) + 2}" for i in range(64))
+    snap = _snapshot(model)
+    opts = dict(tokens=32, window=16, speed_tokens=4, speed_prompt=4, workload_tokens=0, speculative=False,
+                matched=False)
+    policies = base_specs({"fixed": (0.5, 1.0)})
+    flt = evaluate(model, tok, text, policies, **opts)
+    rot = evaluate(model, tok, text, policies, kv=KVOptions(bits=4, quantized_kv_start=5000), **opts)
+    assert _same(model, snap)
+    assert flt["kv_cache"]["kind"] == "float" and rot["kv_cache"]["kind"] == "rotated"
+    assert rot["kv_cache"]["quantized_kv_start"] == 0  # evaluation quantizes from the first token
+    f, r = _rows_by_name(flt), _rows_by_name(rot)
+    per_f, per_r = flt["kv_cache"]["bytes_per_token"], rot["kv_cache"]["bytes_per_token"]
+    assert per_r == pytest.approx(per_f * 4.5 / 16)
+    for name in f:
+        assert f[name]["kv_bytes_per_token"] == pytest.approx(per_f * 16 / 2)  # mean context: window / 2
+        assert r[name]["total_bytes_per_token"] == pytest.approx(r[name]["bytes_per_token"] + per_r * 8)
+    # The cache changed the numbers: the 4-bit cache's reference is not the float cache's.
+    assert r["static-high"]["perplexity"] != f["static-high"]["perplexity"]
+    assert r["static-high"]["speed"]["decode_tokens"] == 4
+    assert "KV MB" in table(rot["policies"]) and "rotated 4-bit g64" in kv_note(rot["kv_cache"])
+
+
+def _rows_by_name(results):
+    return {row["name"]: row for row in results["policies"]}
+
+
+def test_evaluate_cli_rejects_bad_kv_flags(capsys):
+    from gearbx_mlx.evaluate import main
+
+    for argv, msg in ((["--kv-bits", "7"], "--kv-bits must be one of"),
+                      (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0]

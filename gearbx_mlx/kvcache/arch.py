@@ -80,9 +80,13 @@ class AttentionInfo:
 
 
 def _out_features(module: Any) -> Optional[int]:
-    w = getattr(module, "weight", None) if isinstance(module, nn.Module) else None
-    if w is None:
+    if not isinstance(module, nn.Module):
         return None
+    w = getattr(module, "weight", None)
+    if w is None:
+        # A gear view over nested bit planes keeps its shape with the planes.
+        shape = getattr(getattr(module, "nested", None), "shape", None)
+        return None if shape is None else int(shape[0])
     return int(w.shape[0])
 
 

@@ -148,6 +148,14 @@ def _dense_weight(module: Any) -> Optional[mx.array]:
                              module.group_size, module.bits).astype(mx.float32)
     if isinstance(module, nn.Linear):
         return module.weight.astype(mx.float32)
+    nested = getattr(module, "nested", None)
+    shape = getattr(nested, "shape", None)
+    if nested is not None and shape is not None and callable(module):
+        # A gear view over nested bit planes (the default store): its weight
+        # as that gear reads it, recovered by multiplying the identity.
+        y = module(mx.eye(shape[1], dtype=mx.float32)).astype(mx.float32)
+        b = _bias(module)
+        return (y if b is None else y - b).T
     return None
 
 
@@ -279,7 +287,11 @@ def calibrate_text(model: nn.Module, tokens: Sequence[int], max_tokens: int = 51
 
 
 def _bias(module: Any) -> Optional[mx.array]:
+    """A linear layer's bias as float32 (a nested view keeps it with its planes), or None."""
     b = module.get("bias") if isinstance(module, dict) else None
+    nested = getattr(module, "nested", None)
+    if b is None and isinstance(nested, dict):
+        b = nested.get("bias")
     return b.astype(mx.float32) if isinstance(b, mx.array) else None
 
 
