@@ -134,7 +134,8 @@ def corpus_ids(tok: Any, name: str) -> List[int]:
     return tok.encode(corpus_path(name).read_text(encoding="utf-8", errors="replace"))
 
 
-def part_quality(args: argparse.Namespace, model: Any, tok: Any) -> Dict[str, Any]:
+def part_quality(args: argparse.Namespace, model: Any, tok: Any,
+                 partial: Any = lambda _result: None) -> Dict[str, Any]:
     from gearbx_mlx.kvcache import calibrate_text, calibrate_weights, outlier_scores
     from gearbx_mlx.kvcache.measure import chunked_logprobs, dequantized, prepared, score, spec
 
@@ -170,6 +171,7 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any) -> Dict[str, An
             row["config"] = s.config.to_dict()
             row["calibration"] = s.calibration if s.kind == "kv" and s.config.needs_statistics else None
         rows.append(row)
+        partial({"rows": rows, "complete": False})  # a long run keeps what it has measured
         rel = f"{100 * (q.perplexity / base - 1):+6.2f}%" if ref is not None else ""
         print(f"{s.name:28s} {row['bits_per_element']:5.2f} b  ppl {q.perplexity:8.3f} {rel}  "
               f"KL {row['kl']:.4f}  ({row['seconds']:.0f} s)", flush=True)
@@ -246,21 +248,43 @@ def part_speed(args: argparse.Namespace, model: Any) -> Dict[str, Any]:
     from gearbx_mlx.kvcache import calibrate_weights
     from gearbx_mlx.kvcache.measure import decode_speed, prepared, spec
 
-    cals = {"text": calibrate_weights(model), "weights": calibrate_weights(model)}
+    cal = calibrate_weights(model)
+    cals = {"text": cal, "weights": cal}
+    names = args.caches.split(",")
     rows = []
     for ctx in args.contexts_list:
-        for _ in range(args.repeats):
-            for name in args.caches.split(","):
-                s = spec(name)
-                with prepared(model, s, cals) as make_cache:
-                    r = decode_speed(model, make_cache, ctx, args.steps)
+        for _ in range(args.repeats):  # rounds over the caches, so drift hits every cache alike
+            for name in names:
+                try:
+                    with prepared(model, spec(name), cals) as make_cache:
+                        r = decode_speed(model, make_cache, ctx, args.steps)
+                except Exception as e:  # noqa: BLE001 - one cache failing on a backend must not lose the rest
+                    r = {"context": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(f"context {ctx:6d}  {name:20s} FAILED {r['error']}", flush=True)
+                else:
+                    print(f"context {ctx:6d}  {name:20s} {r['tokens_per_s']:8.2f} tok/s  "
+                          f"(median step {r['median_step_ms']:.2f} ms)", flush=True)
                 r["cache"] = name
                 rows.append(r)
-                print(f"context {ctx:6d}  {name:16s} {r['tokens_per_s']:8.2f} tok/s  "
-                      f"(median step {r['median_step_ms']:.2f} ms)", flush=True)
                 mx.clear_cache()
-    return {"steps": args.steps, "repeats": args.repeats, "rows": rows,
-            "note": "statistics from the weights (speed does not depend on them)"}
+    summary = []
+    for ctx in args.contexts_list:
+        base = None
+        for name in names:
+            steps = sorted(r["median_step_ms"] for r in rows if r["cache"] == name and r["context"] == ctx
+                           and "error" not in r)
+            if not steps:
+                continue
+            med = steps[len(steps) // 2]
+            base = med if name == "float" else base
+            summary.append({"context": ctx, "cache": name, "median_step_ms": med, "tokens_per_s": 1e3 / med,
+                            "speed_vs_float": None if base is None else base / med})
+    for r in summary:
+        vs = "" if r["speed_vs_float"] is None else f"  {r['speed_vs_float']:.3f}x float"
+        print(f"median: context {r['context']:6d}  {r['cache']:20s} {r['tokens_per_s']:8.2f} tok/s{vs}")
+    return {"steps": args.steps, "repeats": args.repeats, "rows": rows, "summary": summary,
+            "note": "statistics from the weights (speed does not depend on them); per cache and context the "
+                    "median over rounds of each run's median step"}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -293,6 +317,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         args.window, args.windows, args.steps = 256, 1, 4
         args.tokens, args.contexts = "256,512", "128,256"
+        if args.shape and not args.layers:
+            args.layers = 2
     args.tokens_list = [int(x) for x in args.tokens.split(",")]
     args.contexts_list = [int(x) for x in args.contexts.split(",")]
     args.caches = args.caches or {"quality": DEFAULT_QUALITY, "bytes": DEFAULT_BYTES, "speed": DEFAULT_SPEED}[args.part]
@@ -309,18 +335,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     model, tok, label = load_model(args, materialize=args.part != "bytes")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+        f"kv_{args.part}_{(args.shape or label).replace(' ', '_')}{'_quick' if args.quick else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(result: Dict[str, Any]) -> None:
+        out = {"command": "python scripts/eval_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "date": started, "model": label, "machine": machine(), args.part: result}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        os.replace(tmp, path)
+
     if args.part == "quality":
-        result = part_quality(args, model, tok)
+        result = part_quality(args, model, tok, write)
     elif args.part == "bytes":
         result = part_bytes(args, model)
     else:
         result = part_speed(args, model)
-    out = {"command": "python scripts/eval_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "date": started, "model": label, "machine": machine(), args.part: result}
-    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
-        f"kv_{args.part}_{(args.shape or label).replace(' ', '_')}{'_quick' if args.quick else ''}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write(result)
     print(f"wrote {path}")
     return 0
 
