@@ -6,6 +6,7 @@ Usage:
   python scripts/eval_kv.py bytes [--model NAME|PATH | --shape llama3-8b] [--tokens 2048,8192]
   python scripts/eval_kv.py speed [--model NAME|PATH | --shape llama3-8b] [--contexts 1024,4096]
         [--steps 32] [--caches float,kv-4-g64] [--dtype float16]
+  python scripts/eval_kv.py table FILE.json ...   (Markdown tables of saved results)
   add --quick to any part for a smoke run (short windows, few steps).
 
 quality: each of ``--windows`` windows of ``--window`` tokens of gensim's
@@ -287,7 +288,43 @@ def part_speed(args: argparse.Namespace, model: Any) -> Dict[str, Any]:
                     "median over rounds of each run's median step"}
 
 
+def markdown(paths: List[str]) -> str:
+    """Markdown tables of saved results (quality, bytes or speed), as docs/BENCHMARKS.md shows them."""
+    out = []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        out.append(f"{d['model']}, `{d['command']}`, {d['date'][:10]}:\n")
+        if "quality" in d:
+            q = d["quality"]
+            rows = q["rows"]
+            base = next(r["perplexity"] for r in rows if r["cache"] == "float")
+            out += ["| cache | bits/element | perplexity | vs float | KL (nats) |", "|---|---:|---:|---:|---:|"]
+            out += [f"| {r['cache']} | {r['bits_per_element']:.2f} | {r['perplexity']:.3f} | "
+                    f"{100 * (r['perplexity'] / base - 1):+.2f}% | {r['kl']:.4f} |" for r in rows]
+            if not q.get("rows_complete", True) or q.get("complete") is False:
+                out.append("\n(partial: the run was stopped after these rows)")
+        elif "bytes" in d:
+            rows = d["bytes"]["rows"]
+            ns = [k.split("_")[-1] for k in rows[0] if k.startswith("bytes_per_token_")]
+            out += ["| cache | " + " | ".join(f"bytes/token at {n}" for n in ns) + " | × float16 |",
+                    "|---|" + "---:|" * (len(ns) + 1)]
+            out += [f"| {r['cache']} | " + " | ".join(f"{r['bytes_per_token_' + n]:.0f}" for n in ns)
+                    + f" | {r['ratio_to_float16_' + ns[-1]]:.3f} |" for r in rows]
+        else:
+            out += ["| context | cache | tokens/s | × float |", "|---:|---|---:|---:|"]
+            out += [f"| {r['context']} | {r['cache']} | {r['tokens_per_s']:.2f} | "
+                    f"{'' if r['speed_vs_float'] is None else format(r['speed_vs_float'], '.3f')} |"
+                    for r in d["speed"]["summary"]]
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "table":  # python scripts/eval_kv.py table FILE.json ...
+        print(markdown(argv[1:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=("quality", "bytes", "speed"))
     ap.add_argument("--model", default=None, help="default model, a PyPI model name, or an mlx-lm folder")

@@ -209,13 +209,20 @@ def test_bad_input_one_error_before_generation():
         open_kv(odd, KVOptions(bits=4))
 
 
-def test_recipe_reads_outliers_from_the_weights():
+def test_the_key_offset_comes_from_the_weights_not_the_name():
+    """Without a text calibration, a model whose k_proj biases put large offsets on
+    its keys gets them removed (estimated from the biases); one without gets none."""
     from test_kvcache import _tiny
 
     calm, qwenish = _tiny("qwen2"), _tiny("qwen2", bias_outlier=300.0)
-    assert recipe(calm, KVOptions(bits=4)).outliers == "none"
-    r = recipe(qwenish, KVOptions(bits=4))
-    assert r.outliers == "auto" and r.outlier_bits > 4
+    for m in (calm, qwenish):
+        assert recipe(m, KVOptions(bits=4)).key_offset == "mean"
+    sizes = []
+    for m in (calm, qwenish):
+        with open_kv(m, KVOptions(bits=4, quantized_kv_start=0)) as kv:
+            assert kv.summary()["statistics"] == "weights" and kv.summary()["bits_per_element"] == 4.5
+            sizes.append(max(float(mx.abs(t.key_offset).max()) for t in kv.handle.transforms))
+    assert sizes[0] < 1.0 and sizes[1] > 10.0  # a bias of 300 on one RoPE pair, averaged over positions
     assert recipe(qwenish, KVOptions(bits=4, rotation="none")).rotation == "none"
 
 

@@ -30,7 +30,6 @@ from .api import KVHandle, apply_kv
 from .arch import attention_modules, describe
 from .calibrate import KVCalibration, calibrate_weights
 from .config import KVConfig, plain
-from .outliers import outlier_layers
 from .quantize import SUPPORTED_BITS, SUPPORTED_GROUPS, bits_per_element
 
 #: ``kv_rotation`` values: ``none`` is mlx-lm's plain cache.
@@ -39,10 +38,6 @@ ROTATION_CHOICES = ("auto", "srht", "srft", "none")
 PLAIN_BITS = (1, 2, 3, 4, 5, 6, 8)
 #: mlx-lm's default ``quantized_kv_start`` (``mlx_lm.generate.DEFAULT_QUANTIZED_KV_START``).
 DEFAULT_QUANTIZED_KV_START = 5000
-#: What the default recipe gives layers whose keys carry outlying ``k_proj``
-#: offsets (:func:`gearbx_mlx.kvcache.outliers.outlier_layers`): measured on
-#: Qwen2.5-Coder-0.5B, see docs/BENCHMARKS.md, "KV cache".
-OUTLIER_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -89,22 +84,24 @@ class KVOptions:
 
 
 def recipe(model: nn.Module, options: KVOptions) -> KVConfig:
-    """The :class:`KVConfig` the package uses for ``model`` (read from its weights, never its name).
+    """The :class:`KVConfig` the package uses for ``model``.
 
-    Every model gets the rotation, λ, the key offset and the sink mapping.
-    Layers whose ``k_proj`` biases dwarf their keys' spread (Qwen2.5 has
-    five) get :data:`OUTLIER_BITS` bits when the base is below it: their
-    per-channel key offsets defeat a 4-bit group whatever the rotation.
+    Every model gets the rotation, λ, the key offset and the sink mapping, at
+    the bits asked for in every layer. What differs between models comes from
+    their statistics, never their name: where ``k_proj`` has biases (Qwen2.5),
+    the key offset removes the large per-channel offsets they put on the keys
+    (estimated from the biases through RoPE when no text calibration is
+    given), which is what keeps 4-bit keys usable there. Giving the layers
+    with outlying biases more bits (``KVConfig(outliers="auto")``) was not
+    needed on Qwen2.5-Coder-0.5B and would cost 5.3 bits per element on
+    average (docs/BENCHMARKS.md, "KV cache").
     """
     if not options.active:
         raise ValueError("no KV bits given: the float cache needs no recipe")
     if options.rotation == "none":
         return plain(options.bits, options.group_size, options.quantized_kv_start)
-    base = KVConfig(bits=options.bits, group_size=options.group_size, rotation=options.rotation,
+    return KVConfig(bits=options.bits, group_size=options.group_size, rotation=options.rotation,
                     quantized_kv_start=options.quantized_kv_start)
-    if options.bits < OUTLIER_BITS and outlier_layers(model):
-        base = base.replace(outliers="auto", outlier_bits=OUTLIER_BITS)
-    return base
 
 
 def check_caches(model: nn.Module) -> None:
