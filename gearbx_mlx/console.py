@@ -118,3 +118,25 @@ def check_flag(ok: bool, flag: str, value: Any, want: str) -> None:
 
 def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def kv_line(kv: Dict[str, Any]) -> str:
+    """One line: the KV cache's kind, settings and bytes per token."""
+    per = kv.get("bytes_per_token")
+    size = f"{per / 1024:.1f} KiB per token" if per else "bytes per token unknown"
+    if kv["kind"] == "float":
+        return f"KV cache: float (mlx-lm's), {size} at float16"
+    what = "rotated" if kv["kind"] == "rotated" else "mlx-lm affine"
+    parts = [f"{'/'.join(kv['rotation'])}"] if kv["kind"] == "rotated" else []
+    if kv.get("lambda"):
+        parts.append(f"λ from {kv.get('statistics')}")
+    if kv.get("key_offset"):
+        parts.append("key offset")
+    wide = [i for i, b in enumerate(kv.get("layer_bits") or []) if b != kv["bits"]]
+    if wide:
+        parts.append(f"layers {','.join(map(str, wide))} at {kv['layer_bits'][wide[0]]} bits")
+    start = kv["quantized_kv_start"]
+    return (f"KV cache: {what} {kv['bits']}-bit g{kv['group_size']}" + (f" ({', '.join(parts)})" if parts else "")
+            + (f", quantized from token {start}" if start else ", quantized from the first token")
+            + f": {kv['bits_per_element']:.2f} bits per element, {size}"
+            + (f" ({kv['ratio_to_float16']:.2f}x float16)" if kv.get("ratio_to_float16") else ""))

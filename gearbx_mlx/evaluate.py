@@ -35,6 +35,7 @@ from .evaluation.plots import make_all
 from .evaluation.teacher import stderr_progress
 from .evaluation.text import check_encoding
 from .generation import load
+from .kvcache.option import ROTATION_CHOICES, KVOptions
 from .plotting import require_matplotlib
 from .telemetry.trace import versions
 
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "at most 256)")
     # Rows are no longer batched (each runs many steps per pass instead): accepted so old commands run.
     p.add_argument("--max-rows", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the KV cache of every pass and speed run to this many bits, from the first "
+                        "token (default: mlx-lm's float cache); its bytes are a column beside the weights'")
+    p.add_argument("--kv-group-size", type=int, default=64, help="group size of the quantized KV cache")
+    p.add_argument("--kv-rotation", choices=ROTATION_CHOICES, default="auto",
+                   help="with --kv-bits: the rotated cache (auto, srht, srft) or mlx-lm's own ('none')")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the converted default model (default: float32 on a Linux CPU)")
     p.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
@@ -102,6 +109,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-calibration-tokens must be >= 1, got {args.draft_calibration_tokens}")
     if args.max_positions is not None and args.max_positions < 1:
         raise ValueError(f"--max-positions must be >= 1, got {args.max_positions}")
+    _kv(args)
     if args.text is not None and not Path(args.text).expanduser().is_file():
         raise FileNotFoundError(f"text file not found: {args.text} (pass an existing text file to --text)")
     check_encoding(args.encoding)
@@ -112,6 +120,20 @@ def _check_args(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"--plots directory does not exist: {args.plots} (create it first)")
 
         require_matplotlib()
+
+
+def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
+    """The KV flags as options (None without --kv-bits); ValueError naming the flag."""
+    if getattr(args, "kv_bits", None) is None:
+        return None
+    try:
+        return KVOptions(bits=args.kv_bits, group_size=args.kv_group_size, quantized_kv_start=0,
+                         rotation=args.kv_rotation)
+    except ValueError as e:
+        msg = str(e)
+        for name in ("kv_bits", "kv_group_size", "kv_rotation"):
+            msg = msg.replace(name, "--" + name.replace("_", "-"))
+        raise ValueError(msg) from None
 
 
 def _check_out(out: Path) -> None:
@@ -170,7 +192,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         model, tokenizer, text, tokens=args.tokens, window=args.window, seed=args.seed,
         speed_tokens=args.speed_tokens, speed_prompt=args.speed_prompt, workload_tokens=args.workload_tokens,
         speculative=not args.no_speculative, draft_calibration_tokens=args.draft_calibration_tokens,
-        max_positions=args.max_positions, progress=say,
+        max_positions=args.max_positions, progress=say, kv=_kv(args),
+        kv_calibration=gearbox.calibration.kv if gearbox.calibration is not None else None,
     )
     results["timings"]["total_s"] = time.perf_counter() - tic
     # CPU seconds too: on a shared machine the wall time says more about the neighbours.
@@ -208,6 +231,8 @@ def render(results: Dict[str, Any], args: argparse.Namespace) -> str:
     out = [report.table(results["policies"])]
     if results.get("speculative"):  # absent from runs saved by earlier versions
         out += ["", report.speculative_table(results["speculative"])]
+    note = report.kv_note(results.get("kv_cache"))
+    out += ["", note] if note else []
     out += ["", results["routing"]["lag_note"],
             f"reference: {results['routing']['reference']}; KL in nats; bytes: §9 cost model"]
     if results["verdict"]:

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .calibration import Calibration
+from .calibration import Calibration, calibrate_kv
 from .chat import apply_chat_template
 from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, LITTLE_TO_GAIN, SCOPES, STORES, GearboxConfig
 from .console import (
@@ -23,6 +23,7 @@ from .console import (
     check_flag,
     error_line,
     finite,
+    kv_line,
     print_stream,
     read_stdin_text,
     say,
@@ -31,6 +32,7 @@ from .console import (
 )
 from .distributed.ranks import Ranks, launched_ranks, stage
 from .generation import check_generation_options, load, stream_generate
+from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
 from .precision import default_kernel
 from .speculative.cli import add_speculative_args, check_speculative_args, run_speculative
 from .telemetry.trace import TraceWriter, empty_summary, ranks_header, run_summary, token_record
@@ -57,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-chat-template", action="store_true")
-    g.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits")
+    g.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the KV cache to this many bits (rotated per --kv-rotation)")
+    g.add_argument("--kv-group-size", type=int, default=64, help="group size for KV cache quantization")
+    g.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                   help="when --kv-bits is set, start quantizing the KV cache from this step onwards")
     g.add_argument("--max-kv-size", type=int, default=None)
     g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the converted default model (default: float32 on a Linux CPU, else float16)")
@@ -91,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--telemetry-only", action="store_true",
                    help="track gears, swap nothing (automatic for pre-quantized models)")
     r.add_argument("--static-gear", choices=GEARS, help="stay in one gear (a baseline)")
+    r.add_argument("--kv-rotation", choices=ROTATION_CHOICES, default="auto",
+                   help="with --kv-bits: rotate keys and values before quantizing (srht: random-sign Hadamard, "
+                        "srft: random-sign FFT, auto: srht where the head size allows), with per-channel "
+                        "scales and key offsets from the --calibration file (else estimated from the weights) "
+                        "and more bits for layers with outlying k_proj biases; 'none': mlx-lm's own cache "
+                        "(default auto)")
     r.add_argument("--trace", metavar="FILE.jsonl", help="write per-token telemetry as JSON Lines")
     add_color_arg(r)
     r.add_argument("--quiet", action="store_true", help="print the text only, no summary")
@@ -128,6 +140,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--max-tokens must be positive (or -1 for no limit)")
     check_generation_options(flags=True, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                              seed=args.seed, kv_bits=args.kv_bits, max_kv_size=args.max_kv_size)
+    kv_options(args)
     check_flag(args.window >= 1, "--window", args.window, "an integer >= 1")
     check_flag(finite(args.hysteresis) and args.hysteresis >= 0, "--hysteresis", args.hysteresis, "a number >= 0")
     check_flag(args.min_gear_duration >= 1, "--min-gear-duration", args.min_gear_duration, "an integer >= 1")
@@ -149,6 +162,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")
     if args.calibrate and args.calibration and writes and not Path(args.calibration).expanduser().parent.is_dir():
         raise FileNotFoundError(f"calibration directory does not exist: {Path(args.calibration).parent}")
+
+
+def kv_options(args: argparse.Namespace) -> KVOptions:
+    """The KV flags as :class:`KVOptions` (ValueError naming the flag)."""
+    try:
+        return KVOptions(bits=args.kv_bits, group_size=args.kv_group_size,
+                         quantized_kv_start=args.quantized_kv_start, rotation=args.kv_rotation)
+    except ValueError as e:
+        msg = str(e)
+        for name in ("kv_bits", "kv_group_size", "quantized_kv_start", "kv_rotation"):
+            msg = msg.replace(name, "--" + name.replace("_", "-"))
+        raise ValueError(msg) from None
 
 
 def _check_thresholds(gearbox: Any) -> None:
@@ -232,6 +257,8 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
     lines += _bytes_lines(s)
     if s.get("distributed"):
         lines.append(ranks_line(s["distributed"]))
+    if s.get("kv_cache"):
+        lines.append(kv_line(s["kv_cache"]))
     if s.get("nonfinite_steps"):
         lines.append(f"Non-finite logits: {s['nonfinite_steps']} steps (NaN or infinity; the NaN guard replaced "
                      "them, so those steps' text and entropy mean nothing)")
@@ -309,6 +336,9 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
             stage_name = "calibrating"
             say(args, f"calibrating thresholds ({args.calibrate}) ...")
             cal = gearbox.calibrate(tokenizer, args.calibrate)
+            if kv_options(args).rotated:
+                say(args, "calibrating the KV cache's scales and offsets ...")
+                cal.kv = calibrate_kv(model, tokenizer)
             with stage(ranks, "saving the calibration"):
                 if args.calibration and args.rank == 0:
                     cal.save(args.calibration)
@@ -328,8 +358,9 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         stream = stream_generate(
             model, tokenizer, templated, gearbox,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-            top_k=args.top_k, seed=args.seed, kv_bits=args.kv_bits, max_kv_size=args.max_kv_size,
-            prompt_text=prompt,
+            top_k=args.top_k, seed=args.seed, max_kv_size=args.max_kv_size, prompt_text=prompt,
+            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+            kv_rotation=args.kv_rotation,
         )
         if not args.quiet:
             print("=" * 10, file=sys.stderr, flush=True)
@@ -380,6 +411,8 @@ def _model_header(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
         "min_gear_duration": c.min_gear_duration,
         "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),
         **ranks_header(gearbox),
+        "kv": {"bits": args.kv_bits, "group_size": args.kv_group_size,
+               "quantized_kv_start": args.quantized_kv_start, "rotation": args.kv_rotation},
     }
 
 

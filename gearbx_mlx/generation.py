@@ -33,6 +33,7 @@ from .config import GearboxConfig
 from .distributed.ranks import Ranks, facts_of
 from .distributed.shard import shard_model
 from .gearbox import Gearbox
+from .kvcache.option import KVOptions, KVSession, open_kv, options_from, plain_summary
 from .policies import Policy
 from .routing import RoutedModel, RoutingSession
 from .sources.models import resolve_model
@@ -41,6 +42,8 @@ from .sources.models import resolve_model
 SAMPLER_KEYS = ("temp", "top_p", "min_p", "top_k", "min_tokens_to_keep")
 #: Bit widths MLX quantizes a KV cache to (``mx.quantize``).
 KV_BITS = (1, 2, 3, 4, 5, 6, 8)
+#: KV keyword arguments of :func:`stream_generate` (mlx-lm's three, and the rotation).
+KV_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start", "kv_rotation")
 _U64 = 2**64
 
 
@@ -262,6 +265,7 @@ def stream_generate(
     lag: Optional[int] = None,
     seed: Optional[int] = None,
     prompt_text: Optional[str] = None,
+    kv_calibration: Any = None,
     **kwargs: Any,
 ) -> Generator[GearboxResponse, None, None]:
     """Stream tokens like ``mlx_lm.stream_generate``, routed by the gearbox.
@@ -275,10 +279,21 @@ def stream_generate(
         prompt_text: what the cold-start classifier reads (default: the
             prompt, decoded if given as ids); pass the user's message when
             ``prompt`` carries a chat template.
+        kv_calibration: statistics for the rotated KV cache's λ and key
+            offset (a :class:`~gearbx_mlx.kvcache.KVCalibration` or its
+            dict); default: the gearbox calibration's, else estimated from
+            the weights.
         kwargs: passed to ``mlx_lm.stream_generate`` (``max_tokens``,
-            ``sampler``, ``logits_processors``, ``prompt_cache``,
-            ``kv_bits``, ...); ``temp``, ``top_p``, ``min_p``, ``top_k`` build
-            a sampler with ``mlx_lm.sample_utils.make_sampler``.
+            ``sampler``, ``logits_processors``, ``prompt_cache``, ...);
+            ``temp``, ``top_p``, ``min_p``, ``top_k`` build a sampler with
+            ``mlx_lm.sample_utils.make_sampler``. ``kv_bits``,
+            ``kv_group_size`` and ``quantized_kv_start`` keep mlx-lm's
+            meaning (start default 5000); ``kv_rotation`` (``"auto"``,
+            ``"srht"``, ``"srft"`` or ``"none"`` for mlx-lm's own cache)
+            picks the cache (:mod:`gearbx_mlx.kvcache.option`). The rotated
+            cache is applied before the first forward pass and the model is
+            restored when the stream ends; a ``prompt_cache`` of empty
+            mlx-lm caches is filled in place with the rotated caches.
 
     Yields:
         :class:`GearboxResponse`, one per generated token; the last one has
@@ -296,15 +311,29 @@ def stream_generate(
         if "sampler" in kwargs:
             raise ValueError("give either sampler= or temp/top_p/min_p/top_k, not both")
         kwargs["sampler"] = make_sampler(**sampler_args)
-    if seed is not None:
-        mx.random.seed(seed)
-
-    session = RoutingSession(gearbox, policy, lag)
-    if gearbox.ranks is not None:
-        check_ranks_agree(gearbox, ids, policy=session.policy.name, lag=session.lag, seed=seed, **sampler_args,
-                          **{k: v for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, float, str))})
-    kwargs["sampler"] = session.sampler(kwargs.get("sampler") or greedy_sampler)
-    session.start(prompt_text)
+    kv_options = options_from(kwargs, KV_KEYS)
+    if kv_options.rotated and kwargs.get("max_kv_size") is not None:
+        raise ValueError("max_kv_size (a rotating window cache) cannot be combined with the rotated KV cache: "
+                         "drop one, or pass kv_rotation='none' for mlx-lm's own quantized cache")
+    if kv_calibration is None and gearbox.calibration is not None:
+        kv_calibration = gearbox.calibration.kv
+    # Every check of the KV option runs here, before the first forward pass.
+    kv = open_kv(model, kv_options, kv_calibration)
+    try:
+        kv_summary = _use_kv(model, kv, kv_options, kwargs)
+        if seed is not None:
+            mx.random.seed(seed)
+        session = RoutingSession(gearbox, policy, lag)
+        session.kv_cache = kv_summary
+        if gearbox.ranks is not None:
+            check_ranks_agree(gearbox, ids, policy=session.policy.name, lag=session.lag, seed=seed, **sampler_args,
+                              **{k: v for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, float, str))})
+        kwargs["sampler"] = session.sampler(kwargs.get("sampler") or greedy_sampler)
+        session.start(prompt_text)
+    except BaseException:
+        if kv is not None:
+            kv.restore()
+        raise
     session.quantize_marks["start"] = session.quantize_seconds
     processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
     proxy = RoutedModel(model, session)
@@ -344,6 +373,24 @@ def stream_generate(
             mx.synchronize(generation_stream)
         # Outside a stream the model is always the one that was loaded.
         gearbox.manager.shift("high")
+        if kv is not None:
+            kv.restore()
+
+
+def _use_kv(model: nn.Module, kv: Optional[KVSession], options: KVOptions, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Put the KV option into mlx-lm's keyword arguments; the cache's summary."""
+    if kv is None:  # mlx-lm's own float or quantized cache
+        if options.active:
+            kwargs.update(kv_bits=options.bits, kv_group_size=options.group_size,
+                          quantized_kv_start=options.quantized_kv_start)
+        return plain_summary(model, options)
+    kwargs["prompt_cache"] = kv.prompt_cache(kwargs.get("prompt_cache"))
+    if options.quantized_kv_start > 0:
+        # The caches start in float; mlx-lm converts them at the start
+        # (each to its own layer's bits: the arguments it passes are ignored).
+        kwargs.update(kv_bits=options.bits, kv_group_size=options.group_size,
+                      quantized_kv_start=options.quantized_kv_start)
+    return kv.summary()
 
 
 def check_ranks_agree(gearbox: Gearbox, ids: mx.array, **options: Any) -> None:

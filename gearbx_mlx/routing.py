@@ -104,6 +104,8 @@ class RoutingSession:
         self._prev_gear: Optional[str] = None
         self.shift_seconds = 0.0
         self.nonfinite_steps = 0
+        #: The KV cache's settings and bytes per token (set by generation).
+        self.kv_cache: Optional[Dict[str, Any]] = None
         self._quantized_before = sum(gearbox.manager.quantize_seconds.values())
         #: :attr:`quantize_seconds` when the initial gear is in (``"start"``) and
         #: when the first token is out (``"first_token"``): what falls inside

@@ -327,7 +327,7 @@ def test_cli_rejects_bad_speculative_flags(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
-    assert main(["--speculative", "--kv-bits", "4", "--prompt", "hi"]) == 1
+    assert main(["--speculative", "--max-kv-size", "64", "--prompt", "hi"]) == 1
     assert "cannot be combined with --speculative" in capsys.readouterr().err
 
 

@@ -109,7 +109,8 @@ class Reference:
 
     @property
     def nbytes(self) -> int:
-        kv = sum(int(c.keys.nbytes + c.values.nbytes) for c in self.cache if getattr(c, "keys", None) is not None)
+        # mlx-lm's own count: a quantized cache keeps (codes, scales, biases) tuples.
+        kv = sum(int(c.nbytes) for c in self.cache if getattr(c, "keys", None) is not None)
         return self.rows.nbytes + kv
 
 

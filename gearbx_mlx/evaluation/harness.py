@@ -25,6 +25,7 @@ What is measured (GEARBX §9, §13, §15, §17):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ..calibration import collect_entropies, median_thresholds, percentile_thres
 from ..config import CALIBRATION_PROMPTS, GearboxConfig
 from ..entropy import scaled_thresholds
 from ..gearbox import vocab_size_of
+from ..kvcache.option import KVOptions, open_kv, plain_summary
 from ..precision import is_prequantized
 from . import report
 from .significance import BOOTSTRAP
@@ -118,6 +120,8 @@ def evaluate(
     draft_calibration_tokens: Optional[int] = None,
     max_positions: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
+    kv: Optional[KVOptions] = None,
+    kv_calibration: Any = None,
 ) -> Dict[str, Any]:
     """Evaluate gear policies on ``model`` over the first ``tokens`` tokens of ``text``.
 
@@ -146,6 +150,12 @@ def evaluate(
         max_positions: most positions per forward pass (None: as many as
             keep a pass's logits near 128 MiB).
         progress: status lines (e.g. :func:`~gearbx_mlx.evaluation.teacher.stderr_progress`).
+        kv: the KV cache of every pass and speed run, quantized from the
+            first token (``quantized_kv_start`` is taken as 0); None: mlx-lm's
+            float cache. Each row gains the cache's modeled bytes per step
+            beside the weights' (:func:`kv_columns`).
+        kv_calibration: statistics for the rotated cache (as
+            :func:`gearbx_mlx.stream_generate`'s); None: from the weights.
 
     Returns:
         The results dictionary (see ``benchmarks/results/eval_default.json``).
@@ -163,12 +173,17 @@ def evaluate(
 
     with _timed(timings, "calibration_s"):
         policies, thresholds, calibration_info = _policies(model, tokenizer, config, vocab, policies, say)
-    quality = _quality(model, windows, policies, layout, config, vocab, seed, matched, max_positions, say, timings)
+    kv = dataclasses.replace(kv, quantized_kv_start=0) if kv is not None and kv.active else None
+    with kv_cache(model, kv, kv_calibration) as kv_info:
+        quality = _quality(model, windows, policies, layout, config, vocab, seed, matched, max_positions, say,
+                           timings)
+    kv_info = {**kv_info, "context": len(windows[0]) / 2, "bytes_per_step": kv_step_bytes(kv_info, len(windows[0])),
+               "method": KV_NOTE}
     speed: Dict[str, Dict[str, Any]] = {}
     if speed_tokens:
         with _timed(timings, "speed_s"):
             speed = _speed(model, tokenizer, text, ids, quality.first, layout, config, vocab, len(windows[0]),
-                           speed_prompt, speed_tokens, say)
+                           speed_prompt, speed_tokens, say, kv, kv_calibration)
     spec_section: Optional[Dict[str, Any]] = None
     if speculative:
         with _timed(timings, "speculative_s"):
@@ -182,10 +197,60 @@ def evaluate(
             # The entropy policies of the config's scope (the paper's default: attention).
             work_specs = [r.spec for r in quality.first if r.spec.kind == "entropy" and r.spec.scope == config.scope]
             work = gear_by_workload(model, tokenizer, work_specs, config, vocab, workload_tokens, progress=say)
-    return _document(
+    if spec_section:
+        for r in spec_section["rows"]:
+            # Each draft step reads the drafter's cache, each verify pass the high gear's: alike.
+            steps = r["drafted_per_token"] + r["verify_passes_per_token"]
+            kv_columns(r["modeled"], kv_info["bytes_per_step"] * steps)
+    out = _document(
         quality, speed, spec_section, work, timings, layout, config, vocab, thresholds, calibration_info,
         tokenizer, text, tokens, windows, seed, speed_prompt, speed_tokens,
     )
+    for row in out["policies"]:
+        kv_columns(row, kv_info["bytes_per_step"])
+    out["kv_cache"] = kv_info
+    return out
+
+
+#: How the KV column is made (recorded with the results).
+KV_NOTE = ("the cache of every teacher-forced pass and speed run, quantized from the first token; bytes per step = "
+           "cache bytes per cached token x the mean context of a window's steps (window / 2), a float cache "
+           "counted at float16")
+
+
+@contextlib.contextmanager
+def kv_cache(model: Any, kv: Optional[KVOptions], kv_calibration: Any) -> Iterator[Dict[str, Any]]:
+    """The teacher-forced passes' KV cache; yields its summary (settings, bytes per cached token).
+
+    The passes make their caches with mlx-lm's ``make_prompt_cache(model)``,
+    which calls ``model.make_cache()``: for the passes that is pointed at the
+    transform's own (an instance attribute, removed after), and the model's
+    attention is restored when they end. The speed runs go through
+    ``stream_generate``, which applies the same cache itself.
+    """
+    if kv is None:
+        yield plain_summary(model, KVOptions())
+        return
+    session = open_kv(model, kv, kv_calibration, plain_too=True)
+    model.make_cache = session.handle.make_cache
+    try:
+        yield session.summary()
+    finally:
+        del model.make_cache
+        session.restore()
+
+
+def kv_step_bytes(kv_info: Dict[str, Any], window: int) -> float:
+    """Modeled cache bytes a decode step reads: bytes per cached token x the mean context (window / 2)."""
+    per = kv_info.get("bytes_per_token") or 0.0
+    return per * window / 2
+
+
+def kv_columns(row: Dict[str, Any], kv_bytes: float) -> Dict[str, Any]:
+    """Add the cache's bytes per token, and weights and cache together, to ``row`` (in place)."""
+    row["kv_bytes_per_token"] = kv_bytes
+    row["total_bytes_per_token"] = row["bytes_per_token"] + kv_bytes
+    return row
 
 
 def _check_arguments(
@@ -246,7 +311,7 @@ def _quality(
 def _speed(
     model: Any, tokenizer: Any, text: str, ids: List[int], first: Sequence[RowResult], layout: ModelLayout,
     config: GearboxConfig, vocab: int, window: int, speed_prompt: int, speed_tokens: int,
-    say: Callable[[str], None],
+    say: Callable[[str], None], kv: Optional[KVOptions] = None, kv_calibration: Any = None,
 ) -> Dict[str, Dict[str, Any]]:
     """Decode speed of the first-pass policies on the real kernels (the matched baselines differ
     only in their gear sequence)."""
@@ -256,6 +321,9 @@ def _speed(
         say(f"speed skipped: the text has fewer than {need} tokens")
         return {}
     bench = SpeedBench(model, tokenizer, layout, config, vocab)
+    if kv is not None:
+        bench.kv = {"kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": 0,
+                    "kv_rotation": kv.rotation, "kv_calibration": kv_calibration}
     return measure_speed(bench, [r.spec for r in first], speed_ids, window, speed_prompt, speed_tokens, say)
 
 

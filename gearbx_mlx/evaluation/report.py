@@ -162,7 +162,7 @@ def _kl(x: float) -> str:
 def table(rows: Sequence[Dict[str, Any]]) -> str:
     """A fixed-width table of every policy."""
     head = (
-        f"{'policy':<30} {'ppl':>8} {'KL nats':>9} {'top1':>6} {'MB/tok':>7} {'rel':>6} "
+        f"{'policy':<30} {'ppl':>8} {'KL nats':>9} {'top1':>6} {'MB/tok':>7} {'rel':>6} {'KV MB':>6} {'tot MB':>7} "
         f"{'low%':>5} {'mid%':>5} {'high%':>5} {'shifts':>6} {'tok/s':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -183,7 +183,8 @@ def speculative_table(section: Dict[str, Any]) -> str:
     """The speculative rows (:mod:`.speculative`): exact quality, replayed acceptance, modeled cost."""
     head = (
         f"{'policy':<26} {'k':>2} {'stop':>5} {'ppl':>8} {'KL':>4} {'top1':>5} {'accept':>6} {'acc/blk':>7} "
-        f"{'drf/tok':>7} {'ver/tok':>7} {'MB/tok*':>7} {'rel*':>6} {'xhigh*':>6} {'formula*':>8} {'tok/s*':>6}"
+        f"{'drf/tok':>7} {'ver/tok':>7} {'MB/tok*':>7} {'rel*':>6} {'KV MB*':>6} {'xhigh*':>6} {'formula*':>8} "
+        f"{'tok/s*':>6}"
     )
     lines = [
         f"speculative (draft scope {section['draft_scope']}): quality {section['quality']}",
@@ -199,6 +200,7 @@ def speculative_table(section: Dict[str, Any]) -> str:
             f"{r['top1_agreement']:>5.3f} {_num(r['acceptance_rate'], '.3f'):>6} "
             f"{_num(r['mean_accepted_length'], '.2f'):>7} {r['drafted_per_token']:>7.3f} "
             f"{r['verify_passes_per_token']:>7.3f} {m['bytes_per_token'] / 1e6:>7.1f} {m['relative_bytes']:>6.3f} "
+            f"{_mb(m.get('kv_bytes_per_token')):>6} "
             f"{m['speedup']:>6.3f} {_num(m['speedup_formula'], '.3f'):>8} {_num(m['tokens_per_s'], '.1f'):>6}"
         )
     for gear, d in section["drafters"].items():
@@ -214,6 +216,23 @@ def speculative_table(section: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _mb(x: Optional[float]) -> str:
+    """Megabytes with two decimals ('' when absent: results saved before the KV column)."""
+    return "" if x is None else f"{x / 1e6:.2f}"
+
+
+def kv_note(kv: Optional[Dict[str, Any]]) -> str:
+    """One line saying which KV cache the run used and how its bytes are counted ('' before the column)."""
+    if not kv:
+        return ""
+    what = "float (mlx-lm's)" if kv["kind"] == "float" else (
+        f"{'rotated' if kv['kind'] == 'rotated' else 'mlx-lm affine'} {kv['bits']}-bit g{kv['group_size']}, "
+        "quantized from the first token")
+    per = kv.get("bytes_per_token") or 0.0
+    return (f"KV cache: {what}; {per / 1024:.1f} KiB per cached token; KV MB = that x {kv['context']:.0f} tokens "
+            "of mean context per step; tot MB = weights + KV")
+
+
 def _num(x: Optional[float], fmt: str) -> str:
     return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -221,8 +240,9 @@ def _num(x: Optional[float], fmt: str) -> str:
 def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
     """The same table in Markdown, for docs/BENCHMARKS.md."""
     out = [
-        "| policy | ppl | KL (nats) | top-1 | MB/token | × fp16 bytes | low/mid/high % | shifts | tok/s |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| policy | ppl | KL (nats) | top-1 | MB/token | × fp16 bytes | KV MB/token | total MB/token "
+        "| low/mid/high % | shifts | tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         f = r["gear_fractions"]

@@ -63,6 +63,8 @@ class SpeedBench:
         self.config = config.replace(initial_gear="high")
         self.vocab_size = vocab_size
         self._boxes: Dict[tuple, Gearbox] = {}
+        #: KV keyword arguments of every run (``kv_bits``, ...; empty: mlx-lm's float cache).
+        self.kv: Dict[str, Any] = {}
 
     def gearbox(self, spec: PolicySpec) -> Gearbox:
         key = (spec.scope, spec.kind == "mixed", spec.store)
@@ -102,7 +104,7 @@ class SpeedBench:
             warnings.simplefilter("ignore")
             for resp in stream_generate(
                 self.model, self.tokenizer, prompt, gb, policy=spec.make_policy(), lag=0,
-                sampler=forcing_sampler(forced), max_tokens=decode_tokens, prompt_text="",
+                sampler=forcing_sampler(forced), max_tokens=decode_tokens, prompt_text="", **self.kv,
             ):
                 last = resp
         wall = time.perf_counter() - tic

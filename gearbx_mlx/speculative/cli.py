@@ -15,7 +15,7 @@ import sys
 from typing import Any, Dict, Optional
 
 from ..config import SCOPES
-from ..console import print_stream, say
+from ..console import kv_line, print_stream, say
 from ..distributed.ranks import stage
 from ..generation import encode_prompt
 from ..telemetry.trace import TraceWriter, ranks_header, token_record as routed_record
@@ -94,7 +94,6 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     Also sets ``MLX_CUDA_USE_CUDNN_SDPA=0`` unless already set (no effect on the CPU).
     """
     clashes = [flag for flag, on in (
-        ("--kv-bits", getattr(args, "kv_bits", None) is not None),
         ("--max-kv-size", getattr(args, "max_kv_size", None) is not None),
         ("--static-gear", getattr(args, "static_gear", None) is not None),
         ("--telemetry-only", getattr(args, "telemetry_only", False)),
@@ -102,7 +101,7 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     if clashes:
         raise ValueError(
             f"{', '.join(clashes)} cannot be combined with --speculative: it needs trimmable "
-            "full-precision KV caches and builds its own draft gear"
+            "KV caches that grow without a window and builds its own draft gear"
         )
     hard = getattr(args, "hard_max_draft", None)
     if hard is not None and (hard < 0 or (args.max_draft is not None and hard > args.max_draft)):
@@ -177,6 +176,8 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
     if d:
         lines.append(f"Ranks: {d['ranks']} (tensor parallel, this summary is rank 0's); drafts and verdicts: rank "
                      f"0's, {d['decision_collectives']} collectives for {d['forward_steps']} forward passes")
+    if s.get("kv_cache"):
+        lines.append(kv_line(s["kv_cache"]) + (f" ({s['kv_cache']['caches']})" if s["kv_cache"].get("caches") else ""))
     plan = s.get("plan")
     if plan:
         v = "/".join(f"{x:.2f}" for x in plan["verify_cost"][1:])
@@ -242,7 +243,10 @@ def run_speculative(
         stream = stream_speculative_generate(
             model, tokenizer, templated, gearbox, config=config, draft=draft, plan=plan,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-            top_k=args.top_k, seed=args.seed,
+            top_k=args.top_k, seed=args.seed, kv_bits=getattr(args, "kv_bits", None),
+            kv_group_size=getattr(args, "kv_group_size", 64),
+            quantized_kv_start=getattr(args, "quantized_kv_start", None),
+            kv_rotation=getattr(args, "kv_rotation", None),
         )
         if not args.quiet:
             print("=" * 10, file=sys.stderr, flush=True)

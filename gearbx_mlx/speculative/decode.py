@@ -67,7 +67,8 @@ from ..config import SCOPES
 from ..distributed.exchange import StepExchange
 from ..entropy import EntropyMonitor, MonitorStep, entropy_bits
 from ..gearbox import Gearbox
-from ..generation import GearboxResponse, check_ranks_agree, collect_text, encode_prompt
+from ..generation import KV_KEYS, GearboxResponse, check_ranks_agree, collect_text, encode_prompt
+from ..kvcache.option import KVOptions, KVSession, open_kv, options_from, plain_summary
 from .acceptance import make_log_dist, read_verdict
 from .calibration import calibrated_stop
 from .draft import DraftModel, build_draft, check_draft_gear
@@ -160,6 +161,8 @@ class SpeculativeStats:
     plan: Optional[Dict[str, Any]] = None  # the start-of-run decision, where one was made
     ranks: int = 1  # processes the model is sharded over
     exchanges: int = 0  # their decision collectives (drafts and verdicts), sharded only
+    #: The KV caches' settings and bytes per token (``gearbx_mlx.kvcache.option``).
+    kv_cache: Optional[Dict[str, Any]] = None
 
     @property
     def drafted(self) -> int:
@@ -192,6 +195,7 @@ class SpeculativeStats:
                 "forward_steps": drafted + len(self.blocks),
                 "collectives_per_step": self.exchanges / max(drafted + len(self.blocks), 1),
             }} if self.ranks > 1 else {}),
+            "kv_cache": self.kv_cache,
         }
 
 
@@ -223,6 +227,7 @@ def speculative_generate_step(
     stats: Optional[SpeculativeStats] = None,
     single_token_drafts: bool = False,
     exchange: Optional[StepExchange] = None,
+    kv: Optional[KVSession] = None,
 ) -> Generator[SpeculativeToken, None, None]:
     """Yield the generated tokens of speculative decoding, one :class:`SpeculativeToken` each.
 
@@ -248,6 +253,8 @@ def speculative_generate_step(
             kernels have a GEMV for one token only).
         exchange: a sharded model's exchange: every draft and every block's
             verdict are then rank 0's (see the module doc).
+        kv: the quantized KV caches' session; both caches are converted
+            when they reach its ``quantized_kv_start``, as mlx-lm's loop does.
     """
     config = config or SpeculativeConfig()
     stats = stats if stats is not None else SpeculativeStats()
@@ -276,6 +283,9 @@ def speculative_generate_step(
         y = prefill(model, hcache, prompt.astype(mx.uint32), config.prefill_step_size)
         drafter.prefill(prompt.astype(mx.uint32))
         while max_tokens < 0 or ntoks < max_tokens:
+            if kv is not None:
+                kv.quantize_due(hcache)
+                kv.quantize_due(drafter.cache)
             tic = time.perf_counter()
             cap, stop = block_cap(config, monitor, seen, max_tokens - ntoks if max_tokens >= 0 else None)
             block = drafter.draft(cap)
@@ -438,6 +448,7 @@ def stream_speculative_generate(
     mode: Optional[str] = None,
     plan: Optional[SpeculativePlan] = None,
     plan_options: Optional[Dict[str, Any]] = None,
+    kv_calibration: Any = None,
     **options: Any,
 ) -> Generator[SpeculativeResponse, None, None]:
     """Stream tokens like ``gearbx_mlx.stream_generate``, drafted low and verified high.
@@ -453,6 +464,12 @@ def stream_speculative_generate(
         temp, top_p, min_p, top_k: the high gear's sampling distribution; the
             output follows it exactly (greedy when ``temp == 0``).
         prompt_cache: the high gear's trimmable KV cache, updated in place.
+        kv_calibration: as :func:`gearbx_mlx.stream_generate`'s. The KV options
+            (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``,
+            ``kv_rotation``, in ``options``) apply to both caches, the high
+            gear's and the drafter's, and the drafter's modules are restored
+            with the model's when the stream ends. A quantized drafter cache
+            lives in MLX, so the drafter takes the MLX tree.
         plain: draft nothing: the high gear decodes alone through the same
             loop, with the same responses.
         mode: ``"auto"`` or ``"force"``: first measure on the prompt and
@@ -471,6 +488,7 @@ def stream_speculative_generate(
     """
     if max_tokens == 0 or max_tokens < -1:
         raise ValueError("max_tokens must be positive (or -1 for no limit)")
+    kv_options = options_from(options, KV_KEYS)
     config = config or SpeculativeConfig()
     if options:
         config = dataclasses.replace(config, **options)
@@ -482,6 +500,27 @@ def stream_speculative_generate(
         draft = get_draft(model, gearbox, config.draft_gear, config.draft_scope)
     elif draft is not None and draft.gear != config.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {config.draft_gear}")
+    if kv_calibration is None and gearbox.calibration is not None:
+        kv_calibration = gearbox.calibration.kv
+    kv = open_kv(model, kv_options, kv_calibration, draft=None if draft is None else draft.module, plain_too=True)
+    try:
+        yield from _stream(model, tokenizer, prompt, gearbox, config, draft, max_tokens, temp, top_p, min_p, top_k,
+                           min_tokens_to_keep, seed, prompt_cache, plain, kv, mode, plan, plan_options)
+    finally:
+        if kv is not None:
+            kv.restore()
+
+
+def _stream(model: nn.Module, tokenizer: Any, prompt: Any, gearbox: Any, config: SpeculativeConfig,
+            draft: Optional[DraftModel], max_tokens: int, temp: float, top_p: float, min_p: float, top_k: int,
+            min_tokens_to_keep: int, seed: Optional[int], prompt_cache: Optional[List[Any]], plain: bool,
+            kv: Optional[KVSession], mode: Optional[str], plan: Optional[SpeculativePlan],
+            plan_options: Optional[Dict[str, Any]]) -> Generator[SpeculativeResponse, None, None]:
+    draft_cache = None
+    if kv is not None:
+        prompt_cache = kv.prompt_cache(prompt_cache)
+        if draft is not None and not plain:
+            draft_cache = kv.handles[1].make_cache()
     log_dist = make_log_dist(temp, top_p, min_p, top_k, min_tokens_to_keep)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -504,13 +543,17 @@ def stream_speculative_generate(
     monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
     stats = SpeculativeStats(plan=plan.to_dict() if plan is not None else None,
                              ranks=ranks.size if ranks is not None else 1)
+    if kv is not None:
+        stats.kv_cache = {**kv.summary(), "caches": "high gear and drafter" if draft_cache is not None else "high gear"}
+    else:
+        stats.kv_cache = plain_summary(model, KVOptions())
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
     steps = speculative_generate_step(
         ids, model, None if plain else draft, config, max_tokens=max_tokens, log_dist=log_dist, monitor=monitor,
-        prompt_cache=prompt_cache, stats=stats,
-        single_token_drafts=single_token_drafts(gearbox.config),
+        prompt_cache=prompt_cache, draft_cache=draft_cache, stats=stats,
+        single_token_drafts=single_token_drafts(gearbox.config), kv=kv,
         exchange=ranks.exchange if ranks is not None else None,
     )
     tic = last = time.perf_counter()

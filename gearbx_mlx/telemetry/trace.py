@@ -276,6 +276,7 @@ def run_summary(session: Any, last: Any, interrupted: bool = False, error: Optio
         "model_bytes": mgr.model_bytes,
         "loaded_read_bytes": mgr.loaded_read_bytes,
         "scope": mgr.config.scope,
+        "kv_cache": getattr(session, "kv_cache", None),
         "step_bytes": mgr.step_bytes(),
         "managed_share": mgr.managed_share(),
         "managed_share_scope_all": (

@@ -1,0 +1,301 @@
+"""The KV-cache option of generation: mlx-lm's flags in, an applied transform per stream out.
+
+Generation takes mlx-lm's ``kv_bits``, ``kv_group_size`` and
+``quantized_kv_start`` with mlx-lm's meaning (bits per cached element,
+elements per quantization group along the head, and the cache length at
+which the float cache is converted; mlx-lm's default start is 5000), plus
+``kv_rotation``:
+
+* ``"none"``: mlx-lm's own ``QuantizedKVCache``, unchanged;
+* ``"auto"`` (the default), ``"srht"`` or ``"srft"``: the rotated cache of
+  this package with the recipe :func:`recipe` picks for the model from its
+  weights (rotation, λ, key offset, the attention sink; more bits for the
+  layers whose ``k_proj`` biases put outlying offsets on the keys).
+
+:func:`open_kv` checks everything and applies the transform before the
+first token; :class:`KVSession` makes the caches (or adopts a prompt cache),
+takes a drafter's module tree too, and restores every module it changed
+when the stream ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from .api import KVHandle, apply_kv
+from .arch import attention_modules, describe
+from .calibrate import KVCalibration, calibrate_weights
+from .config import KVConfig, plain
+from .quantize import SUPPORTED_BITS, SUPPORTED_GROUPS, bits_per_element
+
+#: ``kv_rotation`` values: ``none`` is mlx-lm's plain cache.
+ROTATION_CHOICES = ("auto", "srht", "srft", "none")
+#: Bits ``mx.quantize`` takes (mlx-lm's plain cache).
+PLAIN_BITS = (1, 2, 3, 4, 5, 6, 8)
+#: mlx-lm's default ``quantized_kv_start`` (``mlx_lm.generate.DEFAULT_QUANTIZED_KV_START``).
+DEFAULT_QUANTIZED_KV_START = 5000
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """The KV options of one generation call (mlx-lm's names and meaning).
+
+    Attributes:
+        bits: bits per cached element; None keeps mlx-lm's float cache.
+        group_size: elements per quantization group (32, 64 or 128).
+        quantized_kv_start: the float cache is quantized once it holds this
+            many tokens (0: from the first token).
+        rotation: one of :data:`ROTATION_CHOICES`.
+    """
+
+    bits: Optional[int] = None
+    group_size: int = 64
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    rotation: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.rotation not in ROTATION_CHOICES:
+            raise ValueError(f"kv_rotation must be one of {', '.join(ROTATION_CHOICES)}, got {self.rotation!r}")
+        # mx.quantize also takes 1 bit, which mlx-lm's plain cache may use; the
+        # rotated cache's own quantizer and kernels stop at 2.
+        allowed = PLAIN_BITS if self.rotation == "none" else SUPPORTED_BITS
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in allowed):
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, allowed))} with kv_rotation "
+                             f"{self.rotation!r}, got {self.bits!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in SUPPORTED_GROUPS:
+            raise ValueError(f"kv_group_size must be one of {', '.join(map(str, SUPPORTED_GROUPS))}, "
+                             f"got {self.group_size!r}")
+        q = self.quantized_kv_start
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+            raise ValueError(f"quantized_kv_start must be an integer >= 0, got {q!r}")
+
+    @property
+    def active(self) -> bool:
+        """True when the cache is quantized at all."""
+        return self.bits is not None
+
+    @property
+    def rotated(self) -> bool:
+        return self.active and self.rotation != "none"
+
+
+def recipe(model: nn.Module, options: KVOptions) -> KVConfig:
+    """The :class:`KVConfig` the package uses for ``model``.
+
+    Every model gets the rotation, λ, the key offset and the sink mapping, at
+    the bits asked for in every layer. What differs between models comes from
+    their statistics, never their name: where ``k_proj`` has biases (Qwen2.5),
+    the key offset removes the large per-channel offsets they put on the keys
+    (estimated from the biases through RoPE when no text calibration is
+    given), which is what keeps 4-bit keys usable there. Giving the layers
+    with outlying biases more bits (``KVConfig(outliers="auto")``) was not
+    needed on Qwen2.5-Coder-0.5B and would cost 5.3 bits per element on
+    average (docs/BENCHMARKS.md, "KV cache").
+    """
+    if not options.active:
+        raise ValueError("no KV bits given: the float cache needs no recipe")
+    if options.rotation == "none":
+        return plain(options.bits, options.group_size, options.quantized_kv_start)
+    return KVConfig(bits=options.bits, group_size=options.group_size, rotation=options.rotation,
+                    quantized_kv_start=options.quantized_kv_start)
+
+
+def check_caches(model: nn.Module) -> None:
+    """ValueError unless every layer of ``model`` keeps a plain growing ``KVCache``.
+
+    Sliding-window (rotating) and state-space caches keep other states than
+    a list of keys and values; neither mlx-lm nor this package quantizes them.
+    """
+    make = getattr(model, "make_cache", None)
+    if make is None:
+        return
+    kinds = sorted({type(c).__name__ for c in make() if type(c) is not KVCache})
+    if kinds:
+        raise ValueError(
+            f"this model's layers keep {', '.join(kinds)} caches (sliding-window or state caches), which "
+            "cannot be quantized: run it without --kv-bits"
+        )
+
+
+def float_bytes_per_token(model: nn.Module, dtype_bytes: int = 2) -> float:
+    """Bytes one token adds to a float cache of ``dtype_bytes`` per element (keys and values, all layers)."""
+    return float(sum(2 * i.n_kv_heads * i.head_dim * dtype_bytes for i in describe(model)))
+
+
+class KVSession:
+    """One stream's KV transform: the model's handle, a drafter's, and the caches.
+
+    Attributes:
+        options: what was asked.
+        config: the recipe applied.
+        handle: the model's :class:`~gearbx_mlx.kvcache.KVHandle`.
+    """
+
+    def __init__(self, model: nn.Module, options: KVOptions, config: KVConfig, handle: KVHandle,
+                 calibration: Optional[KVCalibration]) -> None:
+        self.model = model
+        self.options = options
+        self.config = config
+        self.handle = handle
+        self.calibration = calibration
+        self.handles: List[KVHandle] = [handle]
+
+    def quantize_due(self, caches: List[Any]) -> None:
+        """Convert float caches that reached ``quantized_kv_start`` (in place).
+
+        What mlx-lm's ``maybe_quantize_kv_cache`` does in its own loop, for
+        loops that are not mlx-lm's (speculative decoding).
+        """
+        start = self.config.quantized_kv_start
+        for i, c in enumerate(caches):
+            if hasattr(c, "to_quantized") and getattr(c, "tag", None) is not None and c.offset >= start:
+                caches[i] = c.to_quantized()
+
+    def prompt_cache(self, cache: Optional[List[Any]] = None) -> List[Any]:
+        """The model's cache for this stream: new, or ``cache`` adopted in place.
+
+        An empty list or a list of empty mlx-lm caches (``make_prompt_cache``)
+        is filled in place with this transform's caches, so the caller's list
+        carries the conversation to the next call; a cache this transform
+        (same settings and calibration) made is used as is.
+
+        Raises:
+            ValueError: a cache that holds tokens in another basis.
+        """
+        if cache is None:
+            return self.handle.make_cache()
+        if not isinstance(cache, list):
+            raise TypeError(f"prompt_cache must be a list of caches, got {type(cache).__name__}")
+        if not cache or all(getattr(c, "tag", None) is None and getattr(c, "offset", 0) == 0 for c in cache):
+            cache[:] = self.handle.make_cache()
+            return cache
+        self.handle.check_cache(cache)
+        return cache
+
+    def attach(self, module: nn.Module) -> KVHandle:
+        """Apply the same transform to a drafter's module tree (its attention copies).
+
+        Raises:
+            ValueError: the tree shares attention modules with the model, or
+                another architecture.
+        """
+        mine = {id(a) for a in attention_modules(self.model)}
+        if any(id(a) in mine for a in attention_modules(module)):
+            raise ValueError("the drafter shares attention modules with the model: it already carries the transform")
+        # The calibration was checked against the model; the drafter's
+        # quantized k_proj would not match its probe exactly.
+        h = apply_kv(module, self.config, self.handle.calibration, check_calibration=False)
+        self.handles.append(h)
+        return h
+
+    def bytes_per_token(self) -> float:
+        """Cache bytes one token adds once quantized (float16 scales and biases)."""
+        return self.handle.bytes_per_token()
+
+    def summary(self) -> Dict[str, Any]:
+        """JSON-ready: the cache's settings and its bytes per token against float16."""
+        s = self.handle.summary()
+        f16 = float_bytes_per_token(self.model)
+        bpt = self.bytes_per_token()
+        cal = self.calibration
+        return {
+            "kind": "rotated" if self.options.rotated else "affine",
+            "bits": self.config.bits, "group_size": self.config.group_size,
+            "quantized_kv_start": self.config.quantized_kv_start,
+            "rotation": s["rotation"], "lambda": s["lambda"], "key_offset": s["key_offset"], "sink": s["sink"],
+            "statistics": None if cal is None else cal.source,
+            "layer_bits": s["layer_bits"], "bits_per_element": s["bits_per_element"],
+            "bytes_per_token": bpt, "float16_bytes_per_token": f16, "ratio_to_float16": bpt / f16,
+        }
+
+    def restore(self) -> None:
+        """Put every module back as loaded (idempotent)."""
+        for h in reversed(self.handles):
+            h.restore()
+
+    def __enter__(self) -> "KVSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+
+def plain_summary(model: nn.Module, options: KVOptions) -> Dict[str, Any]:
+    """The summary of mlx-lm's own cache (``kv_rotation='none'`` or no bits)."""
+    try:
+        f16 = float_bytes_per_token(model)
+    except ValueError:
+        f16 = None
+    if not options.active:
+        return {"kind": "float", "bytes_per_token": f16, "float16_bytes_per_token": f16,
+                "ratio_to_float16": 1.0 if f16 else None}
+    bpe = bits_per_element(options.bits, options.group_size)
+    bpt = None if f16 is None else f16 * bpe / 16
+    return {"kind": "affine", "bits": options.bits, "group_size": options.group_size,
+            "quantized_kv_start": options.quantized_kv_start, "rotation": ["none"], "lambda": False,
+            "key_offset": False, "sink": False, "statistics": None, "bits_per_element": bpe,
+            "bytes_per_token": bpt, "float16_bytes_per_token": f16,
+            "ratio_to_float16": None if f16 is None else bpe / 16}
+
+
+def as_calibration(value: Any) -> Optional[KVCalibration]:
+    """A :class:`KVCalibration` from one, its dict (as saved in a calibration file), or None."""
+    if value is None or isinstance(value, KVCalibration):
+        return value
+    if isinstance(value, dict):
+        return KVCalibration.from_dict(value)
+    raise TypeError(f"kv_calibration must be a KVCalibration or its dict, got {type(value).__name__}")
+
+
+def open_kv(model: nn.Module, options: KVOptions, calibration: Any = None,
+            draft: Optional[nn.Module] = None, plain_too: bool = False) -> Optional[KVSession]:
+    """Check and apply the rotated cache for one stream; None for mlx-lm's own caches.
+
+    Args:
+        model: the loaded mlx-lm model (the gearbox's, in any gear).
+        options: the stream's KV options.
+        calibration: statistics for λ and the offsets (text-calibrated, as
+            saved with the calibration file); None: estimated from the weights.
+        draft: a drafter's module tree that gets the same transform.
+        plain_too: also make mlx-lm's plain quantized cache (``rotation
+            "none"``) through a session, for loops that make their own caches
+            (speculative decoding); the cache format is mlx-lm's.
+
+    Raises:
+        ValueError: an architecture whose attention or caches cannot take the
+            rotation, a calibration of another model, a head size the group
+            does not divide; all before any module changes.
+    """
+    if not options.active or not (options.rotated or plain_too):
+        return None
+    check_caches(model)
+    config = recipe(model, options)
+    cal = as_calibration(calibration) if config.needs_statistics else None
+    if cal is None and config.needs_statistics:
+        cal = calibrate_weights(model)
+    handle = apply_kv(model, config, cal)
+    session = KVSession(model, options, config, handle, cal)
+    if draft is not None:
+        try:
+            session.attach(draft)
+        except BaseException:
+            session.restore()
+            raise
+    return session
+
+
+def options_from(kwargs: Dict[str, Any], keys: Sequence[str] = ("kv_bits", "kv_group_size", "quantized_kv_start",
+                                                                  "kv_rotation")) -> KVOptions:
+    """Pop mlx-lm-style KV keyword arguments from ``kwargs`` into :class:`KVOptions`."""
+    got = {k: kwargs.pop(k) for k in keys if k in kwargs}
+    return KVOptions(
+        bits=got.get("kv_bits"),
+        group_size=64 if got.get("kv_group_size") is None else got["kv_group_size"],
+        quantized_kv_start=(DEFAULT_QUANTIZED_KV_START if got.get("quantized_kv_start") is None
+                            else got["quantized_kv_start"]),
+        rotation=got.get("kv_rotation") or "auto",
+    )

