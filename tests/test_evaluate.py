@@ -332,7 +332,9 @@ def test_every_policy_and_baseline_is_reported(quick_results):
         for s in ("static-mid", "static-low", "mixed_4_6", "dynamic-fixed"):
             assert f"{s}/{scope}" in names
         assert f"position@fixed/{scope}" in names and f"random@fixed/{scope}" in names
-    assert len(quick_results["comparisons"]) == 2
+    # and the nested store's rows: its mid gear, its high gear on every plane, its entropy policy
+    assert {"static-mid/all+nested", "static-high+planes", "dynamic-fixed/all+nested"} <= names
+    assert len(quick_results["comparisons"]) == 3
     assert quick_results["routing"]["lag"] == 0
     assert report.table(quick_results["policies"]).count("\n") == len(names) + 1
 

@@ -141,7 +141,7 @@ def test_packed_gears_of_the_precision_manager_are_fused():
 
     model = tiny_llama()
     tokens = mx.array([[3, 1, 4, 1, 5]])
-    mgr = PrecisionManager(model, GearboxConfig(kernel="packed", scope="all"))
+    mgr = PrecisionManager(model, GearboxConfig(kernel="packed", scope="all", store="separate"))
     mgr.shift("low")
     assert isinstance(model.layers[0].self_attn.v_proj, FusedPackedLinear)
     assert isinstance(model.layers[0].mlp.gate_proj, FusedPackedLinear)

@@ -47,7 +47,7 @@ def summarise(model, gearbox, n=8, policy=None, vocab=BIG_VOCAB):
 
 def test_summary_shows_the_managed_share_and_when_the_scope_leaves_little():
     model = make_tiny_llama(vocab=BIG_VOCAB, hidden=HIDDEN)
-    gb = Gearbox(model, GearboxConfig(scope="attention", static_gear="low"))
+    gb = Gearbox(model, GearboxConfig(scope="attention", static_gear="low", store="separate"))
     s = summarise(model, gb)
     attention = sum(nbytes(m) for m in gb.manager.originals.values())
     total = nbytes(model)  # tied: the whole table is read, as the output projection
@@ -60,7 +60,7 @@ def test_summary_shows_the_managed_share_and_when_the_scope_leaves_little():
     assert f"the gears manage {100 * attention / total:.0f}% of the {total / 2**20:.1f} MiB a step of the" in text
     assert "--scope attention" in text and "little to gain from routing: --scope all manages 100%" in text
 
-    gb_all = Gearbox(model, GearboxConfig(scope="all", static_gear="low"))
+    gb_all = Gearbox(model, GearboxConfig(scope="all", static_gear="low", store="separate"))
     s_all = summarise(model, gb_all)
     assert s_all["managed_share"] == pytest.approx(s["managed_share_scope_all"])
     assert "little to gain" not in cli.format_summary(s_all, gb_all.thresholds)
@@ -85,7 +85,7 @@ def test_one_time_quantization_is_kept_out_of_the_rate(monkeypatch):
         return precision.mlx_quantizer(module, bits, group_size)
 
     model = make_tiny_llama(vocab=512, hidden=HIDDEN)
-    gb = Gearbox(model, GearboxConfig(kernel="mlx"))
+    gb = Gearbox(model, GearboxConfig(kernel="mlx", store="separate"))  # the store that quantizes at first entry
     monkeypatch.setattr(gb.manager, "_quantizer", slow_quantizer)
     s = summarise(model, gb, n=10, policy=SwitchAt(3), vocab=512)
     assert s["tokens_per_gear"]["low"] > 0
