@@ -40,11 +40,9 @@ import argparse
 import json
 import os
 import platform
-import random
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +54,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gearbx_mlx.distributed.ranks import free_port_base  # noqa: E402
 from gearbx_mlx.telemetry.trace import read_trace  # noqa: E402
 
 PROMPT = "Explain in one paragraph why the sky is blue."
@@ -150,24 +149,6 @@ def machine() -> Dict[str, Any]:
     except OSError:
         pass
     return info
-
-
-def free_port_base(n: int) -> int:
-    for _ in range(50):
-        base = random.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free loopback ports")
 
 
 def run(cmd: List[str], timeout: int) -> subprocess.CompletedProcess:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +23,7 @@ import mlx.core as mx
 import pytest
 from fault_models import tiny_model_folder
 
+from gearbx_mlx.distributed.ranks import free_port_base
 from gearbx_mlx.telemetry.trace import read_trace
 
 pytestmark = pytest.mark.slow
@@ -42,25 +41,6 @@ def launcher() -> Optional[str]:
     """``mlx.launch`` beside this Python, or on the PATH."""
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return shutil.which("mlx.launch", path=path)
-
-
-def free_port_base(n: int) -> int:
-    """A port with its ``n - 1`` successors free on the loopback (the ring listens on them)."""
-    for _ in range(50):
-        base = random.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free loopback ports")
 
 
 def launch(n: int, args: List[str], timeout: int = 300) -> subprocess.CompletedProcess:

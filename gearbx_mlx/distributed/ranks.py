@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import random
+import socket
 from typing import Any, ContextManager, Dict, Iterator, List, Mapping, Optional
 
 import mlx.core as mx
@@ -235,3 +237,23 @@ def facts_of(**values: Any) -> Dict[str, str]:
 
 __all__ = ["MESSAGE_BYTES", "RankError", "Ranks", "facts_of", "launched_group", "launched_ranks", "model_identity",
            "stage"]
+
+
+def free_port_base(n: int) -> int:
+    """A port with its ``n - 1`` successors free on the loopback (a local
+    ``mlx.launch --backend ring`` listens on them)."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free loopback ports")
