@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .console import error_line, show_warning
+from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.bench import QUICK, SHAPES, BenchSettings, environment_command, load_subject, run_bench
 from .evaluation.bench_report import format_compare, format_result, load_result
 
@@ -107,12 +107,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {out}: attach it to a bug report, or compare two with --compare A.json B.json",
               file=sys.stderr)
         return 0
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(error_line(e), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except USER_ERRORS as e:
+        return exit_status(e)
 
 
 if __name__ == "__main__":

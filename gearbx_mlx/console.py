@@ -93,6 +93,20 @@ def error_line(e: BaseException) -> str:
     return "error: " + (" ".join(str(e).split()) or type(e).__name__)
 
 
+#: What a command line reports as one line instead of a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, OSError, KeyboardInterrupt)
+
+
+def exit_status(e: BaseException) -> int:
+    """Print ``e`` as one line on stderr and return the exit status: 130 for
+    Ctrl-C (``interrupted``), 2 for a user error (:data:`USER_ERRORS`)."""
+    if isinstance(e, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        return 130
+    print(error_line(e), file=sys.stderr)
+    return 2
+
+
 def read_stdin_text(what: str = "the prompt") -> str:
     """All of stdin as UTF-8 text.
 

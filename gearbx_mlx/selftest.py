@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .console import error_line, show_warning
+from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
 from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, table_rows
 from .nested import checks as nested_checks
@@ -124,12 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             path = Path(args.json).expanduser()
             path.write_text(json.dumps(report, indent=1, default=str) + "\n")
             print(f"wrote {path}", file=sys.stderr)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(error_line(e), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except USER_ERRORS as e:
+        return exit_status(e)
     return 0 if report["passed"] else 1
 
 
