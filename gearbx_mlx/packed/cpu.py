@@ -140,6 +140,18 @@ def info() -> dict:
 _NP_OF_MX = {mx.uint8: np.uint8, mx.int8: np.int8, mx.float32: np.float32}
 
 
+def contiguous_numpy(a: mx.array) -> np.ndarray:
+    """``a`` evaluated and viewed by numpy without a copy, made C-contiguous
+    first if its layout is not (a transposed array would be read in storage order)."""
+    mx.eval(a)
+    v = np.asarray(a)
+    if not v.flags.c_contiguous:
+        a = mx.contiguous(a)
+        mx.eval(a)
+        v = np.asarray(a)
+    return v
+
+
 def _host_view(a: ArrayLike, dtype: type, name: str) -> np.ndarray:
     """A C-contiguous numpy view of ``a`` in ``dtype``, without a copy when possible.
 
@@ -150,13 +162,7 @@ def _host_view(a: ArrayLike, dtype: type, name: str) -> np.ndarray:
     if isinstance(a, mx.array):
         if _NP_OF_MX.get(a.dtype) is not dtype:
             raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {a.dtype}")
-        mx.eval(a)
-        v = np.asarray(a)
-        if not v.flags.c_contiguous:
-            a = mx.contiguous(a)
-            mx.eval(a)
-            v = np.asarray(a)
-        return v
+        return contiguous_numpy(a)
     if isinstance(a, np.ndarray):
         if a.dtype != dtype:
             raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {a.dtype}")

@@ -58,13 +58,7 @@ def _raw_view(a: mx.array, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)  # numpy has no bfloat16; the kernels read the bits
-    mx.eval(a)
-    v = np.asarray(a)
-    if not v.flags.c_contiguous:
-        a = mx.contiguous(a)
-        mx.eval(a)
-        v = np.asarray(a)
-    return v
+    return cpu.contiguous_numpy(a)
 
 
 class PreparedNested:
