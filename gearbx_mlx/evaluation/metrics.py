@@ -6,8 +6,9 @@ of the routed distribution (the router's signal). The arrays are positions x
 vocabulary (511 x 49,152 floats per window on the default model), so the
 element-wise work is as large as a layer's products: it runs in numpy, whose
 vectorized ``exp`` is several times faster than MLX's on a CPU, with the
-same formulas in MLX beside it (``backend="mlx"``) as the reference the tests
-hold numpy to.
+same formulas in MLX beside it (``backend="mlx"``). The tests hold both to a
+float64 computation; numpy is the closer of the two (its float32 sums are
+pairwise, MLX's CPU sums over the vocabulary run in one sequence).
 
 Entropy follows :func:`gearbx_mlx.entropy.entropy_bits`: non-finite logits
 are replaced as the §10.1 guard does, and the result is clipped to
