@@ -214,3 +214,15 @@ def test_function_level_third_party_imports_only_when_optional(tmp_path):
 ])
 def test_layer_of(module, layer):
     assert layer_of(module) == layer
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """pyproject lists its packages by hand: a subpackage left out of the list
+    works in an editable install and is missing from a built wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"gearbx_mlx"} | {
+        "gearbx_mlx." + ".".join(p.parent.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("*/__init__.py")
+    }
+    assert found - listed == set(), "subpackages missing from pyproject.toml's packages"
