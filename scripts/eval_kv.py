@@ -51,6 +51,12 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_QUALITY = ("float,affine-8-g64,affine-8-g32,affine-4-g64,affine-4-g32,affine-3-g64,affine-3-g32,"
                    "rot-4-g64,rot-3-g64,rot-4-g32,kv-4-g64,kv-3-g64,kv-4-g32,kv-4-g64@weights")
+#: --resume: the float row rerun must equal the saved one this closely (same
+#: model, text and settings give the same bits on one machine; another BLAS
+#: or CPU rounds differently).
+RESUME_RTOL = 1e-6
+#: --resume: settings a resumed quality run must share with the saved one.
+RESUME_KEYS = ("window", "windows", "chunk", "attention")
 DEFAULT_BYTES = "float,affine-8-g64,affine-4-g64,affine-4-g32,affine-3-g64,kv-4-g64,kv-3-g64"
 DEFAULT_SPEED = "float,affine-4-g64,kv-4-g64"
 
@@ -155,7 +161,12 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
     cal_s = time.perf_counter() - tic
     ref = None
     rows = []
+    kept = {r["cache"]: r for r in (args.resume_rows or [])}
     for s in specs:
+        if s.name in kept and s.kind != "float":  # measured by the run resumed (float is rerun: the KL reference)
+            rows.append(kept[s.name])
+            print(f"{s.name:28s} kept from {args.out}", flush=True)
+            continue
         tic = time.perf_counter()
         with prepared(model, s, cals) as make_cache:
             if args.attention == "dequantized":
@@ -165,6 +176,9 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
         if s.kind == "float" and ref is None:
             ref = lps
             base = q.perplexity
+            if s.name in kept and not math.isclose(kept[s.name]["perplexity"], base, rel_tol=RESUME_RTOL):
+                raise SystemExit(f"error: the float cache now gives perplexity {base:.6f}, the run resumed "
+                                 f"{kept[s.name]['perplexity']:.6f}: not the same setup, start a new --out")
         row = {"cache": s.name, "kind": s.kind, "bits_per_element": s.bits_per_element,
                "perplexity": q.perplexity, "kl": q.kl if ref is not lps else 0.0,
                "per_window": q.per_window, "seconds": time.perf_counter() - tic}
@@ -172,7 +186,7 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
             row["config"] = s.config.to_dict()
             row["calibration"] = s.calibration if s.kind == "kv" and s.config.needs_statistics else None
         rows.append(row)
-        partial({"rows": rows, "complete": False})  # a long run keeps what it has measured
+        partial({"rows": rows, "complete": False, **{k: getattr(args, k) for k in RESUME_KEYS}})  # a long run keeps what it has measured
         rel = f"{100 * (q.perplexity / base - 1):+6.2f}%" if ref is not None else ""
         print(f"{s.name:28s} {row['bits_per_element']:5.2f} b  ppl {q.perplexity:8.3f} {rel}  "
               f"KL {row['kl']:.4f}  ({row['seconds']:.0f} s)", flush=True)
@@ -182,7 +196,7 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
         r["perplexity_increase"] = r["perplexity"] / base - 1
     check = attention_check(args, model, windows[0][: args.check_tokens + 1], specs, cals) \
         if args.attention == "dequantized" and args.check_tokens else None
-    return {"attention": args.attention, "attention_check": check,"windows": args.windows, "window": args.window, "chunk": args.chunk,
+    return {"attention": args.attention, "attention_check": check, "windows": args.windows, "window": args.window, "chunk": args.chunk,
             "scored_tokens": args.windows * args.window, "corpus": "gensim 4.4.0 lee_background.cor",
             "calibration_text": f"first {len(cal_ids)} tokens of gensim lee.cor",
             "calibration_seconds": cal_s, "outlier_scores": [round(x, 2) for x in outlier_scores(model)],
@@ -319,6 +333,21 @@ def markdown(paths: List[str]) -> str:
     return "\n".join(out)
 
 
+def resumable(path: Path, label: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """The saved quality run that ``--resume`` continues, after checking it is the same setup."""
+    try:
+        saved = json.loads(path.read_text())
+        q = saved["quality"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: --resume needs a quality result at {path}: {e}") from None
+    if saved.get("model") != label:
+        raise SystemExit(f"error: {path} is of model {saved.get('model')!r}, not {label!r}")
+    for k in RESUME_KEYS:
+        if k in q and q[k] != getattr(args, k):
+            raise SystemExit(f"error: {path} was run with {k}={q[k]!r}, this run has {getattr(args, k)!r}")
+    return saved
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -348,6 +377,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="speed: rounds over the caches")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny windows, few steps")
     ap.add_argument("--out", default=None, help="JSON output (default under benchmarks/results/)")
+    ap.add_argument("--resume", action="store_true",
+                    help="quality: keep the rows already in --out (same model and settings) and measure the "
+                         "other caches; the float cache is rerun as the KL reference and must match")
     args = ap.parse_args(argv)
     if args.shape and args.model:
         ap.error("give --model or --shape, not both")
@@ -375,10 +407,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
         f"kv_{args.part}_{(args.shape or label).replace(' ', '_')}{'_quick' if args.quick else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/eval_kv.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    earlier: List[Dict[str, Any]] = []
+    args.resume_rows = None
+    if args.resume:
+        if args.part != "quality":
+            ap.error("--resume is for the quality part")
+        saved = resumable(path, label, args)
+        args.resume_rows = saved["quality"]["rows"]
+        earlier = saved.get("earlier_runs", []) + [
+            {k: saved[k] for k in ("command", "date", "machine")} | {"caches": [r["cache"] for r in args.resume_rows]}]
 
     def write(result: Dict[str, Any]) -> None:
-        out = {"command": "python scripts/eval_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "date": started, "model": label, "machine": machine(), args.part: result}
+        out = {"command": command, "date": started, "model": label, "machine": machine(), args.part: result}
+        if earlier:
+            out["earlier_runs"] = earlier  # the rows kept by --resume were measured by these
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(out, indent=1) + "\n")
         os.replace(tmp, path)
