@@ -209,6 +209,32 @@ def test_bad_input_one_error_before_generation():
         open_kv(odd, KVOptions(bits=4))
 
 
+@pytest.mark.parametrize("rotation", ["auto", "none"])
+def test_a_backend_without_quantized_attention_is_one_error_before_generation(monkeypatch, rotation):
+    """MLX 0.32's CUDA backend lacks the quantized products of quantized attention
+    for some shapes; that is found by a probe before the first token, for the
+    rotated cache and for mlx-lm's own (rotation none) alike."""
+    from gearbx_mlx.kvcache import quantize
+
+    def missing(*a, **k):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x5x64x4")
+
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    snap = _snapshot(model)
+    monkeypatch.setattr(quantize, "_probed", {})
+    monkeypatch.setattr(mx, "quantized_matmul", missing)
+    seen = []
+    with pytest.raises(ValueError, match="cannot run quantized attention over a 4-bit, group 64 cache with head "
+                                         "dimension 64 .*No implementation"):
+        for r in stream_generate(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=4, kv_bits=4,
+                                 kv_rotation=rotation):
+            seen.append(r)
+    assert seen == [] and _same(model, snap)
+    monkeypatch.undo()
+    assert len(_gen(model, gb, n=3, kv_bits=4, kv_rotation=rotation)) == 3  # the real products run here
+
+
 def test_the_key_offset_comes_from_the_weights_not_the_name():
     """Without a text calibration, a model whose k_proj biases put large offsets on
     its keys gets them removed (estimated from the biases); one without gets none."""

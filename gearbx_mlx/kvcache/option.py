@@ -23,14 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from .api import KVHandle, apply_kv
 from .arch import attention_modules, describe
 from .calibrate import KVCalibration, calibrate_weights
 from .config import KVConfig, plain
-from .quantize import SUPPORTED_BITS, SUPPORTED_GROUPS, bits_per_element
+from .quantize import SUPPORTED_BITS, SUPPORTED_GROUPS, bits_per_element, check_quantized_attention
 
 #: ``kv_rotation`` values: ``none`` is mlx-lm's plain cache.
 ROTATION_CHOICES = ("auto", "srht", "srft", "none")
@@ -119,6 +121,23 @@ def check_caches(model: nn.Module) -> None:
             f"this model's layers keep {', '.join(kinds)} caches (sliding-window or state caches), which "
             "cannot be quantized: run it without --kv-bits"
         )
+
+
+def check_backend(model: nn.Module, bits: Sequence[int], group_size: int) -> None:
+    """ValueError before generation where this MLX build cannot attend over such a cache
+    (:func:`~gearbx_mlx.kvcache.quantize.check_quantized_attention`, per head size and bits)."""
+    try:
+        dims = sorted({i.head_dim for i in describe(model)})
+    except ValueError:  # an architecture the rotation cannot take may still run mlx-lm's plain cache
+        a = getattr(model, "args", None)
+        d = getattr(a, "head_dim", None) or (
+            a.hidden_size // a.num_attention_heads if getattr(a, "num_attention_heads", None) else None)
+        dims = [d] if d else []
+    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    dtype = floats[0] if floats else mx.float16
+    for d in dims:
+        for b in bits:
+            check_quantized_attention(b, group_size, d, dtype)
 
 
 def float_bytes_per_token(model: nn.Module, dtype_bytes: int = 2) -> float:
@@ -270,10 +289,14 @@ def open_kv(model: nn.Module, options: KVOptions, calibration: Any = None,
             rotation, a calibration of another model, a head size the group
             does not divide; all before any module changes.
     """
-    if not options.active or not (options.rotated or plain_too):
+    if not options.active:
         return None
     check_caches(model)
     config = recipe(model, options)
+    bits = {config.bits, *config.layer_bits.values()} | ({config.outlier_bits} if config.outliers != "none" else set())
+    check_backend(model, sorted(bits), config.group_size)
+    if not (options.rotated or plain_too):
+        return None
     cal = as_calibration(calibration) if config.needs_statistics else None
     if cal is None and config.needs_statistics:
         cal = calibrate_weights(model)

@@ -130,3 +130,47 @@ def quantize(
 def bits_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     """Stored bits per cached element: the code plus its share of scale and bias."""
     return bits + 2 * 8 * scale_bytes / group_size
+
+
+#: Query rows and cached tokens of the probe: a decode step (1) and a prefill
+#: chunk (3) over a short cache, the two products quantized attention runs.
+_PROBE_ROWS, _PROBE_TOKENS = (1, 3), 5
+_probed: dict = {}
+
+
+def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype = mx.float16) -> None:
+    """ValueError unless this MLX build can run quantized attention over such a cache.
+
+    mlx-lm's quantized attention multiplies queries by the quantized keys
+    (``mx.quantized_matmul`` with ``transpose=True``) and the scores by the
+    quantized values (``transpose=False``). Some backends lack these products
+    for some shapes (MLX 0.32's CUDA backend raises "No implementation for
+    problem shape" at the first attention call), which would stop a stream in
+    the middle; this runs both products once on tiny arrays of the real head
+    dimension, bits, group and dtype, on the default device, and remembers
+    the verdict for the process.
+    """
+    key = (str(mx.default_device()), bits, group_size, head_dim, str(dtype))
+    if key not in _probed:
+        _probed[key] = _probe(bits, group_size, head_dim, dtype)
+    if _probed[key]:
+        raise ValueError(
+            f"MLX {mx.__version__} on {mx.default_device()} cannot run quantized attention over a "
+            f"{bits}-bit, group {group_size} cache with head dimension {head_dim} ({_probed[key]}); "
+            "run with the float cache (no --kv-bits)"
+        )
+
+
+def _probe(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype) -> str:
+    """'' when both products run, else MLX's error."""
+    kv = mx.random.normal((1, 1, _PROBE_TOKENS, head_dim), key=mx.random.key(0)).astype(dtype)
+    try:
+        q_kv = mx.quantize(kv, group_size=group_size, bits=bits)
+        for rows in _PROBE_ROWS:
+            q = mx.ones((1, 1, rows, head_dim), dtype=dtype)
+            scores = mx.quantized_matmul(q, *q_kv, transpose=True, group_size=group_size, bits=bits)
+            out = mx.quantized_matmul(scores, *q_kv, transpose=False, group_size=group_size, bits=bits)
+            mx.eval(out)
+    except (RuntimeError, ValueError) as e:
+        return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return ""
