@@ -6,6 +6,22 @@ import mlx.core as mx
 import pytest
 
 
+def skip_without_quantized_attention(bits: int = 4, group_size: int = 64, head_dim: int = 64) -> None:
+    """Skip where this MLX build lacks the products of quantized attention
+    (MLX 0.32's CUDA backend); the package refuses such a cache before
+    generation there (tests/test_kv_generation.py holds it to that)."""
+    import mlx.core as mx
+    import pytest
+
+    from gearbx_mlx.kvcache.quantize import check_quantized_attention
+
+    for b in sorted({bits, 3, 8}):  # the tests use 3, 4 and 8 bits
+        try:
+            check_quantized_attention(b, group_size, head_dim, mx.float32)
+        except ValueError as e:
+            pytest.skip(str(e))
+
+
 def make_tiny_llama(tie: bool = True, vocab: int = 256, hidden: int = 128, layers: int = 2, seed: int = 0):
     """A small mlx-lm llama with random weights (float32)."""
     from mlx_lm.models import llama

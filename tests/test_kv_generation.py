@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import make_tiny_llama, make_tiny_tokenizer
+from conftest import make_tiny_llama, make_tiny_tokenizer, skip_without_quantized_attention
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
@@ -60,6 +60,7 @@ def test_rotated_cache_through_the_gears_is_close_and_restored(store):
     """Entropy routing with gear shifts on both stores: the rotated 8-bit cache's
     logprobs stay near the float cache's, the caches are the rotated ones, and
     the model is exactly as loaded afterwards (also after a broken-off stream)."""
+    skip_without_quantized_attention()
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all", store=store), vocab_size=VOCAB)
     snap = _snapshot(model)
@@ -91,6 +92,7 @@ def test_4bit_rotated_is_nearer_float_than_plain_4bit():
     """Same model, same prompt: the rotated 4-bit cache's first logprobs are
     closer to the float cache's than mlx-lm's plain 4-bit cache's (a test that
     fails if the rotation were dropped on the way to mlx-lm)."""
+    skip_without_quantized_attention()
     from gearbx_mlx.kvcache import KVConfig, apply_kv
 
     model = make_tiny_llama(vocab=VOCAB, hidden=256, seed=3)
@@ -104,6 +106,7 @@ def test_4bit_rotated_is_nearer_float_than_plain_4bit():
 
 
 def test_plain_rotation_none_is_mlx_lms_cache():
+    skip_without_quantized_attention()
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     cache = make_prompt_cache(model)
@@ -115,6 +118,7 @@ def test_plain_rotation_none_is_mlx_lms_cache():
 
 
 def test_quantized_kv_start_keeps_mlx_lms_meaning():
+    skip_without_quantized_attention()
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     late, early = make_prompt_cache(model), make_prompt_cache(model)
@@ -125,6 +129,7 @@ def test_quantized_kv_start_keeps_mlx_lms_meaning():
 
 
 def test_prompt_cache_carries_a_conversation_and_refuses_another_basis():
+    skip_without_quantized_attention()
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     cache = make_prompt_cache(model)
@@ -145,6 +150,7 @@ def test_prompt_cache_carries_a_conversation_and_refuses_another_basis():
 def test_speculative_keeps_both_caches_quantized_and_matches_the_high_gear():
     """Greedy speculative decoding with the rotated cache emits the high gear's
     tokens with the same cache, and the drafter's cache is quantized too."""
+    skip_without_quantized_attention()
     model = _model(seed=1)
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     snap = _snapshot(model)
@@ -232,6 +238,7 @@ def test_a_backend_without_quantized_attention_is_one_error_before_generation(mo
             seen.append(r)
     assert seen == [] and _same(model, snap)
     monkeypatch.undo()
+    skip_without_quantized_attention()
     assert len(_gen(model, gb, n=3, kv_bits=4, kv_rotation=rotation)) == 3  # the real products run here
 
 

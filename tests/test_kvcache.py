@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import skip_without_quantized_attention
 from hypothesis import given, settings, strategies as st
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache, trim_prompt_cache
@@ -29,7 +30,7 @@ from gearbx_mlx.kvcache import (
 )
 from gearbx_mlx.kvcache.arch import describe
 from gearbx_mlx.kvcache.measure import chunked_logprobs, spec
-from gearbx_mlx.kvcache.quantize import check_quantized_attention, pack, quantize_ls
+from gearbx_mlx.kvcache.quantize import pack, quantize_ls
 from gearbx_mlx.kvcache.rotation import hadamard_reference, srft_reference
 
 #: MLX runs float32 matrix products in TF32 on a GPU unless MLX_ENABLE_TF32=0
@@ -44,16 +45,6 @@ INNER_TOL = 4e-3 if TF32 else 1e-4
 #: Logits of a tiny float32 model through a function-preserving transform:
 #: a few products of 256-wide layers reordered, relative to logits of ~10.
 LOGIT_TOL = 5e-4
-
-
-def _needs_quantized_attention(bits: int = 4, group_size: int = 64, head_dim: int = 64) -> None:
-    """Skip where this MLX build lacks the products of quantized attention
-    (MLX 0.32's CUDA backend for small shapes); the package refuses such a
-    cache before generation there (tests/test_kv_generation.py)."""
-    try:
-        check_quantized_attention(bits, group_size, head_dim, mx.float32)
-    except ValueError as e:
-        pytest.skip(str(e))
 
 
 def _tiny(kind: str = "llama", hidden: int = 256, heads: int = 4, kv_heads: int = 2,
@@ -251,7 +242,7 @@ def _err(model, make_cache, ref_lp, ids):
 
 
 def test_quantized_recipe_beats_plain_int4_on_outlying_key_biases():
-    _needs_quantized_attention()
+    skip_without_quantized_attention()
     model = _tiny("qwen2", hidden=256, heads=4, kv_heads=2, layers=2, bias_outlier=60.0)
     ids = [int(x) for x in np.random.default_rng(3).integers(0, 256, 65)]
     ref = chunked_logprobs(model, ids, lambda: _float_cache(model), chunk=8)
@@ -297,7 +288,7 @@ def test_quantized_kv_start_converts_with_the_layer_settings():
 
 
 def test_prompt_cache_file_round_trip(tmp_path):
-    _needs_quantized_attention()
+    skip_without_quantized_attention()
     model = _tiny("qwen2", bias_outlier=30.0)
     with apply_kv(model, KVConfig(bits=4, quantizer="ls"), calibrate_text(model, CAL)) as kv:
         cache = kv.make_cache()
@@ -319,7 +310,7 @@ def test_prompt_cache_file_round_trip(tmp_path):
 
 
 def test_mlx_lm_stream_generate_runs_on_the_handle_caches():
-    _needs_quantized_attention()
+    skip_without_quantized_attention()
     from mlx_lm.generate import generate_step
 
     model = _tiny("llama")

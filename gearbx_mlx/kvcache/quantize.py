@@ -132,9 +132,12 @@ def bits_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     return bits + 2 * 8 * scale_bytes / group_size
 
 
-#: Query rows and cached tokens of the probe: a decode step (1) and a prefill
-#: chunk (3) over a short cache, the two products quantized attention runs.
-_PROBE_ROWS, _PROBE_TOKENS = (1, 3), 5
+#: The probe's shapes: query rows of a decode step (1) and of a prefill chunk
+#: (3) over a short cache, in mlx-lm's layout for grouped-query attention:
+#: queries (B, kv heads, heads per kv head, L, D) against keys (B, kv heads,
+#: 1, N, D). A batch of one head runs on backends where the batched product
+#: does not (MLX 0.32's CUDA backend), so the probe has several.
+_PROBE_ROWS, _PROBE_TOKENS, _PROBE_KV_HEADS, _PROBE_REPEATS = (1, 3), 5, 2, 2
 _probed: dict = {}
 
 
@@ -163,11 +166,11 @@ def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: 
 
 def _probe(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype) -> str:
     """'' when both products run, else MLX's error."""
-    kv = mx.random.normal((1, 1, _PROBE_TOKENS, head_dim), key=mx.random.key(0)).astype(dtype)
+    kv = mx.random.normal((1, _PROBE_KV_HEADS, _PROBE_TOKENS, head_dim), key=mx.random.key(0)).astype(dtype)
     try:
-        q_kv = mx.quantize(kv, group_size=group_size, bits=bits)
+        q_kv = [mx.expand_dims(a, -3) for a in mx.quantize(kv, group_size=group_size, bits=bits)]
         for rows in _PROBE_ROWS:
-            q = mx.ones((1, 1, rows, head_dim), dtype=dtype)
+            q = mx.ones((1, _PROBE_KV_HEADS, _PROBE_REPEATS, rows, head_dim), dtype=dtype)
             scores = mx.quantized_matmul(q, *q_kv, transpose=True, group_size=group_size, bits=bits)
             out = mx.quantized_matmul(scores, *q_kv, transpose=False, group_size=group_size, bits=bits)
             mx.eval(out)
