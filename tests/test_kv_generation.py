@@ -170,6 +170,7 @@ def test_speculative_keeps_both_caches_quantized_and_matches_the_high_gear():
 
 
 def test_calibration_file_carries_the_kv_statistics(tmp_path):
+    skip_without_quantized_attention()
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     kvcal = calibrate_text(model, list(range(2, 40)))
@@ -189,6 +190,7 @@ def test_calibration_file_carries_the_kv_statistics(tmp_path):
 
 
 def test_bad_input_one_error_before_generation():
+    skip_without_quantized_attention()
     model, other = _model(0), _model(5)
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     snap = _snapshot(model)
@@ -245,6 +247,7 @@ def test_a_backend_without_quantized_attention_is_one_error_before_generation(mo
 def test_the_key_offset_comes_from_the_weights_not_the_name():
     """Without a text calibration, a model whose k_proj biases put large offsets on
     its keys gets them removed (estimated from the biases); one without gets none."""
+    skip_without_quantized_attention()
     from test_kvcache import _tiny
 
     calm, qwenish = _tiny("qwen2"), _tiny("qwen2", bias_outlier=300.0)
@@ -272,6 +275,7 @@ def test_summary_line():
 
 
 def test_evaluation_rows_carry_the_cache_beside_the_weights():
+    skip_without_quantized_attention()
     from gearbx_mlx.evaluation.harness import evaluate
     from gearbx_mlx.evaluation.report import kv_note, table
     from gearbx_mlx.evaluation.specs import base_specs
