@@ -24,6 +24,8 @@ from __future__ import annotations
 from typing import Tuple
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import QuantizedKVCache
 
 #: Bit widths and group sizes MLX's affine quantization supports.
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
@@ -132,12 +134,12 @@ def bits_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     return bits + 2 * 8 * scale_bytes / group_size
 
 
-#: The probe's shapes: query rows of a decode step (1) and of a prefill chunk
-#: (3) over a short cache, in mlx-lm's layout for grouped-query attention:
-#: queries (B, kv heads, heads per kv head, L, D) against keys (B, kv heads,
-#: 1, N, D). A batch of one head runs on backends where the batched product
-#: does not (MLX 0.32's CUDA backend), so the probe has several.
-_PROBE_ROWS, _PROBE_TOKENS, _PROBE_KV_HEADS, _PROBE_REPEATS = (1, 3), 5, 2, 2
+#: The probe: a prefill chunk of 3 tokens, then one decode step, through
+#: mlx-lm's own QuantizedKVCache and attention, with grouped-query heads (2 kv
+#: heads, 2 queries each). Backends differ in which shapes they take: MLX
+#: 0.32's CUDA backend runs a one-head product on fresh arrays and refuses
+#: the same product over a cache's slices, so the probe is the real path.
+_PROBE_PREFILL, _PROBE_KV_HEADS, _PROBE_REPEATS = 3, 2, 2
 _probed: dict = {}
 
 
@@ -165,15 +167,15 @@ def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: 
 
 
 def _probe(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype) -> str:
-    """'' when both products run, else MLX's error."""
-    kv = mx.random.normal((1, _PROBE_KV_HEADS, _PROBE_TOKENS, head_dim), key=mx.random.key(0)).astype(dtype)
+    """'' when mlx-lm's quantized attention runs a prefill and a decode step, else MLX's error."""
+    heads = _PROBE_KV_HEADS * _PROBE_REPEATS
+    cache = QuantizedKVCache(group_size=group_size, bits=bits)
     try:
-        q_kv = [mx.expand_dims(a, -3) for a in mx.quantize(kv, group_size=group_size, bits=bits)]
-        for rows in _PROBE_ROWS:
-            q = mx.ones((1, _PROBE_KV_HEADS, _PROBE_REPEATS, rows, head_dim), dtype=dtype)
-            scores = mx.quantized_matmul(q, *q_kv, transpose=True, group_size=group_size, bits=bits)
-            out = mx.quantized_matmul(scores, *q_kv, transpose=False, group_size=group_size, bits=bits)
-            mx.eval(out)
+        for n, mask in ((_PROBE_PREFILL, "causal"), (1, None)):
+            k = mx.random.normal((1, _PROBE_KV_HEADS, n, head_dim), key=mx.random.key(n)).astype(dtype)
+            q = mx.random.normal((1, heads, n, head_dim), key=mx.random.key(n + 7)).astype(dtype)
+            keys, values = cache.update_and_fetch(k, k)
+            mx.eval(scaled_dot_product_attention(q, keys, values, cache, scale=head_dim**-0.5, mask=mask))
     except (RuntimeError, ValueError) as e:
         return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     return ""
