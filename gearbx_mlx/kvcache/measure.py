@@ -63,7 +63,7 @@ class CacheSpec:
 
 
 def spec(name: str) -> CacheSpec:
-    """Parse ``float``, ``affine-4-g64``, ``rot-3-g32``, ``kv-4-g64[+ls][+mix][+vo][+a0.25][+outliers][@weights]``."""
+    """Parse ``float``, ``affine-4-g64``, ``rot-3-g32``, ``kv-4-g64[+minmax][+mix][+vo][+a0.25][+outliers][@weights]``."""
     if name == "float":
         return CacheSpec(name, "float")
     head, _, source = name.partition("@")
@@ -81,8 +81,8 @@ def spec(name: str) -> CacheSpec:
         raise ValueError(f"unknown cache kind {kind!r} in {name!r} (float, affine, rot, kv)")
     cfg = KVConfig(bits=bits_i, group_size=group_i)
     for m in mods:
-        if m == "ls":
-            cfg = cfg.replace(quantizer="ls")
+        if m in ("ls", "minmax"):
+            cfg = cfg.replace(quantizer=m)
         elif m == "mix":
             cfg = cfg.replace(key_offset="mix")
         elif m == "nosink":
