@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from pathlib import Path
 from typing import Tuple
@@ -158,9 +157,7 @@ def test_planted_nibble_order_swaps_fields():
 
 def test_selftest_passes_here_and_writes_json(tmp_path, capsys):
     out = tmp_path / "selftest.json"
-    tic = time.perf_counter()
     rc = selftest.main(["--quiet", "--json", str(out)])
-    assert time.perf_counter() - tic < 60
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert rc == 0 and report["passed"] and "PASS" in text, text
