@@ -29,7 +29,14 @@ from gearbx_mlx.evaluation.harness import evaluate
 from gearbx_mlx.evaluation.specs import CHAR_GEAR, GEAR_CHAR, ModelLayout, PolicySpec, base_specs, matched_specs
 from gearbx_mlx.evaluation.teacher import COLD_START, teacher_forced
 from gearbx_mlx.evaluation.text import decode, read_text, text_tokens, tokenization_note
-from gearbx_mlx.evaluation.variants import NESTED_HIGH, NESTED_MID, ORIGINAL, VariantModel, variant_weight
+from gearbx_mlx.evaluation.variants import (
+    NESTED_HIGH,
+    NESTED_MID,
+    ORIGINAL,
+    VariantModel,
+    variant_weight,
+    variant_weights,
+)
 from gearbx_mlx.policies import ReplayPolicy
 
 VOCAB = 256
@@ -520,6 +527,12 @@ def test_nested_variants_multiply_by_what_the_nested_views_multiply_by(shape):
     assert mx.array_equal(variant_weight(lin.weight, 4, 64), w.planes[0].dequantize())
     with pytest.raises(ValueError, match="unknown variant key"):
         variant_weight(lin.weight, -7, 64)
+    # Several keys at once share one build of the planes, with the same weights.
+    together = variant_weights(lin.weight, (4, 8, NESTED_MID, NESTED_HIGH), 64)
+    for key in (4, 8, NESTED_MID, NESTED_HIGH):
+        assert mx.array_equal(together[key], variant_weight(lin.weight, key, 64)), key
+    with pytest.raises(ValueError, match="unknown variant key"):
+        variant_weights(lin.weight, (4, -7), 64)
 
 
 def test_nested_rows_cost_their_planes_and_route_their_own_gears(tiny_results):

@@ -49,6 +49,26 @@ def variant_weight(weight: mx.array, key: int, group_size: int) -> mx.array:
         return reconstruct(build_planes(weight, plan), n, dtype=weight.dtype)
     raise ValueError(f"unknown variant key {key}")
 
+
+def variant_weights(weight: mx.array, keys: Iterable[int], group_size: int) -> Dict[int, mx.array]:
+    """:func:`variant_weight` of several keys; the nested keys share one build of the planes.
+
+    Planes are built in order, each from the residual of those before, so the
+    mid gear's two planes are the first two of the high gear's three: one
+    build serves both (the second plane's clipping search is the costly part).
+    """
+    keys = sorted(set(keys))
+    out = {k: variant_weight(weight, k, group_size) for k in keys if k > 0}
+    nested = [k for k in keys if k in (NESTED_MID, NESTED_HIGH)]
+    if nested:
+        n = max(-k for k in nested)
+        planes = build_planes(weight, ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:n])
+        out.update({k: reconstruct(planes, -k, dtype=weight.dtype) for k in nested})
+    for k in keys:
+        if k not in out:
+            raise ValueError(f"unknown variant key {k}")
+    return out
+
 Groups = Tuple[List[Tuple[int, Optional[mx.array]]], Optional[mx.array]]
 
 
@@ -163,8 +183,7 @@ class VariantLinear(nn.Module):
 
     def add(self, bits: Iterable[int], group_size: int) -> None:
         """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
-        for b in sorted(set(bits) - set(self._variants)):
-            self._variants[b] = variant_weight(self._variants[ORIGINAL], b, group_size)
+        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size))
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())
@@ -193,8 +212,7 @@ class VariantEmbedding(nn.Module):
 
     def add(self, bits: Iterable[int], group_size: int) -> None:
         """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
-        for b in sorted(set(bits) - set(self._variants)):
-            self._variants[b] = variant_weight(self._variants[ORIGINAL], b, group_size)
+        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size))
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())
