@@ -34,9 +34,10 @@ a group's extreme weights and makes a much worse low gear.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -171,23 +172,40 @@ def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) 
         span = hi0 - lo0
         best = None
         for shrink in CLIP_SHRINKS:
-            for lo_w, hi_w in ((shrink, 0.0), (0.0, shrink)):
-                if shrink == 0.0 and hi_w == 0.0 and lo_w == 0.0 and best is not None:
-                    continue
-                lo = (lo0 + lo_w * span).astype(dtype).astype(mx.float32)
-                scale = mx.maximum((hi0 - hi_w * span - lo) / levels, 1e-30).astype(dtype).astype(mx.float32)
-                scale = mx.where(scale > 0, scale, 1.0)  # a constant group: any scale, code 0
-                q = mx.clip(mx.round((x - lo) / scale), 0, levels)
-                err = ((scale * q + lo - x) ** 2).sum(axis=-1, keepdims=True)
-                if best is None:
-                    best = (err, q, scale, lo)
-                else:
-                    keep = err < best[0]
-                    best = tuple(mx.where(keep, new, old) for new, old in zip((err, q, scale, lo), best))
+            for lo_w, hi_w in ((shrink, 0.0), (0.0, shrink)) if shrink else ((0.0, 0.0),):
+                cand = _clip_candidate(x, lo0, hi0, span, mx.array(lo_w), mx.array(hi_w), levels, dtype)
+                best = cand if best is None else _keep_better(cand, best)
             mx.eval(best)
         _, q, scale, lo = best
         outs.append((pack_codes(q.reshape(q.shape[0], cols), bits), scale[..., 0].astype(dtype), lo[..., 0].astype(dtype)))
     return tuple(mx.concatenate([o[i] for o in outs]) for i in range(3))
+
+
+def _clip_candidate(x: mx.array, lo0: mx.array, hi0: mx.array, span: mx.array, lo_w: mx.array, hi_w: mx.array,
+                    levels: int, dtype: mx.Dtype) -> Tuple[mx.array, ...]:
+    """``(error, codes, scale, bias)`` of each group with its range shrunk by ``lo_w``/``hi_w`` of its span."""
+    return _clip_candidate_compiled(levels, dtype)(x, lo0, hi0, span, lo_w, hi_w)
+
+
+@functools.lru_cache(maxsize=None)
+def _clip_candidate_compiled(levels: int, dtype: mx.Dtype) -> Any:
+    # One fused pass per candidate instead of a dozen element-wise ones
+    # (compiled per bit width and dtype; the shrinks are array inputs).
+    def cand(x, lo0, hi0, span, lo_w, hi_w):
+        lo = (lo0 + lo_w * span).astype(dtype).astype(mx.float32)
+        scale = mx.maximum((hi0 - hi_w * span - lo) / levels, 1e-30).astype(dtype).astype(mx.float32)
+        scale = mx.where(scale > 0, scale, 1.0)  # a constant group: any scale, code 0
+        q = mx.clip(mx.round((x - lo) / scale), 0, levels)
+        err = ((scale * q + lo - x) ** 2).sum(axis=-1, keepdims=True)
+        return err, q, scale, lo
+
+    return mx.compile(cand)
+
+
+@mx.compile
+def _keep_better(new: Tuple[mx.array, ...], old: Tuple[mx.array, ...]) -> Tuple[mx.array, ...]:
+    keep = new[0] < old[0]
+    return tuple(mx.where(keep, a, b) for a, b in zip(new, old))
 
 
 def residual_exponent(r: mx.array) -> int:
