@@ -92,7 +92,7 @@ def test_mid_drafter_and_max_tokens_inside_a_block(tiny):
 
 @pytest.mark.slow
 def test_greedy_identical_on_the_default_model(default_model):
-    """8 prompts x 24 tokens, 4-bit drafter (fixed and gated) and one 8-bit run."""
+    """6 prompts x 24 tokens, 4-bit drafter (fixed and gated) and one 8-bit run."""
     from gearbx_mlx.chat import encode_chat
 
     model, tok, gearbox = default_model
@@ -101,9 +101,7 @@ def test_greedy_identical_on_the_default_model(default_model):
         "Describe a walk along a river on an autumn morning.",
         "Prove that the square root of 2 is irrational, step by step.",
         "What is the capital of France? Answer in one word.",
-        "Write a haiku about snow.",
         "Explain what a hash table is to a child.",
-        "List five prime numbers.",
         "Translate 'good morning' into Spanish and German.",
     ]
     configs = [SpeculativeConfig(max_draft=4), SpeculativeConfig(max_draft=6, draft_entropy_stop=2.0)]
