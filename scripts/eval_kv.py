@@ -96,7 +96,22 @@ def machine() -> Dict[str, Any]:
         except Exception:  # noqa: BLE001
             pass
     info["ld_preload"] = os.environ.get("LD_PRELOAD", "")
+    info["commit"] = code_commit()
     return info
+
+
+def code_commit() -> Optional[str]:
+    """The repository's commit, with ``+changes`` when files differ from it (None outside a clone)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                                "gearbx_mlx", "scripts"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "")
 
 
 def load_model(args: argparse.Namespace, materialize: bool = True) -> Any:
@@ -340,6 +355,10 @@ def resumable(path: Path, label: str, args: argparse.Namespace) -> Dict[str, Any
         q = saved["quality"]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"error: --resume needs a quality result at {path}: {e}") from None
+    commit, theirs = code_commit(), saved.get("machine", {}).get("commit")
+    if commit is None or theirs != commit or commit.endswith("+changes"):
+        raise SystemExit(f"error: {path} was measured by code at {theirs or 'an unknown commit'}, this is "
+                         f"{commit or 'not a clone'}: rows of other code cannot be mixed, start a new --out")
     if saved.get("model") != label:
         raise SystemExit(f"error: {path} is of model {saved.get('model')!r}, not {label!r}")
     for k in RESUME_KEYS:
@@ -378,8 +397,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny windows, few steps")
     ap.add_argument("--out", default=None, help="JSON output (default under benchmarks/results/)")
     ap.add_argument("--resume", action="store_true",
-                    help="quality: keep the rows already in --out (same model and settings) and measure the "
-                         "other caches; the float cache is rerun as the KL reference and must match")
+                    help="quality: keep the rows already in --out (same code commit, model and settings) and "
+                         "measure the other caches; the float cache is rerun as the KL reference and must match")
     args = ap.parse_args(argv)
     if args.shape and args.model:
         ap.error("give --model or --shape, not both")
@@ -418,8 +437,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         earlier = saved.get("earlier_runs", []) + [
             {k: saved[k] for k in ("command", "date", "machine")} | {"caches": [r["cache"] for r in args.resume_rows]}]
 
+    host = machine()  # at the start: the code that runs is the code of this moment
+
     def write(result: Dict[str, Any]) -> None:
-        out = {"command": command, "date": started, "model": label, "machine": machine(), args.part: result}
+        out = {"command": command, "date": started, "model": label, "machine": host, args.part: result}
         if earlier:
             out["earlier_runs"] = earlier  # the rows kept by --resume were measured by these
         tmp = path.with_name(path.name + ".tmp")
