@@ -15,7 +15,9 @@ export MLX_CUDA_USE_CUDNN_SDPA=${CUDNN_SDPA:-0}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())' \
   | tee -a "$out/gpu.txt"
-python3 -m pytest tests/test_kvcache.py -q -rs -p no:cacheprovider -m "not slow" 2>&1 | tee "$out/kv_tests.txt" | tail -8
+python3 scripts/eval_kv.py probe float16 2>&1 | tee "$out/kv_probe.txt"
+python3 -m pytest tests/test_kvcache.py tests/test_kv_generation.py -q -rs -p no:cacheprovider -m "not slow" 2>&1 \
+  | tee "$out/kv_tests.txt" | tail -8
 caches=float,affine-4-g64,kv-4-g64,kv-4-g64+srft
 if [ "$quick" = "--quick" ]; then
   python3 scripts/eval_kv.py speed --shape llama3-8b --dtype float16 --quick --caches "$caches" \

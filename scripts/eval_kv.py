@@ -7,6 +7,7 @@ Usage:
   python scripts/eval_kv.py speed [--model NAME|PATH | --shape llama3-8b] [--contexts 1024,4096]
         [--steps 32] [--caches float,kv-4-g64] [--dtype float16]
   python scripts/eval_kv.py table FILE.json ...   (Markdown tables of saved results)
+  python scripts/eval_kv.py probe [float16]       (does this MLX run quantized attention, per shape)
   add --quick to any part for a smoke run (short windows, few steps).
 
 quality: each of ``--windows`` windows of ``--window`` tokens of gensim's
@@ -367,12 +368,33 @@ def resumable(path: Path, label: str, args: argparse.Namespace) -> Dict[str, Any
     return saved
 
 
+def probe(dtype: str) -> int:
+    """Print whether this MLX build runs quantized attention, per bits, group and head size."""
+    import mlx.core as mx
+
+    from gearbx_mlx.kvcache.quantize import check_quantized_attention
+
+    info = mx.device_info().get("device_name", "") if mx.default_device() == mx.gpu else ""
+    print(f"MLX {mx.__version__} {mx.default_device()} {info}".rstrip())
+    for bits, group in ((4, 64), (4, 32), (8, 64), (3, 64)):
+        for head in (64, 128):
+            try:
+                check_quantized_attention(bits, group, head, getattr(mx, dtype))
+                verdict = "runs"
+            except ValueError as e:
+                verdict = "refused: " + str(e).split(" (", 1)[1].rsplit(");", 1)[0]
+            print(f"{dtype} bits {bits} group {group:3d} head {head:3d}: {verdict}", flush=True)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "table":  # python scripts/eval_kv.py table FILE.json ...
         print(markdown(argv[1:]))
         return 0
+    if argv and argv[0] == "probe":  # python scripts/eval_kv.py probe [DTYPE]
+        return probe(argv[1] if len(argv) > 1 else "float16")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=("quality", "bytes", "speed"))
     ap.add_argument("--model", default=None, help="default model, a PyPI model name, or an mlx-lm folder")
