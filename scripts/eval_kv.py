@@ -97,6 +97,8 @@ def machine() -> Dict[str, Any]:
         except Exception:  # noqa: BLE001
             pass
     info["ld_preload"] = os.environ.get("LD_PRELOAD", "")
+    info["openblas_num_threads"] = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    info["load_average_at_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     info["commit"] = code_commit()
     return info
 
