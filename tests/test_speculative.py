@@ -92,7 +92,7 @@ def test_mid_drafter_and_max_tokens_inside_a_block(tiny):
 
 @pytest.mark.slow
 def test_greedy_identical_on_the_default_model(default_model):
-    """6 prompts x 24 tokens, 4-bit drafter (fixed and gated) and one 8-bit run."""
+    """6 prompts x 16 tokens, 4-bit drafter (fixed and gated) and one 8-bit run."""
     from gearbx_mlx.chat import encode_chat
 
     model, tok, gearbox = default_model
@@ -108,18 +108,18 @@ def test_greedy_identical_on_the_default_model(default_model):
     accepted = drafted = 0
     for i, text in enumerate(prompts):
         ids = encode_chat(tok, text)
-        want = greedy_reference(model, ids, 24)
+        want = greedy_reference(model, ids, 16)
         config = configs[i % 2]
         got = []
-        for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=24):
+        for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=16):
             got.append(r.token)
             accepted, drafted = accepted + r.accepted, drafted + (r.drafted if r.index == 0 else 0)
         assert got == want[: len(got)], text
-        assert len(got) == 24 or got[-1] in tok.eos_token_ids
+        assert len(got) == 16 or got[-1] in tok.eos_token_ids
     mid_cfg = SpeculativeConfig("mid", max_draft=4)
     ids = encode_chat(tok, prompts[1])
-    got = [r.token for r in stream_speculative_generate(model, tok, ids, gearbox, config=mid_cfg, max_tokens=24)]
-    assert got == greedy_reference(model, ids, 24)[: len(got)]
+    got = [r.token for r in stream_speculative_generate(model, tok, ids, gearbox, config=mid_cfg, max_tokens=16)]
+    assert got == greedy_reference(model, ids, 16)[: len(got)]
     assert accepted > 0
 
 
