@@ -187,6 +187,7 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
             continue
         tic = time.perf_counter()
         with prepared(model, s, cals) as make_cache:
+            bpe = stored_bits_per_element(model, make_cache(), s.bits_per_element)
             if args.attention == "dequantized":
                 make_cache = dequantized(make_cache)
             lps = [chunked_logprobs(model, w, make_cache, args.chunk) for w in windows]
@@ -197,7 +198,7 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
             if s.name in kept and not math.isclose(kept[s.name]["perplexity"], base, rel_tol=RESUME_RTOL):
                 raise SystemExit(f"error: the float cache now gives perplexity {base:.6f}, the run resumed "
                                  f"{kept[s.name]['perplexity']:.6f}: not the same setup, start a new --out")
-        row = {"cache": s.name, "kind": s.kind, "bits_per_element": s.bits_per_element,
+        row = {"cache": s.name, "kind": s.kind, "bits_per_element": bpe,
                "perplexity": q.perplexity, "kl": q.kl if ref is not lps else 0.0,
                "per_window": q.per_window, "seconds": time.perf_counter() - tic}
         if s.config is not None:
@@ -219,6 +220,21 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
             "calibration_text": f"first {len(cal_ids)} tokens of gensim lee.cor",
             "calibration_seconds": cal_s, "outlier_scores": [round(x, 2) for x in outlier_scores(model)],
             "rows": rows}
+
+
+def stored_bits_per_element(model: Any, caches: List[Any], default: float) -> float:
+    """Bits per cached element over all layers, each layer at its own bits (a recipe
+    may give some layers more), weighted by the layer's kv heads x head size;
+    ``default`` for caches that keep floats."""
+    from gearbx_mlx.kvcache.quantize import bits_per_element
+
+    bits = [getattr(c, "bits", None) for c in caches]
+    if not caches or any(b is None for b in bits):
+        return default
+    geo = geometry(model)
+    sizes = [h * d for h, d in zip(geo["n_kv_heads"], geo["head_dim"])]
+    per = [bits_per_element(b, c.group_size) for b, c in zip(bits, caches)]
+    return sum(p * n for p, n in zip(per, sizes)) / sum(sizes)
 
 
 def attention_check(args: argparse.Namespace, model: Any, ids: List[int], specs: List[Any],
