@@ -41,13 +41,7 @@ NESTED_HIGH = -3
 
 def variant_weight(weight: mx.array, key: int, group_size: int) -> mx.array:
     """The float weight ``(out, in)`` that variant ``key`` multiplies by."""
-    if key > 0:
-        return fake_quantize(weight, key, group_size)
-    if key in (NESTED_MID, NESTED_HIGH):
-        n = -key
-        plan = ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:n]
-        return reconstruct(build_planes(weight, plan), n, dtype=weight.dtype)
-    raise ValueError(f"unknown variant key {key}")
+    return variant_weights(weight, (key,), group_size)[key]
 
 
 def variant_weights(weight: mx.array, keys: Iterable[int], group_size: int) -> Dict[int, mx.array]:
@@ -58,7 +52,7 @@ def variant_weights(weight: mx.array, keys: Iterable[int], group_size: int) -> D
     build serves both (the second plane's clipping search is the costly part).
     """
     keys = sorted(set(keys))
-    out = {k: variant_weight(weight, k, group_size) for k in keys if k > 0}
+    out = {k: fake_quantize(weight, k, group_size) for k in keys if k > 0}
     nested = [k for k in keys if k in (NESTED_MID, NESTED_HIGH)]
     if nested:
         n = max(-k for k in nested)

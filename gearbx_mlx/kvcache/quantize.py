@@ -151,9 +151,9 @@ def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: 
     quantized values (``transpose=False``). Some backends lack these products
     for some shapes (MLX 0.32's CUDA backend raises "No implementation for
     problem shape" at the first attention call), which would stop a stream in
-    the middle; this runs both products once on tiny arrays of the real head
-    dimension, bits, group and dtype, on the default device, and remembers
-    the verdict for the process.
+    the middle; this runs mlx-lm's own cache and attention once (a short
+    prefill, then a decode step) at the real head dimension, bits, group and
+    dtype, on the default device, and remembers the verdict for the process.
     """
     key = (str(mx.default_device()), bits, group_size, head_dim, str(dtype))
     if key not in _probed:

@@ -173,7 +173,7 @@ def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) 
         best = None
         for shrink in CLIP_SHRINKS:
             for lo_w, hi_w in ((shrink, 0.0), (0.0, shrink)) if shrink else ((0.0, 0.0),):
-                cand = _clip_candidate(x, lo0, hi0, span, mx.array(lo_w), mx.array(hi_w), levels, dtype)
+                cand = _clip_candidate(levels, dtype)(x, lo0, hi0, span, mx.array(lo_w), mx.array(hi_w))
                 best = cand if best is None else _keep_better(cand, best)
             mx.eval(best)
         _, q, scale, lo = best
@@ -181,14 +181,10 @@ def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) 
     return tuple(mx.concatenate([o[i] for o in outs]) for i in range(3))
 
 
-def _clip_candidate(x: mx.array, lo0: mx.array, hi0: mx.array, span: mx.array, lo_w: mx.array, hi_w: mx.array,
-                    levels: int, dtype: mx.Dtype) -> Tuple[mx.array, ...]:
-    """``(error, codes, scale, bias)`` of each group with its range shrunk by ``lo_w``/``hi_w`` of its span."""
-    return _clip_candidate_compiled(levels, dtype)(x, lo0, hi0, span, lo_w, hi_w)
-
-
 @functools.lru_cache(maxsize=None)
-def _clip_candidate_compiled(levels: int, dtype: mx.Dtype) -> Any:
+def _clip_candidate(levels: int, dtype: mx.Dtype) -> Any:
+    """``(x, lo0, hi0, span, lo_w, hi_w) -> (error, codes, scale, bias)`` of each group with its
+    range shrunk by ``lo_w``/``hi_w`` of its span."""
     # One fused pass per candidate instead of a dozen element-wise ones
     # (compiled per bit width and dtype; the shrinks are array inputs).
     def cand(x, lo0, hi0, span, lo_w, hi_w):
