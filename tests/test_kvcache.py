@@ -30,7 +30,7 @@ from gearbx_mlx.kvcache import (
 )
 from gearbx_mlx.kvcache.arch import describe
 from gearbx_mlx.kvcache.measure import chunked_logprobs, spec
-from gearbx_mlx.kvcache.quantize import pack, quantize_ls
+from gearbx_mlx.kvcache.quantize import COMPILED_MAX_TOKENS, pack, quantize, quantize_ls, quantize_step
 from gearbx_mlx.kvcache.rotation import hadamard_reference, srft_reference
 
 #: MLX runs float32 matrix products in TF32 on a GPU unless MLX_ENABLE_TF32=0
@@ -164,6 +164,27 @@ def test_pack_matches_mlx_and_ls_beats_minmax(bits, group, rows, seed):
     err_mm = ((mx.dequantize(w, s, b, group, bits) - x) ** 2).reshape(rows, -1, group).sum(-1)
     err_ls = ((mx.dequantize(w2, s2, b2, group, bits) - x) ** 2).reshape(rows, -1, group).sum(-1)
     assert (err_ls <= err_mm * (1 + 1e-5) + 1e-9).all().item()
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([3, 4, 8]), group=st.sampled_from([32, 64]), heads=st.integers(1, 4),
+       tokens=st.sampled_from([1, 2, 7, COMPILED_MAX_TOKENS, COMPILED_MAX_TOKENS + 3]),
+       dtype=st.sampled_from([mx.float32, mx.float16, mx.bfloat16]), method=st.sampled_from(["ls", "minmax"]),
+       offset=st.booleans(), seed=st.integers(0, 2**16))
+def test_write_step_is_bit_identical_to_quantizing_each_half(bits, group, heads, tokens, dtype, method, offset, seed):
+    # The compiled write of keys and values together (decode and verify sizes) and the
+    # op-by-op one (longer chunks) store exactly what quantize() of each half stores.
+    mx.random.seed(seed)
+    k = (mx.random.normal((1, heads, tokens, 64)) * 4 + 1).astype(dtype)
+    v = mx.random.normal((1, heads, tokens, 64)).astype(dtype)
+    mu = mx.random.normal((heads, 64)) if offset else None
+    got = quantize_step(k, v, mu, group, bits, method)
+    want = (quantize(k if mu is None else k - mu.astype(dtype)[None, :, None, :], group, bits, method),
+            quantize(v, group, bits, method))
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert mx.array_equal(a, b).item()
 
 
 # -- the transform on tiny models -------------------------------------------------------

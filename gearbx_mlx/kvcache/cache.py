@@ -31,14 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.models import cache as mlc
 
-from .quantize import QUANTIZERS, check_bits_group, quantize
-
-
-def _offset_keys(keys: mx.array, offset: Optional[mx.array]) -> mx.array:
-    """``keys (B, n_kv, L, d) - offset (n_kv, d)`` in the keys' dtype."""
-    if offset is None:
-        return keys
-    return keys - offset.astype(keys.dtype)[None, :, None, :]
+from .quantize import QUANTIZERS, check_bits_group, offset_keys, quantize, quantize_step
 
 
 class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
@@ -71,21 +64,17 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
         self.tag = tag
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[Any, Any]:
-        keys = _offset_keys(keys, self.key_offset)
-        if self.quantizer == "minmax":
-            return super().update_and_fetch(keys, values)
-        # mlx-lm's growth and write logic, with our quantizer in place of
-        # mx.quantize (same format, so the same attention reads it).
+        # mlx-lm's growth and write logic, with this package's write step in
+        # place of mx.quantize (same format, so the same attention reads it).
         B, n_kv_heads, num_steps, k_head_dim = keys.shape
         v_head_dim = values.shape[-1]
         prev = self.offset
         if self.keys is None or (prev + num_steps) > self.keys[0].shape[-2]:
-            el_per_int = 8 * mx.uint32.size // self.bits
             new_steps = (self.step + num_steps - 1) // self.step * self.step
             shape = (B, n_kv_heads, new_steps)
 
             def init_quant(dim: int) -> Tuple[mx.array, mx.array, mx.array]:
-                return (
+                return (  # bits*dim/32 words: 3/5/6-bit codes straddle words
                     mx.zeros((*shape, dim * self.bits // 32), dtype=mx.uint32),
                     mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
                     mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
@@ -95,7 +84,6 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
                 new_x = mx.zeros((*shape, x.shape[-1]), dtype=x.dtype)
                 return mx.concatenate([x, new_x], axis=-2)
 
-            del el_per_int  # mlx-lm's name; 3/5/6-bit rows are bits*dim/32 words
             if self.keys is not None:
                 if prev % self.step != 0:
                     self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
@@ -103,8 +91,7 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
             else:
                 self.keys, self.values = init_quant(k_head_dim), init_quant(v_head_dim)
         self.offset += num_steps
-        qk = quantize(keys, self.group_size, self.bits, self.quantizer)
-        qv = quantize(values, self.group_size, self.bits, self.quantizer)
+        qk, qv = quantize_step(keys, values, self.key_offset, self.group_size, self.bits, self.quantizer)
         for i in range(len(self.keys)):
             self.keys[i][..., prev : self.offset, :] = qk[i]
             self.values[i][..., prev : self.offset, :] = qv[i]
@@ -151,7 +138,7 @@ class RotatedKVCache(mlc.KVCache):
         self.tag = tag
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        return super().update_and_fetch(_offset_keys(keys, self.key_offset), values)
+        return super().update_and_fetch(offset_keys(keys, self.key_offset), values)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> RotatedQuantizedKVCache:
         g, b, method = self.target

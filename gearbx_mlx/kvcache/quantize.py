@@ -21,7 +21,8 @@ Two ways to fill it:
 
 from __future__ import annotations
 
-from typing import Tuple
+import functools
+from typing import Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -127,6 +128,60 @@ def quantize(
     if method == "ls":
         return quantize_ls(x, group_size, bits)
     raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {method!r}")
+
+
+#: Writes of at most this many tokens take the compiled least-squares step
+#: (:func:`quantize_step`): decode steps and speculative verifies, a bounded
+#: set of shapes, each traced once. Longer prefill chunks run the same ops
+#: uncompiled rather than trace every prompt length.
+COMPILED_MAX_TOKENS = 16
+
+Quantized = Tuple[mx.array, mx.array, mx.array]
+
+
+def offset_keys(keys: mx.array, offset: Optional[mx.array]) -> mx.array:
+    """``keys (B, n_kv, L, d) - offset (n_kv, d)`` in the keys' dtype (``keys`` if no offset)."""
+    if offset is None:
+        return keys
+    return keys - offset.astype(keys.dtype)[None, :, None, :]
+
+
+def _step(keys: mx.array, values: mx.array, offset: Optional[mx.array], group_size: int, bits: int,
+          method: str) -> Tuple[Quantized, Quantized]:
+    keys = offset_keys(keys, offset)
+    if method == "ls" and keys.shape == values.shape and keys.dtype == values.dtype:
+        # One quantizer call for both halves: at decode every op is tiny, so the
+        # cost is per op, not per element.
+        h = keys.shape[1]
+        w, s, b = quantize_ls(mx.concatenate([keys, values], axis=1), group_size, bits)
+        return (w[:, :h], s[:, :h], b[:, :h]), (w[:, h:], s[:, h:], b[:, h:])
+    return quantize(keys, group_size, bits, method), quantize(values, group_size, bits, method)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step(group_size: int, bits: int, method: str, has_offset: bool):
+    if has_offset:
+        return mx.compile(lambda k, v, o: _step(k, v, o, group_size, bits, method))
+    return mx.compile(lambda k, v: _step(k, v, None, group_size, bits, method))
+
+
+def quantize_step(keys: mx.array, values: mx.array, key_offset: Optional[mx.array], group_size: int,
+                  bits: int, method: str = "minmax") -> Tuple[Quantized, Quantized]:
+    """What one cache write stores: ``quantize(keys - key_offset)`` and ``quantize(values)``.
+
+    Args:
+        keys: ``(B, n_kv_heads, L, d_k)``; values: ``(B, n_kv_heads, L, d_v)``.
+        key_offset: ``(n_kv_heads, d_k)`` or None.
+    Returns:
+        ``((packed, scales, biases) of the keys, the same of the values)``,
+        bit-identical to :func:`quantize` of each. Least-squares writes of up
+        to :data:`COMPILED_MAX_TOKENS` tokens run as one compiled function
+        for both halves (``scripts/eval_kv.py speed`` times the decode step).
+    """
+    if method == "ls" and keys.shape[-2] <= COMPILED_MAX_TOKENS:
+        f = _compiled_step(group_size, bits, method, key_offset is not None)
+        return f(keys, values, key_offset) if key_offset is not None else f(keys, values)
+    return _step(keys, values, key_offset, group_size, bits, method)
 
 
 def bits_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
