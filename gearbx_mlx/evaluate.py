@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bits", type=int, default=None,
                    help="quantize the KV cache of every pass and speed run to this many bits, from the first "
                         "token (default: mlx-lm's float cache); its bytes are a column beside the weights'")
-    p.add_argument("--kv-group-size", type=int, default=64, help="group size of the quantized KV cache")
+    p.add_argument("--kv-group-size", type=int, default=None,
+                   help="group size for KV cache quantization (default 64; the rotated cache takes 32 on "
+                   "models whose k_proj biases put outlying offsets on the keys)")
     p.add_argument("--kv-rotation", choices=ROTATION_CHOICES, default="auto",
                    help="with --kv-bits: the rotated cache (auto, srht, srft) or mlx-lm's own ('none')")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),

@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-chat-template", action="store_true")
     g.add_argument("--kv-bits", type=int, default=None,
                    help="quantize the KV cache to this many bits (rotated per --kv-rotation)")
-    g.add_argument("--kv-group-size", type=int, default=64, help="group size for KV cache quantization")
+    g.add_argument("--kv-group-size", type=int, default=None,
+                   help="group size for KV cache quantization (default 64; the rotated cache takes 32 on "
+                   "models whose k_proj biases put outlying offsets on the keys)")
     g.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
                    help="when --kv-bits is set, start quantizing the KV cache from this step onwards")
     g.add_argument("--max-kv-size", type=int, default=None)

@@ -381,14 +381,14 @@ def _use_kv(model: nn.Module, kv: Optional[KVSession], options: KVOptions, kwarg
     """Put the KV option into mlx-lm's keyword arguments; the cache's summary."""
     if kv is None:  # mlx-lm's own float or quantized cache
         if options.active:
-            kwargs.update(kv_bits=options.bits, kv_group_size=options.group_size,
+            kwargs.update(kv_bits=options.bits, kv_group_size=options.plain_group_size,
                           quantized_kv_start=options.quantized_kv_start)
         return plain_summary(model, options)
     kwargs["prompt_cache"] = kv.prompt_cache(kwargs.get("prompt_cache"))
     if options.quantized_kv_start > 0:
         # The caches start in float; mlx-lm converts them at the start
         # (each to its own layer's bits: the arguments it passes are ignored).
-        kwargs.update(kv_bits=options.bits, kv_group_size=options.group_size,
+        kwargs.update(kv_bits=options.bits, kv_group_size=kv.config.group_size,
                       quantized_kv_start=options.quantized_kv_start)
     return kv.summary()
 

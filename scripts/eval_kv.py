@@ -171,7 +171,7 @@ def part_quality(args: argparse.Namespace, model: Any, tok: Any,
     if len(ids) < need:
         raise SystemExit(f"error: the corpus has {len(ids)} tokens, {need} needed")
     windows = [ids[i * args.window : (i + 1) * args.window + 1] for i in range(args.windows)]
-    specs = [spec(n) for n in args.caches.split(",")]
+    specs = [spec(n, model) for n in args.caches.split(",")]
     cal_ids = corpus_ids(tok, "lee")[: args.calib_tokens]
     tic = time.perf_counter()
     cals = {"text": calibrate_text(model, cal_ids, max_tokens=args.calib_tokens),
@@ -270,7 +270,7 @@ def part_bytes(args: argparse.Namespace, model: Any) -> Dict[str, Any]:
     geo = geometry(model)
     rows = []
     for name in args.caches.split(","):
-        s = spec(name)
+        s = spec(name, model)
         row: Dict[str, Any] = {"cache": name, "bits_per_element": s.bits_per_element}
         if s.kind == "kv":
             # Statistics change no byte (the key offset is one vector a layer,
@@ -305,7 +305,7 @@ def part_speed(args: argparse.Namespace, model: Any) -> Dict[str, Any]:
         for _ in range(args.repeats):  # rounds over the caches, so drift hits every cache alike
             for name in names:
                 try:
-                    with prepared(model, spec(name), cals) as make_cache:
+                    with prepared(model, spec(name, model), cals) as make_cache:
                         r = decode_speed(model, make_cache, ctx, args.steps)
                 except Exception as e:  # noqa: BLE001 - one cache failing on a backend must not lose the rest
                     r = {"context": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -457,7 +457,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     for name in args.caches.split(","):
         try:
-            spec(name)
+            spec(name, check_only=True)
         except ValueError as e:
             ap.error(str(e))
 

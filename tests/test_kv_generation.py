@@ -254,12 +254,18 @@ def test_the_key_offset_comes_from_the_weights_not_the_name():
     for m in (calm, qwenish):
         assert recipe(m, KVOptions(bits=4)).key_offset == "mean"
     sizes = []
-    for m in (calm, qwenish):
+    # Without --kv-group-size the model with outlying biases gets groups of 32 (5.0 bits
+    # an element with float16 scales and biases), the other mlx-lm's 64 (4.5 bits).
+    for m, group, bits in ((calm, 64, 4.5), (qwenish, 32, 5.0)):
         with open_kv(m, KVOptions(bits=4, quantized_kv_start=0)) as kv:
-            assert kv.summary()["statistics"] == "weights" and kv.summary()["bits_per_element"] == 4.5
+            s = kv.summary()
+            assert (s["statistics"], s["group_size"], s["bits_per_element"]) == ("weights", group, bits)
+            assert {c.group_size for c in kv.handle.make_cache()} == {group}
             sizes.append(max(float(mx.abs(t.key_offset).max()) for t in kv.handle.transforms))
     assert sizes[0] < 1.0 and sizes[1] > 10.0  # a bias of 300 on one RoPE pair, averaged over positions
-    assert recipe(qwenish, KVOptions(bits=4, rotation="none")).rotation == "none"
+    assert recipe(qwenish, KVOptions(bits=4, group_size=64)).group_size == 64  # asked for: kept
+    plain = recipe(qwenish, KVOptions(bits=4, rotation="none"))
+    assert (plain.rotation, plain.group_size) == ("none", 64)  # mlx-lm's own cache keeps mlx-lm's default
 
 
 def test_summary_line():

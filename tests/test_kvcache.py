@@ -398,8 +398,14 @@ def test_spec_names():
     assert spec("affine-3-g32").config.bits == 3
     s = spec("kv-4-g64+ls+a0.25@weights")
     assert s.config.quantizer == "ls" and s.config.lam_alpha == 0.25 and s.calibration == "weights"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="give the model"):
         spec("kv-4")
+    with pytest.raises(ValueError, match="cannot read"):
+        spec("kv-4-g64-x")
+    # No group: the one generation picks for the model (32 where k_proj biases are outlying).
+    assert spec("kv-4@weights", _tiny("llama")).config.group_size == 64
+    assert spec("kv-4+minmax", _tiny("qwen2", bias_outlier=300.0)).config.group_size == 32
+    assert spec("kv-3", check_only=True).config.bits == 3
     assert describe(_tiny("llama"))[0].repeats == 2
 
 

@@ -8,7 +8,8 @@ evaluations (their KV column). A cache is named by a :class:`CacheSpec`:
 * ``rot-<bits>-g<group>``: rotation alone (no λ, no offset);
 * ``kv-<bits>-g<group>``: the package's default recipe (rotation, key offset,
   λ), with a calibration; ``+ls``, ``@weights`` and other suffixes vary it
-  (:func:`spec`).
+  (:func:`spec`); ``kv-<bits>`` takes the group generation picks for the
+  model when none is given.
 
 Quality is scored like the issue's probe, on longer windows: each window is
 fed through a fresh cache in chunks (128 tokens by default), so every chunk
@@ -32,6 +33,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from .api import apply_kv
 from .calibrate import KVCalibration
 from .config import KVConfig, plain, rotated_only
+from .outliers import default_group_size
 from .quantize import bits_per_element
 
 MakeCache = Callable[[], List[Any]]
@@ -62,17 +64,27 @@ class CacheSpec:
         return bits_per_element(self.config.bits, self.config.group_size)
 
 
-def spec(name: str) -> CacheSpec:
-    """Parse ``float``, ``affine-4-g64``, ``rot-3-g32``, ``kv-4-g64[+minmax][+mix][+vo][+a0.25][+outliers][@weights]``."""
+def spec(name: str, model: Optional[nn.Module] = None, check_only: bool = False) -> CacheSpec:
+    """Parse ``float``, ``affine-4-g64``, ``rot-3-g32``, ``kv-4-g64[+minmax][+mix][+vo][+a0.25][+outliers][@weights]``.
+
+    ``kv-4`` (no group) takes :func:`~gearbx_mlx.kvcache.outliers.default_group_size`
+    of ``model``, as generation does without ``--kv-group-size`` (with
+    ``check_only``, the name is only checked and ``model`` not needed).
+    """
     if name == "float":
         return CacheSpec(name, "float")
     head, _, source = name.partition("@")
     base, *mods = head.split("+")
+    parts = base.split("-")
+    if len(parts) == 2 and parts[0] == "kv":
+        if model is None and not check_only:
+            raise ValueError(f"{name!r} takes the model's default group size: give the model")
+        parts.append(f"g{64 if model is None else default_group_size(model)}")
     try:
-        kind, bits, group = base.split("-")
+        kind, bits, group = parts
         bits_i, group_i = int(bits), int(group.lstrip("g"))
     except ValueError:
-        raise ValueError(f"cannot read cache name {name!r}: expected e.g. affine-4-g64 or kv-4-g64") from None
+        raise ValueError(f"cannot read cache name {name!r}: expected e.g. affine-4-g64, kv-4-g64 or kv-4") from None
     if kind == "affine":
         return CacheSpec(name, "affine", plain(bits_i, group_i))
     if kind == "rot":

@@ -32,6 +32,7 @@ from .api import KVHandle, apply_kv
 from .arch import attention_modules, describe
 from .calibrate import KVCalibration, calibrate_weights
 from .config import KVConfig, plain
+from .outliers import DEFAULT_GROUP_SIZE, default_group_size
 from .quantize import SUPPORTED_BITS, SUPPORTED_GROUPS, bits_per_element, check_quantized_attention
 
 #: ``kv_rotation`` values: ``none`` is mlx-lm's plain cache.
@@ -48,14 +49,17 @@ class KVOptions:
 
     Attributes:
         bits: bits per cached element; None keeps mlx-lm's float cache.
-        group_size: elements per quantization group (32, 64 or 128).
+        group_size: elements per quantization group (32, 64 or 128); None:
+            64 for mlx-lm's cache, and for the rotated cache the model's
+            default (:func:`~gearbx_mlx.kvcache.outliers.default_group_size`:
+            32 where ``k_proj`` biases put outlying offsets on the keys).
         quantized_kv_start: the float cache is quantized once it holds this
             many tokens (0: from the first token).
         rotation: one of :data:`ROTATION_CHOICES`.
     """
 
     bits: Optional[int] = None
-    group_size: int = 64
+    group_size: Optional[int] = None
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
     rotation: str = "auto"
 
@@ -68,7 +72,8 @@ class KVOptions:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in allowed):
             raise ValueError(f"kv_bits must be one of {', '.join(map(str, allowed))} with kv_rotation "
                              f"{self.rotation!r}, got {self.bits!r}")
-        if isinstance(self.group_size, bool) or self.group_size not in SUPPORTED_GROUPS:
+        if self.group_size is not None and (isinstance(self.group_size, bool)
+                                            or self.group_size not in SUPPORTED_GROUPS):
             raise ValueError(f"kv_group_size must be one of {', '.join(map(str, SUPPORTED_GROUPS))}, "
                              f"got {self.group_size!r}")
         q = self.quantized_kv_start
@@ -84,6 +89,11 @@ class KVOptions:
     def rotated(self) -> bool:
         return self.active and self.rotation != "none"
 
+    @property
+    def plain_group_size(self) -> int:
+        """The group of mlx-lm's own cache (its default where none is given)."""
+        return DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size
+
 
 def recipe(model: nn.Module, options: KVOptions) -> KVConfig:
     """The :class:`KVConfig` the package uses for ``model``.
@@ -93,16 +103,21 @@ def recipe(model: nn.Module, options: KVOptions) -> KVConfig:
     their statistics, never their name: where ``k_proj`` has biases (Qwen2.5),
     the key offset removes the large per-channel offsets they put on the keys
     (estimated from the biases through RoPE when no text calibration is
-    given), which is what keeps 4-bit keys usable there. Giving the layers
-    with outlying biases more bits (``KVConfig(outliers="auto")``) was not
-    needed on Qwen2.5-Coder-0.5B and would cost 5.3 bits per element on
-    average (docs/BENCHMARKS.md, "KV cache").
+    given), which is what keeps 4-bit keys usable there. Unless a group size
+    is asked for, such models (detected from the biases,
+    :func:`~gearbx_mlx.kvcache.outliers.default_group_size`) get groups of
+    32: statistics estimated from the weights leave more of the offset
+    behind than a text calibration does. Giving their outlier layers 8 bits
+    instead (``KVConfig(outliers="auto")``) costs 5.5 bits per element on
+    Qwen2.5-Coder-0.5B, over the 5.0 of groups of 32 (docs/BENCHMARKS.md,
+    "KV cache").
     """
     if not options.active:
         raise ValueError("no KV bits given: the float cache needs no recipe")
     if options.rotation == "none":
-        return plain(options.bits, options.group_size, options.quantized_kv_start)
-    return KVConfig(bits=options.bits, group_size=options.group_size, rotation=options.rotation,
+        return plain(options.bits, options.plain_group_size, options.quantized_kv_start)
+    group = default_group_size(model) if options.group_size is None else options.group_size
+    return KVConfig(bits=options.bits, group_size=group, rotation=options.rotation,
                     quantized_kv_start=options.quantized_kv_start)
 
 
@@ -252,9 +267,9 @@ def plain_summary(model: nn.Module, options: KVOptions) -> Dict[str, Any]:
     if not options.active:
         return {"kind": "float", "bytes_per_token": f16, "float16_bytes_per_token": f16,
                 "ratio_to_float16": 1.0 if f16 else None}
-    bpe = bits_per_element(options.bits, options.group_size)
+    bpe = bits_per_element(options.bits, options.plain_group_size)
     bpt = None if f16 is None else f16 * bpe / 16
-    return {"kind": "affine", "bits": options.bits, "group_size": options.group_size,
+    return {"kind": "affine", "bits": options.bits, "group_size": options.plain_group_size,
             "quantized_kv_start": options.quantized_kv_start, "rotation": ["none"], "lambda": False,
             "key_offset": False, "sink": False, "statistics": None, "bits_per_element": bpe,
             "bytes_per_token": bpt, "float16_bytes_per_token": f16,
@@ -317,7 +332,7 @@ def options_from(kwargs: Dict[str, Any], keys: Sequence[str] = ("kv_bits", "kv_g
     got = {k: kwargs.pop(k) for k in keys if k in kwargs}
     return KVOptions(
         bits=got.get("kv_bits"),
-        group_size=64 if got.get("kv_group_size") is None else got["kv_group_size"],
+        group_size=got.get("kv_group_size"),
         quantized_kv_start=(DEFAULT_QUANTIZED_KV_START if got.get("quantized_kv_start") is None
                             else got["quantized_kv_start"]),
         rotation=got.get("kv_rotation") or "auto",

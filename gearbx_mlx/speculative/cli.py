@@ -244,7 +244,7 @@ def run_speculative(
             model, tokenizer, templated, gearbox, config=config, draft=draft, plan=plan,
             max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
             top_k=args.top_k, seed=args.seed, kv_bits=getattr(args, "kv_bits", None),
-            kv_group_size=getattr(args, "kv_group_size", 64),
+            kv_group_size=getattr(args, "kv_group_size", None),
             quantized_kv_start=getattr(args, "quantized_kv_start", None),
             kv_rotation=getattr(args, "kv_rotation", None),
         )
