@@ -387,20 +387,19 @@ def resumable(path: Path, label: str, args: argparse.Namespace) -> Dict[str, Any
 
 
 def probe(dtype: str) -> int:
-    """Print whether this MLX build runs quantized attention, per bits, group and head size."""
+    """Print how this MLX build reads a quantized cache, per bits, group and head size."""
     import mlx.core as mx
 
-    from gearbx_mlx.kvcache.quantize import check_quantized_attention
+    from gearbx_mlx.kvcache.quantize import attention_reads
 
     info = mx.device_info().get("device_name", "") if mx.default_device() == mx.gpu else ""
     print(f"MLX {mx.__version__} {mx.default_device()} {info}".rstrip())
     for bits, group in ((4, 64), (4, 32), (8, 64), (3, 64)):
         for head in (64, 128):
-            try:
-                check_quantized_attention(bits, group, head, getattr(mx, dtype))
-                verdict = "runs"
-            except ValueError as e:
-                verdict = "refused: " + str(e).split(" (", 1)[1].rsplit(");", 1)[0]
+            how = attention_reads(bits, group, head, getattr(mx, dtype))
+            verdict = {"views": "runs over the cache's slices (mlx-lm's cache and this package's)",
+                       "copies": "runs over contiguous copies only (this package's cache, not mlx-lm's)"}.get(
+                           how, "refused: " + how)
             print(f"{dtype} bits {bits} group {group:3d} head {head:3d}: {verdict}", flush=True)
     return 0
 

@@ -244,6 +244,48 @@ def test_a_backend_without_quantized_attention_is_one_error_before_generation(mo
     assert len(_gen(model, gb, n=3, kv_bits=4, kv_rotation=rotation)) == 3  # the real products run here
 
 
+def test_a_backend_that_reads_only_contiguous_copies(monkeypatch):
+    """MLX 0.32's CUDA quantized_matmul takes only operands with contiguous storage,
+    which a cache's slice of its buffer is not. Emulated here: the rotated cache hands
+    attention contiguous copies and gives the same tokens as over slices; mlx-lm's own
+    cache, which cannot, is one error before generation that names the way out."""
+    from gearbx_mlx.kvcache import quantize
+
+    skip_without_quantized_attention()
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    over_views = [r.token for r in _gen(model, gb, n=6, kv_bits=4, quantized_kv_start=0)]
+    made, real_contiguous, real_expand, real_qmm = [], mx.contiguous, mx.expand_dims, mx.quantized_matmul
+
+    def contiguous(a, *args, **kw):
+        out = real_contiguous(a, *args, **kw)
+        made.append(out)
+        return out
+
+    def expand_dims(a, *args, **kw):  # a new axis keeps the storage contiguous (grouped-query heads)
+        out = real_expand(a, *args, **kw)
+        if any(a is m for m in made):
+            made.append(out)
+        return out
+
+    def qmm(x, w, *args, **kw):  # a weight (2-D) is contiguous; a cache's operand (4-D, 5-D) must be made so
+        if w.ndim > 2 and not any(w is m for m in made):
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x5x64x4")
+        return real_qmm(x, w, *args, **kw)
+
+    monkeypatch.setattr(quantize, "_probed", {})
+    monkeypatch.setattr(mx, "contiguous", contiguous)
+    monkeypatch.setattr(mx, "expand_dims", expand_dims)
+    monkeypatch.setattr(mx, "quantized_matmul", qmm)
+    over_copies = [r.token for r in _gen(model, gb, n=6, kv_bits=4, quantized_kv_start=0)]
+    assert over_copies == over_views and made
+    assert quantize.attention_reads(4, 64, 64, mx.float32) == "copies"
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match="only on contiguous copies.*--kv-rotation auto"):
+        _gen(model, gb, n=3, kv_bits=4, kv_rotation="none")
+    assert _same(model, snap)
+
+
 def test_the_key_offset_comes_from_the_weights_not_the_name():
     """Without a text calibration, a model whose k_proj biases put large offsets on
     its keys gets them removed (estimated from the biases); one without gets none."""

@@ -31,7 +31,8 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.models import cache as mlc
 
-from .quantize import QUANTIZERS, check_bits_group, offset_keys, quantize, quantize_step
+from .quantize import (QUANTIZERS, attention_reads, check_bits_group, contiguous_reads, offset_keys, quantize,
+                       quantize_step)
 
 
 class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
@@ -96,6 +97,16 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
             self.keys[i][..., prev : self.offset, :] = qk[i]
             self.values[i][..., prev : self.offset, :] = qv[i]
         return self.keys_and_values()
+
+    def keys_and_values(self) -> Tuple[Any, Any]:
+        """The stored tokens, as slices of the buffers, or contiguous copies
+        where the backend's quantized attention takes nothing else
+        (:func:`~gearbx_mlx.kvcache.quantize.attention_reads`)."""
+        kv = super().keys_and_values()
+        head_dim = self.keys[0].shape[-1] * 32 // self.bits
+        if attention_reads(self.bits, self.group_size, head_dim, self.keys[1].dtype) == "copies":
+            return contiguous_reads(kv)
+        return kv
 
     @property
     def state(self) -> Tuple[Any, ...]:

@@ -138,9 +138,11 @@ def check_caches(model: nn.Module) -> None:
         )
 
 
-def check_backend(model: nn.Module, bits: Sequence[int], group_size: int) -> None:
+def check_backend(model: nn.Module, bits: Sequence[int], group_size: int, copies: bool = False) -> None:
     """ValueError before generation where this MLX build cannot attend over such a cache
-    (:func:`~gearbx_mlx.kvcache.quantize.check_quantized_attention`, per head size and bits)."""
+    (:func:`~gearbx_mlx.kvcache.quantize.check_quantized_attention`, per head size and bits;
+    ``copies``: the caches are this package's, which hand attention contiguous copies
+    where the backend needs them)."""
     try:
         dims = sorted({i.head_dim for i in describe(model)})
     except ValueError:  # an architecture the rotation cannot take may still run mlx-lm's plain cache
@@ -152,7 +154,7 @@ def check_backend(model: nn.Module, bits: Sequence[int], group_size: int) -> Non
     dtype = floats[0] if floats else mx.float16
     for d in dims:
         for b in bits:
-            check_quantized_attention(b, group_size, d, dtype)
+            check_quantized_attention(b, group_size, d, dtype, copies=copies)
 
 
 def float_bytes_per_token(model: nn.Module, dtype_bytes: int = 2) -> float:
@@ -309,7 +311,7 @@ def open_kv(model: nn.Module, options: KVOptions, calibration: Any = None,
     check_caches(model)
     config = recipe(model, options)
     bits = {config.bits, *config.layer_bits.values()} | ({config.outlier_bits} if config.outliers != "none" else set())
-    check_backend(model, sorted(bits), config.group_size)
+    check_backend(model, sorted(bits), config.group_size, copies=options.rotated or plain_too)
     if not (options.rotated or plain_too):
         return None
     cal = as_calibration(calibration) if config.needs_statistics else None

@@ -22,7 +22,7 @@ Two ways to fill it:
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -191,40 +191,81 @@ def bits_per_element(bits: int, group_size: int, scale_bytes: int = 2) -> float:
 
 #: The probe: a prefill chunk of 3 tokens, then one decode step, through
 #: mlx-lm's own QuantizedKVCache and attention, with grouped-query heads (2 kv
-#: heads, 2 queries each). Backends differ in which shapes they take: MLX
-#: 0.32's CUDA backend runs a one-head product on fresh arrays and refuses
-#: the same product over a cache's slices, so the probe is the real path.
+#: heads, 2 queries each). Backends differ in which shapes they take, so the
+#: probe is the real path.
 _PROBE_PREFILL, _PROBE_KV_HEADS, _PROBE_REPEATS = 3, 2, 2
-_probed: dict = {}
+#: How a backend reads a quantized cache: mlx-lm's slices of its buffer
+#: (``"views"``), only contiguous copies of them (``"copies"``), or not at all
+#: (MLX's error). MLX 0.32's CUDA ``quantized_matmul`` takes only operands
+#: whose storage is contiguous, and a cache's first ``offset`` rows of a
+#: buffer of ``(B, heads, capacity, d)`` are not, for more than one head.
+READS = ("views", "copies")
+_probed: Dict[tuple, str] = {}
 
 
-def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype = mx.float16) -> None:
+class _CopyingCache(QuantizedKVCache):
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        return contiguous_reads(super().update_and_fetch(keys, values))
+
+
+def contiguous_reads(kv: Any) -> Any:
+    """The cache's ``(keys, values)`` tuples of arrays, each made contiguous."""
+    return tuple(tuple(mx.contiguous(a) for a in part) for part in kv)
+
+
+def attention_reads(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype = mx.float16) -> str:
+    """How this MLX build reads a quantized cache: one of :data:`READS`, or the error it raised.
+
+    Runs the probe (mlx-lm's quantized attention over a short prefill and a
+    decode step at the real head dimension, bits, group and dtype, on the
+    default device) over the cache's slices, then, if that fails, over
+    contiguous copies of them; remembered per process.
+    """
+    key = (str(mx.default_device()), bits, group_size, head_dim, str(dtype))
+    if key not in _probed:
+        err = _probe(QuantizedKVCache, bits, group_size, head_dim, dtype)
+        _probed[key] = "views" if not err else ("copies" if not _probe(_CopyingCache, bits, group_size, head_dim,
+                                                                       dtype) else err)
+    return _probed[key]
+
+
+def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype = mx.float16,
+                              copies: bool = False) -> str:
     """ValueError unless this MLX build can run quantized attention over such a cache.
 
     mlx-lm's quantized attention multiplies queries by the quantized keys
     (``mx.quantized_matmul`` with ``transpose=True``) and the scores by the
     quantized values (``transpose=False``). Some backends lack these products
-    for some shapes (MLX 0.32's CUDA backend raises "No implementation for
+    for some operands (MLX 0.32's CUDA backend raises "No implementation for
     problem shape" at the first attention call), which would stop a stream in
-    the middle; this runs mlx-lm's own cache and attention once (a short
-    prefill, then a decode step) at the real head dimension, bits, group and
-    dtype, on the default device, and remembers the verdict for the process.
+    the middle: :func:`attention_reads` finds that before generation.
+
+    Args:
+        copies: the cache can hand attention contiguous copies (this
+            package's caches do; mlx-lm's own do not).
+    Returns:
+        ``"views"`` or (with ``copies``) ``"copies"``.
     """
-    key = (str(mx.default_device()), bits, group_size, head_dim, str(dtype))
-    if key not in _probed:
-        _probed[key] = _probe(bits, group_size, head_dim, dtype)
-    if _probed[key]:
+    how = attention_reads(bits, group_size, head_dim, dtype)
+    if how == "views" or (how == "copies" and copies):
+        return how
+    if how == "copies":
         raise ValueError(
-            f"MLX {mx.__version__} on {mx.default_device()} cannot run quantized attention over a "
-            f"{bits}-bit, group {group_size} cache with head dimension {head_dim} ({_probed[key]}); "
-            "run with the float cache (no --kv-bits)"
+            f"MLX {mx.__version__} on {mx.default_device()} runs quantized attention over a {bits}-bit, group "
+            f"{group_size} cache with head dimension {head_dim} only on contiguous copies, which mlx-lm's own "
+            "cache does not make: use the rotated cache (--kv-rotation auto), or the float cache (no --kv-bits)"
         )
+    raise ValueError(
+        f"MLX {mx.__version__} on {mx.default_device()} cannot run quantized attention over a "
+        f"{bits}-bit, group {group_size} cache with head dimension {head_dim} ({how}); "
+        "run with the float cache (no --kv-bits)"
+    )
 
 
-def _probe(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype) -> str:
+def _probe(cache_class: type, bits: int, group_size: int, head_dim: int, dtype: mx.Dtype) -> str:
     """'' when mlx-lm's quantized attention runs a prefill and a decode step, else MLX's error."""
     heads = _PROBE_KV_HEADS * _PROBE_REPEATS
-    cache = QuantizedKVCache(group_size=group_size, bits=bits)
+    cache = cache_class(group_size=group_size, bits=bits)
     try:
         for n, mask in ((_PROBE_PREFILL, "causal"), (1, None)):
             k = mx.random.normal((1, _PROBE_KV_HEADS, n, head_dim), key=mx.random.key(n)).astype(dtype)
