@@ -36,13 +36,14 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gearbx_mlx.kvcache import write_kernel  # noqa: E402
 from gearbx_mlx.packed import gpu as kernels, nested_gpu  # noqa: E402  (needs the checkout on sys.path)
 
 # MLX's Metal type names (get_type_string) and CUDA type names (dtype_to_cuda_type).
 METAL_TYPES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t",
-               "uint8": "uint8_t", "int8": "int8_t"}
+               "uint8": "uint8_t", "int8": "int8_t", "uint32": "uint32_t"}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
-              "uint8": "uint8_t", "int8": "int8_t"}
+              "uint8": "uint8_t", "int8": "int8_t", "uint32": "uint32_t"}
 # The attributes MLX adds to a Metal kernel's signature when the source names
 # them (mlx/backend/metal/custom_kernel: metal_kernel), in MLX's order.
 METAL_ATTRIBUTES = [
@@ -203,7 +204,25 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
         fname = (f"custom_kernel_gbx_nested_{'_'.join(map(str, bits))}_g{gs}_{dtype}_s{sdtype}_"
                  f"{'shared' if shared else 'device'}_v{vec}")
         parts.append(signature(consts + nsource, fname, ins, [("y", types[dtype])]))
+    # The KV write body: every bit width, dtype and quantizer, the offset with the bias.
+    kv_header, _ = write_kernel.kernel_sources(backend, has_bias, directory, compact=True)
+    assert kv_header.startswith(header), "the KV write header extends the GEMV header"
+    parts.append(kv_header[len(header):])
+    for bits, gs, dtype, quantizer in kv_variants():
+        _, kv_source = write_kernel.kernel_sources(backend, has_bias, directory, compact=True)
+        consts = kernels.constants_source(backend, write_kernel.constants(getattr(mx, dtype), bits, gs, quantizer))
+        ins = [(n, "float" if n == "key_offset" else types[dtype]) for n in write_kernel.input_names(has_bias)]
+        outs = [(n, types["uint32"] if n.endswith("w") else types[dtype]) for n in write_kernel.output_names()]
+        fname = f"custom_kernel_gbx_kvwrite_q{bits}_g{gs}_{dtype}_{quantizer}"
+        parts.append(signature(consts + kv_source, fname, ins, outs))
     return "\n".join(parts)
+
+
+def kv_variants() -> List[Tuple[int, int, str, str]]:
+    """(bits, group size, dtype, quantizer) of the KV write kernels checked: every
+    bit width, dtype and quantizer, the group sizes taken in turn."""
+    combos = itertools.product((2, 3, 4, 5, 6, 8), ("float32", "float16", "bfloat16"), ("minmax", "ls"))
+    return [(bits, (32, 64, 128)[i % 3], dtype, q) for i, (bits, dtype, q) in enumerate(combos)]
 
 
 def nested_variants() -> List[Tuple[Tuple[int, ...], str, str, int, bool, int]]:
@@ -261,7 +280,7 @@ def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = 
                 text = translation_unit(backend, Path(directory), has_bias)
                 ok, log = compile_unit(clang, backend, text, Path(tmp), stub_dir, tag, nvcc)
                 n = (sum(1 for v in variants() if v[4] == has_bias) + len(mma_variants())
-                     + len(nested_variants()))
+                     + len(nested_variants()) + len(kv_variants()))
                 how = "nvcc sm_90" if backend == "cuda" and nvcc else "clang"
                 print(f"{'ok  ' if ok else 'FAIL'} {backend:5s} {tag:6s} ({n} kernels, {how})")
                 if not ok or verbose:

@@ -13,6 +13,18 @@
 #define GBX_AS_FLOAT(u) __uint_as_float(u)
 #define GBX_SIMD_SUM(v) gbx_warp_sum(v)
 #define GBX_BARRIER() __syncthreads()
+// Scalar float math of the KV write body (kv_write_body.inc), as MLX's own
+// kernels spell it: round half away from zero (affine quantize), round half
+// to even (mx.round), magnitude, minimum, maximum. GBX_FMUL is a product
+// rounded to float on its own: never contracted into a following add
+// (NVRTC's default --fmad=true would), as MLX's separate multiply and add
+// kernels round twice.
+#define GBX_ROUND(x) roundf(x)
+#define GBX_RINT(x) rintf(x)
+#define GBX_FABS(x) fabsf(x)
+#define GBX_FMIN(a, b) fminf(a, b)
+#define GBX_FMAX(a, b) fmaxf(a, b)
+#define GBX_FMUL(a, b) __fmul_rn(a, b)
 
 typedef __half gbx_half_t;
 typedef __nv_bfloat16 gbx_bfloat_t;

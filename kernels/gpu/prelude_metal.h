@@ -16,6 +16,17 @@
 // Sum over the 32 lanes of a SIMD group; every lane gets the result.
 #define GBX_SIMD_SUM(v) metal::simd_sum(v)
 #define GBX_BARRIER() metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup)
+// Scalar float math of the KV write body (kv_write_body.inc): round half
+// away from zero (MLX's affine quantize), round half to even (mx.round),
+// magnitude, minimum, maximum, and a product rounded to float on its own.
+// Metal has no unfused-multiply intrinsic: the compiler may contract a
+// product into a following add (one rounding instead of two).
+#define GBX_ROUND(x) metal::round(x)
+#define GBX_RINT(x) metal::rint(x)
+#define GBX_FABS(x) metal::abs(x)
+#define GBX_FMIN(a, b) metal::min(a, b)
+#define GBX_FMAX(a, b) metal::max(a, b)
+#define GBX_FMUL(a, b) ((a) * (b))
 
 typedef half gbx_half_t;
 typedef bfloat16_t gbx_bfloat_t;

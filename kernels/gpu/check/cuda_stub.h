@@ -41,6 +41,12 @@ __device__ float __uint_as_float(unsigned int u);
 __device__ float __shfl_xor_sync(unsigned int mask, float v, int lane_mask);
 __device__ float2 __half22float2(__half2 h);
 __device__ void __syncthreads();
+__device__ float roundf(float x);
+__device__ float rintf(float x);
+__device__ float fabsf(float x);
+__device__ float fminf(float a, float b);
+__device__ float fmaxf(float a, float b);
+__device__ float __fmul_rn(float a, float b);
 
 namespace cooperative_groups {}
 namespace mlx::core::cu {

@@ -6,6 +6,7 @@
 // with out-of-bounds reads caught by the sanitizer.
 #include <array>
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -22,6 +23,12 @@
 #define GBX_AS_FLOAT(u) gbx_emu_as_float(u)
 #define GBX_SIMD_SUM(v) gbx_emu_simd_sum(v)
 #define GBX_BARRIER() gbx_emu_block_barrier()
+#define GBX_ROUND(x) std::round(x)
+#define GBX_RINT(x) std::rint(x)
+#define GBX_FABS(x) std::fabs(x)
+#define GBX_FMIN(a, b) std::fmin(a, b)
+#define GBX_FMAX(a, b) std::fmax(a, b)
+#define GBX_FMUL(a, b) ((a) * (b))
 
 struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };

@@ -62,5 +62,10 @@ enum class mem_flags { mem_none, mem_device, mem_threadgroup, mem_texture };
 void threadgroup_barrier(mem_flags flags);
 float simd_sum(float v);
 float simd_shuffle_xor(float v, ushort lane_mask);
+float round(float x);
+float rint(float x);
+float abs(float x);
+float min(float a, float b);
+float max(float a, float b);
 }  // namespace metal
 using namespace metal;
