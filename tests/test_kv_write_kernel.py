@@ -288,6 +288,17 @@ def test_the_gpu_model_is_mlx_quantize_away_from_ties():
     assert np.array_equal(np.array(s), scale) and np.array_equal(np.array(b), bias)
 
 
+def test_the_wheel_ships_the_kernel_files():
+    """pyproject's package data (kernels/ as gearbx_mlx/kernels) takes the body and its header."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parent.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = data["gearbx_mlx.kernels"]
+    for name in ("gpu/kv_write_body.inc", "gpu/kv_write_common.h"):
+        assert (root / "kernels" / name).is_file()
+        assert any(Path(name).match(pat) for pat in patterns), (name, patterns)
+
+
 # -- the shared body on the host ---------------------------------------------------------
 
 
