@@ -261,6 +261,47 @@ def test_write_takes_the_mlx_path_without_a_gpu():
             write_kernel.fused_write(keys, values, offset, 32, 4, "ls")
 
 
+def test_write_launches_the_kernel_on_a_gpu(monkeypatch):
+    """What write() hands MLX on a GPU, with a stand-in for the compiled kernel:
+    the inputs (offset as float32), one thread a group in whole threadgroups,
+    and the outputs' shapes and dtypes; and where it takes the MLX ops instead."""
+    calls = []
+
+    def fake_build(backend, name, has_offset, consts_source):
+        def kernel(inputs, grid, threadgroup, output_shapes, output_dtypes):
+            calls.append(dict(name=name, inputs=inputs, grid=grid, threadgroup=threadgroup, consts=consts_source))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return kernel
+
+    for f in (write_kernel.launcher, write_kernel._kernel_for):
+        f.cache_clear()
+    monkeypatch.setattr(write_kernel, "_build", fake_build)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
+    try:
+        keys, values, offset = make_case((2, 3, 5, 128), mx.bfloat16, True, v_dim=64)
+        kq, vq = write_kernel.write(keys, values, offset.astype(mx.float16), 32, 3, "ls")
+        (call,) = calls
+        assert "q3_g32_ls2_bf16_off" in call["name"] and "constexpr int BITS = 3;" in call["consts"]
+        assert call["inputs"][0] is keys and call["inputs"][1] is values and call["inputs"][2].dtype == mx.float32
+        groups = 2 * 3 * 5 * (128 + 64) // 32
+        assert call["threadgroup"] == (gpu.THREADS, 1, 1) and call["grid"] == (-(-groups // 256) * 256, 1, 1)
+        assert [a.shape for a in kq] == [(2, 3, 5, 12), (2, 3, 5, 4), (2, 3, 5, 4)]
+        assert [a.shape for a in vq] == [(2, 3, 5, 6), (2, 3, 5, 2), (2, 3, 5, 2)]
+        assert [a.dtype for a in kq + vq] == [mx.uint32, mx.bfloat16, mx.bfloat16] * 2
+        write_kernel.write(keys, values, None, 64, 4, "minmax")
+        assert len(calls) == 2 and len(calls[1]["inputs"]) == 2 and "_nooff_" in calls[1]["name"]
+        # where the kernel does not apply, the MLX ops (no launch)
+        write_kernel.write(keys, values.astype(mx.float16), None, 32, 4, "minmax")  # two dtypes
+        write_kernel.write(keys, values, None, 32, 4, "minmax", use_kernel=False)
+        write_kernel.write(keys[:, :, :0], values[:, :, :0], None, 32, 4, "minmax")
+        assert len(calls) == 2
+        with pytest.raises(ValueError, match="no KV write kernel"):
+            write_kernel.write(keys, values, None, 128, 4, "minmax", use_kernel=True)
+    finally:
+        for f in (write_kernel.launcher, write_kernel._kernel_for):
+            f.cache_clear()
+
+
 def test_refusals():
     keys, values, offset = make_case((1, 3, 2, 64), mx.float32, True)
     with pytest.raises(ValueError, match="n_kv_heads, head_dim"):

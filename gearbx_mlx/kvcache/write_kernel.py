@@ -120,8 +120,6 @@ def _check_shapes(keys: mx.array, values: mx.array, key_offset: Optional[mx.arra
     if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
         raise ValueError(f"keys and values are (B, n_kv_heads, L, head_dim) with the same B, heads "
                          f"and L, got {keys.shape} and {values.shape}")
-    if keys.dtype != values.dtype:
-        raise ValueError(f"keys and values share one dtype, got {keys.dtype} and {values.dtype}")
     if key_offset is not None and tuple(key_offset.shape) != (keys.shape[1], keys.shape[3]):
         raise ValueError(f"key_offset is (n_kv_heads, head_dim) = {(keys.shape[1], keys.shape[3])}, "
                          f"got {key_offset.shape}")
@@ -187,6 +185,8 @@ def fused_write(keys: mx.array, values: mx.array, key_offset: Optional[mx.array]
     if quantizer not in QUANTIZERS:
         raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
     _check_shapes(keys, values, key_offset)
+    if keys.dtype != values.dtype:
+        raise ValueError(f"the kernel takes keys and values of one dtype, got {keys.dtype} and {values.dtype}")
     backend = backend or gpu.gpu_backend()
     if backend is None:
         raise ValueError("no GPU back end on the default device: call reference_write (or write)")
@@ -214,6 +214,15 @@ def reference_write(keys: mx.array, values: mx.array, key_offset: Optional[mx.ar
     return quantize_step(keys, values, key_offset, group_size, bits, quantizer)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_for(backend: str, bits: int, group_size: int, quantizer: str, dtype: mx.Dtype, k_dim: int, v_dim: int,
+                has_offset: bool) -> Optional[Callable[..., Tuple[Quantized, Quantized]]]:
+    """The launcher of one layer's write, or None where the kernel does not apply (cached)."""
+    if not hasattr(mx.fast, f"{backend}_kernel") or not supports(bits, group_size, k_dim, v_dim, dtype, quantizer):
+        return None
+    return launcher(backend, bits, group_size, quantizer, dtype, has_offset)
+
+
 def write(keys: mx.array, values: mx.array, key_offset: Optional[mx.array], group_size: int, bits: int,
           quantizer: str, use_kernel: Optional[bool] = None) -> Tuple[Quantized, Quantized]:
     """One cache write: :func:`fused_write` on a GPU where it applies, else :func:`reference_write`.
@@ -221,12 +230,22 @@ def write(keys: mx.array, values: mx.array, key_offset: Optional[mx.array], grou
     ``use_kernel``: None picks per call (the default device, dtype and head
     dims); True requires the kernel (ValueError where it does not apply);
     False takes the MLX ops. Shapes and results as :func:`fused_write`.
+    The choice is cached per layer shape, so a decode step pays a few
+    lookups before MLX's kernel call.
     """
     if use_kernel is None:
-        use_kernel = (available() and keys.ndim == 4 and values.ndim == 4 and keys.size > 0 and values.size > 0
-                      and keys.dtype == values.dtype
-                      and supports(bits, group_size, keys.shape[3], values.shape[3], keys.dtype, quantizer)
-                      and max(keys.size, values.size) <= MAX_ELEMENTS)
+        backend = gpu.gpu_backend()
+        if backend is not None and keys.ndim == 4 and values.ndim == 4 and keys.dtype == values.dtype:
+            shape = keys.shape
+            run = _kernel_for(backend, bits, group_size, quantizer, keys.dtype, shape[3], values.shape[3],
+                              key_offset is not None)
+            if (run is not None and shape[:3] == values.shape[:3] and 0 < keys.size
+                    and max(keys.size, values.size) <= MAX_ELEMENTS
+                    and (key_offset is None or tuple(key_offset.shape) == (shape[1], shape[3]))):
+                if key_offset is not None and key_offset.dtype != mx.float32:
+                    key_offset = key_offset.astype(mx.float32)
+                return run(keys, values, key_offset)
+        use_kernel = False
     if use_kernel:
         return fused_write(keys, values, key_offset, group_size, bits, quantizer)
     return reference_write(keys, values, key_offset, group_size, bits, quantizer)
