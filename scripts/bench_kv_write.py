@@ -129,7 +129,8 @@ def differing_groups(got: tuple, want: tuple, group: int, bits: int) -> float:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/kv_write_<device>.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/kv_write_<device>.json)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1, 512], help="tokens per write")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=50, help="writes per latency round")

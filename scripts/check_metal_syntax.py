@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Syntax- and type-check the Metal GEMV kernels with clang (no Metal compiler needed).
+"""Syntax- and type-check the Metal kernels (GEMV, nested GEMV, KV write) with clang (no Metal compiler needed).
 
 ``mx.fast.metal_kernel`` wraps the kernel ``source`` in a generated
 ``[[kernel]]`` function: one ``const device <dtype>* name [[buffer(i)]]`` per

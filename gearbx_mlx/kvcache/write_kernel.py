@@ -11,9 +11,11 @@ least-squares refit in float32, and the codes packed into MLX's bit stream.
 One body for Metal (``mx.fast.metal_kernel``) and CUDA (``mx.fast.cuda_kernel``)
 with the preludes and entries of :mod:`gearbx_mlx.packed.gpu`.
 
-Its output equals the MLX path's except where a float sum in another order
-moves a code at a rounding tie (``tests/test_kv_write_kernel.py`` bounds how
-often, and by how much). MLX's CPU quantizer differs from its GPU kernels
+Its output equals the MLX path's except at rounding ties: its sums run in
+another order than MLX's reductions, and MLX's GPU dequantize (which the
+least-squares step compares against) may fuse a product into an add where
+the kernel rounds twice (``tests/test_kv_write_kernel.py`` bounds how often
+groups differ, and by how much). MLX's CPU quantizer differs from its GPU kernels
 (round half to even; the maximum not clamped at 0), so on the CPU the MLX
 path is the reference, and :func:`write` takes it there.
 
