@@ -6,10 +6,13 @@ import mlx.core as mx
 import pytest
 
 
-def skip_without_quantized_attention(bits: int = 4, group_size: int = 64, head_dim: int = 64) -> None:
-    """Skip where this MLX build lacks the products of quantized attention
-    (MLX 0.32's CUDA backend); the package refuses such a cache before
-    generation there (tests/test_kv_generation.py holds it to that)."""
+def skip_without_quantized_attention(bits: int = 4, group_size: int = 64, head_dim: int = 64,
+                                     copies: bool = True) -> None:
+    """Skip where this MLX build lacks the products of quantized attention; the
+    package refuses such a cache before generation there (tests/test_kv_generation.py
+    holds it to that). ``copies``: the test's caches are this package's, which hand
+    attention contiguous copies where the backend reads nothing else (MLX 0.32's
+    CUDA backend); False for a test that runs mlx-lm's own quantized cache."""
     import mlx.core as mx
     import pytest
 
@@ -17,7 +20,7 @@ def skip_without_quantized_attention(bits: int = 4, group_size: int = 64, head_d
 
     for b in sorted({bits, 3, 8}):  # the tests use 3, 4 and 8 bits
         try:
-            check_quantized_attention(b, group_size, head_dim, mx.float32)
+            check_quantized_attention(b, group_size, head_dim, mx.float32, copies=copies)
         except ValueError as e:
             pytest.skip(str(e))
 

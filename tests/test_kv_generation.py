@@ -92,7 +92,7 @@ def test_4bit_rotated_is_nearer_float_than_plain_4bit():
     """Same model, same prompt: the rotated 4-bit cache's first logprobs are
     closer to the float cache's than mlx-lm's plain 4-bit cache's (a test that
     fails if the rotation were dropped on the way to mlx-lm)."""
-    skip_without_quantized_attention()
+    skip_without_quantized_attention(copies=False)
     from gearbx_mlx.kvcache import KVConfig, apply_kv
 
     model = make_tiny_llama(vocab=VOCAB, hidden=256, seed=3)
@@ -106,7 +106,7 @@ def test_4bit_rotated_is_nearer_float_than_plain_4bit():
 
 
 def test_plain_rotation_none_is_mlx_lms_cache():
-    skip_without_quantized_attention()
+    skip_without_quantized_attention(copies=False)
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     cache = make_prompt_cache(model)
@@ -240,7 +240,7 @@ def test_a_backend_without_quantized_attention_is_one_error_before_generation(mo
             seen.append(r)
     assert seen == [] and _same(model, snap)
     monkeypatch.undo()
-    skip_without_quantized_attention()
+    skip_without_quantized_attention(copies=rotation != "none")
     assert len(_gen(model, gb, n=3, kv_bits=4, kv_rotation=rotation)) == 3  # the real products run here
 
 

@@ -263,7 +263,7 @@ def _err(model, make_cache, ref_lp, ids):
 
 
 def test_quantized_recipe_beats_plain_int4_on_outlying_key_biases():
-    skip_without_quantized_attention()
+    skip_without_quantized_attention(copies=False)
     model = _tiny("qwen2", hidden=256, heads=4, kv_heads=2, layers=2, bias_outlier=60.0)
     ids = [int(x) for x in np.random.default_rng(3).integers(0, 256, 65)]
     ref = chunked_logprobs(model, ids, lambda: _float_cache(model), chunk=8)
@@ -406,6 +406,7 @@ def test_spec_names():
     assert spec("kv-4@weights", _tiny("llama")).config.group_size == 64
     assert spec("kv-4+minmax", _tiny("qwen2", bias_outlier=300.0)).config.group_size == 32
     assert spec("kv-3", check_only=True).config.bits == 3
+    assert spec("kv-4-g64+ops").use_kernel is False and spec("kv-4-g64").use_kernel is None
     assert describe(_tiny("llama"))[0].repeats == 2
 
 

@@ -31,8 +31,8 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.models import cache as mlc
 
-from .quantize import (QUANTIZERS, attention_reads, check_bits_group, contiguous_reads, offset_keys, quantize,
-                       quantize_step)
+from .quantize import QUANTIZERS, attention_reads, check_bits_group, contiguous_reads, offset_keys, quantize
+from .write_kernel import write as write_step
 
 
 class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
@@ -46,7 +46,14 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
         tag: names the transform whose basis the stored keys and values are in
             (:attr:`gearbx_mlx.kvcache.KVHandle.tag`); saved with the cache so
             that a prompt cache is never reused under another transform.
+
+    Attributes:
+        use_kernel: how a write runs (:func:`gearbx_mlx.kvcache.write_kernel.write`):
+            None, the fused kernel on a GPU where it applies and MLX ops
+            elsewhere; False, always the MLX ops (the benchmarks' baseline).
     """
+
+    use_kernel: Optional[bool] = None
 
     def __init__(
         self,
@@ -92,7 +99,8 @@ class RotatedQuantizedKVCache(mlc.QuantizedKVCache):
             else:
                 self.keys, self.values = init_quant(k_head_dim), init_quant(v_head_dim)
         self.offset += num_steps
-        qk, qv = quantize_step(keys, values, self.key_offset, self.group_size, self.bits, self.quantizer)
+        qk, qv = write_step(keys, values, self.key_offset, self.group_size, self.bits, self.quantizer,
+                            use_kernel=self.use_kernel)
         for i in range(len(self.keys)):
             self.keys[i][..., prev : self.offset, :] = qk[i]
             self.values[i][..., prev : self.offset, :] = qv[i]

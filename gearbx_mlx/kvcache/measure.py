@@ -48,12 +48,15 @@ class CacheSpec:
         kind: ``"float"``, ``"affine"`` (mlx-lm's) or ``"kv"`` (this package's).
         config: the :class:`KVConfig` of ``"kv"`` (and the bits of ``"affine"``).
         calibration: ``"text"`` or ``"weights"`` statistics for ``"kv"``.
+        use_kernel: the caches' write (``+ops``: False, MLX ops even where the
+            fused write kernel applies; None: the package's choice).
     """
 
     name: str
     kind: str
     config: Optional[KVConfig] = None
     calibration: str = "text"
+    use_kernel: Optional[bool] = None
 
     @property
     def bits_per_element(self) -> float:
@@ -65,7 +68,7 @@ class CacheSpec:
 
 
 def spec(name: str, model: Optional[nn.Module] = None, check_only: bool = False) -> CacheSpec:
-    """Parse ``float``, ``affine-4-g64``, ``rot-3-g32``, ``kv-4-g64[+minmax][+mix][+vo][+a0.25][+outliers][@weights]``.
+    """Parse ``float``, ``affine-4-g64``, ``rot-3-g32``, ``kv-4-g64[+minmax][+mix][+vo][+a0.25][+outliers][+ops][@weights]``.
 
     ``kv-4`` (no group) takes :func:`~gearbx_mlx.kvcache.outliers.default_group_size`
     of ``model``, as generation does without ``--kv-group-size`` (with
@@ -92,8 +95,11 @@ def spec(name: str, model: Optional[nn.Module] = None, check_only: bool = False)
     if kind != "kv":
         raise ValueError(f"unknown cache kind {kind!r} in {name!r} (float, affine, rot, kv)")
     cfg = KVConfig(bits=bits_i, group_size=group_i)
+    use_kernel = None
     for m in mods:
-        if m in ("ls", "minmax"):
+        if m == "ops":
+            use_kernel = False
+        elif m in ("ls", "minmax"):
             cfg = cfg.replace(quantizer=m)
         elif m == "mix":
             cfg = cfg.replace(key_offset="mix")
@@ -117,7 +123,7 @@ def spec(name: str, model: Optional[nn.Module] = None, check_only: bool = False)
             raise ValueError(f"unknown modifier {m!r} in {name!r}")
     if source not in ("", "text", "weights"):
         raise ValueError(f"unknown calibration source {source!r} in {name!r} (text or weights)")
-    return CacheSpec(name, "kv", cfg, source or "text")
+    return CacheSpec(name, "kv", cfg, source or "text", use_kernel)
 
 
 @contextmanager
@@ -136,8 +142,15 @@ def prepared(model: nn.Module, s: CacheSpec, calibrations: Dict[str, KVCalibrati
     if s.config.needs_statistics and cal is None:
         raise ValueError(f"{s.name} needs a {s.calibration} calibration")
     handle = apply_kv(model, s.config, cal)
+
+    def make_cache() -> List[Any]:
+        caches = handle.make_cache()
+        for c in caches:
+            c.use_kernel = s.use_kernel
+        return caches
+
     try:
-        yield handle.make_cache
+        yield make_cache
     finally:
         handle.restore()
 
