@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -161,10 +161,20 @@ def check_half(got, want, x: mx.array, bits: int, group_size: int, quantizer: st
 
 
 def assert_matches_oracle(got: Tuple[tuple, tuple], keys, values, offset, group_size, bits, quantizer,
-                          what: str = "") -> None:
-    """Kernel output ``(kq, vq)`` against the MLX path, with the named tolerances."""
-    x = quantizer_input(keys, offset)
-    want = (quantize(x, group_size, bits, quantizer), quantize(values, group_size, bits, quantizer))
+                          what: str = "", device: Any = mx.cpu,
+                          max_diff: float = MAX_DIFF_GROUP_FRACTION) -> None:
+    """Kernel output ``(kq, vq)`` against the MLX path on ``device``, with the named tolerances.
+
+    The host emulation is held to MLX's CPU path (the default device may be a GPU,
+    whose fused reductions order sums differently)."""
+    with mx.stream(device):
+        x = quantizer_input(keys, offset)
+        want = (quantize(x, group_size, bits, quantizer), quantize(values, group_size, bits, quantizer))
+        mx.eval(x, want)
+    _compare(got, want, x, values, group_size, bits, quantizer, what, max_diff)
+
+
+def _compare(got, want, x, values, group_size, bits, quantizer, what, max_diff) -> None:
     total, diff, bad = 0, 0, []
     for (g, w, src, name) in ((got[0], want[0], x, "keys"), (got[1], want[1], values, "values")):
         for a, b, part in zip(g, w, ("packed", "scales", "biases")):
@@ -172,8 +182,8 @@ def assert_matches_oracle(got: Tuple[tuple, tuple], keys, values, offset, group_
                 f"{what} {name} {part}: {a.shape} {a.dtype} vs the reference's {b.shape} {b.dtype}"
         n, d, worse = check_half(g, w, src, bits, group_size, quantizer)
         total, diff, bad = total + n, diff + d, bad + [(name,) + e for e in worse]
-    assert diff <= MAX_DIFF_GROUP_FRACTION * total, \
-        f"{what}: {diff} of {total} groups differ from the reference, more than {MAX_DIFF_GROUP_FRACTION:.0%}"
+    assert diff <= max_diff * total, \
+        f"{what}: {diff} of {total} groups differ from the reference, more than {max_diff:.0%}"
     assert not bad, f"{what}: groups whose squared error is out of {RECON_RTOL:.0%} of the reference's " \
                     f"(half, group, error, bound): {bad[:5]}"
 
@@ -630,7 +640,15 @@ def test_the_syntax_check_compiles_the_body(tmp_path):
 
 # -- the CUDA twin (only with a CUDA GPU) -------------------------------------------------
 
-CUDA_CASES = [(bits, gs, dtype, q) for bits in BITS for gs in GROUPS for dtype in DTYPES for q in ("minmax", "ls")]
+#: Every width at group 64 in float16, the other groups and dtypes at 4 bits (each case
+#: compiles its own kernel through NVRTC, seconds apiece).
+CUDA_CASES = sorted({(bits, 64, mx.float16, q) for bits in BITS for q in ("minmax", "ls")}
+                    | {(4, gs, dtype, q) for gs in GROUPS for dtype in DTYPES for q in ("minmax", "ls")},
+                    key=str)
+#: On a GPU the MLX path's least squares is itself fused and summed in another order:
+#: where a refit barely beats MLX's own grid, the two paths may keep different ones.
+#: Every group's error must still be within RECON_RTOL of the MLX path's.
+GPU_MAX_DIFF_GROUP_FRACTION = 0.5
 
 
 @needs_cuda
@@ -641,7 +659,8 @@ def test_cuda_fused_write_matches_the_oracle(bits, gs, dtype, quantizer):
     for shape, with_offset in (((1, 8, 1, 128), True), ((2, 3, 17, 128), False), ((1, 8, 512, 128), True)):
         keys, values, offset = make_case(shape, dtype, with_offset, seed=i)
         got = write_kernel.fused_write(keys, values, offset, gs, bits, quantizer, backend="cuda")
-        assert_matches_oracle(got, keys, values, offset, gs, bits, quantizer, what=f"cuda {shape}")
+        assert_matches_oracle(got, keys, values, offset, gs, bits, quantizer, what=f"cuda {shape}", device=mx.gpu,
+                              max_diff=GPU_MAX_DIFF_GROUP_FRACTION)
         if quantizer == "minmax":
             # MLX's own CUDA quantize, bit for bit (min-max has no sums).
             want = write_kernel.reference_write(keys, values, offset, gs, bits, quantizer)
@@ -655,7 +674,8 @@ def test_cuda_write_picks_the_kernel_and_keeps_odd_head_dims():
     assert write_kernel.available()
     keys, values, offset = make_case((1, 3, 5, 64), mx.bfloat16, True, seed=4, v_dim=128)
     got = write_kernel.write(keys, values, offset, 64, 4, "ls")
-    assert_matches_oracle(got, keys, values, offset, 64, 4, "ls", what="cuda write")
+    assert_matches_oracle(got, keys, values, offset, 64, 4, "ls", what="cuda write", device=mx.gpu,
+                          max_diff=GPU_MAX_DIFF_GROUP_FRACTION)
     # a non-contiguous view (heads and steps transposed), as a model's projections give
     kt = (keys.swapaxes(1, 2) * 1).swapaxes(1, 2)
     assert kt.shape == keys.shape

@@ -174,7 +174,8 @@ def quantize_step(keys: mx.array, values: mx.array, key_offset: Optional[mx.arra
         key_offset: ``(n_kv_heads, d_k)`` or None.
     Returns:
         ``((packed, scales, biases) of the keys, the same of the values)``,
-        bit-identical to :func:`quantize` of each. Least-squares writes of up
+        bit-identical to :func:`quantize` of each on the CPU (on a GPU a
+        compiled graph may fuse a product into a sum). Least-squares writes of up
         to :data:`COMPILED_MAX_TOKENS` tokens run as one compiled function
         for both halves (``scripts/eval_kv.py speed`` times the decode step).
     """
