@@ -170,8 +170,25 @@ def assert_matches_oracle(got: Tuple[tuple, tuple], keys, values, offset, group_
     with mx.stream(device):
         x = quantizer_input(keys, offset)
         want = (quantize(x, group_size, bits, quantizer), quantize(values, group_size, bits, quantizer))
-        mx.eval(x, want)
-    _compare(got, want, x, values, group_size, bits, quantizer, what, max_diff)
+        _compare(got, want, x, values, group_size, bits, quantizer, what, max_diff)
+
+
+def assert_ls_as_good_on_gpu(got: Tuple[tuple, tuple], keys, values, offset, group_size, bits,
+                             what: str = "", device: Any = mx.gpu) -> None:
+    """Least squares on a GPU, where MLX's own path sums in another order (a float32
+    scale then differs in its last bit nearly everywhere, and a tie flipped in the
+    first refit may lead the alternation to another grid): no group worse than MLX's
+    GPU min-max grid, and the total error within GPU_TOTAL_RTOL of MLX's path."""
+    with mx.stream(device):
+        x = quantizer_input(keys, offset)
+        for g, src, name in ((got[0], x, "keys"), (got[1], values, "values")):
+            want = quantize(src, group_size, bits, "ls")
+            eg, ew = group_view(g, src, bits, group_size)[4], group_view(want, src, bits, group_size)[4]
+            grid = model_error(src, group_size, bits)
+            worse = eg > grid * (1 + 1e-3) + RECON_ATOL
+            assert not worse.any(), f"{what} {name}: {int(worse.sum())} groups worse than MLX's min-max grid"
+            assert eg.sum() <= ew.sum() * (1 + GPU_TOTAL_RTOL), \
+                f"{what} {name}: total squared error {eg.sum():.6g} against MLX's {ew.sum():.6g}"
 
 
 def _compare(got, want, x, values, group_size, bits, quantizer, what, max_diff) -> None:
@@ -583,7 +600,7 @@ def test_min_max_follows_the_gpu_rule(host_binary, tmp_path):
             assert mx.array_equal(q[1], mx.array(scale).astype(mx.float16))
             assert mx.array_equal(q[2], mx.array(bias).astype(mx.float16))
         # the rule matters: the CPU's grid differs on the negative keys
-        assert not mx.array_equal(got[0][1], mx.quantize(keys, group_size=32, bits=bits)[1])
+        assert not mx.array_equal(got[0][1], mx.quantize(keys, group_size=32, bits=bits, stream=mx.cpu)[1])
 
 
 def _planted(tmp_path: Path, name: str, old: str, new: str, tag: str) -> Path:
@@ -645,10 +662,8 @@ def test_the_syntax_check_compiles_the_body(tmp_path):
 CUDA_CASES = sorted({(bits, 64, mx.float16, q) for bits in BITS for q in ("minmax", "ls")}
                     | {(4, gs, dtype, q) for gs in GROUPS for dtype in DTYPES for q in ("minmax", "ls")},
                     key=str)
-#: On a GPU the MLX path's least squares is itself fused and summed in another order:
-#: where a refit barely beats MLX's own grid, the two paths may keep different ones.
-#: Every group's error must still be within RECON_RTOL of the MLX path's.
-GPU_MAX_DIFF_GROUP_FRACTION = 0.5
+#: Least squares on a GPU: the kernel's total squared error over MLX's path's, at most.
+GPU_TOTAL_RTOL = 0.01
 
 
 @needs_cuda
@@ -659,8 +674,8 @@ def test_cuda_fused_write_matches_the_oracle(bits, gs, dtype, quantizer):
     for shape, with_offset in (((1, 8, 1, 128), True), ((2, 3, 17, 128), False), ((1, 8, 512, 128), True)):
         keys, values, offset = make_case(shape, dtype, with_offset, seed=i)
         got = write_kernel.fused_write(keys, values, offset, gs, bits, quantizer, backend="cuda")
-        assert_matches_oracle(got, keys, values, offset, gs, bits, quantizer, what=f"cuda {shape}", device=mx.gpu,
-                              max_diff=GPU_MAX_DIFF_GROUP_FRACTION)
+        if quantizer == "ls":
+            assert_ls_as_good_on_gpu(got, keys, values, offset, gs, bits, what=f"cuda {shape}")
         if quantizer == "minmax":
             # MLX's own CUDA quantize, bit for bit (min-max has no sums).
             want = write_kernel.reference_write(keys, values, offset, gs, bits, quantizer)
@@ -674,8 +689,7 @@ def test_cuda_write_picks_the_kernel_and_keeps_odd_head_dims():
     assert write_kernel.available()
     keys, values, offset = make_case((1, 3, 5, 64), mx.bfloat16, True, seed=4, v_dim=128)
     got = write_kernel.write(keys, values, offset, 64, 4, "ls")
-    assert_matches_oracle(got, keys, values, offset, 64, 4, "ls", what="cuda write", device=mx.gpu,
-                          max_diff=GPU_MAX_DIFF_GROUP_FRACTION)
+    assert_ls_as_good_on_gpu(got, keys, values, offset, 64, 4, what="cuda write")
     # a non-contiguous view (heads and steps transposed), as a model's projections give
     kt = (keys.swapaxes(1, 2) * 1).swapaxes(1, 2)
     assert kt.shape == keys.shape
