@@ -178,14 +178,16 @@ def assert_ls_as_good_on_gpu(got: Tuple[tuple, tuple], keys, values, offset, gro
     """Least squares on a GPU, where MLX's own path sums in another order (a float32
     scale then differs in its last bit nearly everywhere, and a tie flipped in the
     first refit may lead the alternation to another grid): no group worse than MLX's
-    GPU min-max grid, and the total error within GPU_TOTAL_RTOL of MLX's path."""
+    GPU min-max grid beyond RECON_RTOL (the kernel keeps a refit by its float32 error,
+    which can misjudge a near tie), and the total error within GPU_TOTAL_RTOL of MLX's
+    path."""
     with mx.stream(device):
         x = quantizer_input(keys, offset)
         for g, src, name in ((got[0], x, "keys"), (got[1], values, "values")):
             want = quantize(src, group_size, bits, "ls")
             eg, ew = group_view(g, src, bits, group_size)[4], group_view(want, src, bits, group_size)[4]
             grid = model_error(src, group_size, bits)
-            worse = eg > grid * (1 + 1e-3) + RECON_ATOL
+            worse = eg > grid * (1 + RECON_RTOL) + RECON_ATOL
             assert not worse.any(), f"{what} {name}: {int(worse.sum())} groups worse than MLX's min-max grid"
             assert eg.sum() <= ew.sum() * (1 + GPU_TOTAL_RTOL), \
                 f"{what} {name}: total squared error {eg.sum():.6g} against MLX's {ew.sum():.6g}"
