@@ -221,16 +221,7 @@ def _host_unit() -> str:
 #include <cstdio>
 #include <cstdlib>
 static std::vector<char> slurp(const char* dir, const char* name) {
-  std::string path = std::string(dir) + "/" + name;
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return {};
-  std::fseek(f, 0, SEEK_END);
-  long n = std::ftell(f);
-  std::fseek(f, 0, SEEK_SET);
-  std::vector<char> v(n);
-  if (n && std::fread(v.data(), 1, n, f) != size_t(n)) std::abort();
-  std::fclose(f);
-  return v;
+  return gbx_host_slurp(std::string(dir) + "/" + name);
 }
 int main(int argc, char** argv) {
   const int config = std::atoi(argv[1]), O = std::atoi(argv[2]), K = std::atoi(argv[3]);

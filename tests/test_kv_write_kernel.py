@@ -389,17 +389,7 @@ def _host_function(directory: Path, has_offset: bool) -> str:
 
 
 _HOST_MAIN = r"""
-static std::vector<char> slurp(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return {};
-  std::fseek(f, 0, SEEK_END);
-  long n = std::ftell(f);
-  std::fseek(f, 0, SEEK_SET);
-  std::vector<char> v(n);
-  if (n && std::fread(v.data(), 1, n, f) != size_t(n)) std::abort();
-  std::fclose(f);
-  return v;
-}
+static std::vector<char> slurp(const std::string& path) { return gbx_host_slurp(path); }
 static void spill(const std::string& path, const void* p, size_t n) {
   FILE* f = std::fopen(path.c_str(), "wb");
   std::fwrite(p, 1, n, f);

@@ -184,17 +184,7 @@ def host_unit(directory: Path, configs) -> str:
         parts.append(kernel)
         calls.append(call)
     parts.append("""
-static std::vector<char> slurp(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return {};
-  std::fseek(f, 0, SEEK_END);
-  long n = std::ftell(f);
-  std::fseek(f, 0, SEEK_SET);
-  std::vector<char> v(n);
-  if (n && std::fread(v.data(), 1, n, f) != size_t(n)) std::abort();
-  std::fclose(f);
-  return v;
-}
+static std::vector<char> slurp(const std::string& path) { return gbx_host_slurp(path); }
 int main(int argc, char** argv) {
   const int config = std::atoi(argv[1]), O = std::atoi(argv[2]);
   const std::string dir = argv[3];

@@ -8,7 +8,10 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -161,4 +164,17 @@ inline float gbx_quad_sum(float v) {
   for (int i = 0; i < 4; ++i) s += gbx_emu_group->slots[q + i];
   gbx_emu_group->warp[warp]->arrive_and_wait();
   return s;
+}
+
+// The test harnesses' input: a whole file's bytes (empty if it cannot be opened).
+static std::vector<char> gbx_host_slurp(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return {};
+  std::fseek(f, 0, SEEK_END);
+  long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<char> v(n);
+  if (n && std::fread(v.data(), 1, n, f) != size_t(n)) std::abort();
+  std::fclose(f);
+  return v;
 }
