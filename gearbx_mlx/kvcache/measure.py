@@ -33,7 +33,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from .api import apply_kv
 from .calibrate import KVCalibration
 from .config import KVConfig, plain, rotated_only
-from .outliers import default_group_size
+from .outliers import DEFAULT_GROUP_SIZE, default_group_size
 from .quantize import bits_per_element
 
 MakeCache = Callable[[], List[Any]]
@@ -82,7 +82,7 @@ def spec(name: str, model: Optional[nn.Module] = None, check_only: bool = False)
     if len(parts) == 2 and parts[0] == "kv":
         if model is None and not check_only:
             raise ValueError(f"{name!r} takes the model's default group size: give the model")
-        parts.append(f"g{64 if model is None else default_group_size(model)}")
+        parts.append(f"g{DEFAULT_GROUP_SIZE if model is None else default_group_size(model)}")
     try:
         kind, bits, group = parts
         bits_i, group_i = int(bits), int(group.lstrip("g"))
