@@ -1,0 +1,86 @@
+"""Greedy outputs of every generation mode on the default model, held to a committed record.
+
+``tests/data/greedy_golden.json`` was written by running this file as a script
+(``python tests/test_greedy_golden.py --write``) on the code before the routed and
+speculative pipelines became one; the test runs the same cases through today's
+pipeline and requires the same token ids. A change that moves any mode's greedy
+output fails here, and a deliberate one rewrites the record in its own commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "data" / "greedy_golden.json"
+PROMPTS = ("Write two sentences about the moon.", "List three uses of a paperclip:")
+TOKENS = 20
+
+#: name -> (load options, generation options). Every routed case names its kernel,
+#: so that a change of the default kernel cannot hide behind the record.
+CASES: Dict[str, Any] = {
+    "routed-entropy-attention": ({"scope": "attention", "kernel": "packed"}, {}),
+    "routed-entropy-all": ({"scope": "all", "kernel": "packed"}, {}),
+    "routed-entropy-all-separate": ({"scope": "all", "kernel": "packed", "store": "separate"}, {}),
+    "routed-entropy-all-mlx": ({"scope": "all", "kernel": "mlx"}, {}),
+    "static-low-all": ({"scope": "all", "kernel": "packed", "static_gear": "low"}, {}),
+    "static-mid-all": ({"scope": "all", "kernel": "packed", "static_gear": "mid"}, {}),
+    "static-high-all": ({"scope": "all", "kernel": "packed", "static_gear": "high"}, {}),
+    "routed-kv4-rotated": ({"scope": "all", "kernel": "packed", "static_gear": "high"},
+                           {"kv_bits": 4, "quantized_kv_start": 0}),
+    "speculative-force": ({"scope": "all", "kernel": "packed"}, {"speculative": "force", "max_draft": 3}),
+    "speculative-fixed": ({"scope": "all", "kernel": "packed"}, {"speculative": None, "max_draft": 2}),
+    "speculative-plain": ({"scope": "all", "kernel": "packed"}, {"speculative": "plain"}),
+}
+
+
+def run_case(load_options: Dict[str, Any], options: Dict[str, Any]) -> List[List[int]]:
+    """Greedy token ids of each prompt, through the package's public API."""
+    import gearbx_mlx
+    from gearbx_mlx.chat import apply_chat_template
+
+    model, tok, gearbox = gearbx_mlx.load(**load_options)
+    options = dict(options)
+    out = []
+    for prompt in PROMPTS:
+        text = apply_chat_template(tok, prompt, None, use_template=True)
+        if "speculative" in options:
+            opts = dict(options)
+            mode = opts.pop("speculative")
+            stream = gearbx_mlx.stream_speculative_generate(
+                model, tok, text, gearbox, max_tokens=TOKENS,
+                **({"plain": True} if mode == "plain" else {"mode": mode} if mode else {}), **opts)
+        else:
+            stream = gearbx_mlx.stream_generate(model, tok, text, gearbox, max_tokens=TOKENS, **options)
+        out.append([int(r.token) for r in stream])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_greedy_output_matches_the_record(name):
+    golden = json.loads(GOLDEN.read_text())["cases"]
+    assert name in golden, f"{name} has no record: rewrite {GOLDEN.name} with --write"
+    got = run_case(*CASES[name])
+    assert got == golden[name]
+
+
+def test_the_record_covers_every_case_and_differs_between_gears():
+    golden = json.loads(GOLDEN.read_text())["cases"]
+    assert set(golden) == set(CASES)
+    # The record can tell the gears apart: a record of one output for all would hold for anything.
+    assert golden["static-low-all"] != golden["static-high-all"]
+    # Exact speculative decoding is the high gear's output, whatever drafts.
+    for name in ("speculative-force", "speculative-fixed", "speculative-plain"):
+        assert golden[name] == golden["static-high-all"], name
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({"prompts": PROMPTS, "tokens": TOKENS,
+                                  "cases": {n: run_case(*c) for n, c in CASES.items()}}, indent=1) + "\n")
+    print(f"wrote {GOLDEN}")
