@@ -13,16 +13,17 @@ from .calibration import Calibration
 from .config import GEARS, GearboxConfig
 from .entropy import EntropyMonitor, entropy_bits
 from .gearbox import Gearbox
-from .generation import GearboxResponse, generate, load, stream_generate
+from .generation import GearboxResponse, SamplingOptions, load
 from .policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
 from .precision import PrecisionManager
-from .speculative import SpeculativeConfig, SpeculativeResponse, speculative_generate, stream_speculative_generate
+from .pipeline import generate, prepare, speculative_generate, stream_generate, stream_speculative_generate
+from .speculative import SpeculativeConfig, SpeculativeResponse
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Calibration", "GEARS", "GearboxConfig", "EntropyMonitor", "entropy_bits", "Gearbox",
-    "GearboxResponse", "generate", "load", "stream_generate", "EntropyPolicy",
+    "GearboxResponse", "SamplingOptions", "generate", "load", "prepare", "stream_generate", "EntropyPolicy",
     "PositionPolicy", "RandomPolicy", "StaticPolicy", "PrecisionManager",
     "SpeculativeConfig", "SpeculativeResponse", "speculative_generate", "stream_speculative_generate",
 ]

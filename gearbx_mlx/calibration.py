@@ -15,6 +15,7 @@ vocabulary size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,6 +33,8 @@ from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
 from .entropy import entropy_bits
 from .kvcache import calibrate_text
+from .nested.store import fingerprint
+from .sources.cache import cache_dir
 from .sources.models import corpus_path
 
 STRATEGIES = ("median", "percentile")
@@ -304,3 +307,21 @@ def calibrate_kv(model: Any, tokenizer: Any, text: Optional[str] = None,
         text = corpus_path("lee").read_text(encoding="utf-8", errors="replace")
     ids = tokenizer.encode(text)[:max_tokens]
     return calibrate_text(model, ids, max_tokens=max_tokens).to_dict()
+
+
+def cached_calibration_path(model_dir: Optional[Path], model_name: str, settings: Dict[str, Any]) -> Optional[Path]:
+    """Where ``--calibrate`` keeps its result when no ``--calibration FILE`` is given.
+
+    Keyed by the model's weights (their fingerprint; the name where the model is
+    not a local folder) and ``settings`` (everything the thresholds, KV
+    statistics and drafter statistics depend on), under the package's cache
+    folder. None where the weights cannot be fingerprinted.
+    """
+    try:  # the fingerprint that keys the planes cache too
+        weights = fingerprint(model_dir) if model_dir is not None else None
+    except (FileNotFoundError, OSError):
+        weights = None
+    if weights is None:
+        return None
+    key = json.dumps([weights, model_name, settings], sort_keys=True, default=str)
+    return cache_dir() / "calibrations" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

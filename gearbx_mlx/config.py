@@ -30,8 +30,11 @@ REFERENCE_VOCAB = 32768
 #: or every linear layer including a tied output projection.
 SCOPES: Tuple[str, ...] = ("attention", "all")
 
-#: Kernels for the low and mid gears: MLX's ``QuantizedLinear`` or our packed ones.
-KERNELS: Tuple[str, ...] = ("mlx", "packed")
+#: Kernels of the low and mid gears: ``mlx`` (MLX's ``QuantizedLinear``, and the
+#: nested store's pure-MLX path), ``packed`` (the package's own: C on the CPU,
+#: Metal or CUDA on a GPU, for either store), or ``auto`` (the resolver's pick:
+#: :mod:`gearbx_mlx.resolver`).
+KERNELS: Tuple[str, ...] = ("auto", "mlx", "packed")
 
 #: Where the gears' weights live: ``separate`` quantized copies beside the loaded
 #: weights (one per gear entered), or ``nested`` bit planes that every gear
@@ -47,6 +50,12 @@ STORES: Tuple[str, ...] = ("separate", "nested")
 #: (``planes``: the loaded weights are dropped; all three gears then fit in
 #: about 1.0x the float16 bytes).
 HIGH_SOURCES: Tuple[str, ...] = ("original", "planes")
+
+#: Prompt tokens per prefill chunk, in every mode. mlx-lm's default is 2,048;
+#: Python handles Ctrl-C only between MLX evaluations, so a chunk is also how
+#: late an interrupt during the prefill can arrive: 512 keeps that to a
+#: quarter of mlx-lm's at little cost to prefill speed.
+PREFILL_STEP_SIZE = 512
 
 #: Our choice: a low gear that still reads this share of the high gear's
 #: weight bytes per step (§9) leaves little to gain from routing, and the
@@ -115,7 +124,8 @@ class GearboxConfig:
     scope: str = "attention"
     group_size: int = 64
     bits: Dict[str, int] = field(default_factory=lambda: {"low": 4, "mid": 8})
-    kernel: str = "mlx"
+    # "auto": the resolver picks (gearbx_mlx.resolver); "mlx" or "packed" as asked.
+    kernel: str = "auto"
     # Where the gears' weights live, and what the nested store's high gear reads.
     store: Optional[str] = None
     high: str = "original"
@@ -200,17 +210,6 @@ class GearboxConfig:
         if unknown:
             raise ValueError(f"unknown GearboxConfig fields: {sorted(unknown)}")
         return cls(**d)
-
-
-def resolve_store(config: GearboxConfig, float_source: bool) -> str:
-    """The store a manager uses: the config's, or for ``store=None`` ``nested``
-    when the weights are float and the gears are the nested plan's 4 and 8
-    bits (or the high gear reads planes), else ``separate``."""
-    if config.store is not None:
-        return config.store
-    if config.high == "planes":
-        return "nested"
-    return "nested" if float_source and config.bits == {"low": 4, "mid": 8} else "separate"
 
 
 def bits_for(gear: str, config: GearboxConfig) -> Optional[int]:

@@ -61,16 +61,23 @@ class Gearbox:
         model_name: str = "",
         planes_dir: Optional[Path] = None,
         ranks: Optional[Ranks] = None,
+        draft_scope: Optional[str] = None,
     ) -> None:
         self.model = model
         self.ranks = ranks or Ranks.of_model(model)
         if self.ranks is not None and self.ranks.identity is None:
             # Before the manager: a nested high gear drops the loaded weights.
             self.ranks.identity = model_identity(model)
-        self.config = config or GearboxConfig()
         self.vocab_size = vocab_size or vocab_size_of(model)
         self.model_name = model_name
-        self.manager = PrecisionManager(model, self.config, planes_dir)
+        self.manager = PrecisionManager(model, config or GearboxConfig(), planes_dir, draft_scope)
+        #: The config as resolved: store, kernel and scope decided once (:attr:`resolution` says why).
+        self.config = self.manager.config
+        self.resolution = self.manager.resolution
+        #: The loaded model's folder, where :func:`gearbx_mlx.load` knows it (keys saved calibrations).
+        self.model_dir: Optional[Path] = None
+        #: Where the thresholds come from: ``default-scaled``, ``manual`` or ``calibration:<strategy>``.
+        self.threshold_source = "default-scaled"
         self.monitor = EntropyMonitor(self.vocab_size, self.config)
         self.calibration: Optional[Calibration] = None
         if calibration is not None:
@@ -87,6 +94,7 @@ class Gearbox:
 
     def set_thresholds(self, low: float, high: float) -> None:
         self.monitor.set_thresholds(low, high)
+        self.threshold_source = "manual"
 
     def set_calibration(self, calibration: Calibration) -> None:
         if calibration.vocab_size != self.vocab_size:
@@ -96,6 +104,7 @@ class Gearbox:
             )
         self.monitor.set_thresholds(calibration.low, calibration.high)
         self.calibration = calibration
+        self.threshold_source = f"calibration:{calibration.strategy}"
 
     def calibrate(self, tokenizer: Any, strategy: str = "median", prompts=None) -> Calibration:
         """Calibrate thresholds once for this session (in the high gear)."""

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .calibration import Calibration, calibrate_kv
+from .calibration import Calibration, cached_calibration_path, calibrate_kv
 from .chat import apply_chat_template
 from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, LITTLE_TO_GAIN, SCOPES, STORES, GearboxConfig
 from .console import (
@@ -31,11 +31,19 @@ from .console import (
     use_color,
 )
 from .distributed.ranks import Ranks, launched_ranks, stage
-from .generation import check_generation_options, load, stream_generate
+from .generation import SamplingOptions, check_generation_options, load
 from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
-from .precision import default_kernel
-from .speculative.cli import add_speculative_args, check_speculative_args, run_speculative
-from .telemetry.trace import TraceWriter, empty_summary, ranks_header, run_summary, token_record
+from .pipeline import prepare
+from .record import empty_summary
+from .speculative.calibration import CALIBRATION_KEY
+from .speculative.cli import (
+    add_speculative_args,
+    calibrate_drafter,
+    check_speculative_args,
+    speculative_config,
+    speculative_lines,
+)
+from .telemetry.trace import TraceWriter, token_record
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -64,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-group-size", type=int, default=None,
                    help="group size for KV cache quantization (default 64; the rotated cache takes 32 on "
                    "models whose k_proj biases put outlying offsets on the keys)")
-    g.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
-                   help="when --kv-bits is set, start quantizing the KV cache from this step onwards")
+    g.add_argument("--quantized-kv-start", type=int, default=None,
+                   help="when --kv-bits is set, start quantizing the KV cache from this step onwards (default: 0, "
+                        f"the first token, for the rotated cache; {DEFAULT_QUANTIZED_KV_START}, mlx-lm's default, "
+                        "with --kv-rotation none)")
     g.add_argument("--max-kv-size", type=int, default=None)
     g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the converted default model (default: float32 on a Linux CPU, else float16)")
@@ -73,9 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("gearbox options")
     r.add_argument("--scope", choices=SCOPES, default="attention",
                    help="manage attention projections only (paper default) or every linear layer")
-    r.add_argument("--kernel", choices=KERNELS, default=None,
-                   help="low/mid gears through MLX's QuantizedLinear or our packed kernels "
-                        "(default: packed on the CPU when the C kernels are built, else mlx)")
+    r.add_argument("--kernel", choices=KERNELS, default=GearboxConfig.kernel,
+                   help="low/mid gears through MLX's own kernels ('mlx': QuantizedLinear, and the nested store's "
+                        "pure-MLX path) or the package's ('packed': C on the CPU, Metal or CUDA on a GPU, for either "
+                        "store; each checked against the pure-MLX reference on first use); 'auto' (default): the "
+                        "package's where they are built (the C kernels on the CPU, the nested store's fused kernel "
+                        "on a GPU), else MLX's. The summary's 'Resolved:' line says what ran and why")
     r.add_argument("--store", choices=STORES, default=GearboxConfig.store,
                    help="where the gears' weights live: 'nested' bit planes that every gear shares (one "
                         "buffer, nothing quantized at a shift) or 'separate' quantized copies per gear "
@@ -116,6 +129,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     prompt = read_stdin_text() if args.prompt == "-" else args.prompt
     if not prompt or not prompt.strip():
         raise ValueError("the prompt is empty: pass --prompt TEXT (or '-' with text on stdin)")
+    args.user_prompt = prompt  # what the cold-start classifier reads (the templated text is what is encoded)
     return prompt
 
 
@@ -126,8 +140,8 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
         min_gear_duration=args.min_gear_duration,
         # Speculative decoding drafts from the nested store's planes: build the
         # store over the layers the drafter quantizes, so there is one copy.
-        scope=args.draft_scope if args.speculative and args.store != "separate" else args.scope,
-        kernel=args.kernel or default_kernel(),
+        scope=args.scope,
+        kernel=args.kernel,
         store=args.store,
         high=args.high,
         telemetry_only=args.telemetry_only,
@@ -229,18 +243,55 @@ def _bytes_lines(s: Dict[str, Any]) -> List[str]:
 
 
 def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
+    """The summary printed after a run, from its record's summary (routed or speculative)."""
     g = s["tokens_per_gear"]
     n = max(s["generation_tokens"], 1)
     mean = s["mean_entropy"]
+    speculative = s.get("mode") == "speculative"
+    gears = "Gears: " + ", ".join(f"{k} {v} ({100 * v / n:.0f}%)" for k, v in g.items())
+    if speculative:
+        gears += " (an accepted draft counts as its draft gear; the high gear verified every token)"
+    else:
+        gears += f"; shifts: {s['shifts']}" + (" (telemetry only: nothing swapped)" if s["telemetry_only"] else "")
     lines = [
         f"Prompt: {s['prompt_tokens']} tokens, {_rate(s, 'prompt')}",
         f"Generation: {s['generation_tokens']} tokens, {_rate(s, 'generation')}",
         f"Peak memory: {s['peak_memory_gb']:.3f} GB",
-        "Gears: " + ", ".join(f"{k} {v} ({100 * v / n:.0f}%)" for k, v in g.items())
-        + f"; shifts: {s['shifts']}" + (" (telemetry only: nothing swapped)" if s["telemetry_only"] else ""),
+        gears,
         f"Entropy: mean {mean:.3f} bits; thresholds low {thresholds[0]:.3f} / high {thresholds[1]:.3f} bits"
         if mean is not None else "Entropy: no tokens",
     ]
+    lines += speculative_lines(s) if speculative else _routed_lines(s)
+    if s.get("resolution"):
+        lines.append(_resolution_line(s["resolution"]))
+    if s.get("kv_cache"):
+        kv = s["kv_cache"]
+        lines.append(kv_line(kv) + (f" ({kv['caches']})" if kv.get("caches") else "") + _kv_held_text(kv))
+    if s.get("nonfinite_steps"):
+        lines.append(f"Non-finite logits: {s['nonfinite_steps']} steps (NaN or infinity; the NaN guard replaced "
+                     "them, so those steps' text and entropy mean nothing)")
+    if s["interrupted"]:
+        lines.append("Interrupted.")
+    return "\n".join(lines)
+
+
+def _kv_held_text(kv: Dict[str, Any]) -> str:
+    if kv.get("held_tokens") is None:
+        return ""
+    if kv["quantized_tokens"]:
+        return f"; this run's cache held {kv['held_tokens']} tokens, all quantized"
+    return (f"; this run's cache held {kv['held_tokens']} tokens, none quantized (it stays float below token "
+            f"{kv['quantized_kv_start']}: --quantized-kv-start)")
+
+
+def _resolution_line(r: Dict[str, Any]) -> str:
+    why = r.get("why", {})
+    return "Resolved: " + "; ".join(f"{k} {r[k]} ({why.get(k, '')})" for k in ("store", "kernel", "scope") if k in r)
+
+
+def _routed_lines(s: Dict[str, Any]) -> List[str]:
+    """The routed run's lines: time quantizing and swapping, shift costs, memory, bytes, ranks."""
+    lines = []
     if not s["telemetry_only"]:
         lines.append(
             f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms")
@@ -259,14 +310,7 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
     lines += _bytes_lines(s)
     if s.get("distributed"):
         lines.append(ranks_line(s["distributed"]))
-    if s.get("kv_cache"):
-        lines.append(kv_line(s["kv_cache"]))
-    if s.get("nonfinite_steps"):
-        lines.append(f"Non-finite logits: {s['nonfinite_steps']} steps (NaN or infinity; the NaN guard replaced "
-                     "them, so those steps' text and entropy mean nothing)")
-    if s["interrupted"]:
-        lines.append("Interrupted.")
-    return "\n".join(lines)
+    return lines
 
 
 def ranks_line(d: Dict[str, Any]) -> str:
@@ -322,54 +366,21 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
             check_speculative_args(args)
         config = _config(args)
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
-    stage_name, last, interrupted, error = "loading", None, False, None
-    gearbox: Any = None
+    stage_name, interrupted, error, streaming = "loading", False, None, False
     try:
         if writer:
             writer.header(model=args.model or "default", sampling=_sampling(args))
         sharded = {"group": ranks.group} if ranks is not None else {}
-        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype, **sharded)
-        with stage(ranks, "setting the thresholds"):
-            if args.thresholds:
-                gearbox.set_thresholds(*args.thresholds)
-            elif args.calibration and not args.calibrate:
-                gearbox.set_calibration(Calibration.load(args.calibration))
+        model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
+                                         draft_scope=args.draft_scope if args.speculative else None, **sharded)
         if args.calibrate and not args.thresholds:
             stage_name = "calibrating"
-            say(args, f"calibrating thresholds ({args.calibrate}) ...")
-            cal = gearbox.calibrate(tokenizer, args.calibrate)
-            if kv_options(args).rotated:
-                say(args, "calibrating the KV cache's scales and offsets ...")
-                cal.kv = calibrate_kv(model, tokenizer)
-            with stage(ranks, "saving the calibration"):
-                if args.calibration and args.rank == 0:
-                    cal.save(args.calibration)
-        stage_name = "prefill"
+        stage_name = _thresholds(args, model, tokenizer, gearbox, ranks)
         with stage(ranks, "preparing the prompt"):
             _check_thresholds(gearbox)
             templated = _templated(tokenizer, args, prompt)
-        if args.speculative:  # exact high-gear output, drafted by a lower gear
-            return run_speculative(args, model, tokenizer, gearbox, prompt, templated, writer=writer)
-        if writer:
-            writer.header(**_model_header(args, gearbox))
-        if args.static_gear != "high":
-            gearbox.warn_if_prequantized_source()  # before the text starts streaming
-        if gearbox.manager.telemetry_only and not args.quiet:
-            say(args, f"telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
-                "but nothing is swapped: every token runs on the loaded weights.")
-        stream = stream_generate(
-            model, tokenizer, templated, gearbox,
-            max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-            top_k=args.top_k, seed=args.seed, max_kv_size=args.max_kv_size, prompt_text=prompt,
-            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
-            kv_rotation=args.kv_rotation,
-        )
-        if not args.quiet:
-            print("=" * 10, file=sys.stderr, flush=True)
-        last, interrupted = print_stream(
-            stream, color=args.color, writer=writer, record=token_record,
-            header=lambda first: _header(args, gearbox, first.session, first),
-        )
+        streaming = True
+        return run_loaded(args, model, tokenizer, gearbox, templated, writer)
     except KeyboardInterrupt:
         interrupted = True
         doing = {"loading": "loading the model", "prefill": "preparing the prompt"}.get(stage_name, stage_name)
@@ -378,56 +389,130 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         error = error_line(e)[len("error: "):]
         raise
     finally:
-        if last is not None:
-            summary = run_summary(last.session, last, interrupted, error)
-        else:
-            summary = empty_summary(interrupted, error, stage_name)
-        if writer and not writer.summarized:
-            writer.summary(**summary)
-        if last is not None and not args.quiet:
-            print("=" * 10, file=sys.stderr)
-            print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
-            if use_color(args.color):  # a key for the colours the text was written in
-                print("Colours: " + " ".join(f"{GEAR_ANSI[g]}{g}{ANSI_RESET}" for g in GEARS), file=sys.stderr)
+        if not streaming:
+            _finish(args, writer, None, None, interrupted, error, stage_name)
+    return 130
+
+
+def run_loaded(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, templated: Any,
+               writer: Optional[TraceWriter] = None) -> int:
+    """Generate as the flags say with a model already loaded (and its thresholds set);
+    returns the exit status. The trace (``writer``, else ``args.trace``) is valid however this ends."""
+    if writer is None and args.trace and getattr(args, "rank", 0) == 0:
+        writer = TraceWriter(Path(args.trace).expanduser())
+    last, interrupted, error, run = None, False, None, None
+    try:
+        run = _prepare(args, model, tokenizer, gearbox, templated)
         if writer:
-            writer.close()
+            writer.header(**run.record.header(), sampling=_sampling(args))
+        if not args.quiet:
+            print("=" * 10, file=sys.stderr, flush=True)
+        last, interrupted = print_stream(
+            run.tokens(), color=args.color, writer=writer, record=token_record,
+            header=lambda first: {**first.run.header(first), "sampling": _sampling(args)},
+        )
+        if interrupted and last is None:
+            print("interrupted during the prefill (no token was generated)", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted while preparing the prompt", file=sys.stderr)
+    except Exception as e:
+        error = error_line(e)[len("error: "):]
+        raise
+    finally:
+        if run is not None:
+            run.close()
+        _finish(args, writer, gearbox, last, interrupted, error, "prefill")
     return 130 if interrupted else 0
+
+
+def _thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, ranks: Optional[Ranks]) -> str:
+    """Set the thresholds from the flags, a calibration file or a calibration run; the stage reached.
+
+    ``--calibrate`` without ``--calibration FILE`` keeps its result in the
+    package's cache, keyed by the model's weights and the settings it depends
+    on, and a later ``--calibrate`` with the same model and settings reuses it.
+    """
+    with stage(ranks, "setting the thresholds"):
+        if args.thresholds:
+            gearbox.set_thresholds(*args.thresholds)
+        elif args.calibration and not args.calibrate:
+            gearbox.set_calibration(Calibration.load(args.calibration))
+    if not args.calibrate or args.thresholds:
+        return "prefill"
+    cached = None if args.calibration or ranks is not None else cached_calibration_path(
+        gearbox.model_dir, gearbox.model_name, _calibration_settings(args, gearbox))
+    if cached is not None and cached.is_file():
+        gearbox.set_calibration(Calibration.load(cached))
+        say(args, f"reusing the calibration saved by an earlier --calibrate of this model and settings: {cached} "
+                  "(delete it to calibrate again)")
+    else:
+        say(args, f"calibrating thresholds ({args.calibrate}) ...")
+        gearbox.calibrate(tokenizer, args.calibrate)
+    cal = gearbox.calibration
+    if kv_options(args).rotated and cal.kv is None:
+        say(args, "calibrating the KV cache's scales and offsets ...")
+        cal.kv = calibrate_kv(model, tokenizer)
+    if args.speculative and args.draft_gear not in (cal.extra.get(CALIBRATION_KEY) or {}):
+        calibrate_drafter(args, model, tokenizer, gearbox)
+    with stage(ranks, "saving the calibration"):
+        target = args.calibration or cached
+        if target is not None and args.rank == 0:
+            if target == cached:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+            cal.save(target)
+    return "prefill"
+
+
+def _calibration_settings(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
+    """What a calibration's thresholds, KV statistics and drafter statistics depend on."""
+    return {"strategy": args.calibrate, "vocab": gearbox.vocab_size, "config": gearbox.config.to_dict(),
+            "draft": [args.draft_gear, args.draft_scope] if args.speculative else None}
+
+
+def _prepare(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, templated: Any) -> Any:
+    """Set the run up through the one pipeline, saying what the user should know first."""
+    spec = None
+    if args.speculative:
+        spec = speculative_config(args, gearbox)
+        say(args, "timing the drafter against the high gear on the prompt ...")
+    else:
+        if args.static_gear != "high":
+            gearbox.warn_if_prequantized_source()  # before the text starts streaming
+        if gearbox.manager.telemetry_only and not args.quiet:
+            say(args, f"telemetry only: {gearbox.manager.telemetry_reason}. Gears are tracked per token "
+                "but nothing is swapped: every token runs on the loaded weights.")
+    run = prepare(
+        model, tokenizer, templated, gearbox, speculative=spec, max_tokens=args.max_tokens,
+        sampling=SamplingOptions(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k),
+        kv_options=kv_options(args), seed=args.seed, max_kv_size=args.max_kv_size,
+        prompt_text=None if args.speculative else getattr(args, "user_prompt", None),
+    )
+    if run.plan is not None:
+        say(args, run.plan.message())
+    return run
+
+
+def _finish(args: argparse.Namespace, writer: Optional[TraceWriter], gearbox: Any, last: Any,
+            interrupted: bool, error: Optional[str], stage_name: str) -> None:
+    """Write the trace's summary and print the summary, from the run's one record."""
+    if last is not None:
+        summary = last.run.summary(last, interrupted, error)
+    else:
+        summary = empty_summary(interrupted, error, stage_name)
+    if writer and not writer.summarized:
+        writer.summary(**summary)
+    if last is not None and not args.quiet:
+        print("=" * 10, file=sys.stderr)
+        print(format_summary(summary, gearbox.thresholds), file=sys.stderr)
+        if use_color(args.color):  # a key for the colours the text was written in
+            print("Colours: " + " ".join(f"{GEAR_ANSI[g]}{g}{ANSI_RESET}" for g in GEARS), file=sys.stderr)
+    if writer:
+        writer.close()
 
 
 def _sampling(args: argparse.Namespace) -> Dict[str, Any]:
     return {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p, "top_k": args.top_k, "seed": args.seed}
-
-
-def _model_header(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:
-    """Header fields known once the model is loaded and its thresholds set."""
-    c = gearbox.config
-    source = (f"calibration:{gearbox.calibration.strategy}" if gearbox.calibration
-              else "manual" if args.thresholds else "default-scaled")
-    return {
-        "model": gearbox.model_name,
-        "vocab_size": gearbox.vocab_size,
-        "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1], "source": source},
-        "scope": c.scope, "kernel": c.kernel, "store": gearbox.manager.store,
-        "high": c.high if gearbox.manager.store == "nested" else "original",
-        "window": c.window, "hysteresis": c.hysteresis,
-        "min_gear_duration": c.min_gear_duration,
-        "telemetry_only": gearbox.manager.telemetry_only, "managed_modules": len(gearbox.manager.paths),
-        **ranks_header(gearbox),
-        "kv": {"bits": args.kv_bits, "group_size": args.kv_group_size,
-               "quantized_kv_start": args.quantized_kv_start, "rotation": args.kv_rotation},
-    }
-
-
-def _header(args: argparse.Namespace, gearbox: Any, session: Any, first: Any) -> Dict[str, Any]:
-    pc = gearbox.prompt_class
-    return {
-        **_model_header(args, gearbox),
-        "lag": session.lag, "policy": session.policy.name,
-        "initial_gear": session.records[0].gear if session.records else None,
-        "prompt_class": {"gear": pc.gear, "score": pc.score} if pc else None,
-        "prompt_tokens": first.prompt_tokens,
-        "sampling": _sampling(args),
-    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,9 +1,10 @@
-"""The library API: ``load``, ``stream_generate``, ``generate``.
+"""Loading, the options of a generation, and the response it streams.
 
-They follow mlx-lm's habits: ``load`` returns the model and tokenizer (plus
-the gearbox), ``stream_generate`` yields mlx-lm's ``GenerationResponse``
-fields plus per-token routing telemetry, ``generate`` returns the text.
-Tokenization, KV cache, sampling and the decode loop stay mlx-lm's.
+``load`` returns the model and tokenizer (plus the gearbox), as mlx-lm's does.
+:class:`SamplingOptions` is the sampling keywords converted once;
+:class:`GearboxResponse` is mlx-lm's ``GenerationResponse`` plus what the
+gearbox (and, in speculative decoding, the drafter) did at the token. The one
+generation pipeline that uses them is :mod:`gearbx_mlx.pipeline`.
 
 Under ``mlx.launch``, ``load(..., group=mx.distributed.init())`` shards the
 model over the ranks with mlx-lm's ``model.shard()`` and builds every gear
@@ -16,34 +17,27 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm import load as mlx_load
-from mlx_lm.generate import GenerationResponse, generation_stream, stream_generate as _mlx_stream_generate
-from mlx_lm.sample_utils import greedy_sampler, make_sampler
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.sample_utils import make_sampler
 
 from .calibration import Calibration
 from .config import GearboxConfig
 from .distributed.ranks import Ranks, facts_of
 from .distributed.shard import shard_model
 from .gearbox import Gearbox
-from .kvcache.option import KVOptions, KVSession, open_kv, options_from, plain_summary
-from .policies import Policy
-from .routing import RoutedModel, RoutingSession
+from .kvcache.option import PLAIN_BITS
 from .sources.models import resolve_model
 
 #: Keyword arguments that build a sampler, as in mlx-lm's CLI.
 SAMPLER_KEYS = ("temp", "top_p", "min_p", "top_k", "min_tokens_to_keep")
-#: Bit widths MLX quantizes a KV cache to (``mx.quantize``).
-KV_BITS = (1, 2, 3, 4, 5, 6, 8)
-#: KV keyword arguments of :func:`stream_generate` (mlx-lm's three, and the rotation).
-KV_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start", "kv_rotation")
 _U64 = 2**64
 
 
@@ -64,7 +58,7 @@ _OPTIONS: Dict[str, Tuple[Any, str]] = {
     "min_p": (lambda v: _number(v) and 0 <= v <= 1, "in [0, 1]"),
     "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
     "min_tokens_to_keep": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    "kv_bits": (lambda v: v in KV_BITS and _integer(v), f"one of {', '.join(map(str, KV_BITS))}"),
+    "kv_bits": (lambda v: v in PLAIN_BITS and _integer(v), f"one of {', '.join(map(str, PLAIN_BITS))}"),
     "max_kv_size": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     "seed": (lambda v: _integer(v) and 0 <= v < _U64, "an integer in [0, 2**64)"),
     "max_tokens": (lambda v: _integer(v) and (v >= 1 or v == -1), "an integer >= 1 (or -1: no limit)"),
@@ -87,6 +81,43 @@ def check_generation_options(flags: bool = False, **options: Any) -> None:
         if not test(value):
             shown = "--" + name.replace("_", "-") if flags else name
             raise ValueError(f"{shown} must be {want}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The sampling keywords of mlx-lm's ``make_sampler``, checked once.
+
+    Attributes:
+        temp: temperature (0: greedy); top_p, min_p, top_k, min_tokens_to_keep:
+            mlx-lm's filters, in its order (top-p, min-p, top-k, temperature).
+    """
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    min_tokens_to_keep: int = 1
+
+    def __post_init__(self) -> None:
+        check_generation_options(**self.as_dict())
+
+    @classmethod
+    def take(cls, kwargs: Dict[str, Any]) -> Optional["SamplingOptions"]:
+        """Pop the sampling keywords out of ``kwargs``; None where none was given."""
+        given = {k: kwargs.pop(k) for k in SAMPLER_KEYS if k in kwargs}
+        given = {k: v for k, v in given.items() if v is not None}
+        return cls(**given) if given else None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in SAMPLER_KEYS}
+
+    def sampler(self) -> Any:
+        """mlx-lm's sampler for these options."""
+        return make_sampler(**self.as_dict())
 
 
 @dataclass
@@ -113,6 +144,20 @@ class GearboxResponse(GenerationResponse):
             entropy and NaN flag equalled rank 0's (every rank uses rank 0's).
         exchange_seconds: on a sharded model, the wait for this step's
             exchange once the step's own values were ready.
+
+    In speculative decoding (``stream_generate(..., speculative=...)``)
+    ``entropy`` is the high gear's at this position, ``gear`` the gear whose
+    forward pass chose the token (the draft gear for an accepted draft, else
+    ``"high"``), ``shifted`` is always False (both gears stay resident), and:
+        draft_entropy: bits of the drafter's distribution (NaN for a bonus token).
+        accepted: an accepted draft (``from_draft`` says the same).
+        drafted: drafts proposed in this token's block.
+        verified_by: the gear that verified it (``"high"``).
+        block: 0-based block number; stop: why that block ended.
+    In routed decoding these are NaN / False / None.
+
+    ``run`` is the run's record (:class:`gearbx_mlx.record.RunRecord`): its
+    ``header()`` and ``summary(last)`` serve traces and summaries alike.
     """
 
     entropy: float = math.nan
@@ -128,7 +173,28 @@ class GearboxResponse(GenerationResponse):
     rank_gears: Optional[List[str]] = None
     ranks_agree: Optional[bool] = None
     exchange_seconds: float = math.nan
-    session: Optional[RoutingSession] = field(default=None, repr=False, compare=False)
+    draft_entropy: float = math.nan
+    accepted: bool = False
+    drafted: Optional[int] = None
+    verified_by: Optional[str] = None
+    block: Optional[int] = None
+    stop: Optional[str] = None
+    run: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def session(self) -> Any:
+        """The routing session of a routed run (None in speculative decoding)."""
+        return getattr(self.run, "session", None)
+
+    @property
+    def stats(self) -> Any:
+        """The block counters of a speculative run (None in routed decoding)."""
+        return getattr(self.run, "stats", None)
+
+    @property
+    def draft(self) -> Any:
+        """The drafter of a speculative run (None in routed decoding)."""
+        return getattr(self.run, "draft", None)
 
 
 def load(
@@ -139,6 +205,7 @@ def load(
     dtype: Optional[str] = None,
     tokenizer_config: Optional[Dict[str, Any]] = None,
     group: Optional[Any] = None,
+    draft_scope: Optional[str] = None,
     **options: Any,
 ) -> Tuple[nn.Module, Any, Gearbox]:
     """Load a model, its tokenizer and a gearbox.
@@ -155,6 +222,9 @@ def load(
             ``load`` alike, the model is sharded over the group for tensor
             parallelism with mlx-lm's ``model.shard()``, and the gears are
             built from each rank's shard. None, or a group of one: one process.
+        draft_scope: the layers a speculative drafter will quantize; with the
+            nested store the planes are built over them (one copy for the gears
+            and the drafter). The resolver records the choice.
 
     Returns:
         ``(model, tokenizer, gearbox)``.
@@ -170,7 +240,7 @@ def load(
     if options:
         config = config.replace(**options)
     if group is not None and group.size() > 1:
-        return _load_sharded(model, config, calibration, dtype, tokenizer_config, Ranks(group))
+        return _load_sharded(model, config, calibration, dtype, tokenizer_config, Ranks(group), draft_scope)
     path = resolve_model(model, dtype)
     nested = config.store != "separate" and not config.telemetry_only
     # Lazily, where the nested store may be used: with high='planes' and a valid
@@ -178,7 +248,8 @@ def load(
     m, tokenizer = _mlx_load(path, tokenizer_config, lazy=nested)
     local = Path(path).is_dir()
     gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
-                      planes_dir=Path(path) if nested and local else None)
+                      planes_dir=Path(path) if nested and local else None, draft_scope=draft_scope)
+    gearbox.model_dir = Path(path) if local else None
     if nested:
         mx.eval(m.parameters())
     _set_calibration(gearbox, tokenizer, calibration)
@@ -208,7 +279,7 @@ def _set_calibration(gearbox: Gearbox, tokenizer: Any, calibration: Union[None, 
 
 def _load_sharded(
     model: Optional[str], config: GearboxConfig, calibration: Union[None, str, Path, Calibration],
-    dtype: Optional[str], tokenizer_config: Optional[Dict[str, Any]], ranks: Ranks,
+    dtype: Optional[str], tokenizer_config: Optional[Dict[str, Any]], ranks: Ranks, draft_scope: Optional[str],
 ) -> Tuple[nn.Module, Any, Gearbox]:
     """:func:`load` on every rank of ``ranks``: what mlx-lm's ``sharded_load`` does for
     tensor parallelism (a lazy load, ``model.shard()``, the shard's weights read),
@@ -223,7 +294,9 @@ def _load_sharded(
     with ranks.stage("building the gears"):
         local = Path(path).is_dir()
         gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
-                          planes_dir=Path(path) if nested and local else None, ranks=ranks)
+                          planes_dir=Path(path) if nested and local else None, ranks=ranks,
+                          draft_scope=draft_scope)
+        gearbox.model_dir = Path(path) if local else None
         if isinstance(calibration, (str, Path)) and calibration not in ("median", "percentile"):
             calibration = Calibration.load(calibration)
         if isinstance(calibration, Calibration):
@@ -255,144 +328,6 @@ def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -
     return mx.array(list(prompt))
 
 
-def stream_generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompt: Union[str, mx.array, List[int]],
-    gearbox: Optional[Gearbox] = None,
-    *,
-    policy: Optional[Policy] = None,
-    lag: Optional[int] = None,
-    seed: Optional[int] = None,
-    prompt_text: Optional[str] = None,
-    kv_calibration: Any = None,
-    **kwargs: Any,
-) -> Generator[GearboxResponse, None, None]:
-    """Stream tokens like ``mlx_lm.stream_generate``, routed by the gearbox.
-
-    Args:
-        prompt: text (encoded as is, like mlx-lm) or token ids.
-        gearbox: from :func:`load`; a default one is made if None.
-        policy: routing policy (default: the config's entropy/static policy).
-        lag: 0 (decision governs the very next forward pass) or 1.
-        seed: seeds MLX's random generator before sampling.
-        prompt_text: what the cold-start classifier reads (default: the
-            prompt, decoded if given as ids); pass the user's message when
-            ``prompt`` carries a chat template.
-        kv_calibration: statistics for the rotated KV cache's λ and key
-            offset (a :class:`~gearbx_mlx.kvcache.KVCalibration` or its
-            dict); default: the gearbox calibration's, else estimated from
-            the weights.
-        kwargs: passed to ``mlx_lm.stream_generate`` (``max_tokens``,
-            ``sampler``, ``logits_processors``, ``prompt_cache``, ...);
-            ``temp``, ``top_p``, ``min_p``, ``top_k`` build a sampler with
-            ``mlx_lm.sample_utils.make_sampler``. ``kv_bits``,
-            ``kv_group_size`` and ``quantized_kv_start`` keep mlx-lm's
-            meaning (start default 5000); ``kv_rotation`` (``"auto"``,
-            ``"srht"``, ``"srft"`` or ``"none"`` for mlx-lm's own cache)
-            picks the cache (:mod:`gearbx_mlx.kvcache.option`). The rotated
-            cache is applied before the first forward pass and the model is
-            restored when the stream ends; a ``prompt_cache`` of empty
-            mlx-lm caches is filled in place with the rotated caches.
-
-    Yields:
-        :class:`GearboxResponse`, one per generated token; the last one has
-        ``finish_reason`` set.
-    """
-    check_generation_options(seed=seed, **{k: v for k, v in kwargs.items() if k in _OPTIONS})
-    ids = encode_prompt(tokenizer, prompt)
-    if prompt_text is None:
-        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(ids.tolist())
-    gearbox = gearbox or Gearbox(model)
-    if gearbox.model is not model:
-        raise ValueError("this gearbox manages another model: pass the model it was made for")
-    sampler_args = {k: kwargs.pop(k) for k in SAMPLER_KEYS if k in kwargs}
-    if sampler_args:
-        if "sampler" in kwargs:
-            raise ValueError("give either sampler= or temp/top_p/min_p/top_k, not both")
-        kwargs["sampler"] = make_sampler(**sampler_args)
-    kv_options = options_from(kwargs, KV_KEYS)
-    if kv_options.rotated and kwargs.get("max_kv_size") is not None:
-        raise ValueError("max_kv_size (a rotating window cache) cannot be combined with the rotated KV cache: "
-                         "drop one, or pass kv_rotation='none' for mlx-lm's own quantized cache")
-    if kv_calibration is None and gearbox.calibration is not None:
-        kv_calibration = gearbox.calibration.kv
-    # Every check of the KV option runs here, before the first forward pass.
-    kv = open_kv(model, kv_options, kv_calibration)
-    try:
-        kv_summary = _use_kv(model, kv, kv_options, kwargs)
-        if seed is not None:
-            mx.random.seed(seed)
-        session = RoutingSession(gearbox, policy, lag)
-        session.kv_cache = kv_summary
-        if gearbox.ranks is not None:
-            check_ranks_agree(gearbox, ids, policy=session.policy.name, lag=session.lag, seed=seed, **sampler_args,
-                              **{k: v for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, float, str))})
-        kwargs["sampler"] = session.sampler(kwargs.get("sampler") or greedy_sampler)
-        session.start(prompt_text)
-    except BaseException:
-        if kv is not None:
-            kv.restore()
-        raise
-    session.quantize_marks["start"] = session.quantize_seconds
-    processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
-    proxy = RoutedModel(model, session)
-    last = time.perf_counter()
-    try:
-        for n, resp in enumerate(
-            _mlx_stream_generate(proxy, tokenizer, ids, logits_processors=processors, **kwargs)
-        ):
-            if n == 0:  # mlx-lm's prompt timing ends and its generation timing starts here
-                session.quantize_marks["first_token"] = session.quantize_seconds
-            session.commit(upto=n)
-            rec = session.records[n]
-            now = time.perf_counter()
-            yield GearboxResponse(
-                **{k: getattr(resp, k) for k in GenerationResponse.__dataclass_fields__},
-                entropy=rec.entropy,
-                smoothed_entropy=rec.smoothed,
-                predicted_entropy=rec.predicted,
-                gear=rec.gear,
-                next_gear=rec.next_gear,
-                shifted=rec.shifted,
-                shift_seconds=rec.shift_seconds,
-                step_seconds=now - last,
-                index=n,
-                nonfinite=rec.nonfinite,
-                rank_gears=rec.rank_gears,
-                ranks_agree=rec.ranks_agree,
-                exchange_seconds=rec.exchange_seconds,
-                session=session,
-            )
-            last = now
-    finally:
-        if gearbox.ranks is not None:
-            # mlx-lm leaves one step (and its collectives) running on its stream when the
-            # stream stops: finish it on every rank, so that no rank leaves (or reaches its
-            # next collective) while another still waits in it.
-            mx.synchronize(generation_stream)
-        # Outside a stream the model is always the one that was loaded.
-        gearbox.manager.shift("high")
-        if kv is not None:
-            kv.restore()
-
-
-def _use_kv(model: nn.Module, kv: Optional[KVSession], options: KVOptions, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Put the KV option into mlx-lm's keyword arguments; the cache's summary."""
-    if kv is None:  # mlx-lm's own float or quantized cache
-        if options.active:
-            kwargs.update(kv_bits=options.bits, kv_group_size=options.plain_group_size,
-                          quantized_kv_start=options.quantized_kv_start)
-        return plain_summary(model, options)
-    kwargs["prompt_cache"] = kv.prompt_cache(kwargs.get("prompt_cache"))
-    if options.quantized_kv_start > 0:
-        # The caches start in float; mlx-lm converts them at the start
-        # (each to its own layer's bits: the arguments it passes are ignored).
-        kwargs.update(kv_bits=options.bits, kv_group_size=kv.config.group_size,
-                      quantized_kv_start=options.quantized_kv_start)
-    return kv.summary()
-
-
 def check_ranks_agree(gearbox: Gearbox, ids: mx.array, **options: Any) -> None:
     """On a sharded model, raise on every rank unless every rank is about to run the same
     generation: the same model, gearbox settings, thresholds, prompt and ``options``.
@@ -407,18 +342,6 @@ def check_ranks_agree(gearbox: Gearbox, ids: mx.array, **options: Any) -> None:
         model=ranks.identity or "", settings=gearbox.config.to_dict(), thresholds=list(gearbox.thresholds),
         prompt=hashlib.sha256(np.asarray(ids).astype(np.int64).tobytes()).hexdigest(), options=options,
     ))
-
-
-def generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompt: Union[str, List[int]],
-    gearbox: Optional[Gearbox] = None,
-    verbose: bool = False,
-    **kwargs: Any,
-) -> str:
-    """Generate a complete response; with ``verbose``, stream it to stdout."""
-    return collect_text(stream_generate(model, tokenizer, prompt, gearbox, **kwargs), verbose)
 
 
 def collect_text(responses: Iterable[GenerationResponse], verbose: bool = False) -> str:

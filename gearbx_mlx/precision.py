@@ -38,7 +38,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .affine import bytes_per_weight
-from .config import GEARS, GearboxConfig, bits_for, resolve_store
+from .config import GEARS, GearboxConfig, bits_for
 from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
 from .nested.layers import NestedWeights
 from .nested.store import (
@@ -54,7 +54,8 @@ from .nested.store import (
     save_nested,
 )
 from .packed.fused import fuse_modules
-from .packed.layers import PackedEmbedding, PackedLinear, cpu_backend
+from .packed.layers import PackedEmbedding, PackedLinear
+from .resolver import is_prequantized, resolve, weights_source
 from .sources.cache import cache_dir
 
 #: Path components (lower-cased, underscores removed) that mark attention (§6.1).
@@ -76,15 +77,6 @@ def _is_attention(path: str) -> bool:
 def nbytes(module: nn.Module) -> int:
     """Bytes of every array a module holds."""
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-
-def is_prequantized(model: nn.Module) -> bool:
-    """True if any layer of the model is already quantized."""
-    return any(
-        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-        or type(m).__name__.startswith("Quantized")
-        for _, m in model.named_modules()
-    )
 
 
 def _output_is_tied(model: nn.Module) -> bool:
@@ -136,13 +128,6 @@ def discover(
             continue
         managed.append(path)
     return sorted(managed, key=_natural_key), skipped
-
-
-def _all_affine_8bit(model: nn.Module) -> bool:
-    """True if every quantized layer of the model is MLX 8-bit affine."""
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, *QUANTIZED_SHARDED)
-    found = [m for _, m in model.named_modules() if isinstance(m, kinds)]
-    return bool(found) and all(m.bits == 8 and getattr(m, "mode", "affine") == "affine" for m in found)
 
 
 def read_bytes(module: nn.Module) -> int:
@@ -208,21 +193,6 @@ def packed_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module
     return PackedLinear.from_linear(module, bits=bits, group_size=group_size)
 
 
-def default_kernel() -> str:
-    """The CLI's kernel when ``--kernel`` is not given: the fastest one available.
-
-    "packed" on the CPU device when the C kernels are built (they decode
-    several times faster than MLX's quantized CPU kernels, and the
-    speculative drafter's host step needs them); "mlx" elsewhere (on a GPU
-    neither is reliably faster, and Metal speed is unmeasured).
-    """
-    if mx.default_device() != mx.cpu:
-        return "mlx"
-    with warnings.catch_warnings():  # a missing optional build is no news here
-        warnings.simplefilter("ignore")
-        return "packed" if cpu_backend() is not None else "mlx"
-
-
 class PrecisionManager:
     """Swaps managed modules of a live model between gears.
 
@@ -236,9 +206,12 @@ class PrecisionManager:
         model: nn.Module,
         config: Optional[GearboxConfig] = None,
         planes_dir: Optional[Path] = None,
+        draft_scope: Optional[str] = None,
     ) -> None:
         """
         Args:
+            draft_scope: the layers a speculative drafter quantizes (the nested
+                store's planes are built over them: one copy for both).
             planes_dir: the loaded model's folder: the nested store reads its
                 planes from the disk cache there (or in the package's cache
                 folder) when a valid one exists, and writes them there after
@@ -250,10 +223,13 @@ class PrecisionManager:
         self.model = model
         self.config = config or GearboxConfig()
         c = self.config
+        #: The config as resolved (store, kernel, scope) and why (:mod:`gearbx_mlx.resolver`).
+        self.config, self.resolution = resolve(c, model, draft_scope)
+        c = self.config
         quantized = is_prequantized(model)
-        self.source = "quantized-8bit" if quantized and _all_affine_8bit(model) else "quantized" if quantized else "float"
-        #: The store in use: the config's, or the default for these weights (:func:`resolve_store`).
-        self.store = resolve_store(c, self.source == "float")
+        self.source = weights_source(model)
+        #: The store in use (:func:`~gearbx_mlx.resolver.resolve` decided it).
+        self.store = c.store
         if self.store == "nested" and self.source == "quantized" and not c.telemetry_only:
             raise ValueError(
                 "the nested store re-expresses float or MLX 8-bit weights; this model is quantized below "

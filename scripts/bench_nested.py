@@ -235,7 +235,7 @@ def run_shift(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def run_speed(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    from gearbx_mlx.generation import stream_generate
+    from gearbx_mlx.pipeline import stream_generate
 
     rows = []
     for store, high in STORES:

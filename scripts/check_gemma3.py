@@ -87,7 +87,7 @@ def main() -> int:
     import gearbx_mlx
     from gearbx_mlx.config import GearboxConfig
     from gearbx_mlx.evaluation.perplexity import windowed_perplexity as perplexity
-    from gearbx_mlx.precision import default_kernel
+    from gearbx_mlx.resolver import default_kernel
     from gearbx_mlx.sources.cache import cache_dir, default_dtype
     from gearbx_mlx.sources.gguf import check_supported, convert_gguf, read_gguf_header
     from gearbx_mlx.sources.models import corpus_path, fetch_chunked_gguf

@@ -260,7 +260,7 @@ def test_a_trace_path_that_is_a_directory(capsys, tmp_path):
 
 
 def test_the_library_checks_generation_options_too(tiny_llama):
-    from gearbx_mlx.generation import stream_generate
+    from gearbx_mlx.pipeline import stream_generate
 
     with pytest.raises(ValueError, match="temp must be a number >= 0"):
         next(stream_generate(tiny_llama, None, [1, 2], temp=-1.0))

@@ -20,7 +20,8 @@ from fault_models import tiny_model_folder
 
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.gearbox import Gearbox
-from gearbx_mlx.generation import load, stream_generate
+from gearbx_mlx.generation import load
+from gearbx_mlx.pipeline import stream_generate
 from gearbx_mlx.routing import NonFiniteLogitsWarning, RoutingSession
 from gearbx_mlx.telemetry.trace import read_trace
 

@@ -77,7 +77,14 @@ def test_ctrl_c_while_calibrating(tiny, tmp_path, capsys, monkeypatch):
 
 
 def test_ctrl_c_in_the_prefill(tiny, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate, "stream_generate", lambda *a, **k: (_raise() for _ in [0]))
+    real = generate.prepare
+
+    def prepare_then_ctrl_c(*a, **k):
+        run = real(*a, **k)
+        run.tokens = lambda: (_raise() for _ in [0])  # the prefill's first evaluation raises
+        return run
+
+    monkeypatch.setattr(generate, "prepare", prepare_then_ctrl_c)
     code, err = run_generate(capsys, tiny, tmp_path / "t.jsonl")
     assert code == 130 and "Traceback" not in err
     t = assert_interrupted_trace(tmp_path / "t.jsonl", stage="prefill")
@@ -85,15 +92,22 @@ def test_ctrl_c_in_the_prefill(tiny, tmp_path, capsys, monkeypatch):
 
 
 def test_ctrl_c_while_decoding(tiny, tmp_path, capsys, monkeypatch):
-    real = generate.stream_generate
+    real = generate.prepare
 
     def three_then_ctrl_c(*a, **k):
-        for i, r in enumerate(real(*a, **k)):
-            if i == 3:
-                raise KeyboardInterrupt
-            yield r
+        run = real(*a, **k)
+        tokens = run.tokens
 
-    monkeypatch.setattr(generate, "stream_generate", three_then_ctrl_c)
+        def stream():
+            for i, r in enumerate(tokens()):
+                if i == 3:
+                    raise KeyboardInterrupt
+                yield r
+
+        run.tokens = stream
+        return run
+
+    monkeypatch.setattr(generate, "prepare", three_then_ctrl_c)
     code, err = run_generate(capsys, tiny, tmp_path / "t.jsonl")
     assert code == 130 and "Traceback" not in err and "Interrupted." in err
     t = assert_interrupted_trace(tmp_path / "t.jsonl", tokens=3)
@@ -218,3 +232,31 @@ def test_sigint_while_decoding_real_signal(tiny, tmp_path):
     assert code == 130 and "Traceback" not in err, err
     t = read_trace(tmp_path / "t.jsonl")
     assert t.summary["interrupted"] is True and len(t.tokens) == t.summary["generation_tokens"] >= 3
+
+
+@pytest.mark.slow
+def test_sigint_during_a_long_prefill_real_signal(tmp_path):
+    """A real SIGINT a second into the prefill of a ~1,500-token prompt on the default model.
+
+    The prompt is fed in chunks (``PREFILL_STEP_SIZE``) and Python handles the
+    signal between two MLX evaluations, so it lands within one chunk: exit 130,
+    one line, a trace whose summary says interrupted in the prefill, no token.
+    """
+    from gearbx_mlx.sources.models import resolve_model
+
+    model = Path(resolve_model(None))
+    prompt = "The quick brown fox jumps over the lazy dog. " * 150
+    proc = _spawn(tmp_path, model, "--prompt", prompt, "--max-tokens", "64", "--store", "separate")
+    trace = tmp_path / "t.jsonl"
+    # The run record's header ("mode") is written just before the prefill starts.
+    _wait_for(lambda: trace.exists() and '"mode": "routed"' in trace.read_text(), proc, START_S)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=300)  # a hang guard, not a timing check
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted" in err
+    assert_interrupted_trace(trace, stage="prefill")

@@ -26,8 +26,8 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
         "packed", "packed.*", "nested", "nested.*", "kvcache", "kvcache.*", "policies", "sourcecheck",
         "calibration",
     )),
-    ("gearbox and routing", ("precision", "gearbox", "routing", "distributed", "distributed.*")),
-    ("generation and speculative decoding", ("generation", "speculative", "speculative.decode",
+    ("gearbox and routing", ("resolver", "precision", "gearbox", "routing", "distributed", "distributed.*")),
+    ("generation and speculative decoding", ("generation", "record", "pipeline", "speculative", "speculative.decode",
                                              "speculative.acceptance", "speculative.draft", "speculative.host",
                                              "speculative.calibration", "speculative.*")),
     ("command lines, evaluation and telemetry", (

@@ -208,7 +208,10 @@ def test_nested_store_refuses_a_4bit_model_and_foreign_bits():
 
 
 def test_the_default_store_is_nested_for_float_weights_only():
-    from gearbx_mlx.config import resolve_store
+    from gearbx_mlx.resolver import resolve_store as decide
+
+    def resolve_store(config, float_source):
+        return decide(config, "float" if float_source else "quantized")[0]
 
     assert resolve_store(GearboxConfig(), float_source=True) == "nested"
     assert resolve_store(GearboxConfig(), float_source=False) == "separate"  # quantized: telemetry only

@@ -63,7 +63,7 @@ def test_high_gear_is_bit_identical_and_restores_the_same_objects(tiny_llama, sc
 @given(seq=st.lists(st.sampled_from(["low", "mid", "high"]), min_size=1, max_size=8))
 def test_swaps_are_idempotent(seq):
     model = make_tiny_llama(hidden=64, layers=1)
-    mgr = PrecisionManager(model, GearboxConfig(store="separate"))
+    mgr = PrecisionManager(model, GearboxConfig(store="separate", kernel="mlx"))
     for g in seq:
         mgr.shift(g)
         installed = mgr.installed()

@@ -23,8 +23,8 @@ from gearbx_mlx.speculative.decode import (
     SpeculativeConfig,
     SpeculativeStats,
     speculative_generate_step,
-    stream_speculative_generate,
 )
+from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative.draft import build_draft
 
 VOCAB = 64
@@ -408,7 +408,7 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
     t = read_trace(trace)
     assert t.header["policy"] == "speculative" and t.summary["generation_tokens"] == len(t.tokens)
     assert all(r["verified_by"] == "high" and r["drafted"] <= 3 for r in t.tokens)
-    assert sum(r["accepted"] for r in t.tokens) == t.summary["accepted"]
+    assert sum(r["accepted"] for r in t.tokens) == t.summary["speculative"]["accepted"]
 
 
 # -- the host drafter (numpy around the packed C kernels, CPU) -----------------------

@@ -3,6 +3,7 @@ measured costs at start, decoding plainly where drafting cannot pay."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -29,8 +30,8 @@ from gearbx_mlx.speculative.decode import (
     SpeculativeConfig,
     SpeculativeStats,
     speculative_generate_step,
-    stream_speculative_generate,
 )
+from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative.draft import build_draft
 from gearbx_mlx.speculative.drafter import make_drafter
 from gearbx_mlx.speculative.plan import (
@@ -210,8 +211,7 @@ class CharTokenizer:
 
 @pytest.mark.parametrize("c, mode, drafts", [(0.05, "auto", True), (0.95, "auto", False), (0.95, "force", True)])
 def test_cli_follows_the_measured_decision(monkeypatch, capsys, tmp_path, llama_packed, c, mode, drafts):
-    from gearbx_mlx.generate import build_parser
-    from gearbx_mlx.speculative.cli import run_speculative
+    from gearbx_mlx.generate import build_parser, run_loaded
     from gearbx_mlx.telemetry.trace import read_trace
 
     model, gb, _ = llama_packed
@@ -221,14 +221,15 @@ def test_cli_follows_the_measured_decision(monkeypatch, capsys, tmp_path, llama_
             "--trace", str(trace)]
     args = build_parser().parse_args(argv)
     text = "abcdefghij"
-    assert run_speculative(args, model, CharTokenizer(), gb, text, text) == 0
+    assert run_loaded(args, model, CharTokenizer(), gb, text) == 0
     out, err = capsys.readouterr()
     want = greedy_reference(model, CharTokenizer().encode(text), 16)
     assert out.rstrip("\n") == CharTokenizer().decode(want)
     t = read_trace(trace)
-    ran = t.summary["drafter"]["path"]
-    assert t.header["speculative"]["drafting"] is drafts and t.summary["plan"]["speculate"] is drafts
-    assert (ran != "none") is drafts and (t.summary["drafted"] > 0) is drafts
+    spec = t.summary["speculative"]
+    ran = spec["drafter"]["path"]
+    assert t.header["speculative"]["drafting"] is drafts and spec["plan"]["speculate"] is drafts
+    assert (ran != "none") is drafts and (spec["drafted"] > 0) is drafts
     assert f"Drafter: {ran} path" in err and "Decision (" + mode in err
     assert ("decoding plainly" in err) is (not drafts)
 
@@ -349,8 +350,8 @@ def test_calibration_saves_per_length_costs_and_gating(llama_packed):
 
 def test_cli_calibration_saves_the_costs_and_gating_the_decision_reads(monkeypatch, capsys, tmp_path, llama_packed):
     from gearbx_mlx.calibration import Calibration
-    from gearbx_mlx.generate import build_parser
-    from gearbx_mlx.speculative.cli import run_speculative
+    from gearbx_mlx.generate import build_parser, run_loaded
+    from gearbx_mlx.speculative.cli import calibrate_drafter
 
     model, gb, _ = llama_packed
     thresholds = gb.thresholds
@@ -358,7 +359,9 @@ def test_cli_calibration_saves_the_costs_and_gating_the_decision_reads(monkeypat
     path = tmp_path / "cal.json"
     args = build_parser().parse_args(["--speculative", "--calibrate", "--calibration", str(path), "--max-tokens", "8"])
     try:
-        assert run_speculative(args, model, CharTokenizer(), gb, "abcdefghij", "abcdefghij") == 0
+        calibrate_drafter(args, model, CharTokenizer(), gb)  # what the CLI's --calibrate does with --speculative
+        gb.calibration.save(path)
+        assert run_loaded(args, model, CharTokenizer(), gb, "abcdefghij") == 0
     finally:
         gb.calibration = None
         gb.set_thresholds(*thresholds)
@@ -366,3 +369,24 @@ def test_cli_calibration_saves_the_costs_and_gating_the_decision_reads(monkeypat
     assert len(block["step_ms"]["verify"]) == max(REPLAY_MAX_DRAFT) and block["gating"]["greedy"]
     err = capsys.readouterr().err
     assert "saved calibration" in err and "Decision (auto)" in err and "v(k)" in err
+
+
+def test_auto_does_not_draft_within_the_timing_noise_of_break_even(llama_packed):
+    """Rounds whose median models a speed-up but whose lower quartile does not: ``auto`` decodes
+    plainly and says why, ``force`` drafts; the same median with tight rounds drafts."""
+    model, _, draft = llama_packed
+
+    def rounds(cs):
+        return [{"high": 0.01, "draft": c * 0.01, "verify": 1.3 * 0.01} for c in cs]
+
+    base = measured(0.3, 1.3)
+    noisy = dataclasses.replace(base, rounds=rounds([1.0, 0.9, 0.3, 0.3, 0.3, 0.2, 0.1]))
+    tight = dataclasses.replace(base, rounds=rounds([0.29, 0.3, 0.3, 0.3, 0.3, 0.31, 0.31]))
+    for m in (noisy, tight):
+        assert plan_speculative(model, draft, PROMPT, 4, measured=m).best_speedup > MIN_MODELED_SPEEDUP
+    quiet = plan_speculative(model, draft, PROMPT, 4, measured=tight)
+    assert quiet.speculate and quiet.speedup_low >= MIN_MODELED_SPEEDUP
+    shaky = plan_speculative(model, draft, PROMPT, 4, measured=noisy)
+    assert not shaky.speculate and shaky.speedup_low < MIN_MODELED_SPEEDUP <= shaky.best_speedup
+    assert "within the timing noise" in shaky.message()
+    assert plan_speculative(model, draft, PROMPT, 4, mode="force", measured=noisy).speculate

@@ -15,7 +15,6 @@ import gearbx_mlx
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.gearbox import Gearbox
 from gearbx_mlx.precision import nbytes
-from gearbx_mlx.telemetry.trace import run_summary
 
 cli = importlib.import_module("gearbx_mlx.generate")  # the module, not the package's generate()
 
@@ -42,7 +41,7 @@ class SwitchAt:
 def summarise(model, gearbox, n=8, policy=None, vocab=BIG_VOCAB):
     tok = make_tiny_tokenizer(vocab)
     out = list(gearbx_mlx.stream_generate(model, tok, PROMPT, gearbox, policy=policy, max_tokens=n))
-    return run_summary(out[-1].session, out[-1])
+    return out[-1].run.summary(out[-1])
 
 
 def test_summary_shows_the_managed_share_and_when_the_scope_leaves_little():
@@ -120,8 +119,8 @@ def run_cli(monkeypatch, capsys, model, *argv):
     """``gearbx_mlx.generate.main`` on a tiny model (``load`` patched)."""
     tok = make_tiny_tokenizer(512)
 
-    def fake_load(path, config, dtype=None):
-        return model, tok, Gearbox(model, config)
+    def fake_load(path, config, dtype=None, draft_scope=None):
+        return model, tok, Gearbox(model, config, draft_scope=draft_scope)
 
     monkeypatch.setattr(cli, "load", fake_load)
     code = cli.main(["--prompt", PROMPT, "--max-tokens", "6", "--ignore-chat-template", *argv])

@@ -50,10 +50,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..chat import encode_chat
 from ..config import GearboxConfig
 from ..gearbox import Gearbox, vocab_size_of
-from ..generation import load, stream_generate
+from ..generation import load
+from ..pipeline import stream_generate
 from ..packed import guard
 from ..policies import PositionPolicy, StaticPolicy
-from ..precision import default_kernel, nbytes
+from ..precision import nbytes
+from ..resolver import default_kernel
 from ..sources.models import resolve_model
 from ..speculative.calibration import (
     DraftStats,
@@ -62,7 +64,8 @@ from ..speculative.calibration import (
     gating_table,
     modeled_speedup,
 )
-from ..speculative.decode import SpeculativeConfig, get_draft, stream_speculative_generate
+from ..pipeline import stream_speculative_generate
+from ..speculative.decode import SpeculativeConfig, get_draft
 from ..speculative.plan import CHOOSE, measure_start, plan_speculative
 from .machine import bandwidth, hardware, load_average, software
 from .speed import forcing_sampler

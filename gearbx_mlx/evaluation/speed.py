@@ -23,7 +23,7 @@ from mlx_lm.generate import stream_generate as mlx_stream
 
 from ..config import GearboxConfig
 from ..gearbox import Gearbox
-from ..generation import stream_generate
+from ..pipeline import stream_generate
 from ..precision import mlx_quantizer
 from .specs import ModelLayout, PolicySpec
 

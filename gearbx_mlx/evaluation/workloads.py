@@ -16,7 +16,7 @@ import mlx.nn as nn
 from ..chat import apply_chat_template
 from ..config import GEARS, GearboxConfig
 from ..gearbox import Gearbox
-from ..generation import stream_generate
+from ..pipeline import stream_generate
 from .specs import PolicySpec
 
 #: Prompts of each workload (ours; the paper names the workloads, not prompts).

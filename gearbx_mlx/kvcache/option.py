@@ -3,7 +3,7 @@
 Generation takes mlx-lm's ``kv_bits``, ``kv_group_size`` and
 ``quantized_kv_start`` with mlx-lm's meaning (bits per cached element,
 elements per quantization group along the head, and the cache length at
-which the float cache is converted; mlx-lm's default start is 5000), plus
+which the float cache is converted), plus
 ``kv_rotation``:
 
 * ``"none"``: mlx-lm's own ``QuantizedKVCache``, unchanged;
@@ -11,6 +11,10 @@ which the float cache is converted; mlx-lm's default start is 5000), plus
   this package with the recipe :func:`recipe` picks for the model from its
   weights (rotation, λ, key offset, the attention sink; more bits for the
   layers whose ``k_proj`` biases put outlying offsets on the keys).
+
+Where ``quantized_kv_start`` is not given, the rotated cache quantizes from
+the first token (it is built to keep quality there), and mlx-lm's own cache
+keeps mlx-lm's default of 5000 tokens.
 
 :func:`open_kv` checks everything and applies the transform before the
 first token; :class:`KVSession` makes the caches (or adopts a prompt cache),
@@ -54,13 +58,16 @@ class KVOptions:
             default (:func:`~gearbx_mlx.kvcache.outliers.default_group_size`:
             32 where ``k_proj`` biases put outlying offsets on the keys).
         quantized_kv_start: the float cache is quantized once it holds this
-            many tokens (0: from the first token).
+            many tokens (0: from the first token). None (not given): 0 for the
+            rotated cache, which is made to be quantized from the first token
+            (:attr:`start`), and mlx-lm's 5000 for its own cache, whose plain
+            4-bit quantization loses far more quality when it starts early.
         rotation: one of :data:`ROTATION_CHOICES`.
     """
 
     bits: Optional[int] = None
     group_size: Optional[int] = None
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    quantized_kv_start: Optional[int] = None
     rotation: str = "auto"
 
     def __post_init__(self) -> None:
@@ -77,7 +84,7 @@ class KVOptions:
             raise ValueError(f"kv_group_size must be one of {', '.join(map(str, SUPPORTED_GROUPS))}, "
                              f"got {self.group_size!r}")
         q = self.quantized_kv_start
-        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
             raise ValueError(f"quantized_kv_start must be an integer >= 0, got {q!r}")
 
     @property
@@ -88,6 +95,13 @@ class KVOptions:
     @property
     def rotated(self) -> bool:
         return self.active and self.rotation != "none"
+
+    @property
+    def start(self) -> int:
+        """The cache length at which quantizing starts (see ``quantized_kv_start``)."""
+        if self.quantized_kv_start is not None:
+            return self.quantized_kv_start
+        return 0 if self.rotation != "none" else DEFAULT_QUANTIZED_KV_START
 
     @property
     def plain_group_size(self) -> int:
@@ -115,10 +129,10 @@ def recipe(model: nn.Module, options: KVOptions) -> KVConfig:
     if not options.active:
         raise ValueError("no KV bits given: the float cache needs no recipe")
     if options.rotation == "none":
-        return plain(options.bits, options.plain_group_size, options.quantized_kv_start)
+        return plain(options.bits, options.plain_group_size, options.start)
     group = default_group_size(model) if options.group_size is None else options.group_size
     return KVConfig(bits=options.bits, group_size=group, rotation=options.rotation,
-                    quantized_kv_start=options.quantized_kv_start)
+                    quantized_kv_start=options.start)
 
 
 def check_caches(model: nn.Module) -> None:
@@ -272,7 +286,7 @@ def plain_summary(model: nn.Module, options: KVOptions) -> Dict[str, Any]:
     bpe = bits_per_element(options.bits, options.plain_group_size)
     bpt = None if f16 is None else f16 * bpe / 16
     return {"kind": "affine", "bits": options.bits, "group_size": options.plain_group_size,
-            "quantized_kv_start": options.quantized_kv_start, "rotation": ["none"], "lambda": False,
+            "quantized_kv_start": options.start, "rotation": ["none"], "lambda": False,
             "key_offset": False, "sink": False, "statistics": None, "bits_per_element": bpe,
             "bytes_per_token": bpt, "float16_bytes_per_token": f16,
             "ratio_to_float16": None if f16 is None else bpe / 16}
@@ -335,7 +349,6 @@ def options_from(kwargs: Dict[str, Any], keys: Sequence[str] = ("kv_bits", "kv_g
     return KVOptions(
         bits=got.get("kv_bits"),
         group_size=got.get("kv_group_size"),
-        quantized_kv_start=(DEFAULT_QUANTIZED_KV_START if got.get("quantized_kv_start") is None
-                            else got["quantized_kv_start"]),
+        quantized_kv_start=got.get("quantized_kv_start"),
         rotation=got.get("kv_rotation") or "auto",
     )

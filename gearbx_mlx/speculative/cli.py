@@ -1,9 +1,10 @@
-"""``--speculative`` for ``python -m gearbx_mlx.generate``: flags, run, trace, summary.
+"""``--speculative`` for ``python -m gearbx_mlx.generate``: flags, settings, summary lines.
 
 The generate CLI adds these flags with :func:`add_speculative_args`, checks
-them before loading with :func:`check_speculative_args`, and hands the loaded
-model to :func:`run_speculative`. Text streams to stdout; the summary goes to
-stderr after a separator, as in routed generation.
+them before loading with :func:`check_speculative_args`, turns them into a
+:class:`SpeculativeConfig` with :func:`speculative_config` and runs the one
+generation pipeline with it; :func:`speculative_lines` are the summary's
+speculative block.
 """
 
 from __future__ import annotations
@@ -11,25 +12,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ..config import SCOPES
-from ..console import kv_line, print_stream, say
-from ..distributed.ranks import stage
-from ..generation import encode_prompt
-from ..telemetry.trace import TraceWriter, ranks_header, token_record as routed_record
+from ..console import say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
-from .decode import (
-    SpeculativeConfig,
-    SpeculativeResponse,
-    apply_plan,
-    get_draft,
-    speculative_summary,
-    stream_speculative_generate,
-)
+from .decode import SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
-from .plan import CHOOSE, MIN_MODELED_SPEEDUP, MODES, SpeculativePlan, plan_speculative
+from .plan import MIN_MODELED_SPEEDUP, MODES
 
 
 def _positive_int(text: str) -> int:
@@ -116,12 +106,16 @@ def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeCon
     """The config of a CLI run before the decision: flags first, then the saved calibration, then the defaults.
 
     ``max_draft`` is the block cap the decision models lengths up to; the
-    entropy stop is the flag's where one was given (the decision keeps it),
-    else the calibrated one (the decision may choose another, or none).
+    entropy stop is the flag's where one was given (the decision keeps it;
+    ``off``: fixed blocks only), else the calibrated one (the decision may
+    choose another, or none).
     """
     block = calibrated_stop(gearbox, args.draft_gear) or {}
+    plan_options: Dict[str, Any] = {}
     if hasattr(args, "draft_entropy_stop"):
         stop = args.draft_entropy_stop
+        if stop is None:
+            plan_options["stop"] = None
     else:
         stop = block.get("stop_bits")
     max_draft = args.max_draft or block.get("max_draft") or SpeculativeConfig.max_draft
@@ -130,31 +124,30 @@ def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeCon
         raise ValueError(f"--hard-max-draft {hard} exceeds the block cap {max_draft}")
     return SpeculativeConfig(
         draft_gear=args.draft_gear, max_draft=int(max_draft), draft_entropy_stop=stop,
-        hard_max_draft=hard, draft_scope=args.draft_scope,
+        hard_max_draft=hard, draft_scope=args.draft_scope, mode=args.speculative, plan_options=plan_options,
     )
 
 
-def token_record(resp: SpeculativeResponse) -> Dict[str, Any]:
-    """A trace record: the routed fields (``gearbx_mlx.telemetry.trace``) plus the speculative ones."""
-    return {
-        **routed_record(resp),
-        "drafted": resp.drafted,
-        "accepted": bool(resp.accepted),
-        "verified_by": resp.verified_by,
-        "draft_entropy": resp.draft_entropy,
-        "block": resp.block,
-        "stop": resp.stop,
-    }
+def calibrate_drafter(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
+    """``--calibrate`` with ``--speculative``: the drafter's entropy stop and block cap, measured
+    by replaying the model's own continuations, into the gearbox's calibration (and its file)."""
+    ranks = gearbox.ranks  # a sharded model: measured choices are rank 0's, every rank takes them
+    draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
+    say(args, "calibrating the draft stop and block cap ...")
+    block = calibrate_draft_stop(model, draft, tokenizer, "replay",
+                                 sampler=ranks.exchange.greedy_sampler() if ranks and ranks.exchange else None)
+    block = ranks.first(block) if ranks else block
+    gearbox.calibration.extra.setdefault(CALIBRATION_KEY, {})[args.draft_gear] = block
 
 
-def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
+def speculative_lines(summary: Dict[str, Any]) -> List[str]:
+    """The summary lines of a speculative run (its ``"speculative"`` block)."""
+    s = summary["speculative"]
+    config = SpeculativeConfig(**{k: v for k, v in s["config"].items() if k in SpeculativeConfig.__dataclass_fields__})
     rate = s["acceptance_rate"]
     mem = s.get("memory") or {}
     stop = "off" if config.draft_entropy_stop is None else f"{config.draft_entropy_stop:.3f} bits"
     lines = [
-        f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec",
-        f"Generation: {s['generation_tokens']} tokens, {s['generation_tps']:.3f} tokens-per-sec",
-        f"Peak memory: {s['peak_memory_gb']:.3f} GB",
         f"Speculative: {s['draft_gear']} gear drafts ({s['draft_bits']}-bit, scope {s['draft_scope']}), "
         f"high verifies; max draft {config.max_draft}, entropy stop {stop}"
         if (s.get("drafter") or {}).get("path") != "none" else
@@ -176,112 +169,25 @@ def format_summary(s: Dict[str, Any], config: SpeculativeConfig) -> str:
     if d:
         lines.append(f"Ranks: {d['ranks']} (tensor parallel, this summary is rank 0's); drafts and verdicts: rank "
                      f"0's, {d['decision_collectives']} collectives for {d['forward_steps']} forward passes")
-    if s.get("kv_cache"):
-        lines.append(kv_line(s["kv_cache"]) + (f" ({s['kv_cache']['caches']})" if s["kv_cache"].get("caches") else ""))
     plan = s.get("plan")
     if plan:
         v = "/".join(f"{x:.2f}" for x in plan["verify_cost"][1:])
         gated = plan.get("gated")
+        low = plan.get("speedup_low")
+        plain = (f"within the timing noise of {plan['threshold']:.2f}x (lower quartile {low:.2f}x): decoded plainly"
+                 if low is not None and plan["best_speedup"] >= plan["threshold"]
+                 else f"below {plan['threshold']:.2f}x: decoded plainly")
         lines.append(
             f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, v(k) {v}, alpha {plan['alpha']:.2f} "
             f"({plan['alpha_source']}); modeled fixed {plan['fixed']['speedup']:.2f}x (k={plan['fixed']['k']})"
             + (f", gated {gated['speedup']:.2f}x (k<={gated['k']}, stop {gated['stop_bits']:.2f} bits)"
                if gated else ", gated: no statistics")
-            + " -> " + {"plain": f"below {plan['threshold']:.2f}x: decoded plainly",
+            + " -> " + {"plain": plain,
                         "fixed": f"fixed blocks of {plan['best_k']}",
                         "gated": f"gated blocks of up to {plan['best_k']}"}[plan["choice"]])
-    if s["interrupted"]:
-        lines.append("Interrupted.")
-    return "\n".join(lines)
+    return lines
 
 
 def _drafter_line(d: Dict[str, Any]) -> str:
     why = f"; {d['reason']}" if d.get("reason") else ""
     return f"Drafter: {d.get('path', '?')} path ({d.get('detail', '')}{why})"
-
-
-def run_speculative(
-    args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, prompt: str, templated: Any,
-    writer: Optional[TraceWriter] = None,
-) -> int:
-    """Generate speculatively as the CLI asked; returns the exit status.
-
-    Args:
-        prompt: the user's text (for the trace); templated: what is encoded.
-        writer: the run's trace, header already begun (default: opened here if ``args.trace``).
-    """
-    ranks = gearbox.ranks  # a sharded model: measured choices are rank 0's, every rank takes them
-    draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
-    if getattr(args, "calibrate", None) and gearbox.calibration is not None:
-        # The router's strategy sets its thresholds; the drafter's stop and
-        # block cap are always the replay's (the best modeled speed-up).
-        say(args, "calibrating the draft stop and block cap ...")
-        block = calibrate_draft_stop(model, draft, tokenizer, "replay",
-                                     sampler=ranks.exchange.greedy_sampler() if ranks and ranks.exchange else None)
-        block = ranks.first(block) if ranks else block
-        gearbox.calibration.extra.setdefault(CALIBRATION_KEY, {})[args.draft_gear] = block
-        with stage(ranks, "saving the calibration"):
-            if args.calibration and getattr(args, "rank", 0) == 0:
-                gearbox.calibration.save(args.calibration)
-    with stage(ranks, "setting up speculative decoding"):
-        config = speculative_config(args, gearbox)
-    say(args, "timing the drafter against the high gear on the prompt ...")
-    plan = plan_speculative(
-        model, draft, encode_prompt(tokenizer, templated).tolist(), config.max_draft, greedy=args.temp == 0,
-        mode=args.speculative, calibration=calibrated_stop(gearbox, args.draft_gear),
-        stop=args.draft_entropy_stop if hasattr(args, "draft_entropy_stop") else CHOOSE,
-    )
-    if ranks is not None:  # timings differ between ranks: rank 0's decision to draft holds for all
-        plan = SpeculativePlan(**ranks.first(plan.to_dict()))
-    say(args, plan.message())
-    _, config = apply_plan(config, plan)  # what runs: the plan's block length and stop
-    if writer is None and args.trace and getattr(args, "rank", 0) == 0:
-        writer = TraceWriter(args.trace)
-    last: Optional[SpeculativeResponse] = None
-    interrupted = False
-    try:
-        stream = stream_speculative_generate(
-            model, tokenizer, templated, gearbox, config=config, draft=draft, plan=plan,
-            max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-            top_k=args.top_k, seed=args.seed, kv_bits=getattr(args, "kv_bits", None),
-            kv_group_size=getattr(args, "kv_group_size", None),
-            quantized_kv_start=getattr(args, "quantized_kv_start", None),
-            kv_rotation=getattr(args, "kv_rotation", None),
-        )
-        if not args.quiet:
-            print("=" * 10, file=sys.stderr, flush=True)
-        last, interrupted = print_stream(
-            stream, color=args.color, writer=writer, record=token_record,
-            header=lambda first: _header(args, gearbox, config, draft, first, prompt, plan),
-        )
-    finally:
-        summary = {**speculative_summary(last, interrupted), "plan": plan.to_dict()}
-        if writer:
-            writer.summary(**summary)
-            writer.close()
-        if not args.quiet and last is not None:
-            print("=" * 10, file=sys.stderr)
-            print(format_summary(summary, config), file=sys.stderr)
-    return 130 if interrupted else 0
-
-
-def _header(args: argparse.Namespace, gearbox: Any, config: SpeculativeConfig, draft: Any,
-            first: SpeculativeResponse, prompt: str, plan: SpeculativePlan) -> Dict[str, Any]:
-    c = gearbox.config
-    return {
-        "model": gearbox.model_name,
-        "vocab_size": gearbox.vocab_size,
-        "thresholds": {"low": gearbox.thresholds[0], "high": gearbox.thresholds[1]},
-        "policy": "speculative",
-        "scope": c.scope, "kernel": c.kernel, "window": c.window,
-        "speculative": {
-            "draft_gear": draft.gear, "draft_bits": draft.bits, "draft_scope": draft.scope,
-            "max_draft": config.max_draft, "draft_entropy_stop": config.draft_entropy_stop,
-            "hard_max_draft": config.hard_max_draft, "mode": plan.mode, "drafting": plan.speculate,
-            "drafter": first.stats.drafter if first.stats else plan.drafter, "plan": plan.to_dict(),
-        },
-        "prompt_tokens": first.prompt_tokens,
-        "sampling": {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p,
-                     "top_k": args.top_k, "seed": args.seed},
-        **ranks_header(gearbox),
-    }

@@ -55,25 +55,22 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..config import SCOPES
+from ..config import PREFILL_STEP_SIZE, SCOPES
 from ..distributed.exchange import StepExchange
 from ..entropy import EntropyMonitor, MonitorStep, entropy_bits
-from ..gearbox import Gearbox
-from ..generation import KV_KEYS, GearboxResponse, check_ranks_agree, collect_text, encode_prompt
-from ..kvcache.option import KVOptions, KVSession, open_kv, options_from, plain_summary
-from .acceptance import make_log_dist, read_verdict
-from .calibration import calibrated_stop
+from ..generation import GearboxResponse
+from ..kvcache.option import KVSession
+from .acceptance import read_verdict
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
-from .plan import CHOOSE, SpeculativePlan, plan_speculative
+from .plan import MODES, SpeculativePlan
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -95,6 +92,15 @@ class SpeculativeConfig:
             drafter costs nearly a full high-gear step and cannot pay.
             None: the gearbox's scope.
         prefill_step_size: prompt tokens per prefill chunk (as mlx-lm).
+        mode: ``"auto"`` or ``"force"``: decide at the start of the run by
+            measuring on the prompt (:mod:`gearbx_mlx.speculative.plan`):
+            ``auto`` decodes plainly where drafting models below break-even;
+            both pick fixed or gated blocks and the block length up to
+            ``max_draft`` (a ``draft_entropy_stop`` given is kept). ``"plain"``:
+            draft nothing, the high gear decodes alone through the same loop.
+            None: draft with these settings as they are.
+        plan_options: more arguments of ``plan_speculative`` (``stop``,
+            ``exact_k``, ``measured``); ``{"stop": None}`` allows fixed blocks only.
     """
 
     draft_gear: str = "low"
@@ -102,10 +108,14 @@ class SpeculativeConfig:
     draft_entropy_stop: Optional[float] = None
     hard_max_draft: Optional[int] = None
     draft_scope: Optional[str] = "all"
-    prefill_step_size: int = 512
+    prefill_step_size: int = PREFILL_STEP_SIZE
+    mode: Optional[str] = None
+    plan_options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_draft_gear(self.draft_gear)
+        if self.mode not in (None, "plain", *MODES):
+            raise ValueError(f"mode must be one of {(None, 'plain', *MODES)}, got {self.mode!r}")
         if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or self.max_draft < 1:
             raise ValueError(f"max_draft must be an integer >= 1, got {self.max_draft!r}")
         s = self.draft_entropy_stop
@@ -275,49 +285,71 @@ def speculative_generate_step(
     drafter = make_drafter(draft, draft_cache, log_dist=log_dist, entropy_stop=config.draft_entropy_stop,
                            single_token=single_token_drafts, prefill_step=config.prefill_step_size,
                            exchange=exchange)
-    exchanges_before = exchange.count if exchange is not None else 0
     stats.drafter = drafter.describe()
-    draft_gear = draft.gear if draft is not None else "high"
-    ntoks, seen = 0, None  # seen: the monitor's last step
-    with mx.stream(generation_stream):
-        y = prefill(model, hcache, prompt.astype(mx.uint32), config.prefill_step_size)
-        drafter.prefill(prompt.astype(mx.uint32))
-        while max_tokens < 0 or ntoks < max_tokens:
-            if kv is not None:
-                kv.quantize_due(hcache)
-                kv.quantize_due(drafter.cache)
-            tic = time.perf_counter()
-            cap, stop = block_cap(config, monitor, seen, max_tokens - ntoks if max_tokens >= 0 else None)
-            block = drafter.draft(cap)
-            stop, k = block.stop or stop, block.tokens.size
-            logits = model(mx.concatenate([y, block.tokens])[None], cache=hcache)[0, -(k + 1):].astype(mx.float32)
-            n, tok, hh = read_verdict(logits, block.tokens, block.log_q, log_dist, exchange,
-                                      also=(block.tokens, block.entropies))
-            stats.exchanges = exchange.count - exchanges_before if exchange is not None else 0
-            drafts, dh = block.tokens.tolist(), block.entropies.tolist()
-            emitted = drafts[:n] + [tok]
-            stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
-            j = 0
-            try:
-                for j, t in enumerate(emitted, 1):
-                    seen = monitor.push(hh[j - 1]) if monitor is not None else None
-                    ntoks += 1
-                    stats.tokens += 1
-                    yield SpeculativeToken(
-                        token=t, index=ntoks - 1, block=len(stats.blocks) - 1, drafted=k, accepted=j <= n,
-                        gear=draft_gear if j <= n else "high", entropy=hh[j - 1],
-                        draft_entropy=dh[j - 1] if j <= k else math.nan,
-                        smoothed=seen.smoothed if seen else math.nan,
-                        predicted=seen.predicted if seen else math.nan,
-                        stop=stop, logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]),
-                    )
-                    if ntoks == max_tokens:
-                        break
-            finally:
-                # Keep what precedes the last emitted token (the high cache took y + k drafts).
-                trim_prompt_cache(hcache, k + 1 - j)
-                drafter.rewind(drafts, emitted[:j])
-            y = mx.array([tok], dtype=mx.uint32)
+    loop = _BlockLoop(model, hcache, drafter, draft.gear, config, stats, log_dist=log_dist, monitor=monitor,
+                      exchange=exchange, kv=kv)
+    yield from loop.run(prompt.astype(mx.uint32), max_tokens)
+
+
+class _BlockLoop:
+    """The state of one speculative stream: both caches, the drafter, the counters."""
+
+    def __init__(self, model: nn.Module, hcache: List[Any], drafter: Any, draft_gear: str,
+                 config: SpeculativeConfig, stats: SpeculativeStats, **hooks: Any) -> None:
+        self.model, self.hcache, self.drafter, self.draft_gear = model, hcache, drafter, draft_gear
+        self.config, self.stats = config, stats
+        self.log_dist, self.monitor = hooks.get("log_dist"), hooks.get("monitor")
+        self.exchange, self.kv = hooks.get("exchange"), hooks.get("kv")
+        self.before = self.exchange.count if self.exchange is not None else 0
+        self.ntoks, self.seen = 0, None  # seen: the monitor's last step
+
+    def run(self, prompt: mx.array, max_tokens: int) -> Generator[SpeculativeToken, None, None]:
+        with mx.stream(generation_stream):
+            y = prefill(self.model, self.hcache, prompt, self.config.prefill_step_size)
+            self.drafter.prefill(prompt)
+            while max_tokens < 0 or self.ntoks < max_tokens:
+                if self.kv is not None:
+                    self.kv.quantize_due(self.hcache)
+                    self.kv.quantize_due(self.drafter.cache)
+                tok = yield from self._block(y, max_tokens)
+                y = mx.array([tok], dtype=mx.uint32)
+
+    def _block(self, y: mx.array, max_tokens: int) -> Generator[SpeculativeToken, None, int]:
+        """Draft, verify and emit one block; returns the high gear's token that ends it."""
+        stats, exchange = self.stats, self.exchange
+        tic = time.perf_counter()
+        cap, stop = block_cap(self.config, self.monitor, self.seen,
+                              max_tokens - self.ntoks if max_tokens >= 0 else None)
+        block = self.drafter.draft(cap)
+        stop, k = block.stop or stop, block.tokens.size
+        logits = self.model(mx.concatenate([y, block.tokens])[None], cache=self.hcache)[0, -(k + 1):]
+        logits = logits.astype(mx.float32)
+        n, tok, hh = read_verdict(logits, block.tokens, block.log_q, self.log_dist, exchange,
+                                  also=(block.tokens, block.entropies))
+        stats.exchanges = exchange.count - self.before if exchange is not None else 0
+        drafts, dh = block.tokens.tolist(), block.entropies.tolist()
+        emitted = drafts[:n] + [tok]
+        stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
+        j = 0
+        try:
+            for j, t in enumerate(emitted, 1):
+                self.seen = seen = self.monitor.push(hh[j - 1]) if self.monitor is not None else None
+                self.ntoks += 1
+                stats.tokens += 1
+                yield SpeculativeToken(
+                    token=t, index=self.ntoks - 1, block=len(stats.blocks) - 1, drafted=k, accepted=j <= n,
+                    gear=self.draft_gear if j <= n else "high", entropy=hh[j - 1],
+                    draft_entropy=dh[j - 1] if j <= k else math.nan,
+                    smoothed=seen.smoothed if seen else math.nan, predicted=seen.predicted if seen else math.nan,
+                    stop=stop, logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]),
+                )
+                if self.ntoks == max_tokens:
+                    break
+        finally:
+            # Keep what precedes the last emitted token (the high cache took y + k drafts).
+            trim_prompt_cache(self.hcache, k + 1 - j)
+            self.drafter.rewind(drafts, emitted[:j])
+        return tok
 
 
 def plain_generate_step(
@@ -378,33 +410,10 @@ def plain_generate_step(
         steps.close()
 
 
-# -- the library API ------------------------------------------------------------------
+# -- the drafter of a gearbox ------------------------------------------------------------
 
-
-@dataclass
-class SpeculativeResponse(GearboxResponse):
-    """:class:`GearboxResponse` plus what speculative decoding did at this token.
-
-    Inherited fields mean: ``entropy`` is the high gear's at this position;
-    ``gear`` is the gear whose forward pass chose the token (the draft gear
-    for an accepted draft, else ``"high"``); ``shifted`` is always False (no
-    module is swapped: both gears stay resident). Extra fields:
-        draft_entropy: bits of the drafter's distribution (NaN for a bonus token).
-        accepted: an accepted draft; ``from_draft`` says the same.
-        drafted: drafts proposed in this token's block.
-        verified_by: the gear that verified it (always ``"high"``).
-        block: 0-based block number; stop: why that block ended.
-    """
-
-    draft_entropy: float = math.nan
-    accepted: bool = False
-    drafted: int = 0
-    verified_by: str = "high"
-    block: int = 0
-    stop: str = "max"
-    stats: Optional[SpeculativeStats] = field(default=None, repr=False, compare=False)
-    draft: Optional[DraftModel] = field(default=None, repr=False, compare=False)
-
+#: The response of speculative decoding is the pipeline's one response type.
+SpeculativeResponse = GearboxResponse
 
 _DRAFTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple, DraftModel]]" = weakref.WeakKeyDictionary()
 
@@ -428,214 +437,10 @@ def single_token_drafts(config: Any) -> bool:
     return config.kernel == "packed" or mx.default_device() == mx.gpu
 
 
-def stream_speculative_generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompt: Union[str, mx.array, List[int]],
-    gearbox: Optional[Any] = None,
-    *,
-    config: Optional[SpeculativeConfig] = None,
-    draft: Optional[DraftModel] = None,
-    max_tokens: int = 256,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    top_k: int = 0,
-    min_tokens_to_keep: int = 1,
-    seed: Optional[int] = None,
-    prompt_cache: Optional[List[Any]] = None,
-    plain: bool = False,
-    mode: Optional[str] = None,
-    plan: Optional[SpeculativePlan] = None,
-    plan_options: Optional[Dict[str, Any]] = None,
-    kv_calibration: Any = None,
-    **options: Any,
-) -> Generator[SpeculativeResponse, None, None]:
-    """Stream tokens like ``gearbx_mlx.stream_generate``, drafted low and verified high.
-
-    Args:
-        prompt: text (encoded as mlx-lm does) or token ids.
-        gearbox: from :func:`gearbx_mlx.load` (bits, group size, kernel,
-            thresholds); a default one is made if None.
-        config: speculative settings; ``options`` (its fields: ``draft_gear``,
-            ``max_draft``, ``draft_entropy_stop``, ...) override it.
-        draft: a prebuilt drafter (else built once per gearbox and cached).
-        max_tokens: tokens to generate (-1: no limit).
-        temp, top_p, min_p, top_k: the high gear's sampling distribution; the
-            output follows it exactly (greedy when ``temp == 0``).
-        prompt_cache: the high gear's trimmable KV cache, updated in place.
-        kv_calibration: as :func:`gearbx_mlx.stream_generate`'s. The KV options
-            (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``,
-            ``kv_rotation``, in ``options``) apply to both caches, the high
-            gear's and the drafter's, and the drafter's modules are restored
-            with the model's when the stream ends. A quantized drafter cache
-            lives in MLX, so the drafter takes the MLX tree.
-        plain: draft nothing: the high gear decodes alone through the same
-            loop, with the same responses.
-        mode: ``"auto"`` or ``"force"``: first measure on the prompt and
-            decide (:func:`~gearbx_mlx.speculative.plan.plan_speculative`):
-            ``auto`` decodes plainly where drafting models below break-even;
-            both pick fixed or gated blocks and the block length up to
-            ``config.max_draft`` (a ``config.draft_entropy_stop`` given is
-            kept). The decision is in ``stats.plan`` of every response.
-        plan: a decision already made (the CLI prints it first); applied as ``mode`` would.
-        plan_options: more arguments of ``plan_speculative`` (``stop``,
-            ``exact_k``, ``calibration``, ``measured``).
-
-    Yields:
-        :class:`SpeculativeResponse`, one per generated token; the last one
-        has ``finish_reason`` set (``"stop"`` at EOS, else ``"length"``).
-    """
-    if max_tokens == 0 or max_tokens < -1:
-        raise ValueError("max_tokens must be positive (or -1 for no limit)")
-    kv_options = options_from(options, KV_KEYS)
-    config = config or SpeculativeConfig()
-    if options:
-        config = dataclasses.replace(config, **options)
-    gearbox = gearbox or Gearbox(model)
-    if gearbox.model is not model:
-        raise ValueError("this gearbox manages another model: pass the model it was made for")
-    gearbox.manager.shift("high")  # the verifier is the loaded model itself
-    if draft is None and (not plain or mode is not None):
-        draft = get_draft(model, gearbox, config.draft_gear, config.draft_scope)
-    elif draft is not None and draft.gear != config.draft_gear:
-        raise ValueError(f"the draft given is in the {draft.gear} gear, config says {config.draft_gear}")
-    if kv_calibration is None and gearbox.calibration is not None:
-        kv_calibration = gearbox.calibration.kv
-    kv = open_kv(model, kv_options, kv_calibration, draft=None if draft is None else draft.module, plain_too=True)
-    try:
-        yield from _stream(model, tokenizer, prompt, gearbox, config, draft, max_tokens, temp, top_p, min_p, top_k,
-                           min_tokens_to_keep, seed, prompt_cache, plain, kv, mode, plan, plan_options)
-    finally:
-        if kv is not None:
-            kv.restore()
-
-
-def _stream(model: nn.Module, tokenizer: Any, prompt: Any, gearbox: Any, config: SpeculativeConfig,
-            draft: Optional[DraftModel], max_tokens: int, temp: float, top_p: float, min_p: float, top_k: int,
-            min_tokens_to_keep: int, seed: Optional[int], prompt_cache: Optional[List[Any]], plain: bool,
-            kv: Optional[KVSession], mode: Optional[str], plan: Optional[SpeculativePlan],
-            plan_options: Optional[Dict[str, Any]]) -> Generator[SpeculativeResponse, None, None]:
-    draft_cache = None
-    if kv is not None:
-        prompt_cache = kv.prompt_cache(prompt_cache)
-        if draft is not None and not plain:
-            draft_cache = kv.handles[1].make_cache()
-    log_dist = make_log_dist(temp, top_p, min_p, top_k, min_tokens_to_keep)
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    ids = encode_prompt(tokenizer, prompt)
-    ranks = gearbox.ranks
-    if plan is None and mode is not None:
-        opts = {"calibration": calibrated_stop(gearbox, config.draft_gear),
-                "stop": CHOOSE if config.draft_entropy_stop is None else config.draft_entropy_stop,
-                **(plan_options or {})}
-        plan = plan_speculative(model, draft, ids.tolist(), config.max_draft, greedy=temp == 0, mode=mode, **opts)
-        if ranks is not None:  # timings differ between ranks: rank 0's decision to draft holds for all
-            plan = SpeculativePlan(**ranks.first(plan.to_dict()))
-    if plan is not None:
-        plain, config = apply_plan(config, plan)
-    if ranks is not None:
-        check_ranks_agree(gearbox, ids, speculative=dataclasses.asdict(config), plain=plain, max_tokens=max_tokens,
-                          temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
-    if seed is not None:  # after the plan: its measurement must not move the sampling stream
-        mx.random.seed(seed)
-    monitor = EntropyMonitor(gearbox.vocab_size, gearbox.config, gearbox.thresholds)
-    stats = SpeculativeStats(plan=plan.to_dict() if plan is not None else None,
-                             ranks=ranks.size if ranks is not None else 1)
-    if kv is not None:
-        stats.kv_cache = {**kv.summary(), "caches": "high gear and drafter" if draft_cache is not None else "high gear"}
-    else:
-        stats.kv_cache = plain_summary(model, KVOptions())
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = set(tokenizer.eos_token_ids)
-    steps = speculative_generate_step(
-        ids, model, None if plain else draft, config, max_tokens=max_tokens, log_dist=log_dist, monitor=monitor,
-        prompt_cache=prompt_cache, draft_cache=draft_cache, stats=stats,
-        single_token_drafts=single_token_drafts(gearbox.config), kv=kv,
-        exchange=ranks.exchange if ranks is not None else None,
-    )
-    tic = last = time.perf_counter()
-    prompt_tps, info = 0.0, None
-    try:
-        for n, info in enumerate(steps):
-            now = time.perf_counter()
-            if n == 0:
-                prompt_tps = ids.size / max(now - tic, 1e-9)
-                tic = now
-            if info.token in eos:
-                break
-            detok.add_token(info.token)
-            if n + 1 == max_tokens:
-                break
-            yield _response(info, detok.last_segment, ids.size, prompt_tps, n, tic, now - last, stats, draft, None)
-            last = now
-    finally:
-        steps.close()  # trims both caches to the kept tokens
-    if info is None:
-        return
-    detok.finalize()
-    reason = "stop" if info.token in eos else "length"
-    yield _response(info, detok.last_segment, ids.size, prompt_tps, info.index, tic,
-                    time.perf_counter() - last, stats, draft, reason)
-
-
 def apply_plan(config: SpeculativeConfig, plan: SpeculativePlan) -> Tuple[bool, SpeculativeConfig]:
     """``(plain, config)`` of a run that follows ``plan``: its block cap and stop where it drafts."""
     if not plan.speculate:
-        return True, config
+        return True, dataclasses.replace(config, mode=plan.mode)
     hard = config.hard_max_draft if config.hard_max_draft is None else min(config.hard_max_draft, plan.best_k)
     return False, dataclasses.replace(config, max_draft=plan.best_k, draft_entropy_stop=plan.stop_bits,
-                                      hard_max_draft=hard)
-
-
-def _response(info: SpeculativeToken, text: str, prompt_tokens: int, prompt_tps: float, n: int,
-              tic: float, step: float, stats: SpeculativeStats, draft: DraftModel,
-              reason: Optional[str]) -> SpeculativeResponse:
-    return SpeculativeResponse(
-        text=text, token=info.token, logprobs=info.logprobs, from_draft=info.accepted,
-        prompt_tokens=prompt_tokens, prompt_tps=prompt_tps, generation_tokens=n + 1,
-        generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
-        peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
-        entropy=info.entropy, draft_entropy=info.draft_entropy, smoothed_entropy=info.smoothed,
-        predicted_entropy=info.predicted, gear=info.gear, accepted=info.accepted,
-        drafted=info.drafted, block=info.block, stop=info.stop, step_seconds=step,
-        index=info.index, stats=stats, draft=draft,
-    )
-
-
-def speculative_generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompt: Union[str, List[int]],
-    gearbox: Optional[Any] = None,
-    verbose: bool = False,
-    **kwargs: Any,
-) -> str:
-    """Generate a complete response speculatively (the high gear's text, exactly when greedy).
-
-    ``kwargs`` go to :func:`stream_speculative_generate`.
-    """
-    return collect_text(stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs), verbose)
-
-
-def speculative_summary(last: Optional[SpeculativeResponse], interrupted: bool = False) -> Dict[str, Any]:
-    """Summary of a speculative generation from its last response."""
-    stats = last.stats if last is not None else SpeculativeStats()
-    draft = last.draft if last is not None else None
-    n = last.generation_tokens if last is not None else 0
-    return {
-        "interrupted": interrupted,
-        "finish_reason": getattr(last, "finish_reason", None),
-        "prompt_tokens": getattr(last, "prompt_tokens", 0),
-        "prompt_tps": getattr(last, "prompt_tps", 0.0),
-        "generation_tokens": n,
-        "generation_tps": getattr(last, "generation_tps", 0.0),
-        "peak_memory_gb": getattr(last, "peak_memory", 0.0),
-        "draft_gear": draft.gear if draft else None,
-        "draft_bits": draft.bits if draft else None,
-        "draft_scope": draft.scope if draft else None,
-        **stats.summary(),
-        "memory": dict(draft.memory) if draft else {},
-    }
+                                      hard_max_draft=hard, mode=plan.mode)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,7 +70,13 @@ FALLBACK_ALPHA = 0.5
 #: Prompt tokens the start measurement reads at most (its last ones).
 MEASURE_TOKENS = 256
 #: Rounds of timed calls (each kind's median counts), after one to warm up.
-MEASURE_REPS = 5
+#: Each round is also a speed-up of its own (its own c and v), whose spread is
+#: the decision's noise: seven rounds give a lower quartile between two rounds.
+MEASURE_REPS = 7
+#: ``auto`` drafts only where the lower quartile of the rounds' modeled speed-ups
+#: clears :data:`MIN_MODELED_SPEEDUP`: a decision within the timing noise of
+#: break-even decodes plainly, so identical runs do not flip between the two.
+NOISE_QUANTILE = 0.25
 #: What a plan chooses.
 CHOICES = ("plain", "fixed", "gated")
 
@@ -95,6 +101,8 @@ class StartMeasurement:
     alpha_sampled: float
     positions: int
     stats: Optional[DraftStats] = None
+    #: Each timed round's own seconds (same layout as ``seconds``), for the noise.
+    rounds: List[Dict[str, Any]] = field(default_factory=list)
 
 
 def measure_start(
@@ -128,8 +136,12 @@ def measure_start(
             trim_prompt_cache(cache, inp.shape[1])
     s = stats.summary()
     med = {k: statistics.median(t[1:]) for k, t in times.items()}
-    seconds = {"high": med["high"], "draft": med["draft"], "verify": [med[f"verify{k}"] for k in range(1, max_k + 1)]}
-    return StartMeasurement(seconds, max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n, stats)
+
+    def layout(t: Dict[str, float]) -> Dict[str, Any]:
+        return {"high": t["high"], "draft": t["draft"], "verify": [t[f"verify{k}"] for k in range(1, max_k + 1)]}
+
+    rounds = [layout({k: t[i] for k, t in times.items()}) for i in range(1, reps + 1)]
+    return StartMeasurement(layout(med), max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n, stats, rounds)
 
 
 @dataclass
@@ -155,6 +167,7 @@ class SpeculativePlan:
             ``p_continue``, ``alpha_below``, ``alpha_above``, ``speedup``), or
             None where no statistics gave candidates.
         gating_source: where the gated candidates came from.
+        speedup_low: the chosen speed-up at the timing noise's lower quartile.
     """
 
     speculate: bool
@@ -175,6 +188,9 @@ class SpeculativePlan:
     fixed: Dict[str, float] = field(default_factory=dict)
     gated: Optional[Dict[str, float]] = None
     gating_source: Optional[str] = None
+    #: The best speed-up scaled by the rounds' lower quartile (:data:`NOISE_QUANTILE`):
+    #: ``auto`` drafts only where this clears the threshold too.
+    speedup_low: Optional[float] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -200,9 +216,15 @@ class SpeculativePlan:
         if self.gated is not None:
             g = self.gated
             head += f", gated {g['speedup']:.2f}x (k<={g['k']}, stop {g['stop_bits']:.2f} bits)"
+        if self.speedup_low is not None:
+            head += (f"; the chosen {self.best_speedup:.2f}x is {self.speedup_low:.2f}x at the timing noise's "
+                     "lower quartile")
         if self.speculate:
-            forced = " (forced)" if self.best_speedup < self.threshold else ""
+            forced = " (forced)" if min(self.best_speedup, self.speedup_low or 1e9) < self.threshold else ""
             return head + f": drafting{forced}, {self.chosen()}."
+        if self.best_speedup >= self.threshold:
+            return (head + f"; within the timing noise of {self.threshold:.2f}x: decoding plainly in the high gear "
+                    "(--speculative force drafts anyway).")
         return (head + f"; below {self.threshold:.2f}x: decoding plainly in the high gear "
                 "(--speculative force drafts anyway).")
 
@@ -273,7 +295,32 @@ def plan_speculative(
     best_fixed = max(ks, key=lambda k: (round(speedups[k - 1], 9), -k))
     fixed = {"k": best_fixed, "speedup": speedups[best_fixed - 1]}
 
-    # Gated candidates: the calibration's table, else the prompt's statistics.
+    gated, gating_source = _gated_candidate(m, stop, greedy, saved, ks, (c, v), alpha, fixed)
+    if stop is None or gated is None:
+        choice, best = "fixed", fixed
+    elif stop != CHOOSE or gated["speedup"] > GATED_MARGIN * fixed["speedup"]:
+        choice, best = "gated", gated
+    else:
+        choice, best = "fixed", fixed
+    low = _noise_floor(m, alpha, ks, fixed["speedup"]) * best["speedup"]
+    speculate = mode == "force" or (best["speedup"] >= MIN_MODELED_SPEEDUP and low >= MIN_MODELED_SPEEDUP)
+    sampled = None if greedy else _any_sampling  # make_drafter reads only whether drafts are sampled
+    return SpeculativePlan(
+        speculate=speculate, mode=mode, drafter=make_drafter(draft, log_dist=sampled).describe(), draft_cost=c,
+        verify_cost=v, alpha=alpha, alpha_source=source, speedups=speedups, best_k=int(best["k"]),
+        best_speedup=float(best["speedup"]), high_ms=1e3 * m.seconds["high"], draft_ms=1e3 * m.seconds["draft"],
+        choice=choice if speculate else "plain", stop_bits=float(best["stop_bits"]) if choice == "gated" else None,
+        fixed=fixed, gated=gated, gating_source=gating_source, speedup_low=float(low),
+    )
+
+
+def _gated_candidate(m: StartMeasurement, stop: Union[str, float, None], greedy: bool,
+                     saved: Optional[List[Dict[str, float]]], ks: Sequence[int], costs: Tuple[float, List[float]],
+                     alpha: float, fixed: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """The best gated-block candidate (the calibration's table, else the prompt's
+    statistics, or the stop asked for) and where it came from; None where there is none.
+    ``costs``: ``(c, v)``, the draft step and the verifies in high-gear steps."""
+    c, v = costs
     stats = m.stats if m.stats is not None and m.positions >= MIN_ALPHA_POSITIONS else None
     if stop == CHOOSE or stop is None:
         table = saved if saved else (gating_table(stats, greedy) if stats is not None else [])
@@ -287,26 +334,25 @@ def plan_speculative(
         cands = [{**g, "k": k, "speedup": gated_speedup(k, c, v, g["p_continue"], g["alpha_below"],
                                                           g["alpha_above"])} for g in table for k in ks]
         gated = max(cands, key=lambda g: (round(g["speedup"], 9), -g["k"]))
-
     if stop not in (CHOOSE, None) and gated is None:
         # A stop asked for without statistics to model it: model its blocks as fixed ones (p = 1).
         gated = {"percentile": None, "stop_bits": float(stop), "p_continue": 1.0, "alpha_below": alpha,
-                 "alpha_above": alpha, "k": best_fixed, "speedup": fixed["speedup"]}
-    if stop is None or gated is None:
-        choice, best = "fixed", fixed
-    elif stop != CHOOSE or gated["speedup"] > GATED_MARGIN * fixed["speedup"]:
-        choice, best = "gated", gated
-    else:
-        choice, best = "fixed", fixed
-    speculate = mode == "force" or best["speedup"] >= MIN_MODELED_SPEEDUP
-    sampled = None if greedy else _any_sampling  # make_drafter reads only whether drafts are sampled
-    return SpeculativePlan(
-        speculate=speculate, mode=mode, drafter=make_drafter(draft, log_dist=sampled).describe(), draft_cost=c,
-        verify_cost=v, alpha=alpha, alpha_source=source, speedups=speedups, best_k=int(best["k"]),
-        best_speedup=float(best["speedup"]), high_ms=1e3 * m.seconds["high"], draft_ms=1e3 * m.seconds["draft"],
-        choice=choice if speculate else "plain", stop_bits=float(best["stop_bits"]) if choice == "gated" else None,
-        fixed=fixed, gated=gated, gating_source=gating_source,
-    )
+                 "alpha_above": alpha, "k": fixed["k"], "speedup": fixed["speedup"]}
+    return gated, gating_source
+
+
+def _noise_floor(m: StartMeasurement, alpha: float, ks: Sequence[int], median_fixed: float) -> float:
+    """The :data:`NOISE_QUANTILE` of the rounds' best fixed speed-ups, relative to the median's (1.0
+    without rounds): how much lower the modeled speed-up may really be."""
+    if not m.rounds or median_fixed <= 0:
+        return 1.0
+    per_round = []
+    for r in m.rounds:
+        c, v = cost_ratios(r, m.max_k)
+        per_round.append(max(modeled_speedup(alpha, k, c, v[min(k, len(v) - 1)]) for k in ks))
+    per_round.sort()
+    q = per_round[min(int(NOISE_QUANTILE * len(per_round)), len(per_round) - 1)]
+    return min(q / median_fixed, 1.0)
 
 
 def _any_sampling(logits: mx.array) -> mx.array:

@@ -18,7 +18,6 @@ import math
 import os
 import platform
 import signal
-import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import IO, Any, Dict, Iterable, Iterator, List, Optional
 
 from ..config import GEARS
-from ..precision import managed_bytes
 
 FORMAT = "gearbx-trace"
 VERSION = 1
@@ -174,7 +172,16 @@ def token_record(resp: Any) -> Dict[str, Any]:
         "step_seconds": resp.step_seconds,
         "nonfinite": bool(getattr(resp, "nonfinite", False)),
         **ranks_record(resp),
+        **speculative_record(resp),
     }
+
+
+def speculative_record(resp: Any) -> Dict[str, Any]:
+    """A speculative run's fields of one token (none in routed decoding)."""
+    if getattr(resp, "drafted", None) is None:
+        return {}
+    return {"drafted": resp.drafted, "accepted": bool(resp.accepted), "verified_by": resp.verified_by,
+            "draft_entropy": resp.draft_entropy, "block": resp.block, "stop": resp.stop}
 
 
 def ranks_record(resp: Any) -> Dict[str, Any]:
@@ -184,115 +191,6 @@ def ranks_record(resp: Any) -> Dict[str, Any]:
         return {}
     return {"rank_gears": list(resp.rank_gears), "ranks_agree": bool(resp.ranks_agree),
             "exchange_seconds": resp.exchange_seconds}
-
-
-def ranks_header(gearbox: Any) -> Dict[str, Any]:
-    """A sharded run's header block (empty on one process)."""
-    ranks = getattr(gearbox, "ranks", None)
-    if ranks is None:
-        return {}
-    return {"distributed": {
-        "ranks": ranks.size, "sharding": "tensor parallel, mlx-lm model.shard()",
-        "decisions": "rank 0's, shared in one all_sum per forward step", "written_by": "rank 0",
-    }}
-
-
-def ranks_summary(session: Any, tokens: int) -> Dict[str, Any]:
-    """A sharded run's summary block (empty on one process): ranks, the decision
-    collectives made against the forward steps they served, their wait, agreement."""
-    exchange = getattr(session, "exchange", None)
-    if exchange is None:
-        return {}
-    recs = [r for r in session.records if r.rank_gears is not None]
-    emitted = recs[:tokens]
-    waits = sorted(r.exchange_seconds for r in emitted if math.isfinite(r.exchange_seconds))
-    return {"distributed": {
-        "ranks": exchange.size,
-        "decision_collectives": session.exchanges,
-        "forward_steps": len(session.records),
-        "collectives_per_step": session.exchanges / len(session.records) if session.records else None,
-        "exchange_seconds_total": sum(waits),
-        "exchange_seconds_median": waits[len(waits) // 2] if waits else None,
-        "steps_ranks_agree": sum(1 for r in emitted if r.ranks_agree),
-        "steps_ranks_differ": sum(1 for r in emitted if not r.ranks_agree),
-        "gears_agree": all(len(set(r.rank_gears)) == 1 for r in emitted),
-    }}
-
-
-def empty_summary(
-    interrupted: bool = False, error: Optional[str] = None, stage: Optional[str] = None
-) -> Dict[str, Any]:
-    """Summary of a run that produced no token (stopped while loading, calibrating, in the prefill)."""
-    return {
-        "interrupted": interrupted, "error": error, "stage": stage, "finish_reason": None,
-        "prompt_tokens": 0, "prompt_tps": 0.0, "generation_tokens": 0, "generation_tps": 0.0,
-        "peak_memory_gb": 0.0, "tokens_per_gear": {g: 0 for g in GEARS}, "shifts": 0, "mean_entropy": None,
-        "nonfinite_steps": 0,
-    }
-
-
-def run_summary(session: Any, last: Any, interrupted: bool = False, error: Optional[str] = None) -> Dict[str, Any]:
-    """Summary of a generation from its routing session and last response."""
-    recs = [r for r in session.records if r.committed][: (last.generation_tokens if last else 0)]
-    ents = [r.entropy for r in recs]
-    counts = {g: 0 for g in GEARS}
-    for r in recs:
-        counts[r.gear] += 1
-    mgr = session.gearbox.manager
-    # One-time quantization inside mlx-lm's timings: between the initial gear
-    # and the first token (prompt), and after it (generation).
-    marks = getattr(session, "quantize_marks", {})
-    q_total = session.quantize_seconds
-    q_first = marks.get("first_token", q_total)
-    q_prompt, q_gen = max(q_first - marks.get("start", q_first), 0.0), max(q_total - q_first, 0.0)
-    prompt_tokens, prompt_tps = getattr(last, "prompt_tokens", 0), getattr(last, "prompt_tps", 0.0)
-    gen_tokens, gen_tps = getattr(last, "generation_tokens", 0), getattr(last, "generation_tps", 0.0)
-    return {
-        "interrupted": interrupted,
-        "error": error,
-        "finish_reason": getattr(last, "finish_reason", None),
-        "prompt_tokens": prompt_tokens,
-        "prompt_tps": prompt_tps,
-        "prompt_quantize_seconds": q_prompt,
-        "prompt_tps_excluding_quantize": _rate_without(prompt_tokens, prompt_tps, q_prompt),
-        "generation_tokens": len(recs),
-        "generation_tps": gen_tps,
-        "generation_quantize_seconds": q_gen,
-        "generation_tps_excluding_quantize": _rate_without(gen_tokens, gen_tps, q_gen),
-        "peak_memory_gb": getattr(last, "peak_memory", 0.0),
-        "tokens_per_gear": counts,
-        "shifts": sum(1 for r in recs if r.shifted),
-        "mean_entropy": statistics.fmean(ents) if ents else None,
-        "nonfinite_steps": sum(1 for r in recs if getattr(r, "nonfinite", False)),
-        "quantize_seconds": session.quantize_seconds,
-        "swap_seconds": session.shift_seconds,
-        "telemetry_only": mgr.telemetry_only,
-        "telemetry_reason": mgr.telemetry_reason,
-        "entries": mgr.entries(),
-        "memory": mgr.memory(),
-        "store": mgr.store,
-        "high": mgr.config.high if mgr.store == "nested" else "original",
-        "planes_seconds": mgr.planes_seconds,
-        "model_bytes": mgr.model_bytes,
-        "loaded_read_bytes": mgr.loaded_read_bytes,
-        "scope": mgr.config.scope,
-        "kv_cache": getattr(session, "kv_cache", None),
-        "step_bytes": mgr.step_bytes(),
-        "managed_share": mgr.managed_share(),
-        "managed_share_scope_all": (
-            managed_bytes(session.gearbox.model, "all", mgr.config.group_size) / mgr.loaded_read_bytes
-            if mgr.loaded_read_bytes and not mgr.telemetry_only else None
-        ),
-        **ranks_summary(session, len(recs)),
-    }
-
-
-def _rate_without(tokens: int, rate: float, seconds: float) -> float:
-    """``rate`` (tokens / elapsed) with ``seconds`` taken out of the elapsed time."""
-    if not tokens or not rate or rate <= 0:
-        return rate
-    elapsed = tokens / rate - seconds
-    return tokens / elapsed if elapsed > 0 else rate
 
 
 class TraceError(ValueError):
