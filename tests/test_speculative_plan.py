@@ -12,9 +12,9 @@ from conftest import make_tiny_llama
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
+from gearbx_mlx.bindings import cpu
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.gearbox import Gearbox
-from gearbx_mlx.packed import cpu
 from gearbx_mlx.speculative import plan as plan_mod
 from gearbx_mlx.speculative.acceptance import make_log_dist
 from gearbx_mlx.speculative.calibration import (

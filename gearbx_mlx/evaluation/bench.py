@@ -47,11 +47,11 @@ from mlx_lm.generate import generate_step, stream_generate as mlx_stream_generat
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..bindings import guard
 from ..chat import encode_chat
 from ..config import GearboxConfig
 from ..gearbox import Gearbox, vocab_size_of
 from ..generation import load, stream_generate
-from ..packed import guard
 from ..policies import PositionPolicy, StaticPolicy
 from ..precision import default_kernel, nbytes
 from ..sources.models import resolve_model
