@@ -116,7 +116,7 @@ def test_kernel_names_differ_by_source_text(tmp_path):
     a = packed_gpu.kernel_sources("cuda", False, copy)
     body = copy / "gemv_body.inc"
     body.write_text(body.read_text() + "\n// edit\n")
-    packed_gpu.read_source.cache_clear()
+    kernel_files.read.cache_clear()
     b = packed_gpu.kernel_sources("cuda", False, copy)
     assert a != b
 
