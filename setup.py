@@ -1,9 +1,10 @@
 """Build hook for the optional C CPU kernels; all metadata is in pyproject.toml.
 
-``cffi_modules`` builds ``gearbx_mlx.packed._gearbx_cpu`` from ``kernels/cpu/`` (API mode,
-see ``gearbx_mlx/packed/_build.py`` for the per-platform flags). The extension is
+``cffi_modules`` builds ``gearbx_mlx.bindings._gearbx_cpu`` from ``gearbx_mlx/bindings/csrc/``
+and the format header ``metal_kernels/gearbx_format.h`` (API mode, see
+``gearbx_mlx/bindings/build.py`` for the per-platform flags). The extension is
 optional: if it cannot be compiled, installation still succeeds with a
-warning, ``gearbx_mlx.packed.cpu.available()`` is False and packed layers run on MLX.
+warning, ``gearbx_mlx.bindings.cpu.available()`` is False and packed layers run on MLX.
 Set ``GEARBX_NO_CPU_EXT=1`` to skip it.
 """
 
@@ -45,4 +46,4 @@ class OptionalBuildExt(build_ext):
 if os.environ.get("GEARBX_NO_CPU_EXT"):
     setup()
 else:
-    setup(cffi_modules=["gearbx_mlx/packed/_build.py:ffibuilder"], cmdclass={"build_ext": OptionalBuildExt})
+    setup(cffi_modules=["gearbx_mlx/bindings/build.py:make_ffibuilder"], cmdclass={"build_ext": OptionalBuildExt})

@@ -14,9 +14,9 @@ from .config import GEARS, GearboxConfig
 from .entropy import EntropyMonitor, entropy_bits
 from .gearbox import Gearbox
 from .generation import GearboxResponse, SamplingOptions, load
+from .pipeline import generate, prepare, speculative_generate, stream_generate, stream_speculative_generate
 from .policies import EntropyPolicy, PositionPolicy, RandomPolicy, StaticPolicy
 from .precision import PrecisionManager
-from .pipeline import generate, prepare, speculative_generate, stream_generate, stream_speculative_generate
 from .speculative import SpeculativeConfig, SpeculativeResponse
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ compare a kernel with its reference:
 * ``python -m gearbx_mlx.selftest`` runs each :class:`KernelCheck` (one kernel
   family on this machine, over a fixed set of shapes and input dtypes) and
   prints one row per family and dtype;
-* the first-use guard (:mod:`gearbx_mlx.packed.guard`) compares a layer's
+* the first-use guard (:mod:`gearbx_mlx.bindings.guard`) compares a layer's
   first kernel call with the reference on the same input, once per kernel and
   shape.
 

@@ -26,8 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import GearboxConfig
-from .packed.layers import cpu_backend
 from .distributed.layers import QUANTIZED_SHARDED
+from .packed.layers import cpu_backend
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from .bindings import guard
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
 from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, table_rows
 from .nested import checks as nested_checks
-from .packed import checks as packed_checks, guard
+from .packed import checks as packed_checks
 
 #: Every family's checks. A new kernel family adds its module's ``CHECKS`` here.
 SUITES: Sequence[Sequence[KernelCheck]] = (packed_checks.CHECKS, nested_checks.CHECKS)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the C CPU kernels of ``gearbx_mlx.packed.cpu``; print a table, write JSON.
+"""Benchmark the C CPU kernels of ``gearbx_mlx.bindings.cpu``; print a table, write JSON.
 
 Sections (each recorded even if another fails):
 
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from gearbx_mlx.packed import cpu  # noqa: E402
+from gearbx_mlx.bindings import cpu  # noqa: E402
 
 SHAPES = ((4096, 4096), (11008, 4096))
 PIECE = 8 << 20  # bytes per bandwidth-probe call, about one int4 4096x4096 matrix
@@ -258,9 +258,9 @@ def bench_decode(args: argparse.Namespace) -> Dict[str, Any]:
     """
     from mlx_lm import load  # noqa: PLC0415
 
-    from gearbx_mlx.sources import models  # noqa: PLC0415
     from gearbx_mlx.config import GearboxConfig  # noqa: PLC0415
     from gearbx_mlx.precision import PrecisionManager  # noqa: PLC0415
+    from gearbx_mlx.sources import models  # noqa: PLC0415
 
     path = models.default_model_path()
     model, tokenizer = load(str(path))
@@ -349,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--skip-gemv", action="store_true", help="only the decode section (with --decode)")
     args = ap.parse_args(argv)
     if not cpu.available():
-        print("gearbx_mlx.packed.cpu: extension not built; nothing to measure", file=sys.stderr)
+        print("gearbx_mlx.bindings.cpu: extension not built; nothing to measure", file=sys.stderr)
         return 2
     cold = (args.cold_mib << 20) if args.cold_mib else max(1 << 30, 2 * llc_bytes())
     seconds = 0.3 if args.quick else args.seconds

@@ -53,7 +53,8 @@ import mlx.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gearbx_mlx.packed import formats as quant, gpu as kernels  # noqa: E402
+from gearbx_mlx.bindings import gpu, packed_gpu  # noqa: E402
+from gearbx_mlx.packed import formats  # noqa: E402
 from gearbx_mlx.packed.fused import fuse_plan  # noqa: E402
 from gearbx_mlx.packed.layers import PackedEmbedding, PackedLinear  # noqa: E402
 
@@ -124,7 +125,7 @@ def bench_bandwidth(quick: bool) -> Dict[str, float]:
     t_read = time_graph(lambda: [mx.sum(a) for _ in range(steps)])
     copy = 2 * a.nbytes * steps / t_copy / 1e9
     read = a.nbytes * steps / t_read / 1e9
-    del a
+    a = None  # frees the buffer (a del would leave the closures above a dangling name)
     mx.clear_cache()
     return {"copy_GBps": copy, "read_GBps": read, "bytes": n * 4}
 
@@ -145,12 +146,12 @@ def random_weights(fmt: str, out_features: int, in_features: int) -> Tuple[tuple
     """One copy of random weights in ``fmt`` and the bytes a product reads."""
     if fmt.startswith("packed"):
         bits, gs, _ = packed_format(fmt)
-        shape = quant.packed_shape(out_features, in_features, bits)
+        shape = formats.packed_shape(out_features, in_features, bits)
         if bits == 4:
             w = mx.random.randint(0, 256, shape).astype(mx.uint8)
         else:
             w = mx.random.randint(-127, 128, shape).astype(mx.int8)
-        s = mx.random.uniform(1e-3, 2e-3, (out_features, quant.n_groups(in_features, gs)))
+        s = mx.random.uniform(1e-3, 2e-3, (out_features, formats.n_groups(in_features, gs)))
         return (w, s, bits, gs), nbytes(w, s)
     if fmt.startswith("mlx"):
         bits = int(fmt[4])
@@ -164,7 +165,7 @@ def random_weights(fmt: str, out_features: int, in_features: int) -> Tuple[tuple
 def product(fmt: str, x: mx.array, weights: tuple, tuning=None, shared=None) -> mx.array:
     if fmt.startswith("packed"):
         w, s, bits, gs = weights
-        return kernels.gemv(x, w, s, bits=bits, group_size=gs, tuning=tuning, shared=shared,
+        return packed_gpu.gemv(x, w, s, bits=bits, group_size=gs, tuning=tuning, shared=shared,
                             mma=packed_format(fmt)[2])
     if fmt.startswith("mlx"):
         wq, scales, biases, bits = weights
@@ -176,7 +177,7 @@ def product(fmt: str, x: mx.array, weights: tuple, tuning=None, shared=None) -> 
 def check_packed(fmt: str, x: mx.array, weights: tuple, tuning=None, shared=None) -> float:
     w, s, bits, gs = weights
     y = product(fmt, x, weights, tuning, shared).astype(mx.float32)
-    ref = quant.reference_matmul(x, w, s, bits=bits, group_size=gs,
+    ref = formats.reference_matmul(x, w, s, bits=bits, group_size=gs,
                                  in_features=x.shape[0]).astype(mx.float32)
     return (mx.max(mx.abs(y - ref)) / mx.maximum(mx.max(mx.abs(ref)), 1e-30)).item()
 
@@ -210,7 +211,7 @@ def time_format(fmt: str, shape: Tuple[int, int], tuning=None, shared=None) -> D
     t = time_graph(lambda: [product(fmt, x, copies[i % len(copies)], tuning, shared)
                             for i in range(n)])
     row.update(us=t / n * 1e6, bytes=per_copy, GBps=per_copy / (t / n) / 1e9, copies=len(copies))
-    del copies
+    copies = None  # frees the weights (see bench_bandwidth)
     mx.clear_cache()
     return row
 
@@ -220,7 +221,7 @@ def time_format(fmt: str, shape: Tuple[int, int], tuning=None, shared=None) -> D
 
 def bench_sweep(quick: bool) -> Dict[str, object]:
     shapes = [(8192, 8192), (14336, 4096)] if not quick else [(1024, 1024)]
-    grid = [kernels.Tuning(*t) for t in ((2, 4, 1), (4, 2, 1), (4, 4, 1), (1, 2, 4), (2, 1, 4),
+    grid = [packed_gpu.Tuning(*t) for t in ((2, 4, 1), (4, 2, 1), (4, 4, 1), (1, 2, 4), (2, 1, 4),
                                          (2, 2, 4), (4, 1, 4), (4, 2, 4))]
     result: Dict[str, object] = {"shapes": shapes, "runs": [], "best": {}}
     for bits in (4, 8):
@@ -234,7 +235,7 @@ def bench_sweep(quick: bool) -> Dict[str, object]:
             print(f"  sweep int{bits} rows={t.rows} unroll={t.unroll} vec={t.vec}: "
                   + ", ".join(f"{u:.1f}" for u in us) + " us", flush=True)
         best = min(scores, key=scores.get)
-        kernels.TUNING[bits] = best
+        packed_gpu.TUNING[bits] = best
         result["best"][bits] = {"rows": best.rows, "unroll": best.unroll, "vec": best.vec}
         # §8.1's two variants at a K both can take: is staging x worth it here?
         for shape in ([(4096, 4096), (14336, 4096)] if not quick else [(1024, 1024)]):
@@ -256,14 +257,14 @@ def bench_mma_sweep(quick: bool) -> Dict[str, object]:
     for fmt, attr in (("packed_4_row_mma", "MMA_UNROLL"), ("packed_4_g64_mma", "MMA_UNROLL_GROUPS")):
         scores = {}
         for unroll in (1, 2, 4):
-            t = kernels.Tuning(kernels.MMA_ROWS, unroll, 1)
+            t = packed_gpu.Tuning(packed_gpu.MMA_ROWS, unroll, 1)
             us = [time_format(fmt, s, t)["us"] for s in shapes]
             result["runs"].append({"format": fmt, "unroll": unroll, "us": us})
             scores[unroll] = math.exp(sum(math.log(u) for u in us) / len(us))
             print(f"  mma sweep {fmt} unroll={unroll}: " + ", ".join(f"{u:.1f}" for u in us)
                   + " us", flush=True)
         best = min(scores, key=scores.get)
-        setattr(kernels, attr, best)
+        setattr(packed_gpu, attr, best)
         result["best"][fmt] = best
     return result
 
@@ -371,7 +372,7 @@ class NullKernel:
     def __init__(self, out_dims: Tuple[int, ...]) -> None:
         self.out_dims = tuple(out_dims)
         self._names = [f"y{i}" for i in range(len(out_dims))]
-        if kernels.gpu_backend() == "metal":
+        if gpu.gpu_backend() == "metal":
             self._index = "const uint i = thread_position_in_grid.x;\n"
         else:
             self._index = "const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
@@ -383,7 +384,7 @@ class NullKernel:
         if k is None:
             src = self._index + "".join(f"if (i < {lead * d}) y{j}[i] = x[0];\n"
                                         for j, d in enumerate(self.out_dims))
-            make = mx.fast.metal_kernel if kernels.gpu_backend() == "metal" else mx.fast.cuda_kernel
+            make = mx.fast.metal_kernel if gpu.gpu_backend() == "metal" else mx.fast.cuda_kernel
             k = make(name=f"gbx_null_{lead}_{'_'.join(map(str, self.out_dims))}",
                      input_names=["x"], output_names=self._names, source=src)
             self._kernels[lead] = k
@@ -579,7 +580,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                                if isinstance(m, PackedLinear)), None)
                 entry["packed_path"] = sample.backend_for(probe) if sample is not None else None
                 if sample is not None and entry["packed_path"] in ("cuda", "metal"):
-                    entry["mma"] = kernels.supports_mma(sample.bits, sample.group_size,
+                    entry["mma"] = packed_gpu.supports_mma(sample.bits, sample.group_size,
                                                         sample.in_features, sample.out_features,
                                                         mx.bfloat16)
                 greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
@@ -629,7 +630,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved decode passes (median)")
     args = ap.parse_args(argv)
 
-    if kernels.gpu_backend() is None:
+    if gpu.gpu_backend() is None:
         print("no Metal/CUDA GPU on the default device: nothing to benchmark", file=sys.stderr)
         return 2
     global WORKING_SET, MIN_PRODUCTS
@@ -640,7 +641,7 @@ def main(argv=None) -> int:
     out = args.out or ROOT / "benchmarks" / "results" / f"kernels_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report: Dict[str, object] = {
-        "device": name, "backend": kernels.gpu_backend(), "mlx": mx.__version__,
+        "device": name, "backend": gpu.gpu_backend(), "mlx": mx.__version__,
         "python": platform.python_version(), "activation_dtype": str(ACT_DTYPE),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -667,9 +668,9 @@ def main(argv=None) -> int:
         section("sweep", lambda: bench_sweep(args.quick))
     section("mma_sweep", lambda: bench_mma_sweep(args.quick))
     report["tuning"] = {b: {"rows": t.rows, "unroll": t.unroll, "vec": t.vec}
-                        for b, t in kernels.TUNING.items()}
-    report["tuning"]["mma"] = {"rows": kernels.MMA_ROWS, "unroll": kernels.MMA_UNROLL,
-                               "unroll_groups": kernels.MMA_UNROLL_GROUPS}
+                        for b, t in packed_gpu.TUNING.items()}
+    report["tuning"]["mma"] = {"rows": packed_gpu.MMA_ROWS, "unroll": packed_gpu.MMA_UNROLL,
+                               "unroll_groups": packed_gpu.MMA_UNROLL_GROUPS}
     section("dispatch", bench_dispatch)
     shapes = SHAPES if not args.quick else [(1024, 1024)]
     report["gemv"] = bench_gemv(shapes, bw["copy_GBps"])

@@ -46,7 +46,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,9 +64,9 @@ from bench_kernels import (  # noqa: E402
     time_graph,
 )
 
+from gearbx_mlx.bindings import gpu, nested_gpu  # noqa: E402
 from gearbx_mlx.nested.layers import NestedWeights, make_view  # noqa: E402
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
-from gearbx_mlx.packed import gpu, nested_gpu  # noqa: E402
 
 #: (bits, group size) per plane: the package's default (--plan replaces it).
 PLAN = tuple(DEFAULT_PLAN)

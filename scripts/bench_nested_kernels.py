@@ -61,8 +61,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx.core as mx  # noqa: E402
 from bench_cpu import bench_bandwidth, llc_bytes, machine_info, time_calls  # noqa: E402
 
+from gearbx_mlx.bindings import cpu, nested_cpu  # noqa: E402
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
-from gearbx_mlx.packed import cpu, nested_cpu  # noqa: E402
 
 #: (bits, group size) per plane: the package's default plan; --plan replaces it.
 PLAN = tuple(DEFAULT_PLAN)
@@ -310,7 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "model's activations)")
     args = ap.parse_args(argv)
     if not cpu.available():
-        print("gearbx_mlx.packed.cpu: extension not built; nothing to measure", file=sys.stderr)
+        print("gearbx_mlx.bindings.cpu: extension not built; nothing to measure", file=sys.stderr)
         return 2
     mx.set_default_device(mx.cpu)  # the C kernels' benchmark: MLX's parts on the CPU too
     global PLAN

@@ -8,7 +8,7 @@ thread-position attributes it names (and, given template arguments, which
 these kernels do not use, a template and its explicit instantiation). This
 script writes that same translation unit, constants included, for every
 kernel variant and compiles it with
-``clang -fsyntax-only -x c++ -std=c++17 -include kernels/gpu/check/metal_stub.h``,
+``clang -fsyntax-only -x c++ -std=c++17 -include metal_kernels/check/metal_stub.h``,
 the stub standing in for ``<metal_stdlib>`` and MLX's Metal utils.
 
 With ``--cuda`` it also checks the CUDA twin: compiled for sm_90 by nvcc when
@@ -36,8 +36,8 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gearbx_mlx.bindings import gpu, kernel_files, nested_gpu, packed_gpu  # noqa: E402  (needs the checkout on sys.path)
 from gearbx_mlx.kvcache import write_kernel  # noqa: E402
-from gearbx_mlx.packed import gpu as kernels, nested_gpu  # noqa: E402  (needs the checkout on sys.path)
 
 # MLX's Metal type names (get_type_string) and CUDA type names (dtype_to_cuda_type).
 METAL_TYPES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t",
@@ -81,13 +81,13 @@ def variants() -> List[Tuple[int, Optional[int], bool, str, bool, int]]:
 
 def _constants(backend: str, bits: int, group_size: Optional[int], shared: bool, dtype: str,
                vec: int) -> str:
-    """The constant declarations gearbx_mlx.packed.gpu puts before the body."""
+    """The constant declarations gearbx_mlx.bindings.packed_gpu puts before the body."""
     import mlx.core as mx
 
-    d = kernels.TUNING[bits]
-    t = kernels.Tuning(d.rows, d.unroll, vec)
-    consts = kernels.constants(getattr(mx, dtype), bits, group_size, t, shared)
-    return kernels.constants_source(backend, consts)
+    d = packed_gpu.TUNING[bits]
+    t = packed_gpu.Tuning(d.rows, d.unroll, vec)
+    consts = packed_gpu.constants(getattr(mx, dtype), bits, group_size, t, shared)
+    return gpu.constants_source(backend, consts)
 
 
 def metal_signature(source: str, fname: str, inputs: Sequence[Tuple[str, str]],
@@ -138,7 +138,7 @@ def _packed_io(types: dict, bits: int, dtype: str, has_bias: bool,
                outputs: Sequence[str]) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
     in_types = {"w": types["uint8" if bits == 4 else "int8"], "scales": "float",
                 "x": types[dtype], "bias": types[dtype]}
-    return ([(n, in_types[n]) for n in kernels.input_names(has_bias)],
+    return ([(n, in_types[n]) for n in packed_gpu.input_names(has_bias)],
             [(o, types[dtype]) for o in outputs])
 
 
@@ -164,8 +164,8 @@ def cuda_kernel_text(source: str, fname: str, bits: int, group_size: Optional[in
 
 def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
     """One file holding every variant of one source (bias on or off) for ``backend``."""
-    # Compacted, as gearbx_mlx.packed.gpu hands the text to MLX.
-    header, source = kernels.kernel_sources(backend, has_bias, directory, compact=True)
+    # Compacted, as gearbx_mlx.bindings.packed_gpu hands the text to MLX.
+    header, source = packed_gpu.kernel_sources(backend, has_bias, directory, compact=True)
     parts = [header]
     for bits, gs, shared, dtype, bias, vec in variants():
         if bias != has_bias:
@@ -178,15 +178,15 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
     import mlx.core as mx
 
     for dtype, gs, splits in mma_variants():
-        _, mma_source = kernels.kernel_sources(backend, has_bias, directory, mma=True,
+        _, mma_source = packed_gpu.kernel_sources(backend, has_bias, directory, mma=True,
                                                n_out=len(splits) + 1, compact=True)
-        consts = kernels.constants_source(
-            backend, kernels.mma_constants(getattr(mx, dtype), gs, kernels.MMA_UNROLL, splits))
+        consts = gpu.constants_source(
+            backend, packed_gpu.mma_constants(getattr(mx, dtype), gs, packed_gpu.MMA_UNROLL, splits))
         fname = (f"custom_kernel_gbx_mma_q4_{'row' if gs is None else gs}_{dtype}_"
                  f"o{len(splits) + 1}")
         build = metal_kernel_text if backend == "metal" else cuda_kernel_text
         parts.append(build(mma_source, fname, 4, gs, False, dtype, has_bias, 1, consts,
-                           kernels.output_names(len(splits) + 1)))
+                           packed_gpu.output_names(len(splits) + 1)))
     # The nested-plane body: every plan, the dtypes and both staging variants.
     nested_header, _ = nested_gpu.kernel_sources(backend, 1, has_bias, directory, compact=True)
     parts.append(nested_header[len(header):] if nested_header.startswith(header) else nested_header)
@@ -195,7 +195,7 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
     for bits, dtype, sdtype, gs, shared, vec in nested_variants():
         _, nsource = nested_gpu.kernel_sources(backend, len(bits), has_bias, directory, compact=True)
         groups = (gs,) + (32,) * (len(bits) - 1)  # per-plane groups: the residual planes' 32
-        consts = kernels.constants_source(backend, nested_gpu.constants(
+        consts = gpu.constants_source(backend, nested_gpu.constants(
             getattr(mx, dtype), getattr(mx, sdtype), bits, groups,
             nested_gpu.NestedTuning(2, vec, 8 if shared else 1), shared))  # both row splits
         ins = [(n, {"x": types[dtype], "factors": "float", "bias": types[dtype]}.get(
@@ -210,7 +210,7 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
     parts.append(kv_header[len(header):])
     for bits, gs, dtype, quantizer in kv_variants():
         _, kv_source = write_kernel.kernel_sources(backend, has_bias, directory, compact=True)
-        consts = kernels.constants_source(backend, write_kernel.constants(getattr(mx, dtype), bits, gs, quantizer))
+        consts = gpu.constants_source(backend, write_kernel.constants(getattr(mx, dtype), bits, gs, quantizer))
         ins = [(n, "float" if n == "key_offset" else types[dtype]) for n in write_kernel.input_names(has_bias)]
         outs = [(n, types["uint32"] if n.endswith("w") else types[dtype]) for n in write_kernel.output_names()]
         fname = f"custom_kernel_gbx_kvwrite_q{bits}_g{gs}_{dtype}_{quantizer}"
@@ -271,7 +271,7 @@ def compile_unit(clang: str, backend: str, text: str, workdir: Path, stub_dir: P
 
 def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = False,
           nvcc: Optional[str] = None) -> int:
-    stub_dir = Path(directory) / kernels.GPU_DIR / "check"
+    stub_dir = Path(directory) / "check"
     failures = 0
     with tempfile.TemporaryDirectory(prefix="gbx_syntax_") as tmp:
         for backend in backends:
@@ -292,7 +292,7 @@ def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source-dir", type=Path, default=None,
-                    help="kernel sources: the folder of gearbx_format.h and gpu/ (default: the package's)")
+                    help="kernel sources: the metal_kernels/ folder of gearbx_format.h and the bodies (default: the package's)")
     ap.add_argument("--clang", default=None, help="clang executable (default: search PATH)")
     ap.add_argument("--cuda", action="store_true",
                     help="also check the CUDA twin (with nvcc if on PATH, else clang)")
@@ -303,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if clang is None:
         print("clang not found: install it (apt-get install -y clang)", file=sys.stderr)
         return 2
-    directory = args.source_dir or kernels.source_dir()
+    directory = args.source_dir or kernel_files.source_dir()
     backends = ["metal"] + (["cuda"] if args.cuda else [])
     nvcc = None if args.no_nvcc else shutil.which("nvcc")
     return check(directory, clang, backends, args.verbose, nvcc)

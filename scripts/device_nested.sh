@@ -18,8 +18,8 @@ grep -m1 "model name" /proc/cpuinfo | tee "$out/cpu.txt"
 grep -m1 -o -w -E "avx512_vnni|avx_vnni|avx512vl|f16c" /proc/cpuinfo | sort -u | tr '\n' ' ' | tee -a "$out/cpu.txt"
 echo
 # The C kernels on the host CPU: the extension, and the self-test driver.
-python3 gearbx_mlx/packed/_build.py 2>&1 | tail -2 | tee "$out/cpu_driver.txt"
-cc -O2 -std=gnu11 -pthread kernels/cpu/*.c kernels/cpu/arch/*/*.c -lm -o /tmp/gbx_driver \
+python3 gearbx_mlx/bindings/build.py 2>&1 | tail -2 | tee "$out/cpu_driver.txt"
+cc -O2 -std=gnu11 -pthread -Imetal_kernels gearbx_mlx/bindings/csrc/*.c gearbx_mlx/bindings/csrc/arch/*/*.c -lm -o /tmp/gbx_driver \
   && /tmp/gbx_driver --quick | sed -n '1p;$p' | tee -a "$out/cpu_driver.txt"
 # The host emulation of the GPU bodies runs on CPU CI, not here.
 python3 -m pytest tests/test_nested_gpu.py tests/test_nested_matmul.py tests/test_nested_cpu.py \

@@ -36,7 +36,7 @@ limit=${STEP_LIMIT_S:-290}
 } 2>&1 | tee "$out/env.txt"
 
 # The C kernels run on the host CPU here too (selftest checks them).
-$py gearbx_mlx/packed/_build.py 2>&1 | tail -1 | tee -a "$out/env.txt"
+$py gearbx_mlx/bindings/build.py 2>&1 | tail -1 | tee -a "$out/env.txt"
 
 # selftest: the first run compiles every GPU kernel variant (MLX caches them
 # for the process only), so its time is the first-run time a user sees.

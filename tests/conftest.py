@@ -84,9 +84,9 @@ def make_tiny_tokenizer(vocab: int = 256):
 @pytest.fixture(autouse=True)
 def fresh_kernel_guard():
     """Each test starts with no kernel trusted or failed: the first-use guard
-    (gearbx_mlx.packed.guard) keeps its verdicts per process, and a test's fake
+    (gearbx_mlx.bindings.guard) keeps its verdicts per process, and a test's fake
     kernel must not decide another test's path."""
-    from gearbx_mlx.packed import guard
+    from gearbx_mlx.bindings import guard
 
     guard.reset()
     yield

@@ -1,4 +1,4 @@
-"""The C CPU kernels (gearbx_mlx.packed.cpu) against numpy float64 references.
+"""The C CPU kernels (gearbx_mlx.bindings.cpu) against numpy float64 references.
 
 Chain: a numpy reference quantizer/packer of the shared format
 (bound test, pack round trip), then every kernel path against a float64
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gearbx_mlx.packed import _build, cpu
+from gearbx_mlx.bindings import build, cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOAT_RTOL = 2e-5
@@ -103,7 +103,7 @@ def abs_terms(q: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def ext():
     if not cpu.available():
-        pytest.skip("C extension not built: `pip install -e .` or `python gearbx_mlx/packed/_build.py`")
+        pytest.skip("C extension not built: `pip install -e .` or `python gearbx_mlx/bindings/build.py`")
     return cpu.require()
 
 
@@ -341,7 +341,7 @@ def fresh_loader(monkeypatch):
 
 
 def test_missing_extension_warns_once_and_reports_unavailable(monkeypatch, fresh_loader) -> None:
-    monkeypatch.setitem(sys.modules, "gearbx_mlx.packed._gearbx_cpu", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "gearbx_mlx.bindings._gearbx_cpu", None)  # import raises ImportError
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert cpu.available() is False
@@ -354,8 +354,8 @@ def test_missing_extension_warns_once_and_reports_unavailable(monkeypatch, fresh
 
 
 def test_import_has_no_side_effects() -> None:
-    code = ("import sys, gearbx_mlx, gearbx_mlx.packed.cpu; "
-            "assert 'gearbx_mlx.packed._gearbx_cpu' not in sys.modules, 'extension loaded at import'")
+    code = ("import sys, gearbx_mlx, gearbx_mlx.bindings.cpu; "
+            "assert 'gearbx_mlx.bindings._gearbx_cpu' not in sys.modules, 'extension loaded at import'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -393,8 +393,8 @@ def _build_driver(tmp_path: Path, *defines: str) -> Path:
     if cc is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "gbx_driver"
-    srcs = [ROOT / p for p in _build.SOURCES + (_build.TEST_DRIVER,)]
-    r = subprocess.run([cc, "-O3", "-std=gnu11", "-pthread", *defines, *map(str, srcs), "-lm", "-o", str(exe)],
+    srcs = [ROOT / p for p in build.SOURCES + (build.TEST_DRIVER,)]
+    r = subprocess.run([cc, "-O3", "-std=gnu11", "-pthread", *defines, *build.include_flags(), *map(str, srcs), "-lm", "-o", str(exe)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return exe

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from gearbx_mlx.packed import formats as quant, fused, gpu as kernels
+from gearbx_mlx.bindings import gpu, packed_gpu
+from gearbx_mlx.packed import formats, fused
 from gearbx_mlx.packed.fused import FusedPackedLinear, fusable, fuse_plan
 from gearbx_mlx.packed.layers import PackedLinear
 
@@ -82,7 +83,7 @@ class FakeLauncher:
 
         def run(x, weight, scales, bias=None) -> List[mx.array]:
             self.calls += 1
-            y = quant.reference_matmul(x, weight, scales, bits=bits, group_size=group_size,
+            y = formats.reference_matmul(x, weight, scales, bits=bits, group_size=group_size,
                                        in_features=in_features, bias=bias)
             bounds = (0,) + splits + (out_features,)
             return [y[..., a:b] for a, b in zip(bounds, bounds[1:])]
@@ -92,8 +93,8 @@ class FakeLauncher:
 
 def test_siblings_share_one_launch_per_input(monkeypatch):
     fake = FakeLauncher()
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "launcher", fake)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(packed_gpu, "launcher", fake)
     lin = [nn.Linear(128, n, bias=True) for n in (64, 32, 32)]
     layers = [PackedLinear.from_linear(m, bits=4) for m in lin]
     parent = nn.Module()
@@ -105,7 +106,7 @@ def test_siblings_share_one_launch_per_input(monkeypatch):
     outs = [parent.q_proj(x), parent.k_proj(x), parent.v_proj(x)]
     assert fake.calls == 1
     for got, layer in zip(outs, layers):
-        want = quant.reference_matmul(x, layer.weight, layer.scales, bits=4, group_size=None,
+        want = formats.reference_matmul(x, layer.weight, layer.scales, bits=4, group_size=None,
                                       in_features=128, bias=layer.bias)
         assert got.shape == want.shape and mx.array_equal(got, want)
     # A new input (the next token) launches again; the same input does not.

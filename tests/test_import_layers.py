@@ -1,8 +1,13 @@
-"""The package's imports go one way: core -> layers and policies -> gearbox and
-routing -> generation and speculative decoding -> command lines, evaluation and
-telemetry. Every import counts, those inside functions too; a module that is in
-no layer, an import that goes up a layer, or a cycle fails the test. Imports
-inside functions are allowed only for optional third-party modules.
+"""The package's imports go one way: core -> kernel bindings -> layers and
+policies -> gearbox and routing -> generation and speculative decoding ->
+command lines, evaluation and telemetry. Every import counts, those inside
+functions too; a module that is in no layer, an import that goes up a layer, or
+a cycle fails the test. Imports inside functions are allowed only for optional
+third-party modules.
+
+No module imports another module's private name either: ``from x import _y``
+and ``x._y`` (``x`` a module of the package imported by name) fail
+:func:`private_uses`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gearbx_mlx"
 LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
     ("core", ("config", "entropy", "classifier", "chat", "affine", "kernelcheck", "packed.formats", "sources",
               "sources.*")),
+    # Build, load, launch and first-use check of every custom kernel: what
+    # packed/, nested/ and kvcache/ build on; it imports only core.
+    ("kernel bindings", ("bindings", "bindings.*")),
     ("layers and policies", (
         "packed", "packed.*", "nested", "nested.*", "kvcache", "kvcache.*", "policies", "sourcecheck",
         "calibration",
@@ -86,7 +94,7 @@ def imports_of(name: str, path: Path, known: Set[str], package: str) -> List[Tup
                     mod = child.module[len(package) + 1:]
                 else:
                     mod = None
-                    if in_fn and not child.module.split(".")[0] in OPTIONAL_THIRD_PARTY:
+                    if in_fn and child.module.split(".")[0] not in OPTIONAL_THIRD_PARTY:
                         add("<third-party:" + child.module + ">", child, True)
                 if mod is not None:
                     for a in child.names:  # "from . import x" may import the module x
@@ -168,6 +176,85 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return out
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(root: Path) -> List[str]:
+    """``path:line: what`` for every private name a module takes from another module of the package.
+
+    Two forms: ``from <module> import _name`` (relative or absolute; a private
+    submodule counts too), and ``m._name`` where ``m`` is bound by an import
+    to another module of the package (``import pkg.a as m``, ``from pkg import
+    a as m``, or a dotted ``pkg.a._name``). A module's own names are its own.
+    """
+    package = root.name
+    mods = modules_of(root)
+    problems: List[str] = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        base = (name.split(".") if name else []) if path.name == "__init__.py" else name.split(".")[:-1]
+        bound: Dict[str, str] = {}  # local name -> dotted module (relative to the package)
+        where = lambda node: f"{path.relative_to(root.parent)}:{node.lineno}"  # noqa: E731
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    mod = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                elif node.module == package or (node.module or "").startswith(package + "."):
+                    mod = node.module[len(package) + 1:]
+                else:
+                    continue
+                for a in node.names:
+                    sub = f"{mod}.{a.name}" if mod else a.name
+                    if sub in mods:
+                        bound[a.asname or a.name] = sub
+                    if _is_private(a.name):
+                        problems.append(f"{where(node)}: from {package}{'.' if mod else ''}{mod} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == package or a.name.startswith(package + "."):
+                        if a.asname:
+                            bound[a.asname] = a.name[len(package) + 1:]
+                        else:
+                            bound[package] = ""
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            chain, value = [], node.value  # m.a.b._x -> module "a.b" of the package bound to m
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if not isinstance(value, ast.Name) or value.id not in bound:
+                continue
+            target = ".".join(p for p in [bound[value.id]] + chain if p)
+            if target in mods and target != name:
+                problems.append(f"{where(node)}: {package}{'.' if target else ''}{target}.{node.attr}")
+    return sorted(problems)
+
+
+def test_no_module_imports_a_private_name():
+    problems = private_uses(PACKAGE)
+    assert not problems, "private names used across modules (make them public, or move the code):\n" + "\n".join(
+        problems)
+
+
+def test_planted_private_uses_are_reported(tmp_path):
+    root = _plant(tmp_path, {
+        "a.py": "_x = 1\n\ndef _f():\n    return _x\n\ny = _f()\n",
+        "b.py": "from .a import _x, y\n",
+        "c.py": "from . import a\n\nz = a._f()\n",
+        "d.py": "import pkg.a\nimport pkg.a as m\n\nw = pkg.a._x + m._x\n",
+        "e.py": "from .a import y\nfrom . import a as ok\n\nv = ok.y + y\n",
+        "sub/__init__.py": "from ..a import _f\n",
+    })
+    problems = private_uses(root)
+    assert any(p.startswith("pkg/b.py:1: from pkg.a import _x") for p in problems), problems
+    assert any(p.startswith("pkg/c.py:3: pkg.a._f") for p in problems), problems
+    assert sum(p.startswith("pkg/d.py:4: pkg.a._x") for p in problems) == 2, problems
+    assert any(p.startswith("pkg/sub/__init__.py:1: from pkg.a import _f") for p in problems), problems
+    assert not [p for p in problems if p.startswith(("pkg/a.py", "pkg/e.py"))], problems
+
+
 def test_package_imports_go_one_way():
     problems = check_package(PACKAGE)
     assert not problems, "\n".join(problems)
@@ -209,8 +296,9 @@ def test_function_level_third_party_imports_only_when_optional(tmp_path):
 
 
 @pytest.mark.parametrize("module,layer", [
-    ("config", 0), ("packed.formats", 0), ("packed.layers", 1), ("precision", 2),
-    ("speculative.decode", 3), ("speculative.cli", 4), ("evaluation.harness", 4), ("nope", -1),
+    ("config", 0), ("packed.formats", 0), ("bindings", 1), ("bindings.guard", 1), ("bindings.packed_gpu", 1),
+    ("packed.layers", 2), ("kvcache.write_kernel", 2), ("precision", 3), ("speculative.decode", 4),
+    ("speculative.cli", 5), ("evaluation.harness", 5), ("nope", -1),
 ])
 def test_layer_of(module, layer):
     assert layer_of(module) == layer

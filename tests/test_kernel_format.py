@@ -1,4 +1,4 @@
-"""kernels/gearbx_format.h is the one definition of the weight formats.
+"""metal_kernels/gearbx_format.h is the one definition of the weight formats.
 
 It compiles as C and C++ (the C kernels; Metal and CUDA are C++, checked by
 tests/test_metal_syntax.py), its static assertions fire on a broken constant,
@@ -14,8 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from gearbx_mlx.bindings import kernel_files, nested_cpu, nested_gpu, packed_gpu
 from gearbx_mlx.nested import planes
-from gearbx_mlx.packed import formats, gpu, kernel_files, nested_cpu, nested_gpu
+from gearbx_mlx.packed import formats
 
 HEADER = kernel_files.source_dir() / kernel_files.FORMAT_HEADER
 
@@ -51,12 +52,12 @@ def test_plane_constants_agree_with_python(consts):
 
 
 def test_gpu_limits_come_from_the_header(consts):
-    assert gpu.SHARED_K == consts["GBX_SHARED_K"]
-    assert gpu.MMA_MAX_K == consts["GBX_MMA_MAX_K"]
-    assert gpu.supports_mma(4, None, consts["GBX_MMA_MAX_K"], 64, mx.bfloat16)
-    assert not gpu.supports_mma(4, None, consts["GBX_MMA_MAX_K"] + 64, 64, mx.bfloat16)
+    assert packed_gpu.SHARED_K == consts["GBX_SHARED_K"]
+    assert packed_gpu.MMA_MAX_K == consts["GBX_MMA_MAX_K"]
+    assert packed_gpu.supports_mma(4, None, consts["GBX_MMA_MAX_K"], 64, mx.bfloat16)
+    assert not packed_gpu.supports_mma(4, None, consts["GBX_MMA_MAX_K"] + 64, 64, mx.bfloat16)
     with pytest.raises(AttributeError):
-        gpu.NOT_A_LIMIT  # noqa: B018
+        packed_gpu.NOT_A_LIMIT  # noqa: B018
 
 
 def test_parse_defines_reads_integers_only():
@@ -68,7 +69,7 @@ def test_parse_defines_reads_integers_only():
 
 def test_gpu_header_starts_with_the_format():
     for backend in ("metal", "cuda"):
-        header, _ = gpu.kernel_sources(backend, False)
+        header, _ = packed_gpu.kernel_sources(backend, False)
         assert header.startswith(HEADER.read_text())
 
 

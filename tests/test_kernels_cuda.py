@@ -2,9 +2,9 @@
 
 Three layers, from anywhere to the GPU:
 
-* argument plumbing (`kernels.launch_spec`): every machine;
+* argument plumbing (`packed_gpu.launch_spec`): every machine;
 * the shared kernel body run on the host through a CPU emulation of the GPU
-  prelude (kernels/gpu/check/host_emulation.h, one std::thread per GPU
+  prelude (metal_kernels/check/host_emulation.h, one std::thread per GPU
   thread, address sanitizer on): wherever g++ is installed;
 * the CUDA twin through `mx.fast.cuda_kernel` and `PackedLinear`: only where
   MLX has a CUDA GPU (skipped with a reason elsewhere).
@@ -25,7 +25,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from gearbx_mlx.packed import formats as quant, gpu as kernels, kernel_files
+from gearbx_mlx.bindings import gpu, kernel_files, packed_gpu
+from gearbx_mlx.packed import formats
 from gearbx_mlx.packed.layers import PackedLinear, backend_for
 
 #: One unit in the last place of each output dtype, relative to |y|: kernel and
@@ -50,7 +51,7 @@ def make_case(
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((out_features, in_features)).astype(np.float32)
     w[rng.random(w.shape) < 0.01] *= 20.0  # a few outliers per row
-    packed, scales = quant.quantize_packed(mx.array(w).astype(mx.bfloat16), bits, group_size)
+    packed, scales = formats.quantize_packed(mx.array(w).astype(mx.bfloat16), bits, group_size)
     x = mx.array(rng.standard_normal(in_features).astype(np.float32)).astype(dtype)
     bias = mx.array(rng.standard_normal(out_features).astype(np.float32)).astype(dtype) if with_bias else None
     return packed, scales, x, bias
@@ -59,9 +60,9 @@ def make_case(
 def assert_close_to_reference(y, packed, scales, x, bias, bits, group_size):
     """Check y against the oracle with the named tolerances."""
     in_features = x.shape[-1]
-    ref = quant.reference_matmul(x, packed, scales, bits=bits, group_size=group_size,
+    ref = formats.reference_matmul(x, packed, scales, bits=bits, group_size=group_size,
                                  in_features=in_features, bias=bias)
-    w = quant.dequantize(packed, scales, bits, group_size, in_features)
+    w = formats.dequantize(packed, scales, bits, group_size, in_features)
     magnitude = mx.abs(x.astype(mx.float32)) @ mx.abs(w).T
     y32, ref32 = np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32))
     bound = OUTPUT_RTOL[x.dtype] * np.abs(ref32) + ACCUM_TOL * np.array(magnitude) + 1e-6
@@ -78,45 +79,45 @@ def assert_close_to_reference(y, packed, scales, x, bias, bits, group_size):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_launch_spec_names_every_parameter(bits):
     packed, scales, x, bias = make_case(67, 96, bits, 32, mx.bfloat16, True)
-    spec = kernels.launch_spec("cuda", x, packed, scales, bias, bits=bits, group_size=32)
+    spec = packed_gpu.launch_spec("cuda", x, packed, scales, bias, bits=bits, group_size=32)
     name = spec["name"]
     for part in (f"q{bits}", "g32", "shared", "bf16", "bias", "cuda"):
         assert part in name
-    rows = kernels.TUNING[bits].rows
+    rows = packed_gpu.TUNING[bits].rows
     assert spec["grid"] == (-(-67 // (8 * rows)) * 256, 1, 1)
     assert spec["threadgroup"] == (256, 1, 1)
     assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
     assert [n for n, _ in spec["constants"]] == ["T", "BITS", "GS", "ROWS", "UNROLL", "VEC",
                                                  "SHARED"]
-    text = kernels.constants_source("cuda", spec["constants"])
+    text = gpu.constants_source("cuda", spec["constants"])
     assert "using T = __nv_bfloat16;" in text and f"constexpr int BITS = {bits};" in text
     # Above the threadgroup-memory limit the device-memory variant is chosen.
     packed, scales, x, _ = make_case(9, 6272, bits, None, mx.float16, False)
-    spec = kernels.launch_spec("metal", x, packed, scales, None, bits=bits, group_size=None,
+    spec = packed_gpu.launch_spec("metal", x, packed, scales, None, bits=bits, group_size=None,
                                mma=False)
     assert "device" in spec["name"] and "nobias" in spec["name"] and "row" in spec["name"]
     assert dict(spec["constants"])["SHARED"] is False
-    assert "using T = half;" in kernels.constants_source("metal", spec["constants"])
+    assert "using T = half;" in gpu.constants_source("metal", spec["constants"])
 
 
 def test_launch_spec_refuses_unsupported_layers():
     packed, scales, x, _ = make_case(8, 64, 6, None, mx.float32, False)
     with pytest.raises(ValueError, match="reference"):
-        kernels.launch_spec("cuda", x, packed, scales, None, bits=6, group_size=None)
-    assert not kernels.supports(4, None, 36, 64, mx.float32)  # K % 8
-    assert not kernels.supports(8, None, 64, 4, mx.float32)   # O < 8
-    assert kernels.supports(8, 64, 128, 8, mx.bfloat16)
+        packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=6, group_size=None)
+    assert not packed_gpu.supports(4, None, 36, 64, mx.float32)  # K % 8
+    assert not packed_gpu.supports(8, None, 64, 4, mx.float32)   # O < 8
+    assert packed_gpu.supports(8, 64, 128, 8, mx.bfloat16)
 
 
 def test_kernel_names_differ_by_source_text(tmp_path):
     """Names carry a hash of the text: an edited kernel never hits a stale cache."""
     copy = tmp_path / "kernels"
-    shutil.copytree(kernels.source_dir(), copy)
-    a = kernels.kernel_sources("cuda", False, copy)
-    body = copy / "gpu" / "gemv_body.inc"
+    shutil.copytree(kernel_files.source_dir(), copy)
+    a = packed_gpu.kernel_sources("cuda", False, copy)
+    body = copy / "gemv_body.inc"
     body.write_text(body.read_text() + "\n// edit\n")
-    kernels.read_source.cache_clear()
-    b = kernels.kernel_sources("cuda", False, copy)
+    kernel_files.read.cache_clear()
+    b = packed_gpu.kernel_sources("cuda", False, copy)
     assert a != b
 
 
@@ -149,21 +150,21 @@ MMA_HOST_CONFIGS = [
     (mx.float16, 128, 4, True, ()),
 ]
 MMA_SHAPES: List[Tuple[int, int]] = [(37, 1152), (9, 6272), (67, 576), (16, 64),
-                                     (41, kernels.MMA_MAX_K)]
+                                     (41, packed_gpu.MMA_MAX_K)]
 
 
 def _mma_host_kernels(first_case: int) -> Tuple[List[str], List[str]]:
     """Host-emulated matrix-unit kernels, numbered from ``first_case``."""
     parts, calls = [], []
-    d = kernels.source_dir()
+    d = kernel_files.source_dir()
     for j, (dtype, gs, unroll, bias, splits) in enumerate(MMA_HOST_CONFIGS):
         i = first_case + j
         t = HOST_DTYPES[dtype]
         params = ["const uint8_t* w", "Shape w_shape", "const float* scales", f"const {t}* x"]
         params += [f"const {t}* bias"] if bias else []
-        params += [f"{t}* {name}" for name in kernels.output_names(len(splits) + 1)]
-        _, body = kernels.kernel_sources("cuda", bias, mma=True, n_out=len(splits) + 1)
-        body = body.replace(kernels.backend_files("cuda", d)[1], "GBX_HOST_ENTRY\n")
+        params += [f"{t}* {name}" for name in packed_gpu.output_names(len(splits) + 1)]
+        _, body = packed_gpu.kernel_sources("cuda", bias, mma=True, n_out=len(splits) + 1)
+        body = body.replace(gpu.backend_files("cuda", d)[1], "GBX_HOST_ENTRY\n")
         consts = "".join(f"  constexpr int OUT{k + 1} = {b};\n" for k, b in enumerate(splits))
         parts.append(
             f"void kernel_{i}({', '.join(params)}) {{\n"
@@ -182,11 +183,11 @@ def _mma_host_kernels(first_case: int) -> Tuple[List[str], List[str]]:
 
 
 def _host_unit() -> str:
-    d = kernels.source_dir()
+    d = kernel_files.source_dir()
     parts = [
         (d / kernel_files.FORMAT_HEADER).read_text(),
-        (d / "gpu" / "check" / "host_emulation.h").read_text(),
-        (d / "gpu" / "gemv_common.h").read_text(),
+        (d / "check" / "host_emulation.h").read_text(),
+        (d / "gemv_common.h").read_text(),
         "using Shape = std::array<int, 10>;",
     ]
     calls = []
@@ -196,8 +197,8 @@ def _host_unit() -> str:
                   f"const {t}* x"]
         params += [f"const {t}* bias"] if bias else []
         params += [f"{t}* y"]
-        _, body = kernels.kernel_sources("cuda", bias)
-        body = body.replace(kernels.backend_files("cuda", d)[1], "GBX_HOST_ENTRY\n")
+        _, body = packed_gpu.kernel_sources("cuda", bias)
+        body = body.replace(gpu.backend_files("cuda", d)[1], "GBX_HOST_ENTRY\n")
         parts.append(
             f"void kernel_{i}({', '.join(params)}) {{\n"
             f"  using T = {t};\n  constexpr int BITS = {bits};\n"
@@ -279,7 +280,7 @@ def test_host_emulated_body_matches_reference(host_binary, tmp_path, config, sha
     out_features, in_features = shape
     if gs is not None and in_features % gs:
         pytest.skip(f"K={in_features} is not a multiple of group {gs}")
-    if shared and in_features > kernels.SHARED_K:
+    if shared and in_features > packed_gpu.SHARED_K:
         pytest.skip("the threadgroup-memory variant holds K <= SHARED_K only")
     if vec == 4 and (in_features * bits // 8) % 16:
         pytest.skip("16-byte loads need rows of whole 16-byte chunks (the dispatcher uses vec=1)")
@@ -314,7 +315,7 @@ def mma_case(config: int, shape: Tuple[int, int]):
         pytest.skip(f"K={in_features} is not a multiple of group {gs}")
     if splits and splits[-1] >= out_features:
         pytest.skip("the output boundaries lie past the rows")
-    assert kernels.supports_mma(4, gs, in_features, out_features, dtype)
+    assert packed_gpu.supports_mma(4, gs, in_features, out_features, dtype)
     return make_case(out_features, in_features, 4, gs, dtype, with_bias, seed=config)
 
 
@@ -340,28 +341,28 @@ def test_host_emulated_mma_body_matches_reference(host_binary, tmp_path, config,
 
 
 def test_mma_variant_is_chosen_where_it_applies():
-    assert kernels.supports_mma(4, None, 4096, 4096, mx.bfloat16)
-    assert kernels.supports_mma(4, 128, 14336, 4096, mx.float16)
-    assert not kernels.supports_mma(4, None, 4096, 4096, mx.float32)   # 16-bit inputs only
-    assert not kernels.supports_mma(8, None, 4096, 4096, mx.bfloat16)  # int4 only
-    assert not kernels.supports_mma(4, 32, 4096, 4096, mx.bfloat16)    # groups of 64k
-    assert not kernels.supports_mma(4, None, 4104, 64, mx.bfloat16)    # K % 64
-    assert not kernels.supports_mma(4, None, kernels.MMA_MAX_K + 64, 64, mx.bfloat16)
+    assert packed_gpu.supports_mma(4, None, 4096, 4096, mx.bfloat16)
+    assert packed_gpu.supports_mma(4, 128, 14336, 4096, mx.float16)
+    assert not packed_gpu.supports_mma(4, None, 4096, 4096, mx.float32)   # 16-bit inputs only
+    assert not packed_gpu.supports_mma(8, None, 4096, 4096, mx.bfloat16)  # int4 only
+    assert not packed_gpu.supports_mma(4, 32, 4096, 4096, mx.bfloat16)    # groups of 64k
+    assert not packed_gpu.supports_mma(4, None, 4104, 64, mx.bfloat16)    # K % 64
+    assert not packed_gpu.supports_mma(4, None, packed_gpu.MMA_MAX_K + 64, 64, mx.bfloat16)
     packed, scales, x, _ = make_case(37, 1152, 4, None, mx.bfloat16, False)
-    spec = kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None)
+    spec = packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None)
     assert spec["mma"] and "mma" in spec["name"]
     assert spec["grid"] == (-(-37 // 16) * 256, 1, 1)
     assert [n for n, _ in spec["constants"]] == ["T", "GS", "UNROLL"]
-    split = kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+    split = packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
                                 splits=(8, 30))
     assert split["output_shapes"] == [(8,), (22,), (7,)] and split["n_out"] == 3
     assert split["name"] != spec["name"]
     assert dict(split["constants"])["OUT2"] == 30
     for bad in ((0,), (30, 8), (37,), (1, 2, 3)):
         with pytest.raises(ValueError, match="splits"):
-            kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+            packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
                                 splits=bad)
-    simt = kernels.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+    simt = packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
                                mma=False)
     assert not simt["mma"] and "mma" not in simt["name"]
 
@@ -389,7 +390,7 @@ def test_cuda_gemv_matches_reference(bits, group_size, dtype, with_bias, shape):
         pytest.skip(f"K={in_features} is not a multiple of group {group_size}")
     packed, scales, x, bias = make_case(out_features, in_features, bits, group_size,
                                         dtype, with_bias)
-    y = kernels.gemv(x, packed, scales, bias, bits=bits, group_size=group_size,
+    y = packed_gpu.gemv(x, packed, scales, bias, bits=bits, group_size=group_size,
                      backend="cuda")
     assert y.shape == (out_features,) and y.dtype == dtype
     assert_close_to_reference(y, packed, scales, x, bias, bits, group_size)
@@ -397,12 +398,12 @@ def test_cuda_gemv_matches_reference(bits, group_size, dtype, with_bias, shape):
 
 @needs_cuda
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("tuning", [kernels.Tuning(1, 1), kernels.Tuning(4, 2), kernels.Tuning(2, 8),
-                                    kernels.Tuning(2, 2, 4), kernels.Tuning(4, 1, 4)])
+@pytest.mark.parametrize("tuning", [packed_gpu.Tuning(1, 1), packed_gpu.Tuning(4, 2), packed_gpu.Tuning(2, 8),
+                                    packed_gpu.Tuning(2, 2, 4), packed_gpu.Tuning(4, 1, 4)])
 def test_cuda_gemv_every_tuning(bits, tuning):
     for shape in ODD_SHAPES + [(300, 4096)]:
         packed, scales, x, bias = make_case(*shape, bits, None, mx.bfloat16, True)
-        y = kernels.gemv(x, packed, scales, bias, bits=bits, group_size=None,
+        y = packed_gpu.gemv(x, packed, scales, bias, bits=bits, group_size=None,
                          backend="cuda", tuning=tuning)
         assert_close_to_reference(y, packed, scales, x, bias, bits, None)
 
@@ -428,8 +429,8 @@ def test_cuda_mma_gemv_matches_reference(config, shape):
     dtype, gs, unroll, with_bias, splits = MMA_HOST_CONFIGS[config]
     out_features = shape[0]
     packed, scales, x, bias = mma_case(config, shape)
-    y = kernels.gemv(x, packed, scales, bias, bits=4, group_size=gs, backend="cuda", mma=True,
-                     tuning=kernels.Tuning(kernels.MMA_ROWS, unroll), splits=splits)
+    y = packed_gpu.gemv(x, packed, scales, bias, bits=4, group_size=gs, backend="cuda", mma=True,
+                     tuning=packed_gpu.Tuning(packed_gpu.MMA_ROWS, unroll), splits=splits)
     if splits:
         assert [t.shape[-1] for t in y] == [b - a for a, b in
                                             zip((0,) + splits, splits + (out_features,))]

@@ -21,11 +21,10 @@ from gearbx_mlx.calibration import Calibration
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.console import kv_line
 from gearbx_mlx.gearbox import Gearbox
-from gearbx_mlx.pipeline import stream_generate
 from gearbx_mlx.kvcache import RotatedKVCache, RotatedQuantizedKVCache, calibrate_text
 from gearbx_mlx.kvcache.option import KVOptions, open_kv, recipe
+from gearbx_mlx.pipeline import stream_generate, stream_speculative_generate
 from gearbx_mlx.policies import RandomPolicy
-from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative.decode import SpeculativeConfig
 
 VOCAB = 64

@@ -1,10 +1,10 @@
-"""The fused KV write kernel (kernels/gpu/kv_write_body.inc) against the MLX path.
+"""The fused KV write kernel (metal_kernels/kv_write_body.inc) against the MLX path.
 
 Three layers, from anywhere to the GPU:
 
 * argument plumbing (`write_kernel.kernel_name`, `write`'s choice, refusals): every machine;
 * the shared body run on the host through the CPU emulation of the GPU
-  prelude (kernels/gpu/check/host_emulation.h, address sanitizer on), and
+  prelude (metal_kernels/check/host_emulation.h, address sanitizer on), and
   copies with planted bugs that must fail: wherever g++ is installed;
 * the CUDA twin through `mx.fast.cuda_kernel`: only where MLX has a CUDA GPU.
 
@@ -43,9 +43,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from gearbx_mlx.bindings import gpu, kernel_files
 from gearbx_mlx.kvcache import write_kernel
 from gearbx_mlx.kvcache.quantize import offset_keys, quantize, quantize_ls
-from gearbx_mlx.packed import gpu, kernel_files
 
 HAS_CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="MLX has no CUDA GPU on this machine")
@@ -273,7 +273,7 @@ def test_names_differ_by_source_text(tmp_path):
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
     a = write_kernel.kernel_sources("cuda", True, copy)
-    body = copy / "gpu" / "kv_write_body.inc"
+    body = copy / "kv_write_body.inc"
     body.write_text(body.read_text() + "\n// edit\n")
     kernel_files.read.cache_clear()
     assert write_kernel.kernel_sources("cuda", True, copy) != a
@@ -320,7 +320,7 @@ def test_write_launches_the_kernel_on_a_gpu(monkeypatch):
 
     for f in (write_kernel.launcher, write_kernel._kernel_for):
         f.cache_clear()
-    monkeypatch.setattr(write_kernel, "_build", fake_build)
+    monkeypatch.setattr(write_kernel, "build_kernel", fake_build)
     monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
     try:
         keys, values, offset = make_case((2, 3, 5, 128), mx.bfloat16, True, v_dim=64)
@@ -375,13 +375,13 @@ def test_the_gpu_model_is_mlx_quantize_away_from_ties():
 
 
 def test_the_wheel_ships_the_kernel_files():
-    """pyproject's package data (kernels/ as gearbx_mlx/kernels) takes the body and its header."""
+    """pyproject's package data (metal_kernels/ as gearbx_mlx/metal_kernels) takes the body and its header."""
     tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parent.parent
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    patterns = data["gearbx_mlx.kernels"]
-    for name in ("gpu/kv_write_body.inc", "gpu/kv_write_common.h"):
-        assert (root / "kernels" / name).is_file()
+    patterns = data["gearbx_mlx.metal_kernels"]
+    for name in ("kv_write_body.inc", "kv_write_common.h"):
+        assert (root / "metal_kernels" / name).is_file()
         assert any(Path(name).match(pat) for pat in patterns), (name, patterns)
 
 
@@ -472,9 +472,9 @@ def host_unit(directory: Path, dtypes=DTYPES, bits=BITS, groups=GROUPS) -> str:
     """One C++ file: the emulated prelude, the helpers, the body (with and
     without the offset) and a driver for these dtypes, bit widths and groups."""
     d = Path(directory)
-    parts = [(d / kernel_files.FORMAT_HEADER).read_text(), (d / "gpu/check/host_emulation.h").read_text(),
+    parts = [(d / kernel_files.FORMAT_HEADER).read_text(), (d / "check/host_emulation.h").read_text(),
              "#include <cstdio>\n#include <cstdlib>\n#include <string>\nusing Shape = std::array<int, 10>;",
-             (d / "gpu/gemv_common.h").read_text(), (d / "gpu/kv_write_common.h").read_text(),
+             (d / "gemv_common.h").read_text(), (d / "kv_write_common.h").read_text(),
              _host_function(d, False), _host_function(d, True), _HOST_MAIN, _dispatch(dtypes, bits, groups)]
     return "\n".join(parts)
 
@@ -614,7 +614,7 @@ def test_min_max_follows_the_gpu_rule(host_binary, tmp_path):
 def _planted(tmp_path: Path, name: str, old: str, new: str, tag: str) -> Path:
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
-    path = copy / "gpu" / name
+    path = copy / name
     text = path.read_text()
     assert old in text, f"update the planted bug: {name} changed"
     path.write_text(text.replace(old, new))
@@ -652,7 +652,7 @@ def test_the_syntax_check_compiles_the_body(tmp_path):
     buffer behind it (in the variant without the offset) must fail it."""
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
-    body = copy / "gpu" / "kv_write_body.inc"
+    body = copy / "kv_write_body.inc"
     old = "gbx_kv_quantize_group<T, BITS, GS, LS, ITERS, false>(keys + gbx_gid * GS, nullptr,"
     assert old in body.read_text(), "update the planted error: kv_write_body.inc changed"
     body.write_text(body.read_text().replace(old, old.replace("nullptr", "key_offset9")))

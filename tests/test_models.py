@@ -157,12 +157,12 @@ def reference_dequantize(name: str, block: np.ndarray) -> list:
         for _ in range(4):
             s1, m1 = _k4(sc, is_)
             s2, m2 = _k4(sc, is_ + 1)
-            for l in range(32):
-                h = (16 if int(qh[l]) & u1 else 0) if name == "Q5_K" else 0
-                y.append(d * s1 * ((int(ql[qi + l]) & 0xF) + h) - dmin * m1)
-            for l in range(32):
-                h = (16 if int(qh[l]) & u2 else 0) if name == "Q5_K" else 0
-                y.append(d * s2 * ((int(ql[qi + l]) >> 4) + h) - dmin * m2)
+            for li in range(32):
+                h = (16 if int(qh[li]) & u1 else 0) if name == "Q5_K" else 0
+                y.append(d * s1 * ((int(ql[qi + li]) & 0xF) + h) - dmin * m1)
+            for li in range(32):
+                h = (16 if int(qh[li]) & u2 else 0) if name == "Q5_K" else 0
+                y.append(d * s2 * ((int(ql[qi + li]) >> 4) + h) - dmin * m2)
             qi, is_, u1, u2 = qi + 32, is_ + 2, u1 << 2, u2 << 2
         return y
     if name == "Q6_K":
@@ -170,16 +170,16 @@ def reference_dequantize(name: str, block: np.ndarray) -> list:
         out = [0.0] * 256
         for n in range(2):
             L, H, S, Y = 64 * n, 32 * n, 8 * n, 128 * n
-            for l in range(32):
-                is_ = l // 16
-                q1 = ((int(ql[L + l]) & 0xF) | (((int(qh[H + l]) >> 0) & 3) << 4)) - 32
-                q2 = ((int(ql[L + l + 32]) & 0xF) | (((int(qh[H + l]) >> 2) & 3) << 4)) - 32
-                q3 = ((int(ql[L + l]) >> 4) | (((int(qh[H + l]) >> 4) & 3) << 4)) - 32
-                q4 = ((int(ql[L + l + 32]) >> 4) | (((int(qh[H + l]) >> 6) & 3) << 4)) - 32
-                out[Y + l] = d * int(sc[S + is_]) * q1
-                out[Y + l + 32] = d * int(sc[S + is_ + 2]) * q2
-                out[Y + l + 64] = d * int(sc[S + is_ + 4]) * q3
-                out[Y + l + 96] = d * int(sc[S + is_ + 6]) * q4
+            for li in range(32):
+                is_ = li // 16
+                q1 = ((int(ql[L + li]) & 0xF) | (((int(qh[H + li]) >> 0) & 3) << 4)) - 32
+                q2 = ((int(ql[L + li + 32]) & 0xF) | (((int(qh[H + li]) >> 2) & 3) << 4)) - 32
+                q3 = ((int(ql[L + li]) >> 4) | (((int(qh[H + li]) >> 4) & 3) << 4)) - 32
+                q4 = ((int(ql[L + li + 32]) >> 4) | (((int(qh[H + li]) >> 6) & 3) << 4)) - 32
+                out[Y + li] = d * int(sc[S + is_]) * q1
+                out[Y + li + 32] = d * int(sc[S + is_ + 2]) * q2
+                out[Y + li + 64] = d * int(sc[S + is_ + 4]) * q3
+                out[Y + li + 96] = d * int(sc[S + is_ + 6]) * q4
         return out
     raise AssertionError(name)
 

@@ -1,6 +1,6 @@
 """NEON kernels, cross-compiled for AArch64 and run under qemu-aarch64.
 
-Each build runs ``kernels/cpu/test_main.c``, which checks every fast kernel against
+Each build runs ``gearbx_mlx/bindings/csrc/test_main.c``, which checks every fast kernel against
 the scalar oracles (bit-exact on integer data, within a tolerance on float
 data) and reports ``OK`` or ``MISMATCH`` lines.
 
@@ -17,10 +17,10 @@ from typing import Dict, List
 
 import pytest
 
-from gearbx_mlx.packed import _build
+from gearbx_mlx.bindings import build
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / p for p in _build.SOURCES + (_build.TEST_DRIVER,)]
+SOURCES = [ROOT / p for p in build.SOURCES + (build.TEST_DRIVER,)]
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 APT = "apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
@@ -48,7 +48,7 @@ def binaries(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     built = {}
     for name, flags in BUILDS.items():
         exe = out / f"gbx_{name}"
-        cmd = [CC, "-O3", "-std=gnu11", "-static", "-pthread", "-Wall", *flags,
+        cmd = [CC, "-O3", "-std=gnu11", "-static", "-pthread", "-Wall", *flags, *build.include_flags(),
                *map(str, SOURCES), "-lm", "-o", str(exe)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"

@@ -239,7 +239,6 @@ import warnings  # noqa: E402
 
 from gearbx_mlx.nested.store import CACHE_FOLDER, PlanesCacheError, load_nested, save_nested  # noqa: E402
 
-
 TWO = DEFAULT_PLAN[:2]
 
 

@@ -1,4 +1,4 @@
-"""The C kernels of the nested planes (gearbx_mlx.packed.nested_cpu) against a
+"""The C kernels of the nested planes (gearbx_mlx.bindings.nested_cpu) against a
 float64 reference of the gear's sum, over odd shapes, plans, scale dtypes,
 paths and several activation rows; their errors; and the self-test driver's
 scalar fallback. (The driver's planted nibble-order bug, which the nested
@@ -32,12 +32,12 @@ from nested_cases import (
     reference64,
 )
 
-from gearbx_mlx.packed import _build, cpu, nested_cpu
+from gearbx_mlx.bindings import build, cpu, nested_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 QK = 32
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not built: python gearbx_mlx/packed/_build.py")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not built: python gearbx_mlx/bindings/build.py")
 
 
 def intdot_bound(x: mx.array, planes, n: int) -> np.ndarray:
@@ -166,8 +166,8 @@ def _driver(tmp_path: Path, *defines: str) -> Path:
     if cc is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "gbx_driver"
-    srcs = [ROOT / p for p in _build.SOURCES + (_build.TEST_DRIVER,)]
-    r = subprocess.run([cc, "-O2", "-std=gnu11", "-pthread", *defines, *map(str, srcs), "-lm", "-o", str(exe)],
+    srcs = [ROOT / p for p in build.SOURCES + (build.TEST_DRIVER,)]
+    r = subprocess.run([cc, "-O2", "-std=gnu11", "-pthread", *defines, *build.include_flags(), *map(str, srcs), "-lm", "-o", str(exe)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return exe

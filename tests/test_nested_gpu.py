@@ -1,11 +1,11 @@
-"""The nested-plane GEMV body (kernels/gpu/nested_gemv_body.inc) against a
+"""The nested-plane GEMV body (metal_kernels/nested_gemv_body.inc) against a
 float64 reference of the gear's sum.
 
 Three layers, from anywhere to the GPU:
 
 * argument plumbing (`nested_gpu.launch_spec`, `nested_gemv`'s refusals): every machine;
 * the shared body run on the host through the CPU emulation of the GPU
-  prelude (kernels/gpu/check/host_emulation.h, one std::thread per GPU
+  prelude (metal_kernels/check/host_emulation.h, one std::thread per GPU
   thread, address sanitizer on), and a copy with a planted nibble-order bug
   that must fail: wherever g++ is installed;
 * the CUDA twin through `mx.fast.cuda_kernel`: only where MLX has a CUDA GPU.
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from nested_cases import KERNEL_PLAN, ODD_SHAPES, assert_close, make_planes, make_x, plane_specs, reference64
 
-from gearbx_mlx.packed import gpu, kernel_files, nested_gpu
+from gearbx_mlx.bindings import gpu, kernel_files, nested_gpu
 
 HAS_CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="MLX has no CUDA GPU on this machine")
@@ -110,7 +110,7 @@ def test_names_differ_by_source_text(tmp_path):
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
     a = nested_gpu.kernel_sources("cuda", 3, False, copy)
-    body = copy / "gpu" / "nested_gemv_body.inc"
+    body = copy / "nested_gemv_body.inc"
     body.write_text(body.read_text() + "\n// edit\n")
     kernel_files.read.cache_clear()
     assert nested_gpu.kernel_sources("cuda", 3, False, copy) != a
@@ -174,8 +174,8 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
 
 def host_unit(directory: Path, configs) -> str:
     d = Path(directory)
-    parts = [(d / kernel_files.FORMAT_HEADER).read_text(), (d / "gpu/check/host_emulation.h").read_text(),
-             (d / "gpu/gemv_common.h").read_text(), (d / "gpu/nested_common.h").read_text(),
+    parts = [(d / kernel_files.FORMAT_HEADER).read_text(), (d / "check/host_emulation.h").read_text(),
+             (d / "gemv_common.h").read_text(), (d / "nested_common.h").read_text(),
              "#include <map>\n#include <string>\n#include <cstdio>\n#include <cstdlib>\n"
              "using Shape = std::array<int, 10>;"]
     calls = []
@@ -283,7 +283,7 @@ def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
     emulated body must then disagree with the reference."""
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
-    helper = copy / "gpu" / "nested_common.h"
+    helper = copy / "nested_common.h"
     text = helper.read_text()
     old = "const gbx_f8 q = gbx_unpack4<0>(w.v[j % NW]);"
     assert old in text, "update the planted bug: gbx_dot8 changed"
@@ -305,7 +305,7 @@ def test_a_planted_six_bit_order_bug_in_the_body_fails(tmp_path):
     reference, and the 4-bit-only gear of the same planes must not."""
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
-    helper = copy / "gpu" / "nested_common.h"
+    helper = copy / "nested_common.h"
     text = helper.read_text()
     old = "  q.v[0] = gbx_field<0, 6, 0>(lo);\n  q.v[1] = gbx_field<6, 6, 0>(lo);"
     assert old in text, "update the planted bug: gbx_unpack6 changed"

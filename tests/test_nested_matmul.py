@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from nested_cases import assert_close, make_planes, make_x, reference64
 
+from gearbx_mlx.bindings import cpu, gpu, guard, nested_gpu
 from gearbx_mlx.nested import matmul
 from gearbx_mlx.nested.matmul import NestedKernelConfig, NestedProduct, nested_matmul
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, reference_matmul
-from gearbx_mlx.packed import cpu, gpu, guard, nested_gpu
 
 needs_cpu_ext = pytest.mark.skipif(not cpu.available(), reason="C extension not built")
 on_cpu_device = pytest.mark.skipif(gpu.gpu_backend() is not None, reason="the default device is a GPU")

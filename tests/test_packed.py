@@ -1,7 +1,7 @@
 """PackedLinear / PackedEmbedding: storage, dispatch, and outputs vs the oracle.
 
 Runs on any machine. On the CPU the GPU call sites are exercised through the
-reference: `kernels.gpu_backend` and `kernels.gemv` are replaced by stand-ins
+reference: `gpu.gpu_backend` and `packed_gpu.gemv` are replaced by stand-ins
 that validate the launch arguments and return the reference product. On a
 CUDA machine the same tests run the real twin (see also test_kernels_cuda.py).
 """
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from gearbx_mlx.packed import formats as quant, gpu as kernels, layers as packed
+from gearbx_mlx.bindings import gpu, packed_gpu
+from gearbx_mlx.packed import formats, layers
 from gearbx_mlx.packed.layers import PackedEmbedding, PackedLinear, backend_for
 
 #: Output of a packed layer vs the oracle, relative to sum |terms| of the
@@ -42,7 +43,7 @@ def linear(out_features, in_features, bias=True, dtype=mx.bfloat16, seed=0):
 
 def assert_matches_oracle(y, layer, x, bias):
     in_features = layer.in_features
-    ref = quant.reference_matmul(x, layer.weight, layer.scales, bits=layer.bits,
+    ref = formats.reference_matmul(x, layer.weight, layer.scales, bits=layer.bits,
                                  group_size=layer.group_size, in_features=in_features,
                                  bias=bias)
     mag = mx.abs(x.astype(mx.float32)) @ mx.abs(layer.dequantized_weight()).T
@@ -67,13 +68,13 @@ class FakeKernel:
         bias = inputs[3] if self.has_bias else None
         assert len(inputs) == 3 + self.has_bias and x.size == x.shape[-1]
         assert threadgroup == (256, 1, 1) and grid[0] % 256 == 0
-        assert kernels.TYPE_NAMES["cuda"][x.dtype] == self.dtype_name
+        assert gpu.TYPE_NAMES["cuda"][x.dtype] == self.dtype_name
         assert x.dtype == output_dtypes[0]
         assert output_shapes == [x.shape[:-1] + (w.shape[0],)]
         gs = t["GS"] or None
         self.calls.append({"name": self.name, "template": t, "x_shape": x.shape})
         # The matrix-unit kernel (no BITS constant) is int4 only.
-        return [quant.reference_matmul(x, w, scales, bits=t.get("BITS", 4), group_size=gs,
+        return [formats.reference_matmul(x, w, scales, bits=t.get("BITS", 4), group_size=gs,
                                        in_features=x.shape[-1], bias=bias)]
 
 
@@ -87,20 +88,20 @@ def fake_gpu(monkeypatch):
     if HAS_CUDA:
         pytest.skip("a real CUDA GPU is present: the real twin runs instead")
     calls = []
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "build_kernel",
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(packed_gpu, "build_kernel",
                         lambda backend, name, has_bias, consts, mma=False, n_out=1:
                         FakeKernel(name, has_bias, consts, calls))
-    kernels.launcher.cache_clear()
+    packed_gpu.launcher.cache_clear()
     yield calls
-    kernels.launcher.cache_clear()
+    packed_gpu.launcher.cache_clear()
 
 
 @pytest.fixture(autouse=True)
 def float_cpu_path(monkeypatch):
     """The C kernels' float32 path: the oracle's arithmetic (int8 activations
     are tested on their own, with their own bound)."""
-    monkeypatch.setattr(packed, "CPU_GEMV_PATH", "float")
+    monkeypatch.setattr(layers, "CPU_GEMV_PATH", "float")
 
 
 # -- storage -------------------------------------------------------------------------
@@ -149,8 +150,8 @@ def test_bad_arguments():
 
 def test_backend_for_on_this_machine():
     x1 = mx.ones((1, 1, 96))
-    cpu = packed.cpu_backend() is not None
-    if kernels.gpu_backend() is None:
+    cpu = layers.cpu_backend() is not None
+    if gpu.gpu_backend() is None:
         assert backend_for(x1, 4, 96, 67) == ("cpu" if cpu else "reference")
         # No C kernel for int6/int2: the reference.
         assert backend_for(x1, 6, 96, 67) == "reference"
@@ -159,13 +160,13 @@ def test_backend_for_on_this_machine():
 
 
 def test_backend_for_a_gpu_is_decided_at_call_time(monkeypatch):
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "metal")
     x = mx.ones((1, 96), dtype=mx.float16)
     assert backend_for(x, 4, 96, 67) == "metal"
     assert backend_for(x, 6, 96, 67) == "reference"  # no int6 kernel
     assert backend_for(mx.ones((1, 36)), 4, 36, 67) == "reference"  # K % 8
     assert backend_for(mx.ones((3, 96)), 4, 96, 67) == "reference"
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: None)
     assert backend_for(x, 4, 96, 67) in ("cpu", "reference")
 
 
@@ -215,12 +216,12 @@ def test_cpu_call_site_with_a_stand_in(monkeypatch):
     def fake_cpu_gemv(weight, scales, x, *, bits, group_size, in_features, path="auto",
                       threads=None):
         seen.update(bits=bits, group_size=group_size, x=x, path=path)
-        return quant.reference_matmul(x, weight, scales, bits=bits, group_size=group_size,
+        return formats.reference_matmul(x, weight, scales, bits=bits, group_size=group_size,
                                       in_features=in_features).astype(mx.float32)
 
     stand_in = types.SimpleNamespace(available=lambda: True, gemv=fake_cpu_gemv)
-    monkeypatch.setattr(packed, "cpu_backend", lambda: stand_in)
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
+    monkeypatch.setattr(layers, "cpu_backend", lambda: stand_in)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: None)
     lin = linear(33, 4104)
     layer = PackedLinear.from_linear(lin, bits=8)
     x = mx.random.normal((1, 1, 4104)).astype(mx.bfloat16)
@@ -236,17 +237,17 @@ def test_cpu_call_site_with_a_stand_in(monkeypatch):
 ACT_BLOCK = 32
 
 
-@pytest.mark.skipif(packed.cpu_backend() is None, reason="gearbx_mlx.packed.cpu is not built")
+@pytest.mark.skipif(layers.cpu_backend() is None, reason="gearbx_mlx.bindings.cpu is not built")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cpu_kernels_int8_activation_path(monkeypatch, bits):
-    monkeypatch.setattr(packed, "CPU_GEMV_PATH", "auto")
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
+    monkeypatch.setattr(layers, "CPU_GEMV_PATH", "auto")
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: None)
     lin = linear(67, 96)
     layer = PackedLinear.from_linear(lin, bits=bits, group_size=32)
     x = mx.random.normal((1, 96)).astype(mx.float32)
     assert layer.backend_for(x) == "cpu"
     y = np.array(layer(x).astype(mx.float32))[0]
-    ref = np.array(quant.reference_matmul(x, layer.weight, layer.scales, bits=bits,
+    ref = np.array(formats.reference_matmul(x, layer.weight, layer.scales, bits=bits,
                                           group_size=32, in_features=96, bias=lin.bias))[0]
     xb = np.abs(np.array(x)[0]).reshape(-1, ACT_BLOCK).max(axis=1) / 254
     wb = np.abs(np.array(layer.dequantized_weight())).reshape(67, -1, ACT_BLOCK).sum(axis=2)
@@ -263,7 +264,7 @@ def test_dequant_cache_reuses_and_invalidates():
     assert cached is not None and cached.dtype == mx.bfloat16
     layer(x)
     assert layer.runtime.weight is cached  # reused
-    ref = quant.reference_matmul(x, layer.weight, layer.scales, bits=4, group_size=32,
+    ref = formats.reference_matmul(x, layer.weight, layer.scales, bits=4, group_size=32,
                                  in_features=96, bias=lin.bias)
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32)),
                                rtol=CACHE_RTOL[mx.bfloat16], atol=0.05)
@@ -285,7 +286,7 @@ def test_packed_embedding_lookup_and_as_linear(bits):
     ids = mx.array([[3, 99, 0], [5, 5, 7]])
     rows = pe(ids)
     assert rows.shape == (2, 3, 64) and rows.dtype == mx.bfloat16
-    table = quant.dequantize(pe.weight, pe.scales, bits, 32, 64, mx.bfloat16)
+    table = formats.dequantize(pe.weight, pe.scales, bits, 32, 64, mx.bfloat16)
     assert mx.array_equal(rows, table[ids]).item()
     x = mx.random.normal((1, 1, 64)).astype(mx.bfloat16)
     y = pe.as_linear(x)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gearbx_mlx.packed import formats as quant
+from gearbx_mlx.packed import formats
 
 #: Slack on the s/2 bound: W/s and q*s are each rounded once in float32.
 BOUND_RTOL = 1e-5
@@ -24,7 +24,7 @@ DTYPES = {"float32": (mx.float32, 1e30), "float16": (mx.float16, 6e4),
 @st.composite
 def weights(draw):
     """A weight matrix with zero rows, tiny rows and huge outliers, and a format."""
-    bits = draw(st.sampled_from(quant.SUPPORTED_BITS))
+    bits = draw(st.sampled_from(formats.SUPPORTED_BITS))
     group_size = draw(st.sampled_from([None, 32, 64, 128]))
     unit = group_size or 4
     in_features = unit * draw(st.integers(1, 3 if group_size else 40))
@@ -47,15 +47,15 @@ def weights(draw):
 @given(weights())
 def test_every_element_within_half_a_scale_step(case):
     w, bits, group_size = case
-    q, scales = quant.quantize(w, bits, group_size)
+    q, scales = formats.quantize(w, bits, group_size)
     out_features, in_features = w.shape
-    g = quant.n_groups(in_features, group_size)
+    g = formats.n_groups(in_features, group_size)
     assert q.dtype == mx.int8 and scales.dtype == mx.float32
     assert scales.shape == (out_features, g)
-    assert mx.all(mx.abs(q) <= quant.QMAX[bits]).item()
-    assert mx.all(scales >= quant.scale_floor(w.dtype)).item()
+    assert mx.all(mx.abs(q) <= formats.QMAX[bits]).item()
+    assert mx.all(scales >= formats.scale_floor(w.dtype)).item()
     s = np.repeat(np.array(scales), in_features // g, axis=1)
-    deq = np.array(quant.dequantize(quant.pack(q, bits), scales, bits, group_size, in_features))
+    deq = np.array(formats.dequantize(formats.pack(q, bits), scales, bits, group_size, in_features))
     err = np.abs(np.array(w.astype(mx.float32)) - deq)
     assert np.all(err <= s / 2 * (1 + BOUND_RTOL)), float(np.max(err / s))
 
@@ -63,38 +63,38 @@ def test_every_element_within_half_a_scale_step(case):
 def test_scale_floors_follow_the_source_dtype():
     z = mx.zeros((2, 64))
     for dtype, floor in ((mx.float32, 1e-8), (mx.float16, 1e-4), (mx.bfloat16, 1e-4)):
-        q, s = quant.quantize(z.astype(dtype), 4)
+        q, s = formats.quantize(z.astype(dtype), 4)
         assert np.allclose(np.array(s), floor) and not mx.any(q).item()
 
 
-@pytest.mark.parametrize("bits", quant.SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", formats.SUPPORTED_BITS)
 @SETTINGS
 @given(data=st.data())
 def test_pack_unpack_round_trip_is_exact(bits, data):
-    qmax = quant.QMAX[bits]
+    qmax = formats.QMAX[bits]
     in_features = 4 * data.draw(st.integers(1, 50))
     out_features = data.draw(st.integers(1, 5))
     q = data.draw(hnp.arrays(np.int8, (out_features, in_features),
                              elements=st.integers(-qmax, qmax)))
-    packed = quant.pack(mx.array(q), bits)
-    assert packed.shape == quant.packed_shape(out_features, in_features, bits)
-    assert packed.dtype == quant.packed_dtype(bits)
-    assert np.array_equal(np.array(quant.unpack(packed, bits, in_features)), q)
+    packed = formats.pack(mx.array(q), bits)
+    assert packed.shape == formats.packed_shape(out_features, in_features, bits)
+    assert packed.dtype == formats.packed_dtype(bits)
+    assert np.array_equal(np.array(formats.unpack(packed, bits, in_features)), q)
 
 
 def test_layouts_match_the_contract():
     q = mx.array([[-7, 7, 0, -1]], dtype=mx.int8)
     # int4: q+8, element j in byte j//2, low nibble for even j.
-    assert np.array(quant.pack(q, 4)).tolist() == [[0x01 | (15 << 4), 8 | (7 << 4)]]
+    assert np.array(formats.pack(q, 4)).tolist() == [[0x01 | (15 << 4), 8 | (7 << 4)]]
     # int2: q+2, four per byte, low bits first.
     t = mx.array([[-1, 0, 1, 1]], dtype=mx.int8)
-    assert np.array(quant.pack(t, 2)).tolist() == [[1 | (2 << 2) | (3 << 4) | (3 << 6)]]
+    assert np.array(formats.pack(t, 2)).tolist() == [[1 | (2 << 2) | (3 << 4) | (3 << 6)]]
     # int6: q+32, four values in three bytes, low bits first.
     v = mx.array([[-31, 31, 0, 5]], dtype=mx.int8)
     word = 1 | (63 << 6) | (32 << 12) | (37 << 18)
-    assert np.array(quant.pack(v, 6)).tolist() == [[word & 255, (word >> 8) & 255, word >> 16]]
+    assert np.array(formats.pack(v, 6)).tolist() == [[word & 255, (word >> 8) & 255, word >> 16]]
     # int8: two's complement as is.
-    assert np.array(quant.pack(q, 8)).tolist() == [[-7, 7, 0, -1]]
+    assert np.array(formats.pack(q, 8)).tolist() == [[-7, 7, 0, -1]]
 
 
 @pytest.mark.parametrize(
@@ -110,39 +110,39 @@ def test_layouts_match_the_contract():
 )
 def test_bad_formats_raise_value_error(shape, bits, group_size, error):
     with pytest.raises(ValueError, match=error):
-        quant.quantize(mx.zeros(shape), bits, group_size)
+        formats.quantize(mx.zeros(shape), bits, group_size)
 
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="2-D"):
-        quant.quantize(mx.zeros((64,)), 4)
+        formats.quantize(mx.zeros((64,)), 4)
     with pytest.raises(TypeError, match="floating-point"):
-        quant.quantize(mx.zeros((2, 64), dtype=mx.int32), 4)
-    packed, scales = quant.quantize_packed(mx.ones((2, 64)), 4)
+        formats.quantize(mx.zeros((2, 64), dtype=mx.int32), 4)
+    packed, scales = formats.quantize_packed(mx.ones((2, 64)), 4)
     with pytest.raises(ValueError, match="shape"):
-        quant.unpack(packed, 4, 32)
+        formats.unpack(packed, 4, 32)
     with pytest.raises(TypeError, match="uint8"):
-        quant.unpack(packed.astype(mx.int8), 4, 64)
+        formats.unpack(packed.astype(mx.int8), 4, 64)
     with pytest.raises(ValueError, match="scales"):
-        quant.dequantize(packed, scales, 4, 32, 64)
+        formats.dequantize(packed, scales, 4, 32, 64)
     with pytest.raises(ValueError, match="features"):
-        quant.reference_matmul(mx.ones((1, 32)), packed, scales, bits=4, group_size=None,
+        formats.reference_matmul(mx.ones((1, 32)), packed, scales, bits=4, group_size=None,
                                in_features=64)
 
 
-@pytest.mark.parametrize("bits", quant.SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", formats.SUPPORTED_BITS)
 @pytest.mark.parametrize("group_size", [None, 32])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_reference_matmul_is_dequantize_then_matmul(bits, group_size, dtype):
     rng = np.random.default_rng(bits)
     w = mx.array(rng.standard_normal((67, 96)).astype(np.float32))
-    packed, scales = quant.quantize_packed(w, bits, group_size)
+    packed, scales = formats.quantize_packed(w, bits, group_size)
     x = mx.array(rng.standard_normal((3, 96)).astype(np.float32)).astype(dtype)
     bias = mx.array(rng.standard_normal(67).astype(np.float32))
-    y = quant.reference_matmul(x, packed, scales, bits=bits, group_size=group_size,
+    y = formats.reference_matmul(x, packed, scales, bits=bits, group_size=group_size,
                                in_features=96, bias=bias)
     assert y.shape == (3, 67) and y.dtype == dtype
-    wd = np.array(quant.dequantize(packed, scales, bits, group_size, 96)).astype(np.float64)
+    wd = np.array(formats.dequantize(packed, scales, bits, group_size, 96)).astype(np.float64)
     expect = np.array(x.astype(mx.float32)).astype(np.float64) @ wd.T + np.array(bias)
     rtol = {mx.float32: MATMUL_RTOL, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype]
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), expect, rtol=rtol, atol=1e-4)
@@ -154,15 +154,15 @@ def test_per_group_error_is_below_per_row_error():
     w[rng.random(w.shape) < 0.01] *= 30.0
     w = mx.array(w).astype(mx.bfloat16)
     for bits in (4, 8):
-        row = quant.reconstruction_error(w, bits, None)
-        group = quant.reconstruction_error(w, bits, 64)
+        row = formats.reconstruction_error(w, bits, None)
+        group = formats.reconstruction_error(w, bits, 64)
         assert group["relative_error"] < row["relative_error"]
         assert group["sqnr_db"] > row["sqnr_db"]
 
 
 def test_fake_quantize_is_what_the_packed_layer_multiplies_by():
     w = mx.random.normal((8, 64)).astype(mx.bfloat16)
-    packed, scales = quant.quantize_packed(w, 4, 32)
-    fq = quant.fake_quantize_packed(w, 4, 32)
+    packed, scales = formats.quantize_packed(w, 4, 32)
+    fq = formats.fake_quantize_packed(w, 4, 32)
     assert fq.dtype == mx.bfloat16 and fq.shape == w.shape
-    assert mx.array_equal(fq, quant.dequantize(packed, scales, 4, 32, 64, mx.bfloat16)).item()
+    assert mx.array_equal(fq, formats.dequantize(packed, scales, 4, 32, 64, mx.bfloat16)).item()

@@ -24,9 +24,10 @@ import pytest
 from fault_models import tiny_model_folder
 
 from gearbx_mlx import kernelcheck, selftest
+from gearbx_mlx.bindings import cpu, gpu, guard, nested_cpu, nested_gpu, packed_gpu
 from gearbx_mlx.nested import checks as nested_checks, matmul as nested_matmul
 from gearbx_mlx.nested.planes import reference_matmul as nested_reference
-from gearbx_mlx.packed import checks, cpu, formats, gpu as kernels, guard, layers, nested_cpu, nested_gpu
+from gearbx_mlx.packed import checks, formats, layers
 from gearbx_mlx.packed.fused import fuse_modules
 from gearbx_mlx.packed.layers import PackedLinear
 
@@ -47,7 +48,7 @@ def c_kernels() -> bool:
 
 def emulated_launcher(backend, bits, group_size, in_features, out_features, dtype, has_bias, tuning=None,
                       shared=None, mma=None, splits=(), plant=None):
-    """What ``kernels.launcher`` returns, computed by the reference (on ``plant``ed weights)."""
+    """What ``packed_gpu.launcher`` returns, computed by the reference (on ``plant``ed weights)."""
 
     def run(x, weight, scales, bias=None):
         w = weight if plant is None else plant(weight, bits)
@@ -100,9 +101,9 @@ def emulated_nested_gemv(x, planes, n, bias=None, **_):
 @pytest.fixture
 def emulated_gpu(monkeypatch):
     """Make the GPU checks and layers run on the CPU through emulated launchers."""
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "gemv", emulated_gemv())
-    monkeypatch.setattr(kernels, "launcher", emulated_launcher)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(packed_gpu, "gemv", emulated_gemv())
+    monkeypatch.setattr(packed_gpu, "launcher", emulated_launcher)
     monkeypatch.setattr(nested_gpu, "nested_gemv", emulated_nested_gemv)
     monkeypatch.setattr(nested_gpu, "launcher", emulated_nested_launcher)
     return monkeypatch
@@ -168,7 +169,7 @@ def test_selftest_passes_here_and_writes_json(tmp_path, capsys):
     if c_kernels():
         assert {f"C packed GEMV {p}" for p in checks.C_PATHS} <= names
         assert {(r["kernel"], r["dtype"]) for r in report["rows"]} >= {("C packed GEMV auto", "bfloat16")}
-    if kernels.gpu_backend() is None:
+    if gpu.gpu_backend() is None:
         assert {s["name"] for s in report["skipped"]} >= {"packed GEMV int4 SIMT", "packed GEMV int8 SIMT"}
 
 
@@ -204,7 +205,7 @@ def test_a_kernel_that_raises_fails_its_check(emulated_gpu):
     def broken(*a, **k):
         raise RuntimeError("[metal::Device] Unable to build metal library from source")
 
-    emulated_gpu.setattr(kernels, "gemv", broken)
+    emulated_gpu.setattr(packed_gpu, "gemv", broken)
     result = checks.CHECKS[0].check()
     assert not result.passed and "Unable to build" in result.error
     rows = kernelcheck.table_rows([result])
@@ -260,8 +261,8 @@ def test_a_kernel_that_fails_to_build_does_not_stop_generate(model_folder, refer
         built.append(args[1])
         raise RuntimeError("[metal::Device] Unable to build metal library from source: error: unknown type")
 
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "metal")
-    monkeypatch.setattr(kernels, "build_kernel", no_compiler)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(packed_gpu, "build_kernel", no_compiler)
     rc, text, caught = run_generate(model_folder, capsys)
     assert rc == 0 and text == reference_text
     assert built, "the kernel build was never tried"
@@ -318,7 +319,7 @@ def test_fused_launch_is_checked_and_falls_back(emulated_gpu, plant):
     """The 3-output launch of a fused q/k/v group: trusted when right; when wrong,
     one warning and every member's output is still the reference's."""
     p = kernelcheck.PLANTS.get(plant) if plant else None
-    emulated_gpu.setattr(kernels, "launcher", lambda *a: emulated_launcher(*a, plant=p if a[-1] else None))
+    emulated_gpu.setattr(packed_gpu, "launcher", lambda *a: emulated_launcher(*a, plant=p if a[-1] else None))
     fused = _packed_siblings()
     x = mx.random.normal((1, 1, 128)).astype(mx.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
@@ -455,8 +456,8 @@ def test_a_nested_kernel_that_fails_to_build_does_not_stop_generate(model_folder
         built.append(name)
         raise RuntimeError("[metal::Device] Unable to build metal library from source: error: unknown type")
 
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "metal")
-    monkeypatch.setattr(nested_gpu, "_build", no_compiler)
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(nested_gpu, "build_kernel", no_compiler)
     monkeypatch.setattr(nested_gpu, "launcher", nested_gpu.launcher.__wrapped__)  # no launcher cached by others
     rc, text, caught = run_generate(model_folder, capsys, "--store", "nested")
     assert rc == 0 and text == want

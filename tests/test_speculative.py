@@ -17,6 +17,7 @@ from gearbx_mlx.chat import apply_chat_template
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.entropy import EntropyMonitor
 from gearbx_mlx.gearbox import Gearbox
+from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative.acceptance import accept_block, make_log_dist
 from gearbx_mlx.speculative.calibration import auc, draft_stats, replay_speedup
 from gearbx_mlx.speculative.decode import (
@@ -24,7 +25,6 @@ from gearbx_mlx.speculative.decode import (
     SpeculativeStats,
     speculative_generate_step,
 )
-from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative.draft import build_draft
 
 VOCAB = 64
@@ -415,7 +415,7 @@ def test_cli_speculative_prints_the_high_gears_text_and_a_valid_trace(tmp_path, 
 
 
 def _host_or_skip(model, gb, gear="low", **kw):
-    from gearbx_mlx.packed import cpu
+    from gearbx_mlx.bindings import cpu
 
     if mx.default_device() != mx.cpu or not cpu.available():
         pytest.skip("the host drafter needs the CPU device and the C kernels")
@@ -438,9 +438,9 @@ def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
     import numpy as np
     from mlx_lm.models.cache import KVCache
 
-    from gearbx_mlx.packed import layers as packed
+    from gearbx_mlx.packed import layers
 
-    monkeypatch.setattr(packed, "CPU_GEMV_PATH", "float")
+    monkeypatch.setattr(layers, "CPU_GEMV_PATH", "float")
     m = make_tiny_llama(vocab=VOCAB, hidden=64, seed=3)
     gb = Gearbox(m, GearboxConfig(scope=scope, kernel="packed"), vocab_size=VOCAB)
     d = _host_or_skip(m, gb)

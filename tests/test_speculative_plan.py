@@ -13,9 +13,10 @@ from conftest import make_tiny_llama
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
+from gearbx_mlx.bindings import cpu
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.gearbox import Gearbox
-from gearbx_mlx.packed import cpu
+from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative import plan as plan_mod
 from gearbx_mlx.speculative.acceptance import make_log_dist
 from gearbx_mlx.speculative.calibration import (
@@ -31,7 +32,6 @@ from gearbx_mlx.speculative.decode import (
     SpeculativeStats,
     speculative_generate_step,
 )
-from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.speculative.draft import build_draft
 from gearbx_mlx.speculative.drafter import make_drafter
 from gearbx_mlx.speculative.plan import (

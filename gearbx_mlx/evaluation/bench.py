@@ -47,12 +47,12 @@ from mlx_lm.generate import generate_step, stream_generate as mlx_stream_generat
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..bindings import guard
 from ..chat import encode_chat
 from ..config import GearboxConfig
 from ..gearbox import Gearbox, vocab_size_of
 from ..generation import load
-from ..pipeline import stream_generate
-from ..packed import guard
+from ..pipeline import stream_generate, stream_speculative_generate
 from ..policies import PositionPolicy, StaticPolicy
 from ..precision import nbytes
 from ..resolver import default_kernel
@@ -64,7 +64,6 @@ from ..speculative.calibration import (
     gating_table,
     modeled_speedup,
 )
-from ..pipeline import stream_speculative_generate
 from ..speculative.decode import SpeculativeConfig, get_draft
 from ..speculative.plan import CHOOSE, measure_start, plan_speculative
 from .machine import bandwidth, hardware, load_average, software

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..packed import cpu as cpu_kernels, gpu as gpu_kernels
+from ..bindings import cpu as cpu_kernels, gpu as gpu_kernels
 
 #: Seconds any one OS query may take.
 QUERY_TIMEOUT = 5.0

@@ -141,7 +141,7 @@ class KVCalibration:
 # -- fingerprints -------------------------------------------------------------------
 
 
-def _dense_weight(module: Any) -> Optional[mx.array]:
+def dense_weight(module: Any) -> Optional[mx.array]:
     """A float copy of a linear layer's weight (dequantized if need be)."""
     if isinstance(module, nn.QuantizedLinear):
         return mx.dequantize(module.weight, module.scales, module.get("biases"),
@@ -154,7 +154,7 @@ def _dense_weight(module: Any) -> Optional[mx.array]:
         # A gear view over nested bit planes (the default store): its weight
         # as that gear reads it, recovered by multiplying the identity.
         y = module(mx.eye(shape[1], dtype=mx.float32)).astype(mx.float32)
-        b = _bias(module)
+        b = linear_bias(module)
         return (y if b is None else y - b).T
     return None
 
@@ -177,7 +177,7 @@ def model_fingerprint(model: nn.Module) -> Dict[str, Any]:
     infos = describe(model)
     digest = []
     for attn in attention_modules(model):
-        w = _dense_weight(attn["k_proj"])
+        w = dense_weight(attn["k_proj"])
         digest.append(None if w is None else _probe(w))
     return {
         "n_layers": len(infos),
@@ -286,7 +286,7 @@ def calibrate_text(model: nn.Module, tokens: Sequence[int], max_tokens: int = 51
 # -- from the weights ----------------------------------------------------------------
 
 
-def _bias(module: Any) -> Optional[mx.array]:
+def linear_bias(module: Any) -> Optional[mx.array]:
     """A linear layer's bias as float32 (a nested view keeps it with its planes), or None."""
     b = module.get("bias") if isinstance(module, dict) else None
     nested = getattr(module, "nested", None)
@@ -313,7 +313,7 @@ def calibrate_weights(model: nn.Module, context: int = 4096) -> KVCalibration:
             one, zero = np.ones((nkv, d)), np.zeros((nkv, d))
             layers.append(LayerStats(one, one.copy(), zero, zero.copy(), zero.copy(), zero.copy()))
             continue
-        wq, wk = _dense_weight(attn["q_proj"]), _dense_weight(attn["k_proj"])
+        wq, wk = dense_weight(attn["q_proj"]), dense_weight(attn["k_proj"])
         if wq is None or wk is None:
             raise ValueError(
                 f"layer {info.index}: cannot read the q/k projection weights "
@@ -324,7 +324,7 @@ def calibrate_weights(model: nn.Module, context: int = 4096) -> KVCalibration:
             wq, wk = wq * g.astype(mx.float32), wk * g.astype(mx.float32)
         qe = (wq * wq).sum(axis=1)
         ke = (wk * wk).sum(axis=1)
-        bq, bk, bv = _bias(attn["q_proj"]), _bias(attn["k_proj"]), _bias(attn["v_proj"])
+        bq, bk, bv = linear_bias(attn["q_proj"]), linear_bias(attn["k_proj"]), linear_bias(attn["v_proj"])
         if bq is not None:
             qe = qe + bq * bq
         # RoPE's channel pairs rotate: per pair, the energy is position-free.

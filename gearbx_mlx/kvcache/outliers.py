@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .arch import attention_modules, describe, input_norm_weight
-from .calibrate import _bias, _dense_weight
+from .calibrate import dense_weight, linear_bias
 
 #: Score above which a layer counts as an outlier layer. Between the two
 #: groups seen on Qwen2.5-Coder-0.5B (see :func:`outlier_scores`).
@@ -33,8 +33,8 @@ def outlier_scores(model: nn.Module) -> List[float]:
     """
     scores = []
     for attn, info in zip(attention_modules(model), describe(model)):
-        bias = _bias(attn["k_proj"])
-        w = _dense_weight(attn["k_proj"])
+        bias = linear_bias(attn["k_proj"])
+        w = dense_weight(attn["k_proj"])
         if bias is None or w is None:
             scores.append(0.0)
             continue

@@ -4,12 +4,12 @@ A rotated cache (:class:`gearbx_mlx.kvcache.cache.RotatedQuantizedKVCache`)
 stores, per layer and step, ``quantize(keys - key_offset)`` and
 ``quantize(values)`` (:func:`gearbx_mlx.kvcache.quantize.quantize_step`):
 about forty small MLX ops for the least-squares quantizer. The kernel
-``kernels/gpu/kv_write_body.inc`` (helpers in ``kv_write_common.h``) does
+``metal_kernels/kv_write_body.inc`` (helpers in ``kv_write_common.h``) does
 both in one launch, one thread per group of ``group_size`` elements: the
 offset subtracted in the keys' dtype, MLX's GPU min-max grid, the
 least-squares refit in float32, and the codes packed into MLX's bit stream.
 One body for Metal (``mx.fast.metal_kernel``) and CUDA (``mx.fast.cuda_kernel``)
-with the preludes and entries of :mod:`gearbx_mlx.packed.gpu`.
+with the preludes and entries of :mod:`gearbx_mlx.bindings.gpu`, which builds it.
 
 Its output equals the MLX path's except at rounding ties: its sums run in
 another order than MLX's reductions, and MLX's GPU dequantize (which the
@@ -27,14 +27,13 @@ Entry points: :func:`write` (the kernel on a GPU, the MLX ops otherwise),
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..packed import gpu
-from ..packed.kernel_files import parse_defines, read as read_source, source_dir
+from ..bindings import gpu, kernel_files
+from ..bindings.gpu import DTYPE_TAG
 from .quantize import QUANTIZERS, SUPPORTED_BITS, SUPPORTED_GROUPS, check_bits_group, quantize_step
 
 Quantized = Tuple[mx.array, mx.array, mx.array]
@@ -46,7 +45,6 @@ LS_ITERS = 2
 #: Largest element count of keys or values one launch takes (int32 indices).
 MAX_ELEMENTS = 2**31 - 1
 
-_DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 _COMMON = "kv_write_common.h"
 _BODY = "kv_write_body.inc"
 
@@ -58,23 +56,16 @@ def kernel_sources(backend: str, has_offset: bool, directory: Optional[Path] = N
                    compact: bool = False) -> Tuple[str, str]:
     """``(header, source)`` as handed to MLX: format header, prelude, ``gemv_common.h``,
     ``kv_write_common.h``; then the entry and the body (``directory`` replaces the package's)."""
-    d = Path(directory) if directory is not None else source_dir()
-    prelude, entry = gpu.backend_files(backend, d)
-    header = (prelude + "\n" + read_source(d, f"{gpu.GPU_DIR}/gemv_common.h") + "\n"
-              + read_source(d, f"{gpu.GPU_DIR}/{_COMMON}"))
     # The offset is a preprocessor switch: without it there is no key_offset input.
-    source = (f"#define GBX_KV_OFFSET {int(has_offset)}\n" + entry + read_source(d, f"{gpu.GPU_DIR}/{_BODY}")
-              + "#undef GBX_KV_OFFSET\n")
-    if compact:
-        header, source = gpu._compact(header), gpu._compact(source)
-    return header, source
+    return gpu.kernel_text(backend, ("gemv_common.h", _COMMON), (("GBX_KV_OFFSET", has_offset),), _BODY, directory,
+                           compact_text=compact)
 
 
 @functools.lru_cache(maxsize=None)
 def threads_per_group(directory: Optional[Path] = None) -> int:
     """``GBX_KV_THREADS`` of ``kv_write_common.h``: the launch's threadgroup size."""
-    d = Path(directory) if directory is not None else source_dir()
-    return parse_defines(read_source(d, f"{gpu.GPU_DIR}/{_COMMON}"))["GBX_KV_THREADS"]
+    d = Path(directory) if directory is not None else kernel_files.source_dir()
+    return kernel_files.parse_defines(kernel_files.read(d, _COMMON))["GBX_KV_THREADS"]
 
 
 def input_names(has_offset: bool) -> List[str]:
@@ -94,10 +85,9 @@ def constants(dtype: mx.Dtype, bits: int, group_size: int, quantizer: str) -> Li
 def kernel_name(backend: str, bits: int, group_size: int, quantizer: str, dtype: mx.Dtype,
                 has_offset: bool) -> str:
     """Every baked parameter, plus a hash of the source text (MLX caches kernels by name)."""
-    header, source = kernel_sources(backend, has_offset)
-    digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
+    digest = gpu.digest(*kernel_sources(backend, has_offset))
     quant = f"ls{LS_ITERS}" if quantizer == "ls" else "minmax"
-    return (f"gbx_kvwrite_{backend}_q{bits}_g{group_size}_{quant}_{_DTYPE_TAG[dtype]}_"
+    return (f"gbx_kvwrite_{backend}_q{bits}_g{group_size}_{quant}_{DTYPE_TAG[dtype]}_"
             f"{'off' if has_offset else 'nooff'}_{digest}")
 
 
@@ -130,21 +120,18 @@ def _check_shapes(keys: mx.array, values: mx.array, key_offset: Optional[mx.arra
 # -- launch ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _build(backend: str, name: str, has_offset: bool, consts_source: str) -> Callable:
+def build_kernel(backend: str, name: str, has_offset: bool, consts_source: str) -> Callable:
+    """The ``mx.fast`` kernel object of one variant (built once per process by :func:`gearbx_mlx.bindings.gpu.build`)."""
     header, source = kernel_sources(backend, has_offset, compact=True)
-    kwargs = dict(name=name, input_names=input_names(has_offset), output_names=output_names(),
-                  source=gpu._compact(consts_source) + source, header=header, ensure_row_contiguous=True)
-    if backend == "metal":
-        return mx.fast.metal_kernel(**kwargs)
-    return mx.fast.cuda_kernel(**kwargs)
+    return gpu.build(backend, name, tuple(input_names(has_offset)), tuple(output_names()), header,
+                     gpu.compact(consts_source) + source)
 
 
 @functools.lru_cache(maxsize=None)
 def launcher(backend: str, bits: int, group_size: int, quantizer: str, dtype: mx.Dtype,
              has_offset: bool) -> Callable[..., Tuple[Quantized, Quantized]]:
     """A cached ``run(keys, values, key_offset) -> (kq, vq)`` for one variant."""
-    kernel = _build(backend, kernel_name(backend, bits, group_size, quantizer, dtype, has_offset), has_offset,
+    kernel = build_kernel(backend, kernel_name(backend, bits, group_size, quantizer, dtype, has_offset), has_offset,
                     gpu.constants_source(backend, constants(dtype, bits, group_size, quantizer)))
     threads = threads_per_group()
     out_dtypes = [mx.uint32, dtype, dtype, mx.uint32, dtype, dtype]

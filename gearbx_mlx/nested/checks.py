@@ -26,9 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..bindings import cpu, gpu, nested_cpu, nested_gpu
 from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_name, gemv_bound
-from ..packed import cpu, gpu as packed_gpu, nested_cpu, nested_gpu
-from ..packed.checks import _c_unavailable, _gpu_device, _gpu_unavailable
 from .matmul import NestedProduct, gear_rows
 from .planes import DEFAULT_PLAN, Plane, build_planes
 
@@ -166,14 +165,14 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
 
 
 def _dispatch_device() -> str:
-    backend = packed_gpu.gpu_backend()
-    return _gpu_device() if backend else "cpu C" if cpu.available() else str(mx.default_device())
+    backend = gpu.gpu_backend()
+    return gpu.device_label() if backend else "cpu C" if cpu.available() else str(mx.default_device())
 
 
 def checks() -> List[KernelCheck]:
     """The nested kernels' checks, in the order the table prints them."""
-    out = [KernelCheck("nested GEMV 1-3 planes", "a GPU (Metal or CUDA)", _gpu_unavailable, _gpu_device, _gpu)]
-    out += [KernelCheck(f"C nested GEMV {path}", "the C kernels (built at install)", _c_unavailable,
+    out = [KernelCheck("nested GEMV 1-3 planes", "a GPU (Metal or CUDA)", gpu.unavailable, gpu.device_label, _gpu)]
+    out += [KernelCheck(f"C nested GEMV {path}", "the C kernels (built at install)", cpu.unavailable,
                         lambda p=path: _c_device(p), _c_path(path)) for path in C_PATHS]
     out.append(KernelCheck("NestedProduct dispatch", "any device", lambda: None, _dispatch_device, _dispatch))
     return out

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..packed import gpu, guard, nested_cpu, nested_gpu
+from ..bindings import gpu, guard, nested_cpu, nested_gpu
 from ..packed.layers import cpu_backend
 from .planes import Plane, build_planes, reference_matmul
 

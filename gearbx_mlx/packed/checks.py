@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..bindings import cpu, gpu, packed_gpu
 from ..kernelcheck import (
     FLOAT_RTOL,
     Case,
@@ -37,8 +38,8 @@ from ..kernelcheck import (
     gemv_bound,
     shape_label,
 )
-from . import cpu, formats, gpu as kernels, layers as packed_layers
-from .layers import PackedLinear, backend_for, cpu_backend
+from . import formats, layers
+from .layers import PackedLinear, backend_for
 
 #: Input dtypes every kernel is checked with.
 DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
@@ -52,7 +53,7 @@ SIMT_CASES: Tuple[Tuple[int, int, Optional[int], bool], ...] = (
 #: K above the threadgroup-memory limit, K at its largest.
 MMA_CASES: Tuple[Tuple[int, int, Optional[int], bool], ...] = (
     (37, 1152, None, True), (9, 6272, 64, False), (67, 576, 64, True), (16, 64, None, False),
-    (41, kernels.MMA_MAX_K, None, False),
+    (41, packed_gpu.MMA_MAX_K, None, False),
 )
 #: Fused cases: (out, in, group size, bias, split rows).
 FUSED_CASES: Tuple[Tuple[int, int, Optional[int], bool, Tuple[int, ...]], ...] = (
@@ -87,24 +88,10 @@ def _planted(packed: mx.array, bits: int, plant: Optional[Plant]) -> mx.array:
 # -- GPU ---------------------------------------------------------------------------------
 
 
-def _gpu_unavailable() -> Optional[str]:
-    return None if kernels.gpu_backend() is not None else (
-        "no Metal or CUDA GPU is MLX's default device here")
-
-
-def _gpu_device() -> str:
-    backend = kernels.gpu_backend() or "gpu"
-    try:
-        name = str(mx.device_info().get("device_name", "")).strip()
-    except Exception:  # noqa: BLE001  (older MLX, or no device information)
-        name = ""
-    return f"{backend} {name}".strip()
-
-
 def _gpu_case(bits: int, o: int, k: int, gs: Optional[int], bias: bool, dtype: mx.Dtype, plant: Optional[Plant],
               *, mma: bool, splits: Tuple[int, ...] = (), seed: int = 0) -> Case:
     packed, scales, x, b = make_case(o, k, bits, gs, dtype, bias, seed)
-    y = kernels.gemv(x, _planted(packed, bits, plant), scales, b, bits=bits, group_size=gs, mma=mma,
+    y = packed_gpu.gemv(x, _planted(packed, bits, plant), scales, b, bits=bits, group_size=gs, mma=mma,
                      splits=splits)
     if splits:
         y = mx.concatenate(y, axis=-1)
@@ -112,7 +99,7 @@ def _gpu_case(bits: int, o: int, k: int, gs: Optional[int], bias: bool, dtype: m
     w = formats.dequantize(packed, scales, bits, gs, k)
     bound = gemv_bound(x, w, ref.astype(mx.float32), out_dtype=dtype)
     extra = [f"{len(splits) + 1} outputs"] if splits else []
-    variant = [] if mma else ["shared" if k <= kernels.SHARED_K else "device"]
+    variant = [] if mma else ["shared" if k <= packed_gpu.SHARED_K else "device"]
     return Case(shape_label(o, k, gs, bias, variant + extra), dtype_name(dtype), compare(y, ref, bound))
 
 
@@ -125,22 +112,15 @@ def _simt(bits: int):
 
 def _mma(plant: Optional[Plant]) -> List[Case]:
     return [_gpu_case(4, o, k, gs, bias, dtype, plant, mma=True, seed=i)
-            for dtype in kernels.MMA_DTYPES for i, (o, k, gs, bias) in enumerate(MMA_CASES)]
+            for dtype in packed_gpu.MMA_DTYPES for i, (o, k, gs, bias) in enumerate(MMA_CASES)]
 
 
 def _fused(plant: Optional[Plant]) -> List[Case]:
     return [_gpu_case(4, o, k, gs, bias, dtype, plant, mma=True, splits=splits, seed=i)
-            for dtype in kernels.MMA_DTYPES for i, (o, k, gs, bias, splits) in enumerate(FUSED_CASES)]
+            for dtype in packed_gpu.MMA_DTYPES for i, (o, k, gs, bias, splits) in enumerate(FUSED_CASES)]
 
 
 # -- the C kernels -----------------------------------------------------------------------
-
-
-def _c_unavailable() -> Optional[str]:
-    if cpu_backend() is None:
-        info = cpu.info()
-        return f"the C kernels are not built ({info.get('error') or 'unavailable'})"
-    return None
 
 
 def _c_device(path: str) -> str:
@@ -197,7 +177,7 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
             ref = formats.reference_matmul(x, packed, scales, bits=bits, group_size=gs, in_features=k, bias=b)
             w = formats.dequantize(packed, scales, bits, gs, k)
             bound = gemv_bound(x, w, ref.astype(mx.float32), out_dtype=dtype,
-                               intdot=path == "cpu" and packed_layers.CPU_GEMV_PATH in ("auto", "intdot"))
+                               intdot=path == "cpu" and layers.CPU_GEMV_PATH in ("auto", "intdot"))
             cases.append(Case(shape_label(o, k, gs, True, [f"int{bits}", f"via {path}"]), dtype_name(dtype),
                               compare(y, ref, bound)))
     return cases
@@ -205,21 +185,21 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
 
 def _dispatch_device() -> str:
     path = backend_for(mx.zeros((1152,)), 4, 1152, 67, 64)
-    return _gpu_device() if path in ("metal", "cuda") else ("cpu C" if path == "cpu" else f"{mx.default_device()}")
+    return gpu.device_label() if path in ("metal", "cuda") else ("cpu C" if path == "cpu" else f"{mx.default_device()}")
 
 
 def checks() -> List[KernelCheck]:
     """The packed GEMV's checks, in the order the table prints them."""
     out = [
-        KernelCheck(f"packed GEMV int{bits} SIMT", "a GPU (Metal or CUDA)", _gpu_unavailable, _gpu_device,
+        KernelCheck(f"packed GEMV int{bits} SIMT", "a GPU (Metal or CUDA)", gpu.unavailable, gpu.device_label,
                     _simt(bits))
         for bits in (4, 8)
     ]
-    out.append(KernelCheck("packed GEMV int4 matrix-unit", "a GPU (Metal or CUDA)", _gpu_unavailable, _gpu_device,
-                           _mma))
-    out.append(KernelCheck("packed GEMV int4 fused 2-3 outputs", "a GPU (Metal or CUDA)", _gpu_unavailable,
-                           _gpu_device, _fused))
-    out += [KernelCheck(f"C packed GEMV {path}", "the C kernels (built at install)", _c_unavailable,
+    out.append(KernelCheck("packed GEMV int4 matrix-unit", "a GPU (Metal or CUDA)", gpu.unavailable,
+                           gpu.device_label, _mma))
+    out.append(KernelCheck("packed GEMV int4 fused 2-3 outputs", "a GPU (Metal or CUDA)", gpu.unavailable,
+                           gpu.device_label, _fused))
+    out += [KernelCheck(f"C packed GEMV {path}", "the C kernels (built at install)", cpu.unavailable,
                         lambda p=path: _c_device(p), _c_path(path)) for path in C_PATHS]
     out.append(KernelCheck("PackedLinear decode dispatch", "any device", lambda: None, _dispatch_device,
                            _dispatch))

@@ -4,7 +4,7 @@ This module is the oracle every fast kernel is checked against and the
 fallback that runs wherever no kernel applies. Everything here is plain MLX
 ops, lazy like any other MLX computation.
 
-Format (shared with the C kernels of ``gearbx_mlx.packed.cpu``; do not change it):
+Format (shared with the C kernels of ``gearbx_mlx.bindings.cpu``; do not change it):
 
 * Scales: per row (``group_size=None``) or per group of ``group_size``
   consecutive inputs. ``s = max|W| / qmax`` over the row or group, floored at

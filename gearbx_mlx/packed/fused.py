@@ -4,7 +4,7 @@ A decode step on a GPU is bound by the host's cost per kernel call long
 before the packed kernels run out of memory bandwidth (a Llama-3-8B step
 makes 225 linear calls). Sibling projections read the same input, so their
 packed rows can live in one matrix and be computed by one launch of the
-matrix-unit kernel with 2 or 3 outputs (``kernels.gemv(..., splits=...)``).
+matrix-unit kernel with 2 or 3 outputs (``packed_gpu.gemv(..., splits=...)``).
 
 mlx-lm's models call the siblings one after another with the same input
 array (``q_proj(x), k_proj(x), v_proj(x)``; ``gate_proj(x)``, ``up_proj(x)``).
@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gpu as kernels
+from ..bindings import gpu, packed_gpu
 from .layers import KernelRuntime, PackedLinear
 
 #: Sibling projections fused per parent module (attribute names as in mlx-lm's
@@ -65,7 +65,7 @@ class _Group:
             return self._last
         if x.size != self.in_features or x.shape[-1] != self.in_features:
             return None
-        backend = kernels.gpu_backend()
+        backend = gpu.gpu_backend()
         if backend is None:
             return None
         run = self.runtime.launcher(self, backend, x.dtype, self.bias is not None, self.splits)
@@ -108,7 +108,7 @@ def fusable(layers: Sequence[nn.Module]) -> bool:
                for m in layers)
     # Any 16-bit input dtype will do for the shape test; the dtype is checked per call.
     total = sum(m.out_features for m in layers)
-    return same and kernels.supports_mma(first.bits, first.group_size, first.in_features,
+    return same and packed_gpu.supports_mma(first.bits, first.group_size, first.in_features,
                                          total, mx.bfloat16)
 
 

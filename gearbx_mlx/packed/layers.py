@@ -6,8 +6,8 @@ counts their bytes truthfully. The product is chosen at call time
 (:func:`backend_for`), in the order of §7.2:
 
 1. single-token input (``x.size == in_features``) on a GPU: the packed GEMV
-   kernel of :mod:`gearbx_mlx.packed.gpu` (Metal, or its CUDA twin);
-2. single-token input on the CPU: the C kernels of ``gearbx_mlx.packed.cpu`` (int4 and
+   kernel of :mod:`gearbx_mlx.bindings.packed_gpu` (Metal, or its CUDA twin);
+2. single-token input on the CPU: the C kernels of ``gearbx_mlx.bindings.cpu`` (int4 and
    int8), when that module imports and reports ``available()``;
 3. with ``dequant_cache=True``: the §7.1 path, weights dequantized once into the
    input dtype and reused until the input dtype changes;
@@ -15,7 +15,7 @@ counts their bytes truthfully. The product is chosen at call time
    in float32. Multi-token input (prefill) always takes 3 or 4.
 
 A kernel's first call per layer shape checks itself against the reference
-(:mod:`gearbx_mlx.packed.guard`); a kernel that fails to build or disagrees
+(:mod:`gearbx_mlx.bindings.guard`); a kernel that fails to build or disagrees
 is dropped for 3 or 4 with one warning, and the generation goes on.
 """
 
@@ -26,18 +26,19 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cpu, formats, gpu as kernels, guard
+from ..bindings import cpu, gpu, guard, packed_gpu
+from . import formats
 
 #: Names :func:`backend_for` returns.
 BACKENDS = ("metal", "cuda", "cpu", "dequant-cache", "reference")
-#: Path of ``gearbx_mlx.packed.cpu.gemv``: "auto" is its int8-activation integer dot
+#: Path of ``gearbx_mlx.bindings.cpu.gemv``: "auto" is its int8-activation integer dot
 #: product (memory speed, adds activation rounding); "float" keeps float32
 #: activations at about a third of the speed.
 CPU_GEMV_PATH = "auto"
 
 
 def cpu_backend() -> Optional[Any]:
-    """:mod:`gearbx_mlx.packed.cpu` if its C library loaded, else None.
+    """:mod:`gearbx_mlx.bindings.cpu` if its C library loaded, else None.
 
     The library is optional and loaded on first use (tried once), never at
     import time.
@@ -63,10 +64,10 @@ def backend_for(
 ) -> str:
     """Which path a packed layer would take for input ``x`` now (see module doc)."""
     if is_single_token(x, in_features):
-        gpu = kernels.gpu_backend()
-        if gpu is not None:
-            if kernels.supports(bits, group_size, in_features, out_features, x.dtype):
-                return gpu
+        backend = gpu.gpu_backend()
+        if backend is not None:
+            if packed_gpu.supports(bits, group_size, in_features, out_features, x.dtype):
+                return backend
         elif bits in (4, 8) and cpu_backend() is not None:
             return "cpu"
     return "dequant-cache" if dequant_cache else "reference"
@@ -118,7 +119,7 @@ class KernelRuntime:
 
     def __init__(self) -> None:
         # (backend, dtype, bias) -> launcher, or False where the kernel does not
-        # apply or failed its first-use check (gearbx_mlx.packed.guard).
+        # apply or failed its first-use check (gearbx_mlx.bindings.guard).
         self.launchers: dict = {}
         self.weight: Optional[mx.array] = None  # the dequant cache
 
@@ -139,8 +140,8 @@ class KernelRuntime:
             if backend == "cpu":
                 ok, build = bits in (4, 8), lambda: cpu_launcher(bits, gs, k, o)
             else:
-                ok = (kernels.supports_mma if splits else kernels.supports)(bits, gs, k, o, dtype)
-                build = lambda: kernels.launcher(  # noqa: E731
+                ok = (packed_gpu.supports_mma if splits else packed_gpu.supports)(bits, gs, k, o, dtype)
+                build = lambda: packed_gpu.launcher(  # noqa: E731
                     backend, bits, gs, k, o, dtype, has_bias, None, None, True if splits else None, tuple(splits))
             family = "C packed GEMV" if backend == "cpu" else f"{backend} packed GEMV"
             spec = guard.KernelSpec(family, bits, gs, k, o, tuple(splits),
@@ -202,9 +203,9 @@ class PackedBase(nn.Module):
         # vector on a GPU. Plain attribute and dict reads only (a Module's
         # __getattr__ costs about a microsecond).
         if x.size == self.in_features and x.shape[-1] == self.in_features:
-            gpu = kernels.gpu_backend()
-            if gpu is not None:
-                run = self.runtime.launcher(self, gpu, x.dtype, bias is not None)
+            backend = gpu.gpu_backend()
+            if backend is not None:
+                run = self.runtime.launcher(self, backend, x.dtype, bias is not None)
                 if run:
                     return run(x, self["weight"], self["scales"], bias)
         if x.shape[-1] != self.in_features:

@@ -34,14 +34,17 @@ from . import gemma3
 from .spm import spm_tokenizer
 
 GGUF_GROUP = 32
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+#: dtypes a converted model's float tensors may take.
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
-_TENSOR_NAMES = {
+#: GGUF tensor names outside the blocks -> mlx-lm parameter paths.
+TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK_NAMES = {
+#: GGUF names of a block's tensors -> their paths under ``model.layers.<i>`` (llama and qwen2).
+BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -130,7 +133,8 @@ def _dequantize(weights: Dict[str, mx.array], name: str, dtype: mx.Dtype) -> mx.
     return out.astype(dtype)
 
 
-def _config(meta: Dict[str, Any], has_output: bool) -> Dict[str, Any]:
+def mlx_config(meta: Dict[str, Any], has_output: bool) -> Dict[str, Any]:
+    """The mlx-lm ``config.json`` of a GGUF model from its metadata (``has_output``: an untied ``lm_head``)."""
     arch = check_supported(meta)
     model_type, hf_class = _ARCHITECTURES[arch]
     p = arch + "."
@@ -482,8 +486,8 @@ def read_gguf(gguf_path: Path, dtype: str) -> Tuple[Dict[str, mx.array], Dict[st
     Q8_0) come from ``mx.load`` (quantized tensors as MLX triples); any other
     file from :func:`read_gguf_numpy` (every tensor dequantized to float32).
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     meta, tensors, _ = read_gguf_header(gguf_path)
@@ -508,14 +512,14 @@ def convert_gguf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     weights, meta = read_gguf(gguf_path, dtype)
     has_output = "output.weight" in weights
-    config = _config(meta, has_output)
+    config = mlx_config(meta, has_output)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    tdtype = _DTYPES[dtype]
+    tdtype = DTYPES[dtype]
 
     # llama.cpp permutes llama's Q/K rows for its RoPE layout, not qwen2's or gemma3's.
     permuted = config["model_type"] == "llama"
     arch = _scalar(meta, "general.architecture")
-    block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    block_names = _ARCH_BLOCK_NAMES.get(arch, BLOCK_NAMES)
     names = sorted({k.rsplit(".", 1)[0] for k in weights})
     out: Dict[str, mx.array] = {}
     for i, name in enumerate(names):
@@ -525,8 +529,8 @@ def convert_gguf(
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
             path = f"model.layers.{layer}.{block_names[kind]}"
             heads = {"attn_q": n_head, "attn_k": n_kv}.get(kind) if permuted else None
-        elif name in _TENSOR_NAMES:
-            path, heads = _TENSOR_NAMES[name], None
+        elif name in TENSOR_NAMES:
+            path, heads = TENSOR_NAMES[name], None
         else:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
         w = _dequantize(weights, name, mx.float32)

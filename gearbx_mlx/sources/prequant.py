@@ -26,11 +26,11 @@ import mlx.core as mx
 
 from .cache import cache_dir, converted_gguf, default_dtype, entry_usable, fetch_default_gguf
 from .gguf import (
-    _BLOCK_NAMES,
-    _DTYPES,
-    _TENSOR_NAMES,
+    BLOCK_NAMES,
+    DTYPES,
     GGUF_GROUP,
-    _config,
+    TENSOR_NAMES,
+    mlx_config,
     read_gguf,
     unpermute_qk,
     write_model_folder,
@@ -50,11 +50,11 @@ def _mlx_name(name: str) -> str:
     """mlx-lm's module path of a GGUF tensor prefix (``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``)."""
     if name.startswith("blk."):
         _, layer, kind = name.split(".", 2)
-        if kind not in _BLOCK_NAMES:
+        if kind not in BLOCK_NAMES:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
-        return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}"
-    if name in _TENSOR_NAMES:
-        return _TENSOR_NAMES[name]
+        return f"model.layers.{layer}.{BLOCK_NAMES[kind]}"
+    if name in TENSOR_NAMES:
+        return TENSOR_NAMES[name]
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
@@ -76,7 +76,7 @@ def quantized_weights(
         ``(tensors, layers)``: mlx-lm named tensors, and ``{module path:
         {"group_size": 32, "bits": b}}`` for every quantized module.
     """
-    tdtype = _DTYPES[dtype]
+    tdtype = DTYPES[dtype]
     out: Dict[str, mx.array] = {}
     layers: Dict[str, Dict[str, int]] = {}
     for name in sorted({k.rsplit(".", 1)[0] for k in weights}):
@@ -130,7 +130,7 @@ def convert_gguf_quantized(
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     weights, meta = read_gguf(gguf_path, dtype)
-    config = _config(meta, "output.weight" in weights)
+    config = mlx_config(meta, "output.weight" in weights)
     tensors, layers = quantized_weights(
         weights, config["num_attention_heads"], config["num_key_value_heads"], dtype,
         permuted=config["model_type"] == "llama",

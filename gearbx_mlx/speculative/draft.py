@@ -31,8 +31,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from ..affine import fake_quantize
+from ..bindings import cpu as cpu_kernels
 from ..config import GearboxConfig, bits_for
-from ..packed import cpu as cpu_kernels
 from ..precision import PrecisionManager, nbytes
 from .host import HOST_PREFILL_MAX, HostForward, HostKVCache, host_support
 

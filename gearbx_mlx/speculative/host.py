@@ -18,10 +18,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
+from ..bindings import cpu as cpu_kernels, nested_cpu
 from ..distributed.layers import group_of
 from ..nested.layers import NestedEmbedding, NestedLinear
 from ..nested.matmul import nested_kernels_trusted
-from ..packed import cpu as cpu_kernels, layers as packed_layers, nested_cpu
+from ..packed import layers as packed_layers
 from ..packed.layers import PackedBase, PackedEmbedding, cpu_backend, cpu_kernels_trusted
 
 HOST_PREFILL_MAX = 64

@@ -1,10 +1,14 @@
-"""cffi build script (API mode) for the CPU kernels in ``kernels/cpu/``.
+"""cffi build script (API mode) for the C kernels in ``gearbx_mlx/bindings/csrc/``.
 
-Used two ways:
+The C sources sit next to this script; they include the one format header,
+``metal_kernels/gearbx_format.h``, which is on the include path
+(:data:`INCLUDE_DIRS`). Used two ways:
 
-* at install time through ``setup.py`` (``cffi_modules``), which builds the
-  extension module ``gearbx_mlx.packed._gearbx_cpu``;
-* by hand, to build in place: ``python gearbx_mlx/packed/_build.py``.
+* at install time through ``setup.py`` (``cffi_modules`` names
+  :func:`make_ffibuilder`), which builds the extension module
+  ``gearbx_mlx.bindings._gearbx_cpu``;
+* by hand, to build in place: ``python gearbx_mlx/bindings/build.py`` (or
+  ``python setup.py build_ext --inplace``).
 
 Per-platform flags (the C sources pick kernels with ``#if`` and run-time checks):
 
@@ -25,6 +29,7 @@ Per-platform flags (the C sources pick kernels with ``#if`` and run-time checks)
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import platform
 import shlex
@@ -36,37 +41,30 @@ import tempfile
 
 from cffi import FFI
 
-MODULE_NAME = "gearbx_mlx.packed._gearbx_cpu"
+MODULE_NAME = "gearbx_mlx.bindings._gearbx_cpu"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
+#: The C sources' folder, relative to the checkout's root.
+CSRC = "gearbx_mlx/bindings/csrc"
 #: The library's C sources, relative to the checkout's root. Every file is
 #: compiled on every platform: each arch/ file guards its body with the
-#: instruction set it needs (kernels/cpu/internal.h), so a macOS universal2
+#: instruction set it needs (csrc/internal.h), so a macOS universal2
 #: build compiles the same list for both halves.
-SOURCES = (
-    "kernels/cpu/ref.c",
-    "kernels/cpu/dispatch.c",
-    "kernels/cpu/pool.c",
-    "kernels/cpu/bandwidth.c",
-    "kernels/cpu/nested.c",
-    "kernels/cpu/arch/x86/packed.c",
-    "kernels/cpu/arch/x86/nested.c",
-    "kernels/cpu/arch/arm/packed.c",
-    "kernels/cpu/arch/arm/nested.c",
-)
+SOURCES = tuple(f"{CSRC}/{name}" for name in (
+    "ref.c", "dispatch.c", "pool.c", "bandwidth.c", "nested.c",
+    "arch/x86/packed.c", "arch/x86/nested.c", "arch/arm/packed.c", "arch/arm/nested.c",
+))
 #: The self-test driver (not in the extension): built by the tests with SOURCES.
-TEST_DRIVER = "kernels/cpu/test_main.c"
+TEST_DRIVER = f"{CSRC}/test_main.c"
+#: Include folders, relative to the root: the C headers, and the format header's folder.
+INCLUDE_DIRS = (CSRC, "metal_kernels")
 #: Headers a change of which must rebuild the extension.
-HEADERS = (
-    "kernels/gearbx_format.h",
-    "kernels/cpu/gearbx_cpu.h",
-    "kernels/cpu/internal.h",
-    "kernels/cpu/arch/x86/simd.h",
-    "kernels/cpu/arch/arm/simd.h",
-)
+HEADERS = ("metal_kernels/gearbx_format.h",) + tuple(f"{CSRC}/{name}" for name in (
+    "gearbx_cpu.h", "internal.h", "arch/x86/simd.h", "arch/arm/simd.h",
+))
 
-# What Python sees of kernels/cpu/gearbx_cpu.h.  API mode checks it against the
+# What Python sees of csrc/gearbx_cpu.h.  API mode checks it against the
 # real header when it compiles, so a drift is a build error, not a crash.
 CDEF = """
 enum {
@@ -208,6 +206,11 @@ def compile_flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
+def include_flags() -> list[str]:
+    """``-I`` flags of :data:`INCLUDE_DIRS`, absolute, for a compiler run by hand (the self-test driver)."""
+    return [f"-I{os.path.join(_ROOT, d)}" for d in INCLUDE_DIRS]
+
+
 def make_ffibuilder(absolute_paths: bool = False) -> FFI:
     """setuptools wants source paths relative to setup.py (the cwd of a build);
     ``FFI.compile`` changes directory, so building by hand needs absolute ones."""
@@ -222,7 +225,7 @@ def make_ffibuilder(absolute_paths: bool = False) -> FFI:
         MODULE_NAME,
         '#include "gearbx_cpu.h"\n',
         sources=[path(s) for s in SOURCES],
-        include_dirs=[path("kernels/cpu")],
+        include_dirs=[path(d) for d in INCLUDE_DIRS],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
         depends=[path(h) for h in HEADERS],
@@ -230,11 +233,8 @@ def make_ffibuilder(absolute_paths: bool = False) -> FFI:
     return ffi
 
 
-ffibuilder = make_ffibuilder()
-
-
-if __name__ == "__main__":
-    # Build in place: gearbx_mlx/_gearbx_cpu.*.so next to this file.
+def build_in_place() -> str:
+    """Compile the extension next to this file (``_gearbx_cpu.abi3.so``); returns its path."""
     ffibuilder = make_ffibuilder(absolute_paths=True)
     build_tmp = os.path.join(_ROOT, "build", "cffi_tmp")
     os.makedirs(build_tmp, exist_ok=True)
@@ -244,12 +244,14 @@ if __name__ == "__main__":
             os.remove(os.path.join(_HERE, old))
     # Same file name as a pip build (cffi modules use the limited API where
     # they can), so the two replace each other instead of one shadowing.
-    import importlib.machinery
-
     name = os.path.basename(so)
     if ".abi3.so" in importlib.machinery.EXTENSION_SUFFIXES and not hasattr(sys, "gettotalrefcount") \
             and not sysconfig.get_config_var("Py_GIL_DISABLED"):
         name = "_gearbx_cpu.abi3.so"
     dest = os.path.join(_HERE, name)
     shutil.copy2(so, dest)
-    print(f"built {os.path.relpath(dest, _ROOT)}")
+    return dest
+
+
+if __name__ == "__main__":
+    print(f"built {os.path.relpath(build_in_place(), _ROOT)}")

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import mlx.core as mx
 
 from ..kernelcheck import compare, gemv_bound, sample_rows
-from . import formats
+from ..packed import formats
 
 #: What the warning asks of the user.
 ASK = ("packed layers of this kind use MLX's path instead (same results, slower). Please run "

@@ -25,7 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../gearbx_format.h"
+#include "gearbx_format.h" /* metal_kernels/, on the include path */
 
 #ifdef __cplusplus
 extern "C" {

@@ -2,7 +2,7 @@
 
 A gear of nested planes (``gearbx_mlx.nested.planes``) computes
 ``y = sum_{p<n} 2**-e_p * (x @ deq(plane p).T)``. The C kernels
-(``kernels/cpu/nested.c`` and its ``arch/`` files) read the first ``n``
+(``gearbx_mlx/bindings/csrc/nested.c`` and its ``arch/`` files) read the first ``n``
 planes of a matrix straight from MLX's storage (uint32 codes, float32 /
 float16 / bfloat16 scales and biases), zero-copy, one output row at a time,
 for one or a few activation rows (a verify of k tokens reads each weight row
@@ -113,7 +113,7 @@ class PreparedNested:
             t.bits, t.group_size, t.dtype, t.factor = int(p.bits), gs, code, 2.0 ** -int(p.exponent)
         rc = lib.gbx_check_nested(self.table, len(planes), 1, o, i, 0)
         if rc != 0:
-            cpu._raise_for(ext, rc, "gearbx_mlx.packed.nested_cpu.prepare_nested")
+            cpu.raise_for(ext, rc, "gearbx_mlx.bindings.nested_cpu.prepare_nested")
 
     def gemv(
         self,
@@ -131,7 +131,7 @@ class PreparedNested:
                 leading dims are flattened), any float dtype.
             n: planes read (1 .. n_planes).
             path: ``"float"``/``"auto"``, ``"intdot"``, ``"ref"`` or ``"intdot_ref"``.
-            threads: threads for this call (default :func:`gearbx_mlx.packed.cpu.get_threads`).
+            threads: threads for this call (default :func:`gearbx_mlx.bindings.cpu.get_threads`).
             out: optional float32 MLX array of the result's shape, written in place.
 
         Returns:
@@ -164,7 +164,7 @@ class PreparedNested:
             0 if threads is None else int(threads),
         )
         if rc != 0:
-            cpu._raise_for(ext, rc, "gearbx_mlx.packed.nested_cpu.gemv")
+            cpu.raise_for(ext, rc, "gearbx_mlx.bindings.nested_cpu.gemv")
         return out if out is not None else mx.array(yv).reshape(shape)
 
 

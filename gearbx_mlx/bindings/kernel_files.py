@@ -1,12 +1,11 @@
-"""Where the kernel sources live, and the constants of their one format header.
+"""Where the GPU kernel sources live, and the constants of their one format header.
 
-The checkout keeps them in a top-level ``kernels/`` folder:
-``kernels/gearbx_format.h`` (the weight formats and shared constants, valid
-C, Metal and CUDA), ``kernels/cpu/`` (the C kernels, built into
-``gearbx_mlx.packed._gearbx_cpu``) and ``kernels/gpu/`` (the Metal bodies and
-their CUDA twins, read at run time). A wheel ships the header and ``gpu/`` as
-``gearbx_mlx/kernels`` (``pyproject.toml``), where :func:`source_dir` finds
-them.
+The checkout keeps them in a top-level ``metal_kernels/`` folder:
+``metal_kernels/gearbx_format.h`` (the weight formats and shared constants,
+valid C, Metal and CUDA) and the Metal bodies with their CUDA twins, read at
+run time. A wheel ships the folder as ``gearbx_mlx/metal_kernels``
+(``pyproject.toml``), where :func:`source_dir` finds it. The C kernels
+(``gearbx_mlx/bindings/csrc/``) include the same header at build time.
 
 Python takes the shared constants from the header (:func:`format_constants`)
 rather than repeating them; nothing is read until a caller asks.
@@ -21,8 +20,10 @@ from typing import Dict, Optional
 
 #: The format header, relative to :func:`source_dir`.
 FORMAT_HEADER = "gearbx_format.h"
+#: The folder's name, in the checkout and in the installed package.
+FOLDER = "metal_kernels"
 #: A file every complete source folder has (the GPU loader reads it).
-_MARKER = Path("gpu") / "gemv_body.inc"
+_MARKER = Path("gemv_body.inc")
 
 # `#define NAME <integer>` with an optional trailing comment: the only
 # definitions Python reads (function-like macros and expressions are C's own).
@@ -31,14 +32,14 @@ _DEFINE = re.compile(r"^\s*#\s*define\s+(GBX_[A-Z0-9_]+)\s+(-?(?:0[xX][0-9a-fA-F
 
 @functools.lru_cache(maxsize=None)
 def source_dir() -> Path:
-    """The ``kernels`` folder: inside the installed package, or the checkout's (cached)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "kernels", here.parent.parent / "kernels"):
+    """The ``metal_kernels`` folder: inside the installed package, or the checkout's (cached)."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / FOLDER, package.parent / FOLDER):
         if (candidate / _MARKER).is_file() and (candidate / FORMAT_HEADER).is_file():
             return candidate
     raise FileNotFoundError(
         f"kernel sources ({_MARKER.as_posix()} and {FORMAT_HEADER}) not found next to gearbx_mlx: "
-        "reinstall the package; the wheel must ship kernels/ as gearbx_mlx/kernels"
+        f"reinstall the package; the wheel must ship {FOLDER}/ as gearbx_mlx/{FOLDER}"
     )
 
 

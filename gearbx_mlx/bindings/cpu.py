@@ -1,6 +1,6 @@
 """Packed int4/int8 GEMV on the CPU: a checked wrapper over the C kernels.
 
-The kernels (``kernels/cpu/``, built by cffi in API mode as ``gearbx_mlx.packed._gearbx_cpu``)
+The kernels (``gearbx_mlx/bindings/csrc/``, built by cffi in API mode as ``gearbx_mlx.bindings._gearbx_cpu``)
 compute ``y = W x`` for one activation vector straight from the packed format
 of :mod:`gearbx_mlx.packed.formats`: int8 ``(O, I)``, or uint8 ``(O, I/2)`` int4 with the
 low nibble first and an offset of 8, with float32 scales ``(O, n_groups)``.
@@ -33,11 +33,11 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["available", "gemv", "prepare", "PreparedWeights", "require", "reset", "set_threads", "get_threads",
-           "info"]
+__all__ = ["available", "contiguous_numpy", "gemv", "prepare", "PreparedWeights", "raise_for", "require", "reset",
+           "set_threads", "get_threads", "info", "unavailable"]
 
 PATHS = {"auto": 0, "float": 1, "intdot": 2, "ref": 3, "intdot_ref": 4}
-#: GBX_ABI_VERSION of the C library this wrapper speaks to (kernels/cpu/gearbx_cpu.h).
+#: GBX_ABI_VERSION of the C library this wrapper speaks to (csrc/gearbx_cpu.h).
 ABI_VERSION = 2
 GROUP_SIZES = (None, 32, 64, 128)
 
@@ -61,14 +61,14 @@ def _load() -> Optional[Any]:
         except ImportError as e:
             _load_error = (
                 f"gearbx_mlx: the C CPU kernels are not built ({e}); packed layers use the "
-                "pure-MLX path. Rebuild with `pip install -e .` or `python gearbx_mlx/packed/_build.py`."
+                "pure-MLX path. Rebuild with `pip install -e .` or `python gearbx_mlx/bindings/build.py`."
             )
             warnings.warn(_load_error, RuntimeWarning, stacklevel=3)
             return None
         version = _gearbx_cpu.lib.GBX_ABI_VERSION
         if version != ABI_VERSION:
             _load_error = (f"gearbx_mlx: C CPU kernels have ABI {version}, this wrapper expects {ABI_VERSION}; "
-                           "rebuild them (`python gearbx_mlx/packed/_build.py` or `pip install -e .`)")
+                           "rebuild them (`python gearbx_mlx/bindings/build.py` or `pip install -e .`)")
             warnings.warn(_load_error, RuntimeWarning, stacklevel=3)
             return None
         _ext = _gearbx_cpu
@@ -78,6 +78,13 @@ def _load() -> Optional[Any]:
 def available() -> bool:
     """True when the compiled kernels import (warns once when they do not)."""
     return _load() is not None
+
+
+def unavailable() -> Optional[str]:
+    """None when the compiled kernels load, else why not (for the self-test's table)."""
+    if available():
+        return None
+    return f"the C kernels are not built ({_load_error or 'unavailable'})"
 
 
 def require() -> Any:
@@ -199,7 +206,8 @@ def _activations(x: ArrayLike, in_features: int) -> np.ndarray:
     return v
 
 
-def _raise_for(ext: Any, rc: int, what: str) -> None:
+def raise_for(ext: Any, rc: int, what: str) -> None:
+    """ValueError (bad arguments) or RuntimeError naming ``what`` for a C return code ``rc`` != 0."""
     lib = ext.lib
     msg = f"{what}: {ext.ffi.string(lib.gbx_strerror(rc)).decode()}"
     if rc in (lib.GBX_E_BITS, lib.GBX_E_GROUP, lib.GBX_E_SHAPE, lib.GBX_E_PATH, lib.GBX_E_PLANES):
@@ -260,7 +268,7 @@ class PreparedWeights:
             self.group_size or 0, PATHS[path], 0 if threads is None else int(threads),
         )
         if rc != 0:
-            _raise_for(ext, rc, "gearbx_mlx.packed.cpu.gemv")
+            raise_for(ext, rc, "gearbx_mlx.bindings.cpu.gemv")
         # mx.array(numpy) copies (about 2 us for 11k floats); `out` avoids it
         return out if out is not None else mx.array(yv)
 
@@ -302,7 +310,7 @@ def prepare(
         raise ValueError(f"scales must have shape ({w.shape[0]}, {ng}), got {tuple(s.shape)}")
     rc = ext.lib.gbx_check_args(w.shape[0], int(in_features), bits, group_size or 0, 0)
     if rc != 0:
-        _raise_for(ext, rc, "gearbx_mlx.packed.cpu.prepare")
+        raise_for(ext, rc, "gearbx_mlx.bindings.cpu.prepare")
     return PreparedWeights(w, s, bits, group_size, int(in_features))
 
 

@@ -2,8 +2,8 @@
 // Metal and CUDA (as ggml-common.h is for ggml).
 //
 // Included by the C kernels (cpu/gearbx_cpu.h), and put at the head of every
-// GPU kernel's header by gearbx_mlx.packed.gpu. Python reads these #defines
-// (gearbx_mlx.packed.kernel_files.format_constants), and
+// GPU kernel's header by gearbx_mlx.bindings.packed_gpu. Python reads these #defines
+// (gearbx_mlx.bindings.kernel_files.format_constants), and
 // tests/test_kernel_format.py checks them against gearbx_mlx.packed.formats
 // and gearbx_mlx.nested.planes. So this file holds only preprocessor
 // constants, macros of plain integer arithmetic and static assertions: no

@@ -1,36 +1,35 @@
 """Packed int4/int8 decode GEMV kernels for Metal and CUDA, built lazily.
 
-The kernel text lives in ``kernels/gpu/`` (one shared body, a small prelude
+The kernel text lives in ``metal_kernels/`` (one shared body, a small prelude
 and entry per backend; see its README), after the format header
-``kernels/gearbx_format.h`` that the C kernels include too. This module assembles it, builds
-``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` objects on first use and
-caches them; nothing is compiled at import. Every parameter baked into a
+``metal_kernels/gearbx_format.h`` that the C kernels include too. This module
+assembles it and builds ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``
+objects on first use through :mod:`.gpu` (shared with the other GPU
+kernels), which caches them; nothing is compiled at import. Every parameter baked into a
 kernel (backend, bits, group size, rows per SIMD group, unroll, load width, variant, input
 dtype, bias, and a hash of the source text) is in its name: MLX caches kernels
 by name, in memory and, on CUDA, as PTX on disk.
 
-The public entry point is :func:`gemv`; :func:`gpu_backend` and
+The public entry point is :func:`gemv`; :func:`.gpu.gpu_backend` and
 :func:`supports` tell a caller (``gearbx_mlx.packed.layers``) whether it applies.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import formats
-from .kernel_files import FORMAT_HEADER, format_constant, read as read_source, source_dir
+from ..packed import formats
+from . import gpu
+from .gpu import DTYPE_TAG, SIMD_GROUPS, THREADS, constants_source
+from .kernel_files import format_constant
 
 #: Bit widths with a GPU kernel (int6/int2 use the reference).
 KERNEL_BITS: Tuple[int, ...] = (4, 8)
-#: Threads per threadgroup: eight 32-lane SIMD groups (§8.1, §16.2).
-THREADS = 256
-SIMD_GROUPS = 8
 #: Input dtypes the kernels read.
 KERNEL_DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 #: The matrix-unit variant (gemv_mma_body.inc): int4, 16-bit inputs, K a
@@ -68,8 +67,6 @@ class Tuning:
 #: input load; 16-byte weight loads.
 TUNING: Dict[int, Tuning] = {4: Tuning(rows=4, unroll=1, vec=4), 8: Tuning(rows=4, unroll=1, vec=4)}
 
-_DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
-
 #: Limits the kernels' threadgroup memory sets, read from the format header:
 #: the largest K whose input vector the SIMT body stages (§8.1), and the
 #: largest K of the matrix-unit variant.
@@ -77,7 +74,7 @@ _HEADER_LIMITS = {"SHARED_K": "GBX_SHARED_K", "MMA_MAX_K": "GBX_MMA_MAX_K"}
 
 
 def __getattr__(name: str) -> int:
-    # SHARED_K and MMA_MAX_K are read from kernels/gearbx_format.h on first
+    # SHARED_K and MMA_MAX_K are read from metal_kernels/gearbx_format.h on first
     # use (not at import, and never restated here).
     if name in _HEADER_LIMITS:
         return format_constant(_HEADER_LIMITS[name])
@@ -85,36 +82,6 @@ def __getattr__(name: str) -> int:
 
 
 # -- sources --------------------------------------------------------------------
-
-#: Where the GPU files lie under :func:`source_dir`.
-GPU_DIR = "gpu"
-
-
-def _compact(text: str) -> str:
-    """Kernel text without comments, indentation or blank lines.
-
-    MLX copies the whole header and source into a new string on every kernel
-    call (a decode step makes a few hundred), so shorter text is cheaper.
-    """
-    out = []
-    for line in text.splitlines():
-        code = line.split("//", 1)[0].strip()
-        if code:
-            out.append(code)
-    return "\n".join(out) + "\n"
-
-
-def backend_files(backend: str, directory: Path) -> Tuple[str, str]:
-    """``(header prelude, entry)`` of ``backend``: the format header, then the
-    backend's spellings of the ``GBX_*`` macros; and its thread-index entry."""
-    if backend == "metal":
-        names = ("prelude_metal.h", "entry_metal.inc")
-    elif backend == "cuda":
-        names = ("prelude_cuda.cuh", "entry_cuda.inc")
-    else:
-        raise ValueError(f"no GPU kernel for backend {backend!r}: use 'metal' or 'cuda'")
-    prelude = read_source(directory, FORMAT_HEADER) + "\n" + read_source(directory, f"{GPU_DIR}/{names[0]}")
-    return prelude, read_source(directory, f"{GPU_DIR}/{names[1]}")
 
 
 def kernel_sources(
@@ -130,22 +97,15 @@ def kernel_sources(
 
     ``mma`` picks the matrix-unit body (int4, 16-bit inputs) over the SIMT one;
     ``n_out`` > 1 (matrix-unit body only) writes rows to 2 or 3 outputs.
-    ``directory`` replaces :func:`source_dir` (the syntax check uses it to
+    ``directory`` replaces the package's sources (the syntax check uses it to
     compile a copy with a planted error); ``compact`` strips comments.
     """
-    d = Path(directory) if directory is not None else source_dir()
     if n_out not in (1, 2, 3) or (n_out > 1 and not mma):
         raise ValueError(f"n_out must be 1, or 2-3 with the matrix-unit body, got {n_out}")
-    prelude, entry = backend_files(backend, d)
-    header = prelude + "\n" + read_source(d, f"{GPU_DIR}/gemv_common.h")
-    body = read_source(d, f"{GPU_DIR}/gemv_mma_body.inc" if mma else f"{GPU_DIR}/gemv_body.inc")
     # The bias and the output count are preprocessor switches, not template
     # arguments: without a bias input there is no `bias` name to refer to.
-    source = f"#define GBX_HAS_BIAS {int(has_bias)}\n#define GBX_NOUT {n_out}\n" + entry + body
-    source += "#undef GBX_HAS_BIAS\n#undef GBX_NOUT\n"
-    if compact:
-        header, source = _compact(header), _compact(source)
-    return header, source
+    return gpu.kernel_text(backend, ("gemv_common.h",), (("GBX_HAS_BIAS", has_bias), ("GBX_NOUT", n_out)),
+                                 "gemv_mma_body.inc" if mma else "gemv_body.inc", directory, compact_text=compact)
 
 
 def input_names(has_bias: bool) -> List[str]:
@@ -172,43 +132,21 @@ def kernel_name(
 
     ``splits``: the output boundaries of a multi-output (fused) kernel.
     """
-    header, source = kernel_sources(backend, has_bias, mma=mma, n_out=len(splits) + 1)
-    digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
+    digest = gpu.digest(*kernel_sources(backend, has_bias, mma=mma, n_out=len(splits) + 1))
     gs = "row" if group_size is None else f"g{group_size}"
     bias = "bias" if has_bias else "nobias"
     if mma:
         outs = "_".join(f"s{b}" for b in splits)
-        return (f"gbx_gemv_{backend}_mma_q{bits}_{gs}_u{tuning.unroll}_{_DTYPE_TAG[dtype]}_"
+        return (f"gbx_gemv_{backend}_mma_q{bits}_{gs}_u{tuning.unroll}_{DTYPE_TAG[dtype]}_"
                 f"{bias}{'_' + outs if outs else ''}_{digest}")
     variant = "shared" if shared else "device"
     return (
         f"gbx_gemv_{backend}_q{bits}_{gs}_r{tuning.rows}_u{tuning.unroll}_v{tuning.vec}_"
-        f"{variant}_{_DTYPE_TAG[dtype]}_{bias}_{digest}"
+        f"{variant}_{DTYPE_TAG[dtype]}_{bias}_{digest}"
     )
 
 
 # -- dispatch -----------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_kind() -> Optional[str]:
-    """The GPU back end this MLX build has, if any (fixed for the process)."""
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
-
-
-def gpu_backend() -> Optional[str]:
-    """"metal" or "cuda" when the default device is a GPU with that back end, else None.
-
-    Read at call time: a caller may change the default device between calls.
-    """
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return None
-    return _gpu_kind()
 
 
 def supports(
@@ -243,13 +181,6 @@ def supports_mma(
     return group_size is None or group_size % 64 == 0
 
 
-#: Type names of the input dtype in each back end's kernel language.
-TYPE_NAMES: Dict[str, Dict[mx.Dtype, str]] = {
-    "metal": {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t"},
-    "cuda": {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"},
-}
-
-
 def constants(
     dtype: mx.Dtype, bits: int, group_size: Optional[int], tuning: Tuning, shared: bool
 ) -> List[Tuple[str, object]]:
@@ -275,25 +206,6 @@ def mma_constants(
     return consts
 
 
-def constants_source(backend: str, consts: List[Tuple[str, object]]) -> str:
-    """Declarations of ``consts`` at the top of the kernel body.
-
-    Baked into the source rather than passed as MLX template arguments: a
-    decode step launches a few hundred kernels, and each template argument
-    costs a conversion on every call. The kernel's name carries every value,
-    so two variants never share MLX's cache entry.
-    """
-    lines = []
-    for name, value in consts:
-        if isinstance(value, mx.Dtype):
-            lines.append(f"  using {name} = {TYPE_NAMES[backend][value]};")
-        elif isinstance(value, bool):
-            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-        else:
-            lines.append(f"  constexpr int {name} = {int(value)};")
-    return "\n".join(lines) + "\n"
-
-
 def _tuning_for(bits: int, tuning: Optional[Tuning], in_features: int) -> Tuning:
     t = tuning or TUNING[bits]
     if t.rows < 1 or t.unroll < 1 or t.vec not in (1, 4):
@@ -303,22 +215,12 @@ def _tuning_for(bits: int, tuning: Optional[Tuning], in_features: int) -> Tuning
     return t
 
 
-@functools.lru_cache(maxsize=None)
 def build_kernel(backend: str, name: str, has_bias: bool, consts_source: str, mma: bool = False,
                  n_out: int = 1) -> Callable:
-    """The ``mx.fast`` kernel object of one variant, built once per process (cached by its arguments)."""
+    """The ``mx.fast`` kernel object of one variant (built once per process by :func:`.gpu.build`)."""
     header, source = kernel_sources(backend, has_bias, mma=mma, n_out=n_out, compact=True)
-    kwargs = dict(
-        name=name,
-        input_names=input_names(has_bias),
-        output_names=output_names(n_out),
-        source=_compact(consts_source) + source,
-        header=header,
-        ensure_row_contiguous=True,
-    )
-    if backend == "metal":
-        return mx.fast.metal_kernel(**kwargs)
-    return mx.fast.cuda_kernel(**kwargs)
+    return gpu.build(backend, name, tuple(input_names(has_bias)), tuple(output_names(n_out)), header,
+                           gpu.compact(consts_source) + source)
 
 
 def launch_spec(
@@ -432,8 +334,8 @@ def launcher(
     b = mx.zeros((out_features,), dtype=dtype) if has_bias else None
     spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, tuning=tuning,
                        shared=shared, mma=mma, splits=splits)
-    kernel = build_kernel(backend, spec["name"], has_bias,
-                    constants_source(backend, spec["constants"]), spec["mma"], spec["n_out"])
+    kernel = build_kernel(backend, spec["name"], has_bias, constants_source(backend, spec["constants"]),
+                          spec["mma"], spec["n_out"])
     grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
     tails = [shape[-1:] for shape in spec["output_shapes"]]
 
@@ -481,7 +383,7 @@ def gemv(
         weight: packed ``(O, K*bits/8)`` storage (uint8 int4 / int8 int8).
         scales: ``(O, K/group_size)`` or ``(O, 1)`` float32.
         bias: ``(O,)`` or None.
-        backend: "metal" or "cuda"; default :func:`gpu_backend`.
+        backend: "metal" or "cuda"; default :func:`.gpu.gpu_backend`.
         tuning, shared, mma: override :data:`TUNING` and the variant (benchmarks,
             tests); the matrix-unit variant reads only ``tuning.unroll``.
         splits: row boundaries: return the rows in 2 or 3 arrays (one launch).
@@ -489,7 +391,7 @@ def gemv(
     Returns:
         ``(..., O)`` in ``x.dtype``; with ``splits``, a list of ``(..., O_i)``.
     """
-    backend = backend or gpu_backend()
+    backend = backend or gpu.gpu_backend()
     if backend is None:
         raise ValueError(
             "no GPU back end on the default device: call gearbx_mlx.packed.formats.reference_matmul"

@@ -2,7 +2,7 @@
 
 A gear of nested planes (``gearbx_mlx.nested.planes``) is ``y = sum_p 2**-e_p
 * (x @ deq(plane p).T)``; with stock MLX that is one ``mx.quantized_matmul``
-per plane. ``kernels/gpu/nested_gemv_body.inc`` reads every plane of the gear
+per plane. ``metal_kernels/nested_gemv_body.inc`` reads every plane of the gear
 in one pass over the rows, for one input vector (decode), with the prelude and
 entry of the packed kernels (:mod:`.gpu`): one body, a Metal source and its
 CUDA twin. Every baked parameter (backend, plane bits and group sizes, x
@@ -20,7 +20,6 @@ the nested package, which sits above the kernels.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -28,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import mlx.core as mx
 
 from . import gpu
-from .kernel_files import format_constant, read as _read, source_dir
+from .gpu import DTYPE_TAG, SIMD_GROUPS, THREADS, constants_source
+from .kernel_files import format_constant
 
 #: Plane bit widths the body reads (others take the oracle). 6-bit codes are
 #: MLX's bit stream (four codes in three bytes); a chunk of them is whole
@@ -83,9 +83,6 @@ TUNING: Dict[int, NestedTuning] = {
 MIN_THREADGROUPS = 128
 
 
-_DTYPE_TAG = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
-
-
 # -- sources and names ----------------------------------------------------------------
 
 
@@ -96,17 +93,11 @@ def kernel_sources(
     prelude, the shared helpers; then the entry and the nested body."""
     if n_planes not in (1, 2, 3):
         raise ValueError(f"a gear reads 1 to 3 planes, got {n_planes}")
-    d = Path(directory) if directory is not None else source_dir()
-    prelude, entry = gpu.backend_files(backend, d)
-    header = (prelude + "\n" + _read(d, f"{gpu.GPU_DIR}/gemv_common.h") + "\n"
-              + _read(d, f"{gpu.GPU_DIR}/nested_common.h"))
     # Plane count and bias are preprocessor switches: the names of absent
     # inputs (w2, bias) must not appear in the compiled text.
-    source = (f"#define GBX_NPLANES {n_planes}\n#define GBX_HAS_BIAS {int(has_bias)}\n" + entry
-              + _read(d, f"{gpu.GPU_DIR}/nested_gemv_body.inc") + "#undef GBX_NPLANES\n#undef GBX_HAS_BIAS\n")
-    if compact:
-        header, source = gpu._compact(header), gpu._compact(source)
-    return header, source
+    return gpu.kernel_text(backend, ("gemv_common.h", "nested_common.h"),
+                                 (("GBX_NPLANES", n_planes), ("GBX_HAS_BIAS", has_bias)), "nested_gemv_body.inc",
+                                 directory, compact_text=compact)
 
 
 def input_names(n_planes: int, has_bias: bool) -> List[str]:
@@ -135,11 +126,10 @@ def kernel_name(
     backend: str, bits: Tuple[int, ...], group_sizes: Tuple[int, ...], tuning: NestedTuning, shared: bool,
     dtype: mx.Dtype, scale_dtype: mx.Dtype, has_bias: bool,
 ) -> str:
-    header, source = kernel_sources(backend, len(bits), has_bias)
-    digest = hashlib.sha1((header + source).encode()).hexdigest()[:8]
+    digest = gpu.digest(*kernel_sources(backend, len(bits), has_bias))
     plan = "_".join(f"q{b}g{g}" for b, g in zip(bits, group_sizes))
     return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_k{tuning.ksplit}_"
-            f"{'shared' if shared else 'device'}_{_DTYPE_TAG[dtype]}_s{_DTYPE_TAG[scale_dtype]}_"
+            f"{'shared' if shared else 'device'}_{DTYPE_TAG[dtype]}_s{DTYPE_TAG[scale_dtype]}_"
             f"{'bias' if has_bias else 'nobias'}_{digest}")
 
 
@@ -192,7 +182,7 @@ def default_tuning(n: int, out_features: int) -> NestedTuning:
     matrix so that the launch keeps :data:`MIN_THREADGROUPS` threadgroups."""
     t = TUNING[n]
     rows = t.rows
-    while rows > 1 and -(-out_features // (gpu.SIMD_GROUPS // t.ksplit * rows)) < MIN_THREADGROUPS:
+    while rows > 1 and -(-out_features // (SIMD_GROUPS // t.ksplit * rows)) < MIN_THREADGROUPS:
         rows //= 2
     return t if rows == t.rows else NestedTuning(rows, t.vec, t.ksplit)
 
@@ -212,8 +202,8 @@ def launch_spec(
     t = tuning or default_tuning(n, out_features)
     if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > min(gs):
         raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= the smallest group {min(gs)}, got {t}")
-    if t.ksplit not in (1, gpu.SIMD_GROUPS):
-        raise ValueError(f"ksplit is 1 or {gpu.SIMD_GROUPS} (the SIMD groups of a threadgroup), got {t}")
+    if t.ksplit not in (1, SIMD_GROUPS):
+        raise ValueError(f"ksplit is 1 or {SIMD_GROUPS} (the SIMD groups of a threadgroup), got {t}")
     if 6 in bits and t.vec % 2:
         raise ValueError(f"a 6-bit plane needs an even vec (a chunk of 8 * vec codes in whole words), got {t}")
     shared_k = format_constant("GBX_SHARED_K")
@@ -221,28 +211,25 @@ def launch_spec(
         shared = in_features <= shared_k
     elif shared and in_features > shared_k:
         raise ValueError(f"the threadgroup-memory variant holds K <= {shared_k}, got {in_features}")
-    n_groups = -(-out_features // (gpu.SIMD_GROUPS // t.ksplit * t.rows))
+    n_groups = -(-out_features // (SIMD_GROUPS // t.ksplit * t.rows))
     return dict(
         name=kernel_name(backend, bits, gs, t, bool(shared), x.dtype, sdt, has_bias),
         n_planes=n,
         has_bias=has_bias,
         input_names=input_names(n, has_bias),
         constants=constants(x.dtype, sdt, bits, gs, t, bool(shared)),
-        grid=(n_groups * gpu.THREADS, 1, 1),
-        threadgroup=(gpu.THREADS, 1, 1),
+        grid=(n_groups * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape[:-1] + (out_features,)],
         output_dtypes=[x.dtype],
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _build(backend: str, name: str, n_planes: int, has_bias: bool, consts_source: str) -> Callable:
+def build_kernel(backend: str, name: str, n_planes: int, has_bias: bool, consts_source: str) -> Callable:
+    """The ``mx.fast`` kernel object of one variant (built once per process by :func:`.gpu.build`)."""
     header, source = kernel_sources(backend, n_planes, has_bias, compact=True)
-    kwargs = dict(name=name, input_names=input_names(n_planes, has_bias), output_names=["y"],
-                  source=gpu._compact(consts_source) + source, header=header, ensure_row_contiguous=True)
-    if backend == "metal":
-        return mx.fast.metal_kernel(**kwargs)
-    return mx.fast.cuda_kernel(**kwargs)
+    return gpu.build(backend, name, tuple(input_names(n_planes, has_bias)), ("y",), header,
+                           gpu.compact(consts_source) + source)
 
 
 class Launcher:
@@ -315,7 +302,7 @@ def launcher(
     shapes = [_ShapeOnly(b, g, out_features, in_features, scale_dtype) for b, g in zip(bits, group_sizes)]
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
     spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
-    kernel = _build(backend, spec["name"], len(bits), has_bias, gpu.constants_source(backend, spec["constants"]))
+    kernel = build_kernel(backend, spec["name"], len(bits), has_bias, constants_source(backend, spec["constants"]))
     run = Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias)
     run.kernel_name = spec["name"]  # what the first-use guard's warning names
     return run
