@@ -445,3 +445,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+#: The checks and the gearbox settings of these flags, public for the server (which takes the same flags).
+check_args = _check_args
+gearbox_config = _config

@@ -1,0 +1,7 @@
+"""``python -m gearbx_mlx.server``."""
+
+import sys
+
+from .app import main
+
+sys.exit(main())
