@@ -1,7 +1,5 @@
 """``python -m gearbx_mlx.server``."""
 
-import sys
+from .app import entry
 
-from .app import main
-
-sys.exit(main())
+entry()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import warnings
@@ -70,3 +71,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:  # the port is taken, the host unknown
         print(error_line(e), file=sys.stderr)
         return 1
+
+
+def entry() -> None:
+    """The command's entry: :func:`main`, then leave without the interpreter's teardown.
+
+    By then the HTTP server is shut down and the generation thread joined;
+    what remains are mlx-lm's daemon handler threads (one may still be writing
+    the last chunk of a stream that Ctrl-C cut). The interpreter's teardown
+    ends such threads from under the native frames on their stacks, which
+    aborted the process now and then ("terminate called without an active
+    exception", exit -6 instead of 130); ``os._exit`` skips it.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -84,6 +84,10 @@ class GearModelProvider(ModelProvider):
         n = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         return n if isinstance(n, int) and n > 0 else None
 
+    def load_default(self) -> None:
+        """Load the served model now (mlx-lm's waits for a first request when no ``--model`` is given)."""
+        self.load(DEFAULT_MODEL)
+
     def load(self, model_path: str, adapter_path: Optional[str] = None,
              draft_model_path: Optional[str] = None) -> Tuple[Any, Any]:
         """The served model; loads it on the first call.
