@@ -362,3 +362,66 @@ def test_bad_flag_is_one_error_line() -> None:
     err = stderr_of(proc)
     assert rc == 1
     assert err.strip().splitlines() == ["error: --window must be an integer >= 1, got 0"]
+
+
+# -- the request object, flags and byte count without a server --------------------------------
+
+
+def test_request_options() -> None:
+    from gearbx_mlx.server.options import GearOptions, request_options
+
+    default = GearOptions(gear="dynamic", speculative="auto")
+    assert request_options(None, default, True) == default
+    assert request_options({"gear": "high", "speculative": False}, default, True) == GearOptions("high", None, "off")
+    assert request_options({"thresholds": [0.5, 3]}, default, True).thresholds == (0.5, 3.0)
+    for value, words in [
+        ({"speculative": "always"}, "gearbx.speculative must be one of off, auto, force"),
+        ({"thresholds": [1, float("nan")]}, "two finite numbers"),
+        ({"thresholds": [True, 2]}, "two finite numbers"),
+        ({"gear": "low", "thresholds": [1, 2], "speculative": "off"}, "apply to the dynamic policy"),
+        ([], "gearbx must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            request_options(value, default, True)
+    with pytest.raises(ValueError, match="needs a server started with --speculative"):
+        request_options({"speculative": "force"}, GearOptions(), False)
+
+
+def test_unknown_gearbx_keys_are_ignored() -> None:
+    from hypothesis import given, settings, strategies as st
+
+    from gearbx_mlx.server.options import GearOptions, request_options
+
+    known = {"gear", "thresholds", "speculative"}
+
+    @settings(max_examples=50, deadline=None)
+    @given(st.dictionaries(st.text(min_size=1).filter(lambda k: k not in known),
+                           st.one_of(st.none(), st.integers(), st.text()), max_size=4))
+    def check(extra: Dict[str, Any]) -> None:
+        assert request_options({**extra, "gear": "mid"}, GearOptions(), False) == GearOptions("mid", None, "off")
+
+    check()
+
+
+def test_server_flags() -> None:
+    from gearbx_mlx.server.options import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["--static-gear", "high", "--kv-bits", "4", "--port", "0"])
+    assert (args.host, args.port, args.static_gear, args.kv_bits, args.prompt_cache_size) == (
+        "127.0.0.1", 0, "high", 4, 10)
+    for flag in ("--prompt", "--trace", "--quiet"):  # one prompt's flags: not a server's
+        with pytest.raises(SystemExit):
+            p.parse_args([flag, "x"] if flag != "--quiet" else [flag])
+
+
+def test_weight_bytes() -> None:
+    from gearbx_mlx.server.generator import Response, weight_bytes
+
+    step = {"low": 1.0, "mid": 2.0, "high": 5.0}
+    routed = [Response("", 1, 0.0, None, (), gear=g) for g in ("low", "high", "mid")]
+    assert weight_bytes(routed, step, None) == 8
+    # two blocks: 2 drafts (both accepted, then the high gear's bonus token) and 1 draft (rejected)
+    spec = [Response("", 1, 0.0, None, (), gear=g, drafted=d, block=b)
+            for g, d, b in [("low", 2, 0), ("low", 2, 0), ("high", 2, 0), ("high", 1, 1)]]
+    assert weight_bytes(spec, step, "low") == (2 * 1 + 5) + (1 * 1 + 5)

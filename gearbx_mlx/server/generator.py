@@ -22,6 +22,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
+from ..config import GEARS
 from ..policies import make_policy
 from .options import GearOptions
 from .provider import GearModelProvider, RequestError, package_stream
@@ -102,6 +103,8 @@ class GearResponseGenerator(ResponseGenerator):
     """mlx-lm's response generator with batching off and the package's token loop."""
 
     model_provider: GearModelProvider
+    #: what stopped the model from loading (the server then exits with it)
+    load_error: Optional[BaseException] = None
 
     def _is_batchable(self, args: Any) -> bool:
         return False  # the gears are the model's: one sequence at a time (module doc)
@@ -115,8 +118,6 @@ class GearResponseGenerator(ResponseGenerator):
             _thread.interrupt_main()  # stops the HTTP server as Ctrl-C does; main reports the error
             return
         super()._run_generate()
-
-    load_error: Optional[BaseException] = None
 
     def generate(self, request: CompletionRequest, generation_args: Any, progress_callback: Any = None) -> Any:
         """mlx-lm's, with each token recorded on a :class:`GearRequest` as the handler reads it."""
@@ -217,7 +218,7 @@ class GearResponseGenerator(ResponseGenerator):
             gearbox.set_thresholds(*saved)
         if spec is not None and last is not None and last.stats is not None:
             provider.keep_plan(spec, args.sampling.temperature == 0, last.stats.plan)
-        request_usage = self._usage(records, spec)
+        request_usage = self._usage(records, options)
         if isinstance(request, GearRequest):
             request.usage = request_usage
         if cache is not None:
@@ -248,16 +249,19 @@ class GearResponseGenerator(ResponseGenerator):
             kw["max_kv_size"] = cli.max_kv_size
         return kw
 
-    def _usage(self, records: List[Response], spec: Optional[str]) -> Dict[str, Any]:
+    def _usage(self, records: List[Response], options: GearOptions) -> Dict[str, Any]:
         """The ``gearbx`` block of a response's usage."""
         provider = self.model_provider
+        spec = options.speculative != "off"
         counts = Counter(r.gear for r in records)
-        draft_gear = provider.speculative.draft_gear if spec is not None else None
+        draft_gear = provider.speculative.draft_gear if spec else None
         return {
-            "tokens_per_gear": {g: counts.get(g, 0) for g in ("low", "mid", "high")},
+            "tokens_per_gear": {g: counts.get(g, 0) for g in GEARS},
             "weight_bytes_read": weight_bytes(records, provider.gearbox.manager.step_bytes(), draft_gear),
-            "speculative": spec,
-            "accepted_drafts": sum(1 for r in records if r.accepted) if spec is not None else None,
+            "speculative": options.speculative if spec else None,
+            "accepted_drafts": sum(1 for r in records if r.accepted) if spec else None,
+            "options": {**options.to_dict(), "thresholds": list(provider.gearbox.thresholds)
+                        if options.thresholds is None else list(options.thresholds)},
         }
 
     def stop_and_join(self) -> None:
