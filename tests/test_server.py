@@ -226,6 +226,8 @@ def test_streams_reassemble(server: int, reference: Any) -> None:
     assert [t["token"] for e in events if e["choices"] for t in ext_tokens(e["choices"][0])] == [
         r.token for r in want]
     assert events[-1]["usage"]["gearbx"]["speculative"] == "force"
+    # the decision of the first "force" request is kept and reused
+    assert "force greedy" in health(server)["gearbx"]["speculative_plans"]
 
 
 def test_top_logprobs_match(server: int, reference: Any) -> None:
@@ -357,11 +359,12 @@ def test_request_while_loading_then_sigint() -> None:
 
 
 def test_bad_flag_is_one_error_line() -> None:
-    proc = start_server(free_port(), "--window", "0")
-    rc = proc.wait(timeout=120)
-    err = stderr_of(proc)
-    assert rc == 1
-    assert err.strip().splitlines() == ["error: --window must be an integer >= 1, got 0"]
+    for flags, line in [(["--window", "0"], "error: --window must be an integer >= 1, got 0"),
+                        (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window")]:
+        proc = start_server(free_port(), *flags)
+        rc = proc.wait(timeout=120)
+        err = stderr_of(proc).strip().splitlines()
+        assert rc == 1 and len(err) == 1 and err[0].startswith(line), err
 
 
 # -- the request object, flags and byte count without a server --------------------------------

@@ -9,7 +9,8 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 * a streamed chunk carries the ``logprobs`` of its tokens when asked for;
 * ``usage`` carries ``"gearbx": {"tokens_per_gear", "weight_bytes_read", ...}``;
 * ``max_tokens`` above the server's ``--max-tokens`` gets a 400;
-* ``/health`` tells whether the model has loaded and the gear it is in.
+* ``/health`` tells whether the model has loaded, the gear it is in, the queue's length and
+  the speculative decisions measured so far.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class GearAPIHandler(APIHandler):
     def _set_completion_headers(self, status_code: int = 200) -> None:
         # mlx-lm answers 404 to every failure of a queued request; answer the request's own status.
         error = self.gear_request.error if self.gear_request is not None else None
-        if status_code == 404 and error is not None:
-            status_code = getattr(error, "status", 500)
+        if status_code == 404 and error is not None:  # ValueError: the request's values, as mlx-lm's own checks
+            status_code = getattr(error, "status", 400 if isinstance(error, ValueError) else 500)
         super()._set_completion_headers(status_code)
 
     def generate_response(self, text: str, finish_reason: Optional[str], *args: Any, **kwargs: Any) -> dict:
@@ -88,7 +89,9 @@ class GearAPIHandler(APIHandler):
         body = {"status": "ok" if healthy else "unavailable",
                 "gearbx": {"loaded": provider.loaded.is_set(),
                            "gear": provider.gearbox.manager.gear if provider.gearbox is not None else None,
-                           "queued": gen.requests.qsize()}}
+                           "queued": gen.requests.qsize(),
+                           "speculative_plans": {f"{mode} {'greedy' if greedy else 'sampled'}": plan.chosen()
+                                                 for (mode, greedy), plan in dict(provider.plans).items()}}}
         self._send_json(200 if healthy else 503, body)
 
     def handle_models_request(self) -> None:
