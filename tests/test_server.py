@@ -367,6 +367,15 @@ def test_bad_flag_is_one_error_line() -> None:
         assert rc == 1 and len(err) == 1 and err[0].startswith(line), err
 
 
+def test_model_that_fails_to_load_stops_the_server() -> None:
+    """The model loads after the HTTP server is up: a missing one stops it, exit 1, the error last."""
+    proc = start_server(free_port(), "--model", str(ROOT / "no-such-model"))
+    rc = proc.wait(timeout=120)
+    err = stderr_of(proc).strip().splitlines()
+    assert rc == 1 and err[-1].startswith("error: model path not found"), err
+    assert "Traceback" not in "\n".join(err)
+
+
 # -- the request object, flags and byte count without a server --------------------------------
 
 
