@@ -133,7 +133,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
-def _config(args: argparse.Namespace) -> GearboxConfig:
+def gearbox_config(args: argparse.Namespace) -> GearboxConfig:
     return GearboxConfig(
         window=args.window,
         hysteresis=args.hysteresis,
@@ -150,7 +150,7 @@ def _config(args: argparse.Namespace) -> GearboxConfig:
     )
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
     """Fail on bad input before anything slow happens."""
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise ValueError("--max-tokens must be positive (or -1 for no limit)")
@@ -192,7 +192,7 @@ def kv_options(args: argparse.Namespace) -> KVOptions:
         raise ValueError(msg) from None
 
 
-def _check_thresholds(gearbox: Any) -> None:
+def check_thresholds(gearbox: Any) -> None:
     """Thresholds from a flag or a calibration file against this model's largest entropy."""
     vmax = math.log2(gearbox.vocab_size)
     low, high = gearbox.thresholds
@@ -361,10 +361,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
     with stage(ranks, "checking the flags"):
         prompt = _read_prompt(args)
-        _check_args(args)
+        check_args(args)
         if args.speculative:
             check_speculative_args(args)
-        config = _config(args)
+        config = gearbox_config(args)
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
     stage_name, interrupted, error, streaming = "loading", False, None, False
     try:
@@ -375,9 +375,9 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
                                          draft_scope=args.draft_scope if args.speculative else None, **sharded)
         if args.calibrate and not args.thresholds:
             stage_name = "calibrating"
-        stage_name = _thresholds(args, model, tokenizer, gearbox, ranks)
+        stage_name = set_thresholds(args, model, tokenizer, gearbox, ranks)
         with stage(ranks, "preparing the prompt"):
-            _check_thresholds(gearbox)
+            check_thresholds(gearbox)
             templated = _templated(tokenizer, args, prompt)
         streaming = True
         return run_loaded(args, model, tokenizer, gearbox, templated, writer)
@@ -426,7 +426,7 @@ def run_loaded(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: An
     return 130 if interrupted else 0
 
 
-def _thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, ranks: Optional[Ranks]) -> str:
+def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, ranks: Optional[Ranks]) -> str:
     """Set the thresholds from the flags, a calibration file or a calibration run; the stage reached.
 
     ``--calibrate`` without ``--calibration FILE`` keeps its result in the
@@ -457,7 +457,7 @@ def _thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: A
         calibrate_drafter(args, model, tokenizer, gearbox)
     with stage(ranks, "saving the calibration"):
         target = args.calibration or cached
-        if target is not None and args.rank == 0:
+        if target is not None and getattr(args, "rank", 0) == 0:
             if target == cached:
                 cached.parent.mkdir(parents=True, exist_ok=True)
             cal.save(target)
@@ -530,3 +530,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

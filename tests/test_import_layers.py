@@ -40,7 +40,7 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
                                              "speculative.calibration", "speculative.*")),
     ("command lines, evaluation and telemetry", (
         "", "speculative.cli", "console", "plotting", "generate", "evaluate", "analyze", "remote", "selftest",
-        "bench",
+        "bench", "server", "server.*",
         "evaluation", "evaluation.*", "telemetry", "telemetry.*",
     )),
 )

@@ -1,0 +1,5 @@
+"""``python -m gearbx_mlx.server``."""
+
+from .app import entry
+
+entry()

@@ -1,0 +1,89 @@
+"""``python -m gearbx_mlx.server``: start mlx-lm's HTTP server on the gearbox's generator.
+
+mlx-lm's pieces run as they do in ``mlx_lm.server``: the threading HTTP
+server and its SSE, the handler and its chat templates, tool calls and
+logprobs, the LRU prompt cache, the FIFO request queue and its generation
+thread. The flags are checked, and the model loads, before the first
+request is served; requests that arrive while it loads wait in the queue.
+Ctrl-C (or SIGTERM) stops after the token in flight and exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import warnings
+from typing import Any, Optional, Sequence
+
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import _run_http_server
+
+from ..console import error_line, show_warning
+from ..generate import check_args, gearbox_config
+from ..speculative.cli import check_speculative_args
+from .generator import GearResponseGenerator
+from .handler import GearAPIHandler
+from .options import build_parser, check_server_args
+from .provider import GearModelProvider
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C / SIGTERM; the exit status (130 when stopped, 1 when the model failed to load)."""
+    provider = GearModelProvider(args, gearbox_config(args))
+    generator = GearResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
+    try:
+        # mlx-lm's: on Ctrl-C it shuts the HTTP server down and joins the generation thread.
+        _run_http_server(args.host, args.port, generator, handler_class=GearAPIHandler)
+    except KeyboardInterrupt:
+        pass  # before the server was up
+    finally:
+        generator.stop_and_join()
+    if generator.load_error is not None:
+        print(error_line(generator.load_error), file=sys.stderr)
+        return 1
+    return 130
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.showwarning = show_warning
+    try:
+        check_args(args)
+        if args.speculative:
+            check_speculative_args(args)
+        check_server_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(error_line(e), file=sys.stderr)
+        return 1
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return serve(args)
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:  # the port is taken, the host unknown
+        print(error_line(e), file=sys.stderr)
+        return 1
+
+
+def entry() -> None:
+    """The command's entry: :func:`main`, then leave without the interpreter's teardown.
+
+    By then the HTTP server is shut down and the generation thread joined;
+    what remains are mlx-lm's daemon handler threads (one may still be writing
+    the last chunk of a stream that Ctrl-C cut). The interpreter's teardown
+    ends such threads from under the native frames on their stacks, which
+    aborted the process now and then ("terminate called without an active
+    exception", exit -6 instead of 130); ``os._exit`` skips it.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,108 @@
+"""mlx-lm's ``APIHandler`` with the ``gearbx`` request object and response fields.
+
+Requests and responses are mlx-lm's (and so OpenAI's). Added:
+
+* a request may carry ``"gearbx": {"gear", "thresholds", "speculative"}``
+  (:func:`~gearbx_mlx.server.options.request_options`); wrong values get a 400;
+* every choice (and every streamed chunk) carries ``"gearbx": {"tokens": [...]}``,
+  one ``{"token", "gear", "entropy", "drafted", "accepted"}`` per token it covers;
+* a streamed chunk carries the ``logprobs`` of its tokens when asked for;
+* ``usage`` carries ``"gearbx": {"tokens_per_gear", "weight_bytes_read", ...}``;
+* ``max_tokens`` above the server's ``--max-tokens`` gets a 400;
+* ``/health`` tells whether the model has loaded, the gear it is in, the queue's length and
+  the speculative decisions measured so far.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional
+
+from mlx_lm.server import APIHandler, CompletionRequest
+
+from .generator import GearRequest, Response
+from .options import request_options, server_options
+
+
+def logprobs_content(records: List[Response], top: bool) -> List[Dict[str, Any]]:
+    """``choices[].logprobs.content`` as mlx-lm's server writes it."""
+    if top:
+        return [dict(r.top_tokens[0], top_logprobs=r.top_tokens) if r.top_tokens else {} for r in records]
+    return [{"id": r.token, "logprob": r.logprob} for r in records]
+
+
+class GearAPIHandler(APIHandler):
+    """mlx-lm's handler with the gearbox's request object, response fields and checks."""
+
+    gear_request: Optional[GearRequest] = None
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        cli = self.response_generator.cli_args
+        if self.max_tokens > cli.max_tokens:
+            raise ValueError(f"max_tokens {self.max_tokens} exceeds this server's cap of {cli.max_tokens} "
+                             "(--max-tokens)")
+        self.gearbx = request_options(self.body.get("gearbx"), server_options(cli), bool(cli.speculative))
+        if self.seed is None:
+            self.seed = cli.seed
+
+    def handle_chat_completions(self) -> CompletionRequest:
+        self.gear_request = GearRequest.of(super().handle_chat_completions(), self.gearbx)
+        return self.gear_request
+
+    def handle_text_completions(self) -> CompletionRequest:
+        self.gear_request = GearRequest.of(super().handle_text_completions(), self.gearbx)
+        return self.gear_request
+
+    def _set_completion_headers(self, status_code: int = 200) -> None:
+        # mlx-lm answers 404 to every failure of a queued request; answer the request's own status.
+        error = self.gear_request.error if self.gear_request is not None else None
+        if status_code == 404 and error is not None:  # ValueError: the request's values, as mlx-lm's own checks
+            status_code = getattr(error, "status", 400 if isinstance(error, ValueError) else 500)
+        super()._set_completion_headers(status_code)
+
+    def generate_response(self, text: str, finish_reason: Optional[str], *args: Any, **kwargs: Any) -> dict:
+        response = super().generate_response(text, finish_reason, *args, **kwargs)
+        req = self.gear_request
+        if req is None:
+            return response
+        new = req.records[req.sent:]
+        req.sent = len(req.records)
+        choice = response["choices"][0]
+        choice["gearbx"] = {"tokens": [r.extension() for r in (new if self.stream else req.records)]}
+        if self.stream and new and (self.logprobs or self.top_logprobs > 0):
+            choice["logprobs"] = {"content": logprobs_content(new, self.top_logprobs > 0)}
+        if "usage" in response and req.usage is not None:
+            response["usage"]["gearbx"] = req.usage
+        return response
+
+    def completion_usage_response(self, *args: Any, **kwargs: Any) -> dict:
+        response = super().completion_usage_response(*args, **kwargs)
+        if self.gear_request is not None and self.gear_request.usage is not None:
+            response["usage"]["gearbx"] = self.gear_request.usage
+        return response
+
+    def handle_health_check(self) -> None:
+        gen = self.response_generator
+        provider = gen.model_provider
+        healthy = gen.is_healthy
+        body = {"status": "ok" if healthy else "unavailable",
+                "gearbx": {"loaded": provider.loaded.is_set(),
+                           "gear": provider.gearbox.manager.gear if provider.gearbox is not None else None,
+                           "queued": gen.requests.qsize(),
+                           "speculative_plans": {f"{mode} {'greedy' if greedy else 'sampled'}": plan.chosen()
+                                                 for (mode, greedy), plan in dict(provider.plans).items()}}}
+        self._send_json(200 if healthy else 503, body)
+
+    def handle_models_request(self) -> None:
+        provider = self.response_generator.model_provider
+        self._send_json(200, {"object": "list", "data": [
+            {"id": provider.model_id, "object": "model", "created": self.created, "owned_by": "gearbx_mlx"}]})
+
+    def _send_json(self, status: int, body: Dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()

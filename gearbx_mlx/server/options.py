@@ -1,0 +1,166 @@
+"""Flags of ``python -m gearbx_mlx.server`` and the ``gearbx`` object of a request.
+
+The flags are the generate CLI's (model, gears, store, calibration,
+speculative decoding, KV cache: :func:`gearbx_mlx.generate.build_parser`,
+less the few that only make sense for one prompt on a terminal) plus
+``mlx_lm.server``'s server flags under their mlx-lm names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from ..config import GEARS
+from ..generate import build_parser as generate_parser
+from ..speculative.plan import MODES
+
+#: Generate flags with no meaning for a server: prompts and their output come with each request.
+CLI_ONLY = ("--prompt", "--system-prompt", "--trace", "--color", "--quiet", "--ignore-chat-template")
+#: ``gearbx.gear`` values: entropy routing, or one static gear.
+GEAR_CHOICES: Tuple[str, ...] = ("dynamic",) + GEARS
+#: ``gearbx.speculative`` values.
+SPECULATIVE_CHOICES: Tuple[str, ...] = ("off",) + MODES
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """Defaults of the server flags (mlx-lm's)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    prompt_cache_size: int = 10
+    log_level: str = "INFO"
+    allowed_origins: str = "*"
+    chat_template_args: str = "{}"
+
+
+#: mlx-lm's ``ModelProvider``/``APIHandler`` read these from the flags; the server fixes them.
+FIXED = dict(adapter_path=None, draft_model=None, pipeline=False, num_draft_tokens=0, prefill_step_size=2048,
+             prompt_cache_bytes=None, decode_concurrency=1, prompt_concurrency=1,
+             prompt=None, system_prompt=None, trace=None, color="never", quiet=True, ignore_chat_template=False)
+
+
+def _drop_flags(parser: argparse.ArgumentParser, flags: Tuple[str, ...]) -> None:
+    """Remove the options ``flags`` from ``parser`` (argparse has no public call for it)."""
+    for action in list(parser._actions):
+        if any(s in flags for s in action.option_strings):
+            parser._remove_action(action)
+            for group in parser._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            for s in action.option_strings:
+                parser._option_string_actions.pop(s, None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The generate CLI's model, gear and speculative flags plus mlx-lm's server flags."""
+    p = generate_parser()
+    p.prog = "python -m gearbx_mlx.server"
+    p.description = ("An OpenAI-compatible HTTP server (mlx_lm.server's) whose tokens come from entropy-routed "
+                     "generation: each decode step runs in the 4-bit, 8-bit or full-precision gear.")
+    _drop_flags(p, CLI_ONLY)
+    for action in p._actions:
+        if "--max-tokens" in action.option_strings:
+            action.help = ("most tokens one request may ask for; also the default of a request that names none "
+                           "(default %(default)s)")
+    d = ServerDefaults()
+    s = p.add_argument_group("server options (as mlx_lm.server)")
+    s.add_argument("--host", default=d.host, help="host for the HTTP server (default %(default)s)")
+    s.add_argument("--port", type=int, default=d.port, help="port for the HTTP server (default %(default)s)")
+    s.add_argument("--allowed-origins", type=lambda x: x.split(","), default=d.allowed_origins,
+                   help="allowed CORS origins, comma-separated (default *)")
+    s.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
+                   help="most distinct KV caches the prompt cache holds (default %(default)s)")
+    s.add_argument("--chat-template", default="", help="a chat template for the tokenizer")
+    s.add_argument("--use-default-chat-template", action="store_true", help="use the tokenizer's default template")
+    s.add_argument("--chat-template-args", type=json.loads, default=d.chat_template_args,
+                   help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\":false}'")
+    s.add_argument("--trust-remote-code", action="store_true", help="trust remote code for the tokenizer")
+    s.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level)
+    p.set_defaults(**FIXED)
+    return p
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """The server's own flags (the generate flags are checked by the generate CLI's checks)."""
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1 for the server (it caps each request), got {args.max_tokens}")
+    if args.prompt_cache_size < 0:
+        raise ValueError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
+    if args.kv_bits is not None and args.kv_rotation != "none" and args.max_kv_size is not None:
+        raise ValueError("--max-kv-size (a rotating window cache) cannot be combined with the rotated KV cache of "
+                         "--kv-bits: drop one, or pass --kv-rotation none for mlx-lm's own quantized cache")
+    if not isinstance(args.chat_template_args, dict):
+        raise ValueError(f"--chat-template-args must be a JSON object, got {args.chat_template_args!r}")
+
+
+@dataclass(frozen=True)
+class GearOptions:
+    """One request's routing, from its ``gearbx`` object and the server's flags.
+
+    Attributes:
+        gear: ``"dynamic"`` (entropy routing) or the static gear.
+        thresholds: ``(low, high)`` entropy thresholds in bits, or None for the server's.
+        speculative: ``"off"``, ``"auto"`` or ``"force"``.
+    """
+
+    gear: str = "dynamic"
+    thresholds: Optional[Tuple[float, float]] = None
+    speculative: str = "off"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"gear": self.gear, "thresholds": list(self.thresholds) if self.thresholds else None,
+                "speculative": self.speculative}
+
+
+def server_options(args: argparse.Namespace) -> GearOptions:
+    """What a request without a ``gearbx`` object gets."""
+    return GearOptions(gear=args.static_gear or "dynamic", speculative=args.speculative or "off")
+
+
+def _thresholds(value: Any) -> Tuple[float, float]:
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+    if not ok:
+        raise ValueError(f"gearbx.thresholds must be two finite numbers of bits [low, high], got {value!r}")
+    low, high = float(value[0]), float(value[1])
+    if not 0 <= low < high:
+        raise ValueError(f"gearbx.thresholds must have 0 <= low < high, got [{low}, {high}]")
+    return low, high
+
+
+def request_options(value: Any, default: GearOptions, speculative_loaded: bool) -> GearOptions:
+    """The ``gearbx`` object of a request body (None: the server's defaults).
+
+    Unknown keys are ignored, as the OpenAI API ignores unknown fields.
+
+    Raises:
+        ValueError: one message naming the field and what it must be.
+    """
+    if value is None:
+        return default
+    if not isinstance(value, dict):
+        raise ValueError(f"gearbx must be an object, got {value!r}")
+    gear = value.get("gear", default.gear)
+    if gear not in GEAR_CHOICES:
+        raise ValueError(f"gearbx.gear must be one of {', '.join(GEAR_CHOICES)}, got {gear!r}")
+    spec = value.get("speculative", default.speculative)
+    spec = "off" if spec is False or spec is None else spec
+    if spec not in SPECULATIVE_CHOICES:
+        raise ValueError(f"gearbx.speculative must be one of {', '.join(SPECULATIVE_CHOICES)}, got {spec!r}")
+    if spec != "off" and not speculative_loaded:
+        raise ValueError("gearbx.speculative needs a server started with --speculative (its drafter is built at load)")
+    thresholds = _thresholds(value["thresholds"]) if value.get("thresholds") is not None else None
+    if spec != "off" and gear != "dynamic":
+        raise ValueError(f"gearbx.gear {gear!r} cannot be combined with speculative decoding, which outputs the high "
+                         "gear's tokens exactly: give gear 'dynamic' or speculative 'off'")
+    if thresholds is not None and gear != "dynamic" and spec == "off":
+        raise ValueError(f"gearbx.thresholds apply to the dynamic policy: the request's gear is the static {gear!r}")
+    return GearOptions(gear=gear, thresholds=thresholds, speculative=spec)

@@ -1,0 +1,440 @@
+"""``python -m gearbx_mlx.server`` end to end: a real server process on the default model.
+
+One server (module fixture, started with ``--speculative``) answers most
+tests; its greedy tokens are held to the package's own generation in this
+process, on a gearbox with the server's settings. A second server process
+takes a request while its model loads and is stopped with SIGINT. All
+traffic goes to 127.0.0.1; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_FLAGS = ["--speculative", "--max-tokens", "64"]
+N = 12  # tokens per request: enough for several gear changes, short on a shared CPU
+MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+TEXT = "The three primary colours are"
+#: request ``gearbx`` objects and the package policy each must equal
+POLICIES = {
+    "high": {"gear": "high", "speculative": "off"},
+    "dynamic": {"gear": "dynamic", "speculative": "off"},
+    "speculative": {"gear": "dynamic", "speculative": "force"},
+}
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy: 127.0.0.1 only
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, *flags: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # stderr to a file: a pipe nobody reads would block the server once full
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "gearbx_mlx.server", "--port", str(port), *flags],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc.err = err  # type: ignore[attr-defined]
+    return proc
+
+
+def stderr_of(proc: subprocess.Popen) -> str:
+    proc.err.seek(0)  # type: ignore[attr-defined]
+    return proc.err.read()  # type: ignore[attr-defined]
+
+
+def request(port: int, path: str, body: Any = None, raw: Optional[bytes] = None,
+            timeout: float = 300) -> Tuple[int, Dict[str, Any]]:
+    """``(status, JSON body)`` of a GET (no body) or POST."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def health(port: int) -> Optional[Dict[str, Any]]:
+    try:
+        return request(port, "/health", timeout=5)[1]
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def wait_until(check: Any, seconds: float, what: str) -> Any:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {seconds:.0f} s waiting for {what}")
+
+
+def stop(proc: subprocess.Popen) -> Tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, stderr_of(proc)
+
+
+def sse(port: int, path: str, body: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+    """The JSON events of a streamed POST, up to ``[DONE]``."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with _OPENER.open(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                if line == "data: [DONE]":
+                    return
+                yield json.loads(line[len("data: "):])
+
+
+# -- fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[int]:
+    port = free_port()
+    proc = start_server(port, *SERVER_FLAGS)
+    try:
+        wait_until(lambda: proc.poll() is not None or (health(port) or {}).get("gearbx", {}).get("loaded"),
+                   180, "the server to load")
+        assert proc.poll() is None, stderr_of(proc)
+        yield port
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Tuple[Any, Any, Any]:
+    """The model, tokenizer and gearbox as the server builds them (the same flags)."""
+    from gearbx_mlx.generate import gearbox_config
+    from gearbx_mlx.generation import load
+    from gearbx_mlx.server.options import build_parser
+
+    args = build_parser().parse_args(SERVER_FLAGS)
+    return load(config=gearbox_config(args), draft_scope=args.draft_scope if args.speculative else None)
+
+
+_REFS: Dict[Tuple[str, Tuple[int, ...], int], List[Any]] = {}
+
+
+def package_tokens(reference: Any, ids: List[int], policy: str, n: int = N) -> List[Any]:
+    """The package's greedy responses (speculative decoding: the high gear's, which it must equal)."""
+    from gearbx_mlx.pipeline import stream_generate
+    from gearbx_mlx.policies import make_policy
+
+    key = (policy, tuple(ids), n)
+    if key not in _REFS:
+        model, tokenizer, gearbox = reference
+        gear = None if policy == "dynamic" else "high"
+        _REFS[key] = list(stream_generate(model, tokenizer, ids, gearbox, policy=make_policy(gear), max_tokens=n))
+    return _REFS[key]
+
+
+def chat_ids(reference: Any, messages: List[Dict[str, str]] = MESSAGES) -> List[int]:
+    return list(reference[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+def openai_client(port: int) -> Any:
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))  # 127.0.0.1 only: no proxy
+
+
+def ext_tokens(choice: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return choice["gearbx"]["tokens"]
+
+
+# -- equal to the package's generation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_chat_equals_package(server: int, reference: Any, policy: str) -> None:
+    client = openai_client(server)
+    out = client.chat.completions.create(model="default_model", messages=MESSAGES, max_tokens=N, temperature=0,
+                                         extra_body={"gearbx": POLICIES[policy]})
+    want = package_tokens(reference, chat_ids(reference), "dynamic" if policy == "dynamic" else "high")
+    ext = ext_tokens(out.choices[0].model_extra)
+    assert [t["token"] for t in ext] == [r.token for r in want]
+    assert out.choices[0].message.content == "".join(r.text for r in want)
+    if policy == "dynamic":  # the same gear at every step as the package chose
+        assert [t["gear"] for t in ext] == [r.gear for r in want]
+    if policy == "speculative":
+        assert all(t["drafted"] is not None for t in ext)
+        assert any(t["accepted"] for t in ext) or out.usage.model_extra["gearbx"]["accepted_drafts"] == 0
+    usage = out.usage.model_extra["gearbx"]
+    assert sum(usage["tokens_per_gear"].values()) == out.usage.completion_tokens == N
+    assert usage["weight_bytes_read"] > 0
+
+
+@pytest.mark.parametrize("policy", ["high", "dynamic"])
+def test_text_completion_equals_package(server: int, reference: Any, policy: str) -> None:
+    status, out = request(server, "/v1/completions", {"prompt": TEXT, "max_tokens": N, "temperature": 0,
+                                                      "gearbx": POLICIES[policy]})
+    assert status == 200, out
+    want = package_tokens(reference, list(reference[1].encode(TEXT)), policy)
+    assert [t["token"] for t in ext_tokens(out["choices"][0])] == [r.token for r in want]
+    assert out["choices"][0]["text"] == "".join(r.text for r in want)
+
+
+def test_streams_reassemble(server: int, reference: Any) -> None:
+    """A streamed chat (openai) and a streamed speculative text completion (plain HTTP)
+    reassemble to the package's text and tokens, every chunk carrying its tokens' gears."""
+    client = openai_client(server)
+    chunks = list(client.chat.completions.create(model="default_model", messages=MESSAGES, max_tokens=N,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"gearbx": POLICIES["dynamic"]}))
+    want = package_tokens(reference, chat_ids(reference), "dynamic")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    toks = [t for c in chunks if c.choices for t in ext_tokens(c.choices[0].model_extra)]
+    assert text == "".join(r.text for r in want)
+    assert [(t["token"], t["gear"]) for t in toks] == [(r.token, r.gear) for r in want]
+
+    events = list(sse(server, "/v1/completions", {"prompt": TEXT, "max_tokens": N, "temperature": 0,
+                                                  "gearbx": POLICIES["speculative"],
+                                                  "stream_options": {"include_usage": True}}))
+    want = package_tokens(reference, list(reference[1].encode(TEXT)), "high")
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "".join(r.text for r in want)
+    assert [t["token"] for e in events if e["choices"] for t in ext_tokens(e["choices"][0])] == [
+        r.token for r in want]
+    assert events[-1]["usage"]["gearbx"]["speculative"] == "force"
+    # the decision of the first "force" request is kept and reused
+    assert "force greedy" in health(server)["gearbx"]["speculative_plans"]
+
+
+def test_top_logprobs_match(server: int, reference: Any) -> None:
+    status, out = request(server, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": N, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+        "gearbx": POLICIES["high"]})
+    assert status == 200, out
+    want = package_tokens(reference, chat_ids(reference), "high")
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(want)
+    for got, r in zip(content, want, strict=True):
+        lp = np.array(r.logprobs)
+        top = sorted((-float(lp[i]), int(i)) for i in np.argsort(lp)[-3:])
+        got_top = sorted((-t["logprob"], t["id"]) for t in got["top_logprobs"])
+        assert [i for _, i in got_top] == [i for _, i in top]
+        assert [lp for lp, _ in got_top] == pytest.approx([lp for lp, _ in top], abs=1e-4)
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream(server: int, reference: Any) -> None:
+    """The server finishes with the dropped stream, shifts back to the loaded weights and serves on."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 64, "stream": True, "gearbx": POLICIES["dynamic"]})
+    sock = socket.create_connection(("127.0.0.1", server), timeout=300)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    stream = sock.makefile("rb")
+    assert stream.readline().split()[1] == b"200"
+    seen = 0
+    while seen < 3:  # a few chunks, then hang up
+        line = stream.readline()
+        assert line, "the stream ended early"
+        seen += line.startswith(b"data: ")
+    stream.close()
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    wait_until(lambda: (h := health(server)) and h["gearbx"]["gear"] == "high" and h["gearbx"]["queued"] == 0,
+               120, "the gearbox back in the high gear")
+    test_chat_equals_package(server, reference, "high")
+    test_chat_equals_package(server, reference, "dynamic")
+
+
+def test_malformed_json_is_400(server: int) -> None:
+    status, out = request(server, "/v1/chat/completions", raw=b'{"messages": [{"role": ')
+    assert status == 400 and "Invalid JSON" in out["error"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"max_tokens": 65}, 400, "exceeds this server's cap of 64"),
+    ({"gearbx": {"gear": "fast"}}, 400, "gearbx.gear must be one of"),
+    ({"gearbx": {"thresholds": [3, 1]}}, 400, "gearbx.thresholds"),
+    ({"gearbx": {"thresholds": [1, 99]}}, 400, "above log2(vocabulary)"),
+    ({"gearbx": {"gear": "low", "speculative": "auto"}}, 400, "cannot be combined with speculative"),
+    ({"gearbx": "high"}, 400, "gearbx must be an object"),
+    ({"model": "gpt-4o"}, 404, "is not served here"),
+])
+def test_refused_requests(server: int, body: Dict[str, Any], status: int, words: str) -> None:
+    got, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, **body})
+    assert got == status and words in out["error"], out
+
+
+def test_over_the_context_is_400(server: int) -> None:
+    got, out = request(server, "/v1/completions", {"prompt": "sky " * 8200, "max_tokens": 8})
+    assert got == 400 and "exceed the model's context of 8192 tokens" in out["error"], out
+
+
+def test_unknown_model_via_openai(server: int) -> None:
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.NotFoundError):
+        openai_client(server).chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+
+
+def test_unknown_fields_are_ignored(server: int, reference: Any) -> None:
+    got, out = request(server, "/v1/completions", {"prompt": TEXT, "max_tokens": N, "user": "x", "frobnicate": 1,
+                                                   "gearbx": {**POLICIES["high"], "colour": "blue"}})
+    assert got == 200, out
+    want = package_tokens(reference, list(reference[1].encode(TEXT)), "high")
+    assert out["choices"][0]["text"] == "".join(r.text for r in want)
+
+
+def test_models_lists_the_served_model(server: int, reference: Any) -> None:
+    got, out = request(server, "/v1/models")
+    assert got == 200 and [m["id"] for m in out["data"]] == [reference[2].model_name]
+
+
+def test_eight_concurrent_clients(server: int, reference: Any) -> None:
+    """Eight clients at once are served one by one (FIFO); each gets its sequential greedy tokens."""
+    prompts = ["Name a fruit.", "Count to five.", "What is rain?", "Say hello."]
+    jobs = [(p, pol) for p in prompts for pol in ("high", "dynamic")]
+    results: Dict[int, Any] = {}
+
+    def run(i: int, prompt: str, policy: str) -> None:
+        results[i] = request(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0,
+            "gearbx": POLICIES[policy]})
+
+    threads = [threading.Thread(target=run, args=(i, p, pol)) for i, (p, pol) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(results) == 8
+    for i, (prompt, policy) in enumerate(jobs):
+        status, out = results[i]
+        assert status == 200, out
+        want = package_tokens(reference, chat_ids(reference, [{"role": "user", "content": prompt}]), policy, n=6)
+        assert [t["token"] for t in ext_tokens(out["choices"][0])] == [r.token for r in want], (prompt, policy)
+
+
+def test_request_while_loading_then_sigint() -> None:
+    """A request sent while the model loads waits for it; SIGINT mid-stream stops the server cleanly (130)."""
+    port = free_port()
+    proc = start_server(port, "--max-tokens", "64")
+    try:
+        first = wait_until(lambda: proc.poll() is not None or health(port), 120, "the HTTP server")
+        assert proc.poll() is None, stderr_of(proc)
+        assert first["gearbx"]["loaded"] is False  # the model is still loading
+        status, out = request(port, "/v1/completions", {"prompt": TEXT, "max_tokens": 4})
+        assert status == 200 and out["usage"]["completion_tokens"] == 4
+        events = sse(port, "/v1/completions", {"prompt": TEXT, "max_tokens": 64})
+        next(events)  # generating now
+        proc.send_signal(signal.SIGINT)
+        rc, err = stop(proc)
+        assert rc == 130, err
+        assert "Traceback" not in err
+    finally:
+        stop(proc)
+
+
+def test_bad_flag_is_one_error_line() -> None:
+    for flags, line in [(["--window", "0"], "error: --window must be an integer >= 1, got 0"),
+                        (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window")]:
+        proc = start_server(free_port(), *flags)
+        rc = proc.wait(timeout=120)
+        err = stderr_of(proc).strip().splitlines()
+        assert rc == 1 and len(err) == 1 and err[0].startswith(line), err
+
+
+def test_model_that_fails_to_load_stops_the_server() -> None:
+    """The model loads after the HTTP server is up: a missing one stops it, exit 1, the error last."""
+    proc = start_server(free_port(), "--model", str(ROOT / "no-such-model"))
+    rc = proc.wait(timeout=120)
+    err = stderr_of(proc).strip().splitlines()
+    assert rc == 1 and err[-1].startswith("error: model path not found"), err
+    assert "Traceback" not in "\n".join(err)
+
+
+# -- the request object, flags and byte count without a server --------------------------------
+
+
+def test_request_options() -> None:
+    from gearbx_mlx.server.options import GearOptions, request_options
+
+    default = GearOptions(gear="dynamic", speculative="auto")
+    assert request_options(None, default, True) == default
+    assert request_options({"gear": "high", "speculative": False}, default, True) == GearOptions("high", None, "off")
+    assert request_options({"thresholds": [0.5, 3]}, default, True).thresholds == (0.5, 3.0)
+    for value, words in [
+        ({"speculative": "always"}, "gearbx.speculative must be one of off, auto, force"),
+        ({"thresholds": [1, float("nan")]}, "two finite numbers"),
+        ({"thresholds": [True, 2]}, "two finite numbers"),
+        ({"gear": "low", "thresholds": [1, 2], "speculative": "off"}, "apply to the dynamic policy"),
+        ([], "gearbx must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            request_options(value, default, True)
+    with pytest.raises(ValueError, match="needs a server started with --speculative"):
+        request_options({"speculative": "force"}, GearOptions(), False)
+
+
+def test_unknown_gearbx_keys_are_ignored() -> None:
+    from hypothesis import given, settings, strategies as st
+
+    from gearbx_mlx.server.options import GearOptions, request_options
+
+    known = {"gear", "thresholds", "speculative"}
+
+    @settings(max_examples=50, deadline=None)
+    @given(st.dictionaries(st.text(min_size=1).filter(lambda k: k not in known),
+                           st.one_of(st.none(), st.integers(), st.text()), max_size=4))
+    def check(extra: Dict[str, Any]) -> None:
+        assert request_options({**extra, "gear": "mid"}, GearOptions(), False) == GearOptions("mid", None, "off")
+
+    check()
+
+
+def test_server_flags() -> None:
+    from gearbx_mlx.server.options import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["--static-gear", "high", "--kv-bits", "4", "--port", "0"])
+    assert (args.host, args.port, args.static_gear, args.kv_bits, args.prompt_cache_size) == (
+        "127.0.0.1", 0, "high", 4, 10)
+    for flag in ("--prompt", "--trace", "--quiet"):  # one prompt's flags: not a server's
+        with pytest.raises(SystemExit):
+            p.parse_args([flag, "x"] if flag != "--quiet" else [flag])
+
+
+def test_weight_bytes() -> None:
+    from gearbx_mlx.server.generator import Response, weight_bytes
+
+    step = {"low": 1.0, "mid": 2.0, "high": 5.0}
+    routed = [Response("", 1, 0.0, None, (), gear=g) for g in ("low", "high", "mid")]
+    assert weight_bytes(routed, step, None) == 8
+    # two blocks: 2 drafts (both accepted, then the high gear's bonus token) and 1 draft (rejected)
+    spec = [Response("", 1, 0.0, None, (), gear=g, drafted=d, block=b)
+            for g, d, b in [("low", 2, 0), ("low", 2, 0), ("high", 2, 0), ("high", 1, 1)]]
+    assert weight_bytes(spec, step, "low") == (2 * 1 + 5) + (1 * 1 + 5)
