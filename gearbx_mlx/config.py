@@ -12,12 +12,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from .mlx_tables import GROUP_SIZES, QUANT_BITS
+
 #: Gear names, from cheapest to most precise.
 GEARS: Tuple[str, ...] = ("low", "mid", "high")
 GEAR_INDEX: Dict[str, int] = {g: i for i, g in enumerate(GEARS)}
 
 #: Bit widths that MLX's ``QuantizedLinear`` supports and we allow for a gear.
-SUPPORTED_BITS: Tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+SUPPORTED_BITS: Tuple[int, ...] = QUANT_BITS
 
 #: Terminal colours of the gears (ANSI): green low, yellow mid, red high.
 GEAR_ANSI: Dict[str, str] = {"low": "\033[32m", "mid": "\033[33m", "high": "\033[31m"}
@@ -178,7 +180,7 @@ class GearboxConfig:
             raise ValueError(f"high must be one of {HIGH_SOURCES}, got {self.high!r}")
         if self.high == "planes" and self.store == "separate":
             raise ValueError("high='planes' reads the nested store's planes: it needs store='nested'")
-        if self.group_size not in (32, 64, 128):
+        if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size!r}")
         if set(self.bits) != {"low", "mid"}:
             raise ValueError(f"bits must give exactly 'low' and 'mid', got {self.bits!r}")

@@ -33,13 +33,15 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 import numpy as np
 
+from ..mlx_tables import GROUP_SIZES as MLX_GROUP_SIZES
+
 __all__ = ["available", "contiguous_numpy", "gemv", "prepare", "PreparedWeights", "raise_for", "require", "reset",
            "set_threads", "get_threads", "info", "unavailable"]
 
 PATHS = {"auto": 0, "float": 1, "intdot": 2, "ref": 3, "intdot_ref": 4}
 #: GBX_ABI_VERSION of the C library this wrapper speaks to (csrc/gearbx_cpu.h).
 ABI_VERSION = 2
-GROUP_SIZES = (None, 32, 64, 128)
+GROUP_SIZES = (None, *MLX_GROUP_SIZES)
 
 ArrayLike = Union[mx.array, np.ndarray]
 

@@ -29,6 +29,7 @@ from typing import Any, List, Optional, Protocol, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from ..mlx_tables import GROUP_SIZES
 from . import cpu
 
 __all__ = ["PreparedNested", "prepare_nested", "nested_gemv"]
@@ -90,7 +91,7 @@ class PreparedNested:
                 raise ValueError(f"plane {k} has {p.bits} bits: the C kernels read planes of 4, 6 or 8 bits "
                                  "(use gearbx_mlx.nested.planes.reference_matmul for others)")
             gs = int(p.group_size)
-            if gs not in (32, 64, 128):
+            if gs not in GROUP_SIZES:
                 raise ValueError(f"plane {k} has group size {gs}: the C kernels take groups of 32, 64 or 128")
             if p.weight.dtype != mx.uint32 or p.weight.ndim != 2 or p.weight.shape[0] != o \
                     or p.weight.shape[1] * 32 != i * p.bits:

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..mlx_tables import GROUP_SIZES
 from . import gpu
 from .gpu import DTYPE_TAG, SIMD_GROUPS, THREADS, constants_source
 from .kernel_files import format_constant
@@ -35,7 +36,7 @@ from .kernel_files import format_constant
 #: words only for an even ``vec``.
 NESTED_BITS: Tuple[int, ...] = (4, 6, 8)
 #: Group sizes of MLX's affine quantization.
-NESTED_GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+NESTED_GROUP_SIZES: Tuple[int, ...] = GROUP_SIZES
 #: dtypes of x and of the planes' scales and biases.
 NESTED_DTYPES: Tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 

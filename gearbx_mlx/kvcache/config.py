@@ -23,7 +23,7 @@ class KVConfig:
 
     Attributes:
         bits: cache bits for every layer (MLX affine: 2, 3, 4, 5, 6 or 8).
-        group_size: elements per quantization group along the head (32, 64, 128).
+        group_size: elements per quantization group along the head (MLX's ``GROUP_SIZES``).
         rotation: ``"srht"`` (random-sign Hadamard), ``"srft"`` (random-sign
             real FFT, any head size), ``"none"``, or ``"auto"`` (srht where
             ``mx.hadamard_transform`` takes the head size, else srft).

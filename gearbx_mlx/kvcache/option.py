@@ -32,6 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
+from ..mlx_tables import KV_PLAIN_BITS
 from .api import KVHandle, apply_kv
 from .arch import attention_modules, describe
 from .calibrate import KVCalibration, calibrate_weights
@@ -42,7 +43,7 @@ from .quantize import SUPPORTED_BITS, SUPPORTED_GROUPS, bits_per_element, check_
 #: ``kv_rotation`` values: ``none`` is mlx-lm's plain cache.
 ROTATION_CHOICES = ("auto", "srht", "srft", "none")
 #: Bits ``mx.quantize`` takes (mlx-lm's plain cache).
-PLAIN_BITS = (1, 2, 3, 4, 5, 6, 8)
+PLAIN_BITS = KV_PLAIN_BITS
 #: mlx-lm's default ``quantized_kv_start`` (``mlx_lm.generate.DEFAULT_QUANTIZED_KV_START``).
 DEFAULT_QUANTIZED_KV_START = 5000
 

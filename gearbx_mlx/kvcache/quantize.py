@@ -28,9 +28,11 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 
+from ..mlx_tables import GROUP_SIZES, QUANT_BITS
+
 #: Bit widths and group sizes MLX's affine quantization supports.
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-SUPPORTED_GROUPS = (32, 64, 128)
+SUPPORTED_BITS = QUANT_BITS
+SUPPORTED_GROUPS = GROUP_SIZES
 QUANTIZERS = ("minmax", "ls")
 
 

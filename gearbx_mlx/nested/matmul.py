@@ -31,6 +31,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..bindings import gpu, guard, nested_cpu, nested_gpu
+from ..mlx_tables import GROUP_SIZES
 from ..packed.layers import cpu_backend
 from .planes import Plane, build_planes, reference_matmul
 
@@ -152,7 +153,7 @@ class NestedProduct:
         planes than it holds takes the oracle."""
         if self._cpu_ok is None:
             k = 0
-            while k < len(self.planes) and self.planes[k].bits in nested_cpu.NESTED_BITS and self.planes[k].group_size in (32, 64, 128):
+            while k < len(self.planes) and self.planes[k].bits in nested_cpu.NESTED_BITS and self.planes[k].group_size in GROUP_SIZES:
                 k += 1
             self._cpu_ok = k > 0 and cpu_backend() is not None
             if self._cpu_ok:

@@ -41,6 +41,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..mlx_tables import GROUP_SIZES as MLX_GROUP_SIZES, QUANT_BITS
+
 #: ``(bits, group size)`` of each plane, low gear first: the default nesting.
 PlaneSpec = Tuple[int, int]
 DEFAULT_PLAN: Tuple[PlaneSpec, ...] = ((4, 64), (4, 32), (6, 64))
@@ -50,9 +52,9 @@ QUANTIZED_SOURCE_PLAN: Tuple[PlaneSpec, ...] = DEFAULT_PLAN[:2]
 #: Residual planes of these widths use the error-minimizing clipping (:func:`quantize_residual`).
 CLIPPED_PLANE_BITS: Tuple[int, ...] = (2, 4)
 #: Group sizes MLX's affine quantization supports.
-GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+GROUP_SIZES: Tuple[int, ...] = MLX_GROUP_SIZES
 #: Bit widths MLX's affine quantization supports.
-PLANE_BITS: Tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+PLANE_BITS: Tuple[int, ...] = QUANT_BITS
 
 
 @dataclass

@@ -35,6 +35,8 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from ..mlx_tables import GROUP_SIZES as MLX_GROUP_SIZES
+
 #: Bit widths of the packed formats.
 SUPPORTED_BITS: Tuple[int, ...] = (2, 4, 6, 8)
 #: Largest magnitude of a quantized value, per bit width (§5.1, Table 4).
@@ -46,7 +48,7 @@ ELEMENTS_PER_UNIT: Dict[int, int] = {8: 1, 6: 4, 4: 2, 2: 4}
 #: Bytes per packed unit.
 BYTES_PER_UNIT: Dict[int, int] = {8: 1, 6: 3, 4: 1, 2: 1}
 #: Group sizes allowed besides per-row scales (``None``).
-GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+GROUP_SIZES: Tuple[int, ...] = MLX_GROUP_SIZES
 #: Scale floors (§5.1, §16.2): half-precision sources, float32 sources.
 SCALE_FLOOR_HALF = 1e-4
 SCALE_FLOOR_FP32 = 1e-8

@@ -42,7 +42,7 @@ STOP_STRATEGIES = ("replay", "median", "percentile")
 #: Percentiles of draft entropy tried as stops by the replay strategy.
 REPLAY_PERCENTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: Block caps tried by the replay strategy.
-REPLAY_MAX_DRAFT = (1, 2, 3, 4, 5, 6, 8)
+REPLAY_MAX_DRAFT = (*range(1, 7), 8)
 #: Key of the speculative block in ``Calibration.extra`` (one entry per draft gear).
 CALIBRATION_KEY = "speculative"
 #: Tokens the high gear generates per calibration prompt (more than the

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..bindings import cpu as cpu_kernels, nested_cpu
 from ..distributed.layers import group_of
+from ..mlx_tables import GROUP_SIZES
 from ..nested.layers import NestedEmbedding, NestedLinear
 from ..nested.matmul import nested_kernels_trusted
 from ..packed import layers as packed_layers
@@ -135,7 +136,7 @@ def _supported_linear(layer: Any) -> bool:
         prepared = layer.nested.product.cpu_prepared()
         return prepared is not None and layer.n <= prepared.n_planes
     if isinstance(layer, PackedBase):
-        return layer.bits in (4, 8) and layer.group_size in (None, 32, 64, 128)
+        return layer.bits in (4, 8) and layer.group_size in (None, *GROUP_SIZES)
     return type(layer) is nn.Linear and layer.weight.dtype == mx.float32
 
 
