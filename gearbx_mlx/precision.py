@@ -239,12 +239,15 @@ class PrecisionManager:
         #: Why nothing is swapped (None when gears are real), for the user to read.
         self.telemetry_reason: Optional[str] = (
             "asked for (--telemetry-only)" if c.telemetry_only
-            else "the model is already quantized, so the separate store has nothing to quantize per gear"
+            else "the model is already quantized below 8 bits, so there are no finer weights to route to"
             if self.telemetry_only else None
         )
         #: Weight bytes of the model as loaded, and of what one of its decode steps reads.
         self.model_bytes = nbytes(model)
         self.loaded_read_bytes = step_read_bytes(model)
+        #: Bytes ``scope="all"`` would manage, taken before any gear is installed (a
+        #: nested high gear replaces the loaded modules, which would hide them later).
+        self.managed_bytes_scope_all = 0 if self.telemetry_only else managed_bytes(model, "all", c.group_size)
         if self.telemetry_only:
             self.paths, self.skipped = [], []
         else:

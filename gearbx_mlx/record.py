@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional
 
 from .config import GEARS
 from .kvcache.option import KVOptions
-from .precision import managed_bytes
 
 #: The generation modes of a run.
 MODES = ("routed", "speculative")
@@ -167,9 +166,8 @@ class RunRecord:
             "scope": mgr.config.scope,
             "step_bytes": mgr.step_bytes(),
             "managed_share": mgr.managed_share(),
-            "managed_share_scope_all": (
-                managed_bytes(self.gearbox.model, "all", mgr.config.group_size) / mgr.loaded_read_bytes
-                if mgr.loaded_read_bytes and not mgr.telemetry_only else None),
+            "managed_share_scope_all": (mgr.managed_bytes_scope_all / mgr.loaded_read_bytes
+                                        if mgr.loaded_read_bytes and not mgr.telemetry_only else None),
             **ranks_summary(session, len(recs)),
         }
 

@@ -157,3 +157,14 @@ def test_color_auto_colours_a_terminal(monkeypatch):
     assert use_color("auto", Tty()) and not use_color("auto", io.StringIO())
     monkeypatch.setenv("NO_COLOR", "1")
     assert not use_color("auto", Tty()) and use_color("always", io.StringIO())
+
+
+def test_scope_all_share_is_the_same_whatever_the_high_gear_reads():
+    """With the high gear reading the planes, the loaded modules are replaced by plane views;
+    the share ``--scope all`` would manage is taken before that, so it does not shrink."""
+    shares = []
+    for high in ("original", "planes"):
+        model = make_tiny_llama(vocab=BIG_VOCAB, hidden=HIDDEN)
+        gb = Gearbox(model, GearboxConfig(scope="attention", static_gear="low", store="nested", high=high))
+        shares.append(summarise(model, gb)["managed_share_scope_all"])
+    assert shares[0] == shares[1] and shares[0] > 0.99
