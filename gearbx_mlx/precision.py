@@ -272,7 +272,10 @@ class PrecisionManager:
         self.planes_seconds = 0.0  # building (or reading) the nested planes
         self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
-        if self.store == "nested" and self.paths:
+        self._planes_dir = planes_dir
+        # A static high gear that reads the loaded weights never enters another gear:
+        # its planes are built the first time one is asked for (never, in that run).
+        if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
             self._build_nested(planes_dir)
 
     def _build_nested(self, planes_dir: Optional[Path]) -> None:
@@ -322,6 +325,9 @@ class PrecisionManager:
         bits = bits_for(gear, self.config)
         if gear in self.cache or self.telemetry_only:
             return 0.0  # a nested store built every gear with its planes
+        if self.store == "nested":  # deferred (a static high gear): every gear at once
+            self._build_nested(self._planes_dir)
+            return self.planes_seconds
         tic = time.perf_counter()
         built = {
             p: self._quantizer(m, bits, self.config.group_size) for p, m in self.sources.items()

@@ -353,3 +353,12 @@ def test_fused_views_use_the_kernels_and_agree_with_the_oracle():
         a, b = np.array(fused(x)), np.array(ref(x))
         assert np.abs(a - b).max() <= tol * np.abs(b).max(), n
     assert w.product is w.product  # one kernel state per matrix, shared by its views
+
+
+def test_a_static_high_gear_builds_no_planes_until_another_gear_is_asked_for():
+    model = make_tiny_llama()
+    mgr = PrecisionManager(model, GearboxConfig(static_gear="high", store="nested"))
+    assert mgr.nested is None and set(mgr.cache) == {"high"}  # nothing built for gears it never enters
+    mgr.shift("low")  # a policy that does enter one (say, a server request) builds every gear then
+    assert mgr.nested is not None and set(mgr.cache) == {"high", "mid", "low"}
+    mgr.shift("high")
