@@ -1,8 +1,9 @@
 """The package's imports go one way: core -> layers and policies -> gearbox and
-routing -> generation and speculative decoding -> command lines, evaluation and
-telemetry. Every import counts, those inside functions too; a module that is in
-no layer, an import that goes up a layer, or a cycle fails the test. Imports
-inside functions are allowed only for optional third-party modules.
+routing -> generation and speculative decoding -> telemetry -> the client and
+router of remote servers -> command lines and evaluation. Every import counts,
+those inside functions too; a module that is in no layer, an import that goes
+up a layer, or a cycle fails the test. Imports inside functions are allowed only
+for optional third-party modules.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
     ("generation and speculative decoding", ("generation", "speculative", "speculative.decode",
                                              "speculative.acceptance", "speculative.draft", "speculative.host",
                                              "speculative.calibration", "speculative.*")),
-    ("command lines, evaluation and telemetry", (
-        "", "speculative.cli", "console", "plotting", "generate", "evaluate", "analyze", "remote", "selftest",
-        "bench",
-        "evaluation", "evaluation.*", "telemetry", "telemetry.*",
+    ("telemetry", ("plotting", "telemetry", "telemetry.*")),
+    ("remote servers", ("remote", "remote.*")),
+    ("command lines and evaluation", (
+        "", "speculative.cli", "remote.cli", "remote.__main__", "console", "generate", "evaluate", "analyze",
+        "selftest", "bench", "evaluation", "evaluation.*",
     )),
 )
-# speculative.cli must match before speculative.*: order the check by specificity.
+# speculative.cli and remote.cli must match before their subpackage's .*: exact names win.
 OPTIONAL_THIRD_PARTY = ("matplotlib",)
 
 
@@ -210,7 +212,8 @@ def test_function_level_third_party_imports_only_when_optional(tmp_path):
 
 @pytest.mark.parametrize("module,layer", [
     ("config", 0), ("packed.formats", 0), ("packed.layers", 1), ("precision", 2),
-    ("speculative.decode", 3), ("speculative.cli", 4), ("evaluation.harness", 4), ("nope", -1),
+    ("speculative.decode", 3), ("telemetry.trace", 4), ("remote.session", 5), ("remote.cli", 6),
+    ("speculative.cli", 6), ("evaluation.harness", 6), ("nope", -1),
 ])
 def test_layer_of(module, layer):
     assert layer_of(module) == layer
