@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import mlx.core as mx
 import pytest
 
@@ -59,11 +62,31 @@ def tiny_llama():
     return make_tiny_llama()
 
 
-@pytest.fixture(scope="session")
-def default_model():
-    """The real default model (SmolLM2-135M-Instruct from PyPI), loaded once."""
-    from gearbx_mlx.generation import load
+@contextlib.contextmanager
+def one_worker_at_a_time(tmp_path_factory, name: str) -> Iterator[None]:
+    """An exclusive lock shared by every pytest-xdist worker of this run: what
+    it guards runs in one worker at a time (alone, it costs nothing)."""
+    import fcntl
 
+    root = tmp_path_factory.getbasetemp().parent  # under xdist: the workers' common folder
+    with open(root / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory):
+    """The real default model (SmolLM2-135M-Instruct from PyPI), loaded once per
+    process (once per xdist worker). A cold cache is filled by one worker while
+    the others wait, then read by all: not fetched and converted twice."""
+    from gearbx_mlx.generation import load
+    from gearbx_mlx.sources.models import default_model_path
+
+    with one_worker_at_a_time(tmp_path_factory, "gearbx-default-model"):
+        default_model_path()
     model, tokenizer, gearbox = load()
     return model, tokenizer, gearbox
 

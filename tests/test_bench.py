@@ -31,6 +31,10 @@ def run(argv, capsys):
     return rc, out, err
 
 
+#: The tests of quick_result run in one pytest-xdist worker: its bench run is made once.
+ONE_WORKER = pytest.mark.xdist_group("bench-quick-result")
+
+
 @pytest.fixture(scope="module")
 def quick_result(model_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "a.json"
@@ -38,6 +42,7 @@ def quick_result(model_folder, tmp_path_factory):
     return out, json.loads(out.read_text())
 
 
+@ONE_WORKER
 def test_quick_run_covers_every_section(quick_result):
     _, r = quick_result
     bench_report.check_result(r)
@@ -80,6 +85,7 @@ def test_quick_run_covers_every_section(quick_result):
     assert r["rounds_run"] == QUICK.rounds
 
 
+@ONE_WORKER
 def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path):
     path, r = quick_result
     text = bench_report.format_result(r)
@@ -110,6 +116,7 @@ def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path
     ('{"kind": "gearbx-bench", "format_version": 99}', "reads up to"),
     ('{"kind": "gearbx-bench", "format_version": 1, "rows": []}', "lacks"),
 ])
+@ONE_WORKER
 def test_compare_refuses_what_is_not_a_bench_result(tmp_path, capsys, quick_result, content, message):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
