@@ -119,8 +119,8 @@ def test_prequantized_chat_answer_is_coherent(q4_model):
 
 
 @pytest.mark.slow
-def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path):
-    """An mlx_lm.convert-ed 4-bit folder: the CLI detects it and swaps nothing."""
+def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path, capsys):
+    """An mlx_lm.convert-ed 4-bit folder: the CLI detects it, says so, and swaps nothing."""
     from mlx_lm import convert
 
     from gearbx_mlx.generate import main as generate_main
@@ -131,7 +131,8 @@ def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path):
     convert(str(default_model_path()), str(folder), quantize=True, q_group_size=64, q_bits=4)
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
     trace = tmp_path / "t.jsonl"
-    assert generate_main(["--model", str(folder), "-p", "Hello", "-m", "4", "--trace", str(trace), "--quiet"]) == 0
+    assert generate_main(["--model", str(folder), "-p", "Hello", "-m", "4", "--trace", str(trace)]) == 0
+    assert "telemetry only" in capsys.readouterr().err
     t = read_trace(trace)
     assert t.header["telemetry_only"] and t.header["managed_modules"] == 0
-    assert len(t.tokens) == 4 and t.summary["telemetry_only"]
+    assert len(t.tokens) == 4 and t.summary["telemetry_only"] and t.summary["quantize_seconds"] == 0
