@@ -67,8 +67,11 @@ def one_worker_at_a_time(tmp_path_factory, name: str) -> Iterator[None]:
     """An exclusive lock shared by every pytest-xdist worker of this run: what
     it guards runs in one worker at a time (alone, it costs nothing)."""
     import fcntl
+    import os
 
-    root = tmp_path_factory.getbasetemp().parent  # under xdist: the workers' common folder
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
     with open(root / f"{name}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -80,15 +83,13 @@ def one_worker_at_a_time(tmp_path_factory, name: str) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory):
     """The real default model (SmolLM2-135M-Instruct from PyPI), loaded once per
-    process (once per xdist worker). A cold cache is filled by one worker while
-    the others wait, then read by all: not fetched and converted twice."""
+    process (once per xdist worker). One worker at a time loads it: on a cold
+    cache the first fetches and converts it and builds its nested planes, and
+    the others then read what it cached instead of building it all again."""
     from gearbx_mlx.generation import load
-    from gearbx_mlx.sources.models import default_model_path
 
     with one_worker_at_a_time(tmp_path_factory, "gearbx-default-model"):
-        default_model_path()
-    model, tokenizer, gearbox = load()
-    return model, tokenizer, gearbox
+        return load()
 
 
 def make_tiny_tokenizer(vocab: int = 256):
