@@ -114,3 +114,15 @@ def fresh_kernel_guard():
 
     guard.reset()
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that hold slow tests first, each kept whole (its module fixtures
+    are built once): parallel workers start the long end-to-end runs early and
+    end on short tests, instead of one worker running a long test at the end
+    while the others idle."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow_modules = {module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module(item) not in slow_modules)
