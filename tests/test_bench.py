@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 from fault_models import tiny_model_folder
@@ -31,6 +33,10 @@ def run(argv, capsys):
     return rc, out, err
 
 
+#: The tests of quick_result run in one pytest-xdist worker: its bench run is made once.
+ONE_WORKER = pytest.mark.xdist_group("bench-quick-result")
+
+
 @pytest.fixture(scope="module")
 def quick_result(model_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "a.json"
@@ -38,6 +44,7 @@ def quick_result(model_folder, tmp_path_factory):
     return out, json.loads(out.read_text())
 
 
+@ONE_WORKER
 def test_quick_run_covers_every_section(quick_result):
     _, r = quick_result
     bench_report.check_result(r)
@@ -80,6 +87,7 @@ def test_quick_run_covers_every_section(quick_result):
     assert r["rounds_run"] == QUICK.rounds
 
 
+@ONE_WORKER
 def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path):
     path, r = quick_result
     text = bench_report.format_result(r)
@@ -110,6 +118,7 @@ def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path
     ('{"kind": "gearbx-bench", "format_version": 99}', "reads up to"),
     ('{"kind": "gearbx-bench", "format_version": 1, "rows": []}', "lacks"),
 ])
+@ONE_WORKER
 def test_compare_refuses_what_is_not_a_bench_result(tmp_path, capsys, quick_result, content, message):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
@@ -192,11 +201,14 @@ def test_machine_reads_the_os():
 
 
 @pytest.mark.slow
-def test_quick_bench_on_the_default_model(tmp_path, capsys):
+def test_quick_bench_on_the_default_model(tmp_path):
+    """README.md's first-run bench, short, as a command (CI runs it here)."""
     out = tmp_path / "default.json"
-    rc, _, _ = run(["--quick", "--rounds", "2", "--quiet", "--out", str(out)], capsys)
+    p = subprocess.run([sys.executable, "-m", "gearbx_mlx.bench", "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert rc == 0 and r["model"]["vocab_size"] == 49152 and r["checks"]
+    assert r["model"]["vocab_size"] == 49152 and r["checks"]
     # Each verdict is its measured ratio against its floor. Whether it passes
     # depends on the machine's load, so it is reported, never asserted here.
     for c in r["checks"]:

@@ -26,7 +26,9 @@ from fault_models import tiny_model_folder
 from gearbx_mlx.distributed.ranks import free_port_base
 from gearbx_mlx.telemetry.trace import read_trace
 
-pytestmark = pytest.mark.slow
+#: One pytest-xdist worker runs every launch: the ring fixture probes once, and
+#: two launches never pick their loopback ports at the same moment.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mlx-launch")]
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -268,6 +268,10 @@ def test_speculative_rows_copy_the_reference_quality():
 # -- the real default model -------------------------------------------------------
 
 
+#: The tests of quick_results run in one pytest-xdist worker: its evaluation of the default model is built once.
+ONE_WORKER = pytest.mark.xdist_group("evaluate-quick-results")
+
+
 @pytest.fixture(scope="module")
 def short_text(default_model):
     from gearbx_mlx.evaluation.harness import read_text
@@ -293,6 +297,7 @@ def _rows(results):
     return {r["name"]: r for r in results["policies"]}
 
 
+@ONE_WORKER
 def test_static_high_is_exactly_the_reference(quick_results):
     r = _rows(quick_results)["static-high"]
     assert r["mean_kl"] == 0.0
@@ -301,6 +306,7 @@ def test_static_high_is_exactly_the_reference(quick_results):
     assert r["gear_counts"] == {"low": 0, "mid": 0, "high": quick_results["text"]["scored_positions"]}
 
 
+@ONE_WORKER
 def test_static_low_differs_from_the_reference(quick_results):
     rows = _rows(quick_results)
     low = rows["static-low/all"]
@@ -310,6 +316,7 @@ def test_static_low_differs_from_the_reference(quick_results):
     assert rows["static-mid/all"]["mean_kl"] < low["mean_kl"]
 
 
+@ONE_WORKER
 def test_gear_counts_and_shifts_match_the_trace(quick_results):
     n = quick_results["text"]["scored_positions"]
     steps = quick_results["text"]["window"] - 1
@@ -326,6 +333,7 @@ def test_gear_counts_and_shifts_match_the_trace(quick_results):
             assert len(quick_results["traces"][r["name"]]["entropy"]) == n
 
 
+@ONE_WORKER
 def test_every_policy_and_baseline_is_reported(quick_results):
     names = set(_rows(quick_results))
     for scope in ("attention", "all"):
@@ -339,6 +347,7 @@ def test_every_policy_and_baseline_is_reported(quick_results):
     assert report.table(quick_results["policies"]).count("\n") == len(names) + 1
 
 
+@ONE_WORKER
 def test_results_are_json_and_plots_draw(quick_results, tmp_path):
     import json
 
@@ -352,6 +361,7 @@ def test_results_are_json_and_plots_draw(quick_results, tmp_path):
     assert all(f.stat().st_size > 1000 for f in files)
 
 
+@ONE_WORKER
 def test_from_json_reprints_a_saved_run(quick_results, tmp_path, capsys):
     path = report.write_json(quick_results, tmp_path / "r.json")
     assert main(["--from-json", str(path)]) == 0
@@ -360,6 +370,7 @@ def test_from_json_reprints_a_saved_run(quick_results, tmp_path, capsys):
     assert "speculative-mid/calibrated" in out and "exact by construction" in out
 
 
+@ONE_WORKER
 def test_speculative_quality_is_static_high_and_its_blocks_cover_the_text(quick_results):
     high = _rows(quick_results)["static-high"]
     section = quick_results["speculative"]
@@ -471,6 +482,7 @@ def test_speed_runs_on_the_real_kernels(default_model, short_text):
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_same_command_twice_gives_the_same_quality(default_model, short_text, quick_results):
     again = _quick(default_model, short_text, speculative=False)  # the quality rows are what must repeat

@@ -32,11 +32,10 @@ from fault_servers import (
 )
 from hypothesis import given, settings, strategies as st
 
-from gearbx_mlx import remote
-from gearbx_mlx.telemetry import remote as remote_lib
-from gearbx_mlx.telemetry.openai_client import parse_chunk
+from gearbx_mlx.remote import cli as remote_cli, session as remote_lib
+from gearbx_mlx.remote.openai_client import parse_chunk
+from gearbx_mlx.remote.transport import Limits, Request, check_key_transport
 from gearbx_mlx.telemetry.trace import read_trace
-from gearbx_mlx.telemetry.transport import Limits, Request, check_key_transport
 
 #: What "ends within --timeout + 1 s" allows on a loaded machine, on top of the limit.
 SLACK_S = 1.0
@@ -48,7 +47,7 @@ def run_cli(capsys, url: str, *extra: str, trace=None) -> tuple:
     if trace is not None:
         args += ["--trace", str(trace)]
     tic = time.monotonic()
-    code = remote.main(args)
+    code = remote_cli.main(args)
     seconds = time.monotonic() - tic
     err = capsys.readouterr().err
     return code, seconds, err
@@ -94,7 +93,7 @@ def test_an_endless_token_stream_stops_at_max_tokens(tmp_path, capsys):
     with RawServer(endless_tokens) as srv:
         args = ["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "-m", "8", "--trace", str(trace)]
         tic = time.monotonic()
-        code = remote.main(args)
+        code = remote_cli.main(args)
         seconds = time.monotonic() - tic
     err = capsys.readouterr().err
     assert code == 0 and seconds < 5, seconds
@@ -225,15 +224,15 @@ def test_the_api_key_never_goes_to_a_plain_http_host_unasked(capsys):
         Request("http://10.0.0.1:1/v1/chat/completions", {}, api_key="k")
     # The CLI refuses before connecting (a non-routable address would take the connect timeout).
     tic = time.monotonic()
-    code = remote.main(["--variant", "http://10.255.255.1:9", "--vocab-size", "100", "-p", "hi", "--api-key", "k"])
+    code = remote_cli.main(["--variant", "http://10.255.255.1:9", "--vocab-size", "100", "-p", "hi", "--api-key", "k"])
     err = capsys.readouterr().err
     assert code == 1 and "https" in one_error_line(err) and time.monotonic() - tic < 2
 
 
 def test_the_api_key_goes_to_a_loopback_server(capsys):
     with RawServer(answer(token_event("a") + DONE)) as srv:
-        assert remote.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--quiet",
-                            "--api-key", "sekrit"]) == 0
+        assert remote_cli.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--quiet",
+                                "--api-key", "sekrit"]) == 0
     assert srv.requests[0]["headers"]["authorization"] == "Bearer sekrit"
 
 
@@ -253,7 +252,7 @@ def test_the_api_key_goes_to_a_loopback_server(capsys):
     (("--window", "0"), "window must be an integer >= 1"),
 ])
 def test_flags_out_of_range_are_one_error_line(capsys, flags, message):
-    code = remote.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "hi", *flags])
+    code = remote_cli.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "hi", *flags])
     err = capsys.readouterr().err
     assert code == 1 and message in one_error_line(err)
 
@@ -263,14 +262,14 @@ def test_random_bytes_on_stdin_are_one_error_line(capsys, monkeypatch):
     import sys
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe\x00bad\x80")))
-    code = remote.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "-"])
+    code = remote_cli.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "-"])
     assert code == 1 and "stdin is not UTF-8" in one_error_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("config", ['{"vocab_size": "49152"}', "[1, 2]", "{not json", '{"vocab_size": 1}'])
 def test_a_malformed_model_config_names_its_file(tmp_path, capsys, config):
     (tmp_path / "config.json").write_text(config)
-    code = remote.main(["--variant", f"http://127.0.0.1:9,{tmp_path}", "-p", "hi"])
+    code = remote_cli.main(["--variant", f"http://127.0.0.1:9,{tmp_path}", "-p", "hi"])
     line = one_error_line(capsys.readouterr().err)
     assert code == 1 and str(tmp_path / "config.json") in line and "--vocab-size" in line
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from fault_models import tiny_model_folder
 
-from gearbx_mlx import analyze, remote
-from gearbx_mlx.telemetry import remote as remote_lib
+from gearbx_mlx import analyze
+from gearbx_mlx.remote import cli as remote_cli, session as remote_lib
 from gearbx_mlx.telemetry.trace import TraceWriter, read_trace
 
 generate = importlib.import_module("gearbx_mlx.generate")  # the module (the package exports a function of that name)
@@ -165,8 +165,8 @@ def test_the_trace_file_never_exists_without_its_header(tmp_path, monkeypatch):
 def test_ctrl_c_in_the_remote_client(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(remote_lib.RemoteSession, "ask", _raise)
     trace = tmp_path / "t.jsonl"
-    code = remote.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "hi",
-                        "--trace", str(trace)])
+    code = remote_cli.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "hi",
+                            "--trace", str(trace)])
     assert code == 130 and "Traceback" not in capsys.readouterr().err
     assert read_trace(trace).summary["interrupted"] is True
 

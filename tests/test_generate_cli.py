@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -55,38 +54,6 @@ def test_static_high_matches_plain_mlx_lm(default_model):
     p = cli("--prompt", PROMPT, "--max-tokens", "20", "--static-gear", "high", "--quiet")
     assert p.returncode == 0, p.stderr
     assert p.stdout.rstrip("\n") == want
-
-
-@pytest.mark.slow
-def test_telemetry_only_on_a_prequantized_model(tmp_path, default_model):
-    import mlx.nn as nn
-    from mlx_lm.utils import save_config, save_model
-
-    from gearbx_mlx.sources.models import default_model_path
-
-    src = default_model_path()
-    model, tok, _ = default_model
-    from mlx_lm import load as mlx_load
-
-    qmodel, _ = mlx_load(str(src))
-    nn.quantize(qmodel, group_size=64, bits=4)
-    out = tmp_path / "q4"
-    out.mkdir()
-    save_model(out, qmodel)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization"] = {"group_size": 64, "bits": 4}
-    save_config(cfg, out / "config.json")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (out / f).write_text((src / f).read_text())
-    trace = tmp_path / "q.jsonl"
-    p = cli("--model", str(out), "--prompt", PROMPT, "--max-tokens", "16", "--thresholds", "2.0", "4.0",
-            "--trace", str(trace))
-    assert p.returncode == 0, p.stderr
-    t = read_trace(trace)
-    assert t.header["telemetry_only"] is True and t.header["managed_modules"] == 0
-    assert t.summary["quantize_seconds"] == 0 and t.summary["telemetry_only"] is True
-    assert "telemetry only" in p.stderr
-    assert len({r["gear"] for r in t.tokens}) >= 1
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The package's imports go one way: core -> kernel bindings -> layers and
 policies -> gearbox and routing -> generation and speculative decoding ->
-command lines, evaluation and telemetry. Every import counts, those inside
+telemetry -> the client and router of remote servers -> command lines, evaluation
+and the server. Every import counts, those inside
 functions too; a module that is in no layer, an import that goes up a layer, or
 a cycle fails the test. Imports inside functions are allowed only for optional
 third-party modules.
@@ -38,13 +39,14 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
     ("generation and speculative decoding", ("generation", "record", "pipeline", "speculative", "speculative.decode",
                                              "speculative.acceptance", "speculative.draft", "speculative.host",
                                              "speculative.calibration", "speculative.*")),
-    ("command lines, evaluation and telemetry", (
-        "", "speculative.cli", "console", "plotting", "generate", "evaluate", "analyze", "remote", "selftest",
-        "bench", "server", "server.*",
-        "evaluation", "evaluation.*", "telemetry", "telemetry.*",
+    ("telemetry", ("plotting", "telemetry", "telemetry.*")),
+    ("remote servers", ("remote", "remote.*")),
+    ("command lines, evaluation and the server", (
+        "", "speculative.cli", "remote.cli", "remote.__main__", "console", "generate", "evaluate", "analyze",
+        "selftest", "bench", "evaluation", "evaluation.*", "server", "server.*",
     )),
 )
-# speculative.cli must match before speculative.*: order the check by specificity.
+# speculative.cli and remote.cli must match before their subpackage's .*: exact names win.
 OPTIONAL_THIRD_PARTY = ("matplotlib",)
 
 
@@ -298,7 +300,8 @@ def test_function_level_third_party_imports_only_when_optional(tmp_path):
 @pytest.mark.parametrize("module,layer", [
     ("config", 0), ("packed.formats", 0), ("bindings", 1), ("bindings.guard", 1), ("bindings.packed_gpu", 1),
     ("packed.layers", 2), ("kvcache.write_kernel", 2), ("precision", 3), ("speculative.decode", 4),
-    ("speculative.cli", 5), ("evaluation.harness", 5), ("nope", -1),
+    ("telemetry.trace", 5), ("remote.session", 6), ("remote.cli", 7), ("speculative.cli", 7),
+    ("evaluation.harness", 7), ("server.app", 7), ("nope", -1),
 ])
 def test_layer_of(module, layer):
     assert layer_of(module) == layer

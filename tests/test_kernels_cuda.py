@@ -251,6 +251,11 @@ int main(int argc, char** argv) {
     return "\n".join(parts)
 
 
+#: The module's tests run in one pytest-xdist worker: host_binary compiles once (tens of
+#: seconds), not once per worker that runs one of them.
+pytestmark = pytest.mark.xdist_group("cuda-host-binary")
+
+
 @pytest.fixture(scope="module")
 def host_binary() -> Path:
     cxx = shutil.which("g++")

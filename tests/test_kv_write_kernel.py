@@ -542,6 +542,11 @@ def run_host(binaries: Dict[mx.Dtype, Path], work: Path, keys: mx.array, values:
     return out[0], out[1]
 
 
+#: The module's tests run in one pytest-xdist worker: host_binary compiles once (tens of
+#: seconds), not once per worker that runs one of them.
+pytestmark = pytest.mark.xdist_group("kv-write-host-binary")
+
+
 @pytest.fixture(scope="module")
 def host_binary() -> Dict[mx.Dtype, Path]:
     return build_host(kernel_files.source_dir(), "ok")

@@ -25,10 +25,11 @@ CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 APT = "apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(CC) is None or shutil.which(QEMU) is None,
-    reason=f"needs {CC} and {QEMU} ({APT})",
-)
+# In one pytest-xdist worker: the binaries fixture builds every variant once.
+pytestmark = [
+    pytest.mark.skipif(shutil.which(CC) is None or shutil.which(QEMU) is None, reason=f"needs {CC} and {QEMU} ({APT})"),
+    pytest.mark.xdist_group("neon-binaries"),
+]
 
 # name -> extra flags; -march=armv8-a builds still carry the dotprod kernels
 # (per-function target) and must pick them only where the CPU has dotprod.

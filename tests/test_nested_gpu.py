@@ -247,6 +247,11 @@ def run_host(binary: Path, tmp_path: Path, i: int, config, planes, x, bias) -> m
     return mx.array(raw) if dtype == mx.float32 else mx.array(raw).view(dtype)
 
 
+#: The module's tests run in one pytest-xdist worker: host_binary compiles once (tens of
+#: seconds), not once per worker that runs one of them.
+pytestmark = pytest.mark.xdist_group("nested-gpu-host-binary")
+
+
 @pytest.fixture(scope="module")
 def host_binary() -> Path:
     return build_host(kernel_files.source_dir(), HOST_CONFIGS, "ok")

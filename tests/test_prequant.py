@@ -67,6 +67,10 @@ def test_bad_input(tmp_path):
         prequant.convert_gguf_quantized(tmp_path / "missing.gguf", tmp_path / "out", dtype="int3")
 
 
+#: The tests of q4_model run in one pytest-xdist worker: the model is loaded (and on first use converted) once.
+ONE_WORKER = pytest.mark.xdist_group("prequantized-default-model")
+
+
 @pytest.fixture(scope="module")
 def q4_model():
     from gearbx_mlx.generation import load
@@ -74,6 +78,7 @@ def q4_model():
     return load("smollm2-135m-q4")
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_prequantized_default_model_loads_quantized_and_telemetry_only(q4_model):
     model, tok, gearbox = q4_model
@@ -86,6 +91,7 @@ def test_prequantized_default_model_loads_quantized_and_telemetry_only(q4_model)
     assert gearbox.manager.telemetry_only and gearbox.manager.paths == []
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_prequantized_logits_match_the_dequantized_model(q4_model, default_model):
     """Same GGUF values: the float model is their dequantization (its weights
@@ -102,6 +108,7 @@ def test_prequantized_logits_match_the_dequantized_model(q4_model, default_model
     assert kl < 1e-3
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_prequantized_chat_answer_is_coherent(q4_model):
     from mlx_lm import generate
@@ -112,8 +119,8 @@ def test_prequantized_chat_answer_is_coherent(q4_model):
 
 
 @pytest.mark.slow
-def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path):
-    """An mlx_lm.convert-ed 4-bit folder: the CLI detects it and swaps nothing."""
+def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path, capsys):
+    """An mlx_lm.convert-ed 4-bit folder: the CLI detects it, says so, and swaps nothing."""
     from mlx_lm import convert
 
     from gearbx_mlx.generate import main as generate_main
@@ -124,7 +131,8 @@ def test_any_mlx_lm_quantized_folder_runs_telemetry_only(tmp_path):
     convert(str(default_model_path()), str(folder), quantize=True, q_group_size=64, q_bits=4)
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
     trace = tmp_path / "t.jsonl"
-    assert generate_main(["--model", str(folder), "-p", "Hello", "-m", "4", "--trace", str(trace), "--quiet"]) == 0
+    assert generate_main(["--model", str(folder), "-p", "Hello", "-m", "4", "--trace", str(trace)]) == 0
+    assert "telemetry only" in capsys.readouterr().err
     t = read_trace(trace)
     assert t.header["telemetry_only"] and t.header["managed_modules"] == 0
-    assert len(t.tokens) == 4 and t.summary["telemetry_only"]
+    assert len(t.tokens) == 4 and t.summary["telemetry_only"] and t.summary["quantize_seconds"] == 0

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gearbx_mlx import remote
 from gearbx_mlx.chat import encode_chat
-from gearbx_mlx.telemetry import remote as remote_lib
-from gearbx_mlx.telemetry.bounds import entropy_bounds, max_slack
-from gearbx_mlx.telemetry.openai_client import api_base, free_port, local_mlx_server, parse_chunk, piece_text
+from gearbx_mlx.remote import cli as remote_cli, session as remote_lib
+from gearbx_mlx.remote.bounds import entropy_bounds, max_slack
+from gearbx_mlx.remote.openai_client import api_base, free_port, local_mlx_server, parse_chunk, piece_text
 from gearbx_mlx.telemetry.trace import read_trace
 
 #: Entropies from the server (KV-cached decode) and from one local forward
@@ -97,8 +96,8 @@ def test_parse_chunk_openai_and_mlx_lm_forms():
 def test_unreachable_server_fails_fast(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     tic = time.perf_counter()
-    code = remote.main(["--variant", f"http://127.0.0.1:{free_port()}", "--vocab-size", "100",
-                        "-p", "hi", "--trace", str(trace), "--quiet"])
+    code = remote_cli.main(["--variant", f"http://127.0.0.1:{free_port()}", "--vocab-size", "100",
+                            "-p", "hi", "--trace", str(trace), "--quiet"])
     assert code == 1 and time.perf_counter() - tic < 10
     err = capsys.readouterr().err
     assert "error: connection refused" in err and "Traceback" not in err
@@ -106,8 +105,25 @@ def test_unreachable_server_fails_fast(tmp_path, capsys):
     assert t.tokens == [] and "refused" in t.summary["error"]
 
 
+def test_the_command_line_runs_as_a_module_and_as_gearbx_remote():
+    """``python -m gearbx_mlx.remote`` and the ``gearbx-remote`` entry point reach the same ``main``."""
+    import importlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    module, name = scripts["gearbx-remote"].split(":")
+    assert getattr(importlib.import_module(module), name) is remote_cli.main
+    out = subprocess.run([sys.executable, "-m", "gearbx_mlx.remote", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "--variant" in out.stdout and "python -m gearbx_mlx.remote" in out.stdout
+
+
 def test_missing_vocab_size_is_a_clear_error(capsys):
-    assert remote.main(["--variant", "http://127.0.0.1:9", "-p", "hi"]) == 1
+    assert remote_cli.main(["--variant", "http://127.0.0.1:9", "-p", "hi"]) == 1
     assert "--vocab-size" in capsys.readouterr().err
 
 
@@ -166,7 +182,7 @@ class FakeServer:
 def test_bad_stream_gives_clear_error_and_keeps_partial_trace(tmp_path, capsys, tail, message):
     trace = tmp_path / "t.jsonl"
     with FakeServer(token_event("Hello") + token_event(" world") + tail) as srv:
-        code = remote.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--trace", str(trace)])
+        code = remote_cli.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--trace", str(trace)])
     err = capsys.readouterr().err
     assert code == 1 and message in err and "Traceback" not in err
     t = read_trace(trace)
@@ -178,14 +194,14 @@ def test_bad_stream_gives_clear_error_and_keeps_partial_trace(tmp_path, capsys, 
 def test_silent_server_times_out(capsys):
     with FakeServer(b"", delay=5.0) as srv:
         tic = time.perf_counter()
-        code = remote.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--timeout", "0.5"])
+        code = remote_cli.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--timeout", "0.5"])
         assert code == 1 and time.perf_counter() - tic < 4
     assert "no answer from" in capsys.readouterr().err
 
 
 def test_http_error_status_is_reported(capsys):
     with FakeServer(b'{"error": "model not found"}', status=500) as srv:
-        assert remote.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi"]) == 1
+        assert remote_cli.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi"]) == 1
     assert "HTTP 500" in capsys.readouterr().err
 
 
@@ -225,8 +241,8 @@ def test_bounds_hold_against_a_real_server(mlx_server, default_model, tmp_path):
     url, model_dir = mlx_server
     prompt = "Name three colours of the rainbow."
     trace = tmp_path / "remote.jsonl"
-    code = remote.main(["--variant", f"{url},{model_dir}", "-p", prompt, "-m", "16",
-                        "--top-k", "10", "--trace", str(trace), "--quiet"])
+    code = remote_cli.main(["--variant", f"{url},{model_dir}", "-p", prompt, "-m", "16",
+                            "--top-k", "10", "--trace", str(trace), "--quiet"])
     assert code == 0
     t = read_trace(trace)
     assert t.header["entropy_is_lower_bound"] and t.header["top_k"] == 10

@@ -2,10 +2,8 @@
 
 :mod:`.trace` (the JSON Lines trace format, writer and reader),
 :mod:`.analyze` (statistics of traces, side by side), :mod:`.plots` (their
-figures, with the optional matplotlib), :mod:`.transport` (one HTTP
-exchange bounded in time, bytes and events), :mod:`.openai_client` and
-:mod:`.remote` (telemetry from OpenAI-compatible servers), :mod:`.bounds`
-(entropy bounds from top-k log-probabilities).
+figures, with the optional matplotlib). Telemetry from OpenAI-compatible
+servers is :mod:`gearbx_mlx.remote`'s.
 """
 
 from .trace import TraceWriter, read_trace

@@ -1,6 +1,6 @@
 """``python -m gearbx_mlx.remote``: route prompts across OpenAI-compatible servers.
 
-The command line over :mod:`gearbx_mlx.telemetry.remote`.
+The command line over :mod:`gearbx_mlx.remote.session`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import ANSI_RESET, GEAR_ANSI, GearboxConfig
-from .console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
-from .telemetry.remote import DEFAULT_TOP_K, RemoteSession, parse_variants, resolve_vocab_size
-from .telemetry.trace import TraceWriter
-from .telemetry.transport import Limits
+from ..config import ANSI_RESET, GEAR_ANSI, GearboxConfig
+from ..console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
+from ..telemetry.trace import TraceWriter
+from .session import DEFAULT_TOP_K, RemoteSession, parse_variants, resolve_vocab_size
+from .transport import Limits
 
 
 # -- command line ----------------------------------------------------------------------
@@ -184,7 +184,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:  # before the session started: nothing to summarise
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m gearbx_mlx.remote``: entropy telemetry and per-prompt routing over servers (§12.3).
+"""Entropy telemetry and per-prompt routing over OpenAI-compatible servers (§12.3).
 
 The server is opaque: its weights cannot be swapped mid-answer, and it reports
 only the top-k log-probabilities of each token. From those, every token gets
@@ -40,9 +40,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from ..classifier import classify_prompt
 from ..config import GEAR_INDEX, GEARS, GearboxConfig
 from ..entropy import EntropyMonitor, scaled_thresholds
+from ..telemetry.trace import sigint_deferred
 from .bounds import entropy_bounds
 from .openai_client import Chunk, TokenInfo, api_base, parse_chunk
-from .trace import sigint_deferred
 from .transport import HTTPStatusError, Limits, Request, check_key_transport
 
 DEFAULT_TOP_K = 10  # within every server's cap (mlx-lm 11, OpenAI 20)
