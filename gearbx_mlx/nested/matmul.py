@@ -9,7 +9,7 @@ this order (:meth:`NestedProduct.backend_for` tells which a call takes):
    of the gear in one launch;
 2. on the CPU device, when the extension is built: the C kernels of
    :mod:`gearbx_mlx.packed.nested_cpu` for up to ``cpu_max_rows`` input rows
-   (decode, a speculative verify, a short prefill), and for any number of
+   (decode, a speculative verify of a few tokens), and for any number of
    rows where MLX's BLAS is a reference one (:func:`gearbx_mlx.blas.optimized`:
    its products are about ten times slower than these kernels); float32
    activations, except for the gears listed in ``intdot_plans`` (int8
@@ -58,14 +58,15 @@ class NestedKernelConfig:
         error (``scripts/bench_nested_kernels.py`` measures both per gear),
         which would double the mid gear's and swamp the high gear's.
     cpu_max_rows: the most input rows the C kernels take in one call where
-        MLX's BLAS is optimized (they re-read each weight row from cache once
-        per input row: past about a hundred rows one BLAS product of the
-        dequantized gear is faster); on a reference BLAS they take every row
-        count.
+        MLX's BLAS is optimized: they re-read each weight row from cache once
+        per input row, their float path slows past a few rows, and a
+        layer's first call builds their state (a prefill through one BLAS
+        product of the dequantized gear leaves that to the first decode
+        step). On a reference BLAS they take every row count.
     """
 
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
-    cpu_max_rows: int = 64
+    cpu_max_rows: int = 8
 
 
 DEFAULT_CONFIG = NestedKernelConfig()
