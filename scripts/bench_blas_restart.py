@@ -62,7 +62,7 @@ def run_once(mode: str, decode: str, args: argparse.Namespace) -> Dict[str, Any]
     if proc.returncode or not g:
         raise SystemExit(f"error: {mode}/{decode} run failed (exit {proc.returncode}):\n{text[-2000:]}")
     lib = re.search(r"\[bench\] blas (\S+)", text)
-    spec = [line for line in text.splitlines() if "peculative" in line or "draft" in line.lower()]
+    spec = [line for line in text.splitlines() if line.startswith(("Speculative", "Blocks", "Decision"))]
     return {"mode": mode, "decode": decode, "tokens": int(g.group(1)), "generation_tps": float(g.group(2)),
             "blas_library": lib.group(1) if lib else None, "speculative_lines": spec[:6],
             "wall_s": round(time.perf_counter() - tic, 2), "load_avg_after": os.getloadavg()}
