@@ -13,7 +13,7 @@ from nested_cases import assert_close, make_planes, make_x, reference64
 from gearbx_mlx import blas
 from gearbx_mlx.nested import matmul, planes as planes_module
 from gearbx_mlx.nested.matmul import NestedKernelConfig, NestedProduct, nested_matmul
-from gearbx_mlx.nested.planes import DEFAULT_PLAN, dense_matmul
+from gearbx_mlx.nested.planes import DEFAULT_PLAN, dense_matmul, quantize_plane, unpack_plane
 from gearbx_mlx.packed import cpu, gpu, guard, nested_gpu
 
 needs_cpu_ext = pytest.mark.skipif(not cpu.available(), reason="C extension not built")
@@ -183,3 +183,13 @@ def test_nested_matmul_is_the_cached_product():
     planes = make_planes(16, 128, (4, 4, 8), 32, mx.float32)
     x = make_x((128,), mx.float32)
     assert np.array_equal(np.asarray(nested_matmul(x, planes, 3)), np.asarray(NestedProduct(planes)(x, 3)))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_unpacked_planes_are_the_dequantized_planes(bits, dtype):
+    """The dense product's unpacking (bytes, element-wise) gives exactly Plane.dequantize's values."""
+    w = make_x((37, 256), mx.float32)
+    for group, exponent in ((32, 0), (64, 5), (128, 0)):
+        p = quantize_plane(w, bits, group, exponent, dtype)
+        assert np.array_equal(np.asarray(unpack_plane(p)), np.asarray(p.dequantize())), (group, exponent)

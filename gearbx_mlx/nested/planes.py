@@ -306,14 +306,33 @@ def dense_matmul(
     parts = []
     for start in range(0, out_features, step):
         block = [_rows_of(p, start, start + step) for p in planes[:n]] if step < out_features else planes[:n]
-        w = block[0].dequantize()
+        w = unpack_plane(block[0])
         for p in block[1:]:
-            w = w + p.dequantize()
+            w = w + unpack_plane(p)
         parts.append(xf @ w.T)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     if bias is not None:
         y = y + bias.astype(mx.float32)
     return y.astype(x.dtype)
+
+
+def unpack_plane(p: Plane) -> mx.array:
+    """:meth:`Plane.dequantize` (the same float32 values) through element-wise MLX
+    operations on the codes' bytes where codes do not straddle a byte (2, 4 and 8
+    bits): on the CPU about twice as fast as ``mx.dequantize``. Other widths take
+    ``mx.dequantize``. The factor ``2**-exponent`` is applied to the scales and
+    biases, which is exact."""
+    if 8 % p.bits:
+        return p.dequantize()
+    rows, cols = p.shape
+    b = p.weight.view(mx.uint8)  # MLX packs least significant first: byte order is code order
+    mask = (1 << p.bits) - 1
+    fields = [b] if p.bits == 8 else [(b >> (k * p.bits)) & mask for k in range(8 // p.bits)]
+    q = (mx.stack(fields, axis=-1) if len(fields) > 1 else b).reshape(rows, cols // p.group_size, p.group_size)
+    scales, biases = p.scales.astype(mx.float32), p.biases.astype(mx.float32)
+    if p.exponent:
+        scales, biases = scales * p.factor, biases * p.factor
+    return (q.astype(mx.float32) * scales[..., None] + biases[..., None]).reshape(rows, cols)
 
 
 def _rows_of(p: Plane, start: int, stop: int) -> Plane:
