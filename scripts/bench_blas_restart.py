@@ -27,7 +27,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Write two sentences about the moon."
@@ -39,12 +39,12 @@ CHILD = ("import sys; from gearbx_mlx import blas; blas.ensure_fast_blas(); "
          "from gearbx_mlx.generate import main; sys.exit(main(sys.argv[1:]))")
 
 
-def command(decode: str, args: argparse.Namespace) -> List[str]:
+def command(decode: str, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-c", CHILD, "--scope", "all", *DECODES[decode], "-p", PROMPT,
             "-m", str(args.max_tokens)]
 
 
-def environment(mode: str) -> Dict[str, str]:
+def environment(mode: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GEARBX_BLAS_REEXEC")}
     if mode == "reference":
         env["GEARBX_NO_BLAS_PRELOAD"] = "1"
@@ -53,7 +53,7 @@ def environment(mode: str) -> Dict[str, str]:
     return env
 
 
-def run_once(mode: str, decode: str, args: argparse.Namespace) -> Dict[str, Any]:
+def run_once(mode: str, decode: str, args: argparse.Namespace) -> dict[str, Any]:
     tic = time.perf_counter()
     proc = subprocess.run(command(decode, args), check=False, capture_output=True, text=True, cwd=ROOT,
                           env=environment(mode), timeout=args.timeout)
@@ -68,7 +68,7 @@ def run_once(mode: str, decode: str, args: argparse.Namespace) -> Dict[str, Any]
             "wall_s": round(time.perf_counter() - tic, 2), "load_avg_after": os.getloadavg()}
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)

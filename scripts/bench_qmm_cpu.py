@@ -6,7 +6,9 @@ For the default model's MLP shape (1536 x 576) and its 4-bit groups of 64:
 milliseconds (best of ``--reps``) of ``mx.quantized_matmul`` with float32
 inputs and float32, float16 or bfloat16 scales and biases, and of the same
 product as ``mx.dequantize`` then ``x @ w.T`` (float32) and as a float32
-matmul of the dense weight alone, on the CPU device, for each row count.
+matmul of the dense weight alone, on the CPU device, for each row count;
+and (independent of rows) one 4-bit plane dequantized by ``mx.dequantize``
+and by :func:`gearbx_mlx.nested.planes.unpack_plane`.
 Run it twice, with and without ``LD_PRELOAD`` of an optimized BLAS: the JSON
 records which BLAS MLX called (:func:`gearbx_mlx.blas.mlx_blas`), the load
 average and the date. Default output:
@@ -26,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from gearbx_mlx import blas
+from gearbx_mlx.nested.planes import build_planes, unpack_plane
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = (1536, 576)
@@ -43,7 +46,7 @@ def best_ms(fn, reps: int) -> float:
 
 
 def measure(rows: int, reps: int, bits: int = 4, group: int = 64) -> dict:
-    out_f, in_f = SHAPE
+    in_f = SHAPE[1]
     w = mx.random.normal(SHAPE, key=mx.random.key(0)) * 0.02
     x = mx.random.normal((rows, in_f), key=mx.random.key(1))
     row = {"rows": rows, "bits": bits, "group_size": group, "shape": list(SHAPE)}
@@ -57,6 +60,9 @@ def measure(rows: int, reps: int, bits: int = 4, group: int = 64) -> dict:
             lambda q=q, s=s, b=b: x @ mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32),
                                                     group_size=group, bits=bits).T, reps)
     row["dense_matmul_ms"] = best_ms(lambda: x @ w.T, reps)
+    plane = build_planes(w, ((bits, group),))[0]
+    row["mx_dequantize_ms"] = best_ms(plane.dequantize, reps)
+    row["unpack_plane_ms"] = best_ms(lambda: unpack_plane(plane), reps)
     return row
 
 
