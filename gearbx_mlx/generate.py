@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from .blas import ensure_fast_blas
 from .calibration import Calibration, cached_calibration_path, calibrate_kv
 from .chat import apply_chat_template
 from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, LITTLE_TO_GAIN, SCOPES, STORES, GearboxConfig
@@ -518,6 +519,7 @@ def _sampling(args: argparse.Namespace) -> Dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning  # one plain line, not a source excerpt
+    ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:

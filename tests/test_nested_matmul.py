@@ -1,6 +1,6 @@
 """One dispatch for the nested gears (gearbx_mlx.nested.matmul): the C kernels
 on the CPU for a few rows, the fused GPU kernel for one row on a GPU, the
-oracle elsewhere; every path gives the gear's product (float64 reference,
+oracle or one BLAS product of the dequantized gear elsewhere; every path gives the gear's product (float64 reference,
 tests/nested_cases.py tolerances)."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from nested_cases import assert_close, make_planes, make_x, reference64
 
+from gearbx_mlx import blas
 from gearbx_mlx.bindings import cpu, gpu, guard, nested_gpu
-from gearbx_mlx.nested import matmul
+from gearbx_mlx.nested import matmul, planes as planes_module
 from gearbx_mlx.nested.matmul import NestedKernelConfig, NestedProduct, nested_matmul
-from gearbx_mlx.nested.planes import DEFAULT_PLAN, reference_matmul
+from gearbx_mlx.nested.planes import DEFAULT_PLAN, dense_matmul, quantize_plane, unpack_plane
 
 needs_cpu_ext = pytest.mark.skipif(not cpu.available(), reason="C extension not built")
 on_cpu_device = pytest.mark.skipif(gpu.gpu_backend() is not None, reason="the default device is a GPU")
@@ -55,13 +56,50 @@ def test_the_low_gear_uses_int8_activations_and_stays_within_their_bound():
     assert lone8.cpu_path(1) == "float"  # a lone 8-bit plane is a high-precision layer
 
 
+@needs_cpu_ext
+@on_cpu_device
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_many_rows_take_the_kernels_on_a_reference_blas_and_one_blas_product_on_an_optimized_one(
+        monkeypatch, dtype):
+    planes = make_planes(24, 128, (4, 4, 8), 64, dtype)
+    x = make_x((2, 3, 128), dtype)  # more rows than cpu_max_rows
+    bias = make_x((24,), dtype, seed=7)
+    monkeypatch.setattr(blas, "optimized", lambda: False)
+    prod = NestedProduct(planes, NestedKernelConfig(cpu_max_rows=2))
+    assert prod.backend_for(x, 3) == "cpu"
+    monkeypatch.setattr(blas, "optimized", lambda: True)
+    assert prod.backend_for(x[0, :2], 3) == "cpu"  # up to cpu_max_rows: the kernels still
+    seen = []
+    real = matmul.dense_matmul
+    monkeypatch.setattr(matmul, "dense_matmul", lambda *a: seen.append(a[2]) or real(*a))
+    for n in (1, 2, 3):
+        assert prod.backend_for(x, n) == "dense"
+        y = prod(x, n, bias)
+        assert y.shape == (2, 3, 24) and y.dtype == dtype
+        want, mag = reference64(x, planes, n, bias)
+        assert_close(y, want, mag, dtype)  # float32 sums: within the kernels' own bound
+    assert seen == [1, 2, 3]
+
+
+@on_cpu_device
+def test_dense_product_in_blocks_of_rows_is_the_whole_product(monkeypatch):
+    planes = make_planes(40, 128, tuple(DEFAULT_PLAN), None, mx.float32)
+    x = make_x((5, 128), mx.float32)
+    whole = dense_matmul(x, planes, 3)
+    monkeypatch.setattr(planes_module, "DENSE_BLOCK_ELEMENTS", 128 * 7)  # 7 output rows a block, a tail of 5
+    # The same sums, blocked: equal up to the BLAS's own rounding (an optimized BLAS picks
+    # its kernels by shape, so the last bit may differ between block sizes).
+    np.testing.assert_allclose(np.asarray(dense_matmul(x, planes, 3)), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    want, mag = reference64(x, planes, 3)
+    assert_close(whole, want, mag, mx.float32)
+    with pytest.raises(ValueError, match="1 to 3 planes"):
+        dense_matmul(x, planes, 4)
+
+
 @on_cpu_device
 def test_the_oracle_takes_what_the_kernels_do_not(monkeypatch):
     planes = make_planes(24, 128, (4, 4, 8), 64, mx.float16)
-    prod = NestedProduct(planes, NestedKernelConfig(cpu_max_rows=2))
-    x = make_x((3, 128), mx.float16)  # more rows than the C kernels take
-    assert prod.backend_for(x, 3) == "reference"
-    assert mx.array_equal(prod(x, 3), reference_matmul(x, planes, 3))
+    x = make_x((3, 128), mx.float16)
     three_bits = make_planes(24, 128, (3,), 64, mx.float16)
     assert NestedProduct(three_bits).backend_for(x[0], 1) == "reference"
     # The package's default plan (a 6-bit third plane): every gear takes the C kernels.
@@ -80,6 +118,12 @@ def test_the_oracle_takes_what_the_kernels_do_not(monkeypatch):
     assert bare.backend_for(x[0], 3) == "reference"
     want, mag = reference64(x[0], planes, 3)
     assert_close(bare(x[0], 3), want, mag, mx.float16, rtol=ORACLE_RTOL[mx.float16])
+    # Several rows without the kernels: one BLAS product of the dequantized gear.
+    for fast in (False, True):
+        monkeypatch.setattr(blas, "optimized", lambda f=fast: f)
+        assert bare.backend_for(x, 3) == "dense"
+        want, mag = reference64(x, planes, 3)
+        assert_close(bare(x, 3), want, mag, mx.float16)
 
 
 def test_a_gpu_device_takes_the_fused_kernel_for_one_row(monkeypatch):
@@ -141,3 +185,13 @@ def test_nested_matmul_is_the_cached_product():
     planes = make_planes(16, 128, (4, 4, 8), 32, mx.float32)
     x = make_x((128,), mx.float32)
     assert np.array_equal(np.asarray(nested_matmul(x, planes, 3)), np.asarray(NestedProduct(planes)(x, 3)))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_unpacked_planes_are_the_dequantized_planes(bits, dtype):
+    """The dense product's unpacking (bytes, element-wise) gives exactly Plane.dequantize's values."""
+    w = make_x((37, 256), mx.float32)
+    for group, exponent in ((32, 0), (64, 5), (128, 0)):
+        p = quantize_plane(w, bits, group, exponent, dtype)
+        assert np.array_equal(np.asarray(unpack_plane(p)), np.asarray(p.dequantize())), (group, exponent)

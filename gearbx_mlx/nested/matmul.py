@@ -5,20 +5,29 @@ A gear reads the first ``n`` planes of a matrix (:mod:`.planes`) and computes
 this order (:meth:`NestedProduct.backend_for` tells which a call takes):
 
 1. one input row on a GPU device: the fused kernel of
-   :mod:`gearbx_mlx.packed.nested_gpu` (Metal, or its CUDA twin), every plane
+   :mod:`gearbx_mlx.bindings.nested_gpu` (Metal, or its CUDA twin), every plane
    of the gear in one launch;
-2. on the CPU device, up to ``cpu_max_rows`` input rows (decode, or a
-   speculative verify of a few tokens): the C kernels of
-   :mod:`gearbx_mlx.packed.nested_cpu`, when the extension is built; float32
+2. on the CPU device, when the extension is built: the C kernels of
+   :mod:`gearbx_mlx.bindings.nested_cpu` for up to ``cpu_max_rows`` input rows
+   (decode, a speculative verify of a few tokens), and for any number of
+   rows where MLX's BLAS is a reference one (:func:`gearbx_mlx.blas.optimized`:
+   its products are about ten times slower than these kernels); float32
    activations, except for the gears listed in ``intdot_plans`` (int8
    activations: faster, and their error is small next to the gear's own);
-3. everywhere else (prefill, other plane widths, tiny layers): the oracle
-   :func:`.planes.reference_matmul`, one ``mx.quantized_matmul`` per plane.
+3. on the CPU device, more rows than that (a long prefill on an optimized
+   BLAS, or any rows without the C kernels): :func:`.planes.dense_matmul`,
+   the gear dequantized once and one BLAS product. MLX's CPU
+   ``quantized_matmul`` runs without BLAS at about one multiply-add per
+   nanosecond, whatever the scales' dtype (``scripts/bench_qmm_cpu.py``), and
+   the oracle makes one per plane;
+4. everywhere else (one row without the kernels, prefill on a GPU, other
+   plane widths): the oracle :func:`.planes.reference_matmul`, one
+   ``mx.quantized_matmul`` per plane.
 
 A layer (``NestedLinear``) keeps one :class:`NestedProduct` per matrix: it
 checks the planes and builds the kernels' state once, and a gear shift only
 changes ``n``. Each kernel's first call per gear and shape checks itself
-against the oracle (:mod:`gearbx_mlx.packed.guard`); one that fails to build
+against the oracle (:mod:`gearbx_mlx.bindings.guard`); one that fails to build
 or disagrees is dropped for the oracle, with one warning. :func:`nested_matmul` is the same product without the cache.
 The planes are treated as immutable once a product has used them.
 """
@@ -30,13 +39,14 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .. import blas
 from ..bindings import gpu, guard, nested_cpu, nested_gpu
 from ..mlx_tables import GROUP_SIZES
 from ..packed.layers import cpu_backend
-from .planes import Plane, build_planes, reference_matmul
+from .planes import Plane, build_planes, dense_matmul, reference_matmul
 
 #: Names :meth:`NestedProduct.backend_for` returns.
-BACKENDS = ("metal", "cuda", "cpu", "reference")
+BACKENDS = ("metal", "cuda", "cpu", "dense", "reference")
 
 
 @dataclass(frozen=True)
@@ -48,8 +58,12 @@ class NestedKernelConfig:
         relative weight error) only: int8 activations add about 0.5% relative
         error (``scripts/bench_nested_kernels.py`` measures both per gear),
         which would double the mid gear's and swamp the high gear's.
-    cpu_max_rows: the most input rows the C kernels take in one call (they
-        re-read each weight row from cache once per input row).
+    cpu_max_rows: the most input rows the C kernels take in one call where
+        MLX's BLAS is optimized: they re-read each weight row from cache once
+        per input row, their float path slows past a few rows, and a
+        layer's first call builds their state (a prefill through one BLAS
+        product of the dequantized gear leaves that to the first decode
+        step). On a reference BLAS they take every row count.
     """
 
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
@@ -168,10 +182,11 @@ class NestedProduct:
             if rows == 1 and self._gpu_launcher(backend, x.dtype, n, has_bias):
                 return backend
             return "reference"
-        prepared = self.cpu_prepared() if rows <= self.config.cpu_max_rows else None
+        few = rows <= self.config.cpu_max_rows or not blas.optimized()
+        prepared = self.cpu_prepared() if few else None
         if prepared is not None and n <= prepared.n_planes:
             return "cpu"
-        return "reference"
+        return "dense" if rows > 1 else "reference"
 
     def cpu_path(self, n: int) -> str:
         """The C kernels' path for the gear of ``n`` planes: "intdot" or "float"."""
@@ -217,6 +232,8 @@ class NestedProduct:
             if bias is not None:
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype)
+        if path == "dense":
+            return dense_matmul(x, self.planes, n, bias)
         if x.ndim == 1:  # MLX's CUDA quantized_matmul wants a matrix
             return reference_matmul(x[None], self.planes, n, bias)[0]
         return reference_matmul(x, self.planes, n, bias)

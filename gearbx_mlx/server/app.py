@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import _run_http_server
 
+from ..blas import ensure_fast_blas
 from ..console import error_line, show_warning
 from ..generate import check_args, gearbox_config
 from ..speculative.cli import check_speculative_args
@@ -54,6 +55,7 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
+    ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how
     try:
         check_args(args)
         if args.speculative:
