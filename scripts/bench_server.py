@@ -117,6 +117,20 @@ def rss_mib(pid: int) -> Optional[float]:
     return None
 
 
+def soak_rss(port: int, pid: int, n: int) -> Dict[str, Any]:
+    """``n`` short sequential requests (routed and speculative in turn); RSS after each, and its
+    growth per request over the second half (the first half includes one-time allocations)."""
+    rss: List[Optional[float]] = []
+    for i in range(n):
+        extra = {"gearbx": {"speculative": "auto" if i % 2 else "off"}}
+        chat(port, PROMPTS[i % len(PROMPTS)], 8, extra)
+        rss.append(rss_mib(pid))
+    vals = [v for v in rss if v is not None]
+    half = vals[len(vals) // 2:]
+    growth = (half[-1] - half[0]) / max(len(half) - 1, 1) if len(half) > 1 else None
+    return {"requests": n, "tokens_each": 8, "rss_mib": rss, "growth_mib_per_request_second_half": growth}
+
+
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, _, _ in CONFIGS:
@@ -146,8 +160,13 @@ def main() -> int:
     ap.add_argument("--model", help="an mlx-lm model folder both servers load (default: the default model's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--soak", type=int, default=0, metavar="N",
+                    help="after the rounds, N more short sequential requests to the gearbx server (alternating "
+                         "routed and speculative), its resident memory read after each: per-request growth")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_cpu_default.json"))
     args = ap.parse_args()
+    if args.soak < 0 or args.rounds < 1 or args.tokens < 2:
+        ap.error("--rounds must be >= 1, --tokens >= 2 and --soak >= 0")
     path = model_path(args.model)
     ports = {"mlx": free_port(), "gearbx": free_port()}
     logs = {k: tempfile.TemporaryFile("w+") for k in ports}
@@ -157,6 +176,7 @@ def main() -> int:
     load_start = os.getloadavg()
     procs = {k: start(cmds[k], logs[k]) for k in ports}
     rows: List[Dict[str, Any]] = []
+    soak: Dict[str, Any] = {"requests": 0, "rss_mib": [], "growth_mib_per_request_second_half": None}
     try:
         for k in ports:
             wait_ready(ports[k], procs[k])
@@ -170,6 +190,7 @@ def main() -> int:
                                  "rss_mib": {k: rss_mib(p.pid) for k, p in procs.items()}})
                     print(f"{name:22s} ttft {r['ttft_s']:.3f} s  decode {r['decode_tps'] or 0:.2f} tok/s  "
                           f"{r['tokens']} tokens", flush=True)
+        soak = soak_rss(ports["gearbx"], procs["gearbx"].pid, args.soak)
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGINT)
@@ -191,6 +212,7 @@ def main() -> int:
         "same_text_every_config": same,
         "summary": summary, "requests": rows,
         "rss_mib_after_each_request": {k: [r["rss_mib"][k] for r in rows] for k in ports},
+        "soak": soak,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -205,6 +227,10 @@ def main() -> int:
         if vals:
             print(f"RSS {k}: {vals[0]:.0f} MiB after the first request, {vals[-1]:.0f} MiB after the last "
                   f"({len(vals)} requests)")
+    if soak["requests"]:
+        print(f"soak: {soak['requests']} requests, gearbx server RSS {soak['rss_mib'][0]:.0f} -> "
+              f"{soak['rss_mib'][-1]:.0f} MiB; growth per request over the second half "
+              f"{soak['growth_mib_per_request_second_half']:.3f} MiB")
     print(f"load average: start {load_start[0]:.2f}, end {result['load_average_end'][0]:.2f}; wrote {out}")
     return 0
 
