@@ -365,3 +365,19 @@ def test_evaluate_cli_rejects_bad_kv_flags(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0]
+
+
+def test_kv_bits_alone_quantizes_from_the_first_token_with_the_rotated_cache():
+    """``--kv-bits 4`` means a quantized cache now: the rotated cache starts at the first token
+    unless a start is given; mlx-lm's own cache keeps mlx-lm's 5000. The summary says what the
+    cache held, so a run below the start does not claim the saving."""
+    from gearbx_mlx.kvcache.option import DEFAULT_QUANTIZED_KV_START
+    from gearbx_mlx.record import kv_held
+
+    assert KVOptions(bits=4).start == 0
+    assert KVOptions(bits=4, rotation="none").start == DEFAULT_QUANTIZED_KV_START
+    assert KVOptions(bits=4, quantized_kv_start=7).start == 7
+    kv = {"kind": "affine", "quantized_kv_start": DEFAULT_QUANTIZED_KV_START, "bits": 4}
+    assert kv_held(kv, 40) == {**kv, "held_tokens": 39, "quantized_tokens": 0}
+    assert kv_held({**kv, "quantized_kv_start": 0}, 40)["quantized_tokens"] == 39
+    assert kv_held({"kind": "float"}, 40) == {"kind": "float"}
