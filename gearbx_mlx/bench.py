@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.bench import QUICK, SHAPES, BenchSettings, environment_command, load_subject, run_bench
@@ -80,6 +80,21 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     return dataclasses.replace(base, **changes)
 
 
+def check_args(args: argparse.Namespace) -> Tuple[BenchSettings, Path]:
+    """Every flag checked before anything slow: the settings and the JSON's path, or one error naming the flag."""
+    if args.model and args.shape:
+        raise ValueError("give --model or --shape, not both")
+    settings = settings_from(args)
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory: give a file name, e.g. {out / DEFAULT_OUT}")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"--out directory does not exist: {out.parent}")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out {args.out} is not writable")
+    return settings, out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
@@ -88,12 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             a, b = (load_result(p) for p in args.compare)
             print(format_compare(a, b, (Path(args.compare[0]).stem, Path(args.compare[1]).stem)))
             return 0
-        if args.model and args.shape:
-            raise ValueError("give --model or --shape, not both")
-        out = Path(args.out).expanduser()
-        if not out.parent.is_dir():
-            raise FileNotFoundError(f"--out directory does not exist: {out.parent}")
-        settings = settings_from(args)
+        settings, out = check_args(args)
         # As the speculative CLI does: MLX-CUDA reads it once, before the first attention call.
         os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
         progress = None if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))

@@ -11,8 +11,10 @@ that fails leaves its field out rather than failing the run.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -110,9 +112,83 @@ def software() -> Dict[str, Any]:
         "gpu_backend": gpu_kernels.gpu_backend(),
         "c_kernels": ({k: c[k] for k in ("float_isa", "intdot_isa", "threads")} if c.get("available")
                       else {"available": False, "error": c.get("error")}),
-        "env": {k: os.environ[k] for k in ("LD_PRELOAD", "MLX_CUDA_USE_CUDNN_SDPA", "OMP_NUM_THREADS")
-                if k in os.environ},
+        "env": {k: os.environ[k] for k in ("LD_PRELOAD", "MLX_CUDA_USE_CUDNN_SDPA", "OMP_NUM_THREADS",
+                                           "OPENBLAS_NUM_THREADS") if k in os.environ},
+        "blas": blas(),
     }
+
+
+#: Shared libraries that are a BLAS (or LAPACK on top of one), by file name.
+BLAS_FILES = re.compile(r"(^|/)lib(open)?blas|(^|/)liblapack|(^|/)libmkl_|(^|/)libcblas|(^|/)libflexiblas", re.I)
+
+
+def blas_kind(path: Optional[str]) -> str:
+    """The family of a BLAS library file: openblas, mkl, flexiblas, accelerate, reference or unknown."""
+    name = os.path.basename(path or "").lower()
+    for kind in ("openblas", "mkl", "flexiblas"):
+        if kind in name:
+            return kind
+    if "accelerate" in (path or "").lower() or "veclib" in (path or "").lower():
+        return "accelerate"
+    if name.startswith(("libblas", "libcblas")):
+        return "reference"  # netlib's, as MLX's Linux CPU wheel bundles it
+    return "unknown"
+
+
+def _mapped_libraries(maps: str = "/proc/self/maps") -> List[str]:
+    """The BLAS and LAPACK files this process has mapped, in the order they appear (Linux)."""
+    seen: List[str] = []
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if path.startswith("/") and BLAS_FILES.search(path) and path not in seen:
+                    seen.append(path)
+    except OSError:
+        pass
+    return seen
+
+
+def _global_symbol_file(symbol: str) -> Optional[str]:
+    """The file the process's global scope resolves ``symbol`` to (an ``LD_PRELOAD``'s first), or None."""
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        lib = ctypes.CDLL(None)
+        addr = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p)
+        info = DlInfo()
+        lib.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+        if lib.dladdr(addr, ctypes.byref(info)) and info.dli_fname:
+            return os.path.realpath(info.dli_fname.decode(errors="replace"))
+    except (AttributeError, OSError, ValueError):
+        return None
+    return None
+
+
+def blas() -> Dict[str, Any]:
+    """The BLAS that MLX's CPU matrix products call here.
+
+    A library preloaded (``LD_PRELOAD``) or loaded globally that defines
+    ``cblas_sgemm`` answers every call first; else the one MLX links (its
+    Linux CPU wheel bundles netlib's reference BLAS, several times slower in
+    float32). On macOS MLX calls Accelerate. Returns ``name`` (openblas, mkl,
+    flexiblas, accelerate, reference, unknown), ``library`` (its file),
+    ``how`` (how it was found) and ``mapped`` (every BLAS or LAPACK file mapped).
+    """
+    mapped = _mapped_libraries()
+    first = _global_symbol_file("cblas_sgemm")
+    if first is not None:
+        return {"name": blas_kind(first), "library": first, "how": "cblas_sgemm in the global scope",
+                "mapped": mapped}
+    if sys.platform == "darwin":
+        return {"name": "accelerate", "library": None, "how": "MLX on macOS", "mapped": mapped}
+    linked = next((p for p in mapped if blas_kind(p) != "unknown" and "lapack" not in os.path.basename(p)), None)
+    return {"name": blas_kind(linked), "library": linked, "how": "mapped (/proc/self/maps)" if linked else "none found",
+            "mapped": mapped}
 
 
 def bandwidth(mib: Optional[int] = None, reps: int = 5) -> Dict[str, Any]:
@@ -174,4 +250,5 @@ def describe(hw: Dict[str, Any], sw: Dict[str, Any]) -> List[str]:
     return lines
 
 
-__all__ = ["BANDWIDTH_MIB", "bandwidth", "describe", "hardware", "load_average", "software"]
+__all__ = ["BANDWIDTH_MIB", "BLAS_FILES", "bandwidth", "blas", "blas_kind", "describe", "hardware", "load_average",
+           "software"]
