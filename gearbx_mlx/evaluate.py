@@ -262,7 +262,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         kv_calibration=gearbox.calibration.kv if gearbox.calibration is not None else None,
         scopes=study.scopes or (GearboxConfig().scope,),
     )
-    results["study"] = {"name": study.name, "scopes": list(study.scopes) if study.scopes else None,
+    results["study"] = {"name": study.name, "scopes": list(study.scopes or (GearboxConfig().scope,)),
                         "expected_one_core_s": cost, "expected_wall_s": cost["total"] * factor,
                         "load_average_start": load_start}
     results["timings"]["total_s"] = time.perf_counter() - tic

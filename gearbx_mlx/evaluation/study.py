@@ -46,13 +46,16 @@ class Study:
 DEFAULT_STUDY = Study("default", tokens=512, speed_tokens=0, workload_tokens=0, speculative=False, scopes=None)
 FULL_STUDY = Study("full", tokens=4096, speed_tokens=128, workload_tokens=48, speculative=True, scopes=SCOPES)
 
-#: One-core seconds of each piece of work on the default model (SmolLM2-135M,
-#: float32, OpenBLAS), from ``benchmarks/results/eval_default_run.json`` and
-#: the timings of earlier full runs; a model's work scales with its parameters.
+#: One-core (CPU) seconds of each piece of work on the default model
+#: (SmolLM2-135M, float32, OpenBLAS), from the default run of
+#: ``benchmarks/results/eval_quick.json`` (passes, calibration) and the full
+#: run of ``benchmarks/results/eval_default.json`` (speed, speculative rows);
+#: a model's work scales with its parameters.
 COSTS = {
-    "load": 4.0,  # loading the converted model
-    "calibration": 8.0,  # the threshold calibration's three prompts
-    "row_step": 0.0085,  # one position of one row of a teacher-forced pass
+    "load": 3.0,  # importing, loading the converted model
+    "calibration": 6.0,  # the threshold calibration's three prompts (3.9-8.3 measured)
+    "pass1_step": 0.0105,  # one position of one row of the first teacher-forced pass
+    "pass2_step": 0.0055,  # ... of the second (matched baselines: steps in the loaded weights are copied)
     "decode_token": 0.09,  # one decode step on the real kernels (speed, workloads)
     "speculative": 60.0,  # timing and calibrating the two drafters
 }
@@ -93,8 +96,8 @@ def expected_seconds(tokens: int, window: int, scopes: Sequence[str], nested: bo
     out = {
         "load": COSTS["load"] * scale,
         "calibration": COSTS["calibration"] * scale,
-        "pass1": first * steps * COSTS["row_step"] * scale,
-        "pass2": second * steps * COSTS["row_step"] * scale,
+        "pass1": first * steps * COSTS["pass1_step"] * scale,
+        "pass2": second * steps * COSTS["pass2_step"] * scale,
         "speed": (first + 2) * speed_tokens * COSTS["decode_token"] * scale,
         "speculative": COSTS["speculative"] * scale if speculative else 0.0,
         "workloads": 3 * prompts * workload_tokens * COSTS["decode_token"] * scale,
