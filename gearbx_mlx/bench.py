@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 from .console import USER_ERRORS, exit_status, show_warning
-from .evaluation.bench import QUICK, SHAPES, BenchSettings, environment_command, load_subject, run_bench
+from .evaluation.bench import (
+    MIN_RUN_TOKENS,
+    QUICK,
+    SHAPES,
+    BenchSettings,
+    environment_command,
+    load_subject,
+    run_bench,
+)
 from .evaluation.bench_report import format_compare, format_result, load_result
 
 DEFAULT_OUT = "gearbx-bench.json"
@@ -42,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the default model's conversion, or of a --shape's weights (default bfloat16)")
     p.add_argument("--quick", action="store_true",
                    help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, one fixed block length, "
-                        f"{QUICK.budget_s:.0f} s at most")
+                        f"the packed kernels alone, a {QUICK.budget_s:.0f} s budget that set-up shares with the runs; "
+                        "about a CPU-minute of work after loading the model, so several minutes of wall time on a "
+                        "busy machine, whose runs overrun the budget (each decodes at least "
+                        f"{MIN_RUN_TOKENS} tokens): 286 s on two CPUs at load average 17")
     p.add_argument("--tokens", type=int, help=f"decode tokens per run (default {d.tokens})")
     p.add_argument("--rounds", type=int, help=f"passes over every configuration (default {d.rounds})")
     p.add_argument("--ks", type=int, nargs="+", help=f"fixed block lengths to run (default {' '.join(map(str, d.ks))})")

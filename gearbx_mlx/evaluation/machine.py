@@ -169,6 +169,13 @@ def _global_symbol_file(symbol: str) -> Optional[str]:
     return None
 
 
+def _shown(path: Optional[str]) -> Optional[str]:
+    """``path`` as a result records it: a file of this Python's environment relative to ``<sys.prefix>``."""
+    if path and path.startswith(sys.prefix.rstrip("/") + "/"):
+        return "<sys.prefix>/" + path[len(sys.prefix.rstrip("/")) + 1:]
+    return path
+
+
 def blas() -> Dict[str, Any]:
     """The BLAS that MLX's CPU matrix products call here.
 
@@ -182,13 +189,13 @@ def blas() -> Dict[str, Any]:
     mapped = _mapped_libraries()
     first = _global_symbol_file("cblas_sgemm")
     if first is not None:
-        return {"name": blas_kind(first), "library": first, "how": "cblas_sgemm in the global scope",
-                "mapped": mapped}
-    if sys.platform == "darwin":
-        return {"name": "accelerate", "library": None, "how": "MLX on macOS", "mapped": mapped}
-    linked = next((p for p in mapped if blas_kind(p) != "unknown" and "lapack" not in os.path.basename(p)), None)
-    return {"name": blas_kind(linked), "library": linked, "how": "mapped (/proc/self/maps)" if linked else "none found",
-            "mapped": mapped}
+        name, library, how = blas_kind(first), first, "cblas_sgemm in the global scope"
+    elif sys.platform == "darwin":
+        name, library, how = "accelerate", None, "MLX on macOS"
+    else:
+        library = next((p for p in mapped if blas_kind(p) != "unknown" and "lapack" not in os.path.basename(p)), None)
+        name, how = blas_kind(library), "mapped (/proc/self/maps)" if library else "none found"
+    return {"name": name, "library": _shown(library), "how": how, "mapped": [_shown(p) for p in mapped]}
 
 
 def bandwidth(mib: Optional[int] = None, reps: int = 5) -> Dict[str, Any]:
