@@ -517,7 +517,7 @@ def test_the_default_study_is_the_quick_one(tmp_path, capsys):
     names = [r["name"] for r in data["policies"]]
     assert "static-high" in names and "static-low/attention" in names and "dynamic-median/attention" in names
     assert not [n for n in names if n.endswith("/all") or "nested" in n or "planes" in n], names
-    assert "random@dynamic-median/attention" in names
+    assert "random@median/attention" in names and "position@median/attention" in names
     assert data["speculative"] is None and data["workloads"] == {} and "speed_s" not in data["timings"]
     assert data["study"]["name"] == "default" and data["environment"]["blas"]["name"]
 
