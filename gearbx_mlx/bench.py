@@ -16,10 +16,19 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
+from .blas import ensure_fast_blas
 from .console import USER_ERRORS, exit_status, show_warning
-from .evaluation.bench import QUICK, SHAPES, BenchSettings, environment_command, load_subject, run_bench
+from .evaluation.bench import (
+    MIN_RUN_TOKENS,
+    QUICK,
+    SHAPES,
+    BenchSettings,
+    environment_command,
+    load_subject,
+    run_bench,
+)
 from .evaluation.bench_report import format_compare, format_result, load_result
 
 DEFAULT_OUT = "gearbx-bench.json"
@@ -42,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the default model's conversion, or of a --shape's weights (default bfloat16)")
     p.add_argument("--quick", action="store_true",
                    help=f"a short run for CI: {QUICK.tokens} tokens, {QUICK.rounds} round, one fixed block length, "
-                        f"{QUICK.budget_s:.0f} s at most")
+                        f"the packed kernels alone, a {QUICK.budget_s:.0f} s budget that set-up shares with the runs; "
+                        "about a CPU-minute of work after loading the model, so several minutes of wall time on a "
+                        "busy machine, whose runs overrun the budget (each decodes at least "
+                        f"{MIN_RUN_TOKENS} tokens): 286 s on two CPUs at load average 17 (docs/BENCHMARKS.md)")
     p.add_argument("--tokens", type=int, help=f"decode tokens per run (default {d.tokens})")
     p.add_argument("--rounds", type=int, help=f"passes over every configuration (default {d.rounds})")
     p.add_argument("--ks", type=int, nargs="+", help=f"fixed block lengths to run (default {' '.join(map(str, d.ks))})")
@@ -80,20 +92,31 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     return dataclasses.replace(base, **changes)
 
 
+def check_args(args: argparse.Namespace) -> Tuple[BenchSettings, Path]:
+    """Every flag checked before anything slow: the settings and the JSON's path, or one error naming the flag."""
+    if args.model and args.shape:
+        raise ValueError("give --model or --shape, not both")
+    settings = settings_from(args)
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory: give a file name, e.g. {out / DEFAULT_OUT}")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"--out directory does not exist: {out.parent}")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out {args.out} is not writable")
+    return settings, out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
+    ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how
     try:
         if args.compare:
             a, b = (load_result(p) for p in args.compare)
             print(format_compare(a, b, (Path(args.compare[0]).stem, Path(args.compare[1]).stem)))
             return 0
-        if args.model and args.shape:
-            raise ValueError("give --model or --shape, not both")
-        out = Path(args.out).expanduser()
-        if not out.parent.is_dir():
-            raise FileNotFoundError(f"--out directory does not exist: {out.parent}")
-        settings = settings_from(args)
+        settings, out = check_args(args)
         # As the speculative CLI does: MLX-CUDA reads it once, before the first attention call.
         os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
         progress = None if args.quiet else (lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))

@@ -133,6 +133,13 @@ def mlx_blas(preloaded: bool = True) -> str | None:
     return _library_of(dl, handle, b"cblas_sgemm")
 
 
+def shown_path(path: str | None) -> str | None:
+    """``path`` as a result file records it: a file of this Python's environment relative to ``<sys.prefix>``."""
+    if path and path.startswith(sys.prefix.rstrip("/") + "/"):
+        return "<sys.prefix>/" + path[len(sys.prefix.rstrip("/")) + 1:]
+    return path
+
+
 def is_optimized_path(path: str) -> bool:
     """True if a BLAS library's path names an optimized implementation (:data:`OPTIMIZED_NAMES`)."""
     low = path.lower()

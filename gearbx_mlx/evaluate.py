@@ -15,23 +15,18 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from mlx.utils import tree_flatten
 
+from .blas import ensure_fast_blas
+from .config import GearboxConfig
 from .console import error_line
 from .evaluation import report
-from .evaluation.harness import (
-    DEFAULT_SPEED_PROMPT,
-    DEFAULT_SPEED_TOKENS,
-    DEFAULT_TOKENS,
-    DEFAULT_WINDOW,
-    DEFAULT_WORKLOAD_TOKENS,
-    PLOT_PREFIX,
-    evaluate,
-    read_text,
-)
+from .evaluation.harness import DEFAULT_SPEED_PROMPT, DEFAULT_WINDOW, PLOT_PREFIX, evaluate, read_text
+from .evaluation.machine import blas, load_average
 from .evaluation.plots import make_all
+from .evaluation.study import DEFAULT_STUDY, FULL_STUDY, Eta, Study, expected_seconds, minutes, wall_factor
 from .evaluation.teacher import stderr_progress
 from .evaluation.text import check_encoding
 from .generation import load
@@ -46,26 +41,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gearbx_mlx.evaluate",
         description="Measure quality (teacher-forced perplexity, KL and top-1 agreement to the "
-        "full-precision model) and decode speed of every gear policy on a real model.",
+        "full-precision model) of the gear policies against their matched baselines on a real model; with "
+        "--full, of both scopes and the nested store over more text, with decode speed, the speculative rows "
+        "and the gear-by-workload generations. Prints the expected duration first.",
     )
+    d, f = DEFAULT_STUDY, FULL_STUDY
+    p.add_argument("--full", action="store_true",
+                   help=f"the whole study: {f.tokens} tokens, both scopes and the nested store, "
+                   f"{f.speed_tokens} speed tokens, {f.workload_tokens} workload tokens, the speculative rows "
+                   "(tens of minutes on a two-core CPU; the default is a few minutes: "
+                   f"{d.tokens} tokens, the gearbox's scope, quality only)")
     p.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
                    "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
     p.add_argument("--text", metavar="FILE", help="text to evaluate on (default: gensim's lee_background.cor)")
     p.add_argument("--encoding", metavar="NAME",
                    help="encoding of --text, a Python codec name such as utf-8, cp1252, utf-16 (default: a "
                    "byte-order mark's, else UTF-8, else Latin-1 byte for byte, which the run reports)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of text to use (default {DEFAULT_TOKENS})")
+    p.add_argument("--tokens", type=int, help=f"tokens of text to use (default {d.tokens}; --full {f.tokens})")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per scoring window; each window is one sequence (default {DEFAULT_WINDOW})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random routers (default 0)")
-    p.add_argument("--speed-tokens", type=int, default=DEFAULT_SPEED_TOKENS,
-                   help=f"decode tokens per policy on the real kernels; 0 skips speed (default {DEFAULT_SPEED_TOKENS})")
+    p.add_argument("--speed-tokens", type=int,
+                   help=f"decode tokens per policy on the real kernels; 0 skips speed (default {d.speed_tokens}; "
+                   f"--full {f.speed_tokens})")
     p.add_argument("--speed-prompt", type=int, default=DEFAULT_SPEED_PROMPT,
                    help=f"prompt tokens before the timed decode (default {DEFAULT_SPEED_PROMPT})")
-    p.add_argument("--workload-tokens", type=int, default=DEFAULT_WORKLOAD_TOKENS,
-                   help=f"tokens per prompt of the gear-by-workload generations; 0 skips (default {DEFAULT_WORKLOAD_TOKENS})")
-    p.add_argument("--no-speculative", action="store_true",
-                   help="leave out the speculative rows (low/mid gear drafts, high gear verifies)")
+    p.add_argument("--workload-tokens", type=int,
+                   help=f"tokens per prompt of the gear-by-workload generations; 0 skips (default "
+                   f"{d.workload_tokens}; --full {f.workload_tokens})")
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument("--speculative", action="store_true", default=None,
+                      help="add the speculative rows (low/mid gear drafts, high gear verifies; on with --full)")
+    spec.add_argument("--no-speculative", dest="speculative", action="store_false",
+                      help="leave out the speculative rows")
     p.add_argument("--draft-calibration-tokens", type=int, metavar="N",
                    help="high-gear tokens per calibration prompt when choosing each drafter's block cap "
                    "and entropy stop (default: the calibration's own, as gearbx-generate --speculative --calibrate)")
@@ -97,6 +105,19 @@ def _command(argv: Sequence[str]) -> str:
     return (env + " " if env else "") + "python -m gearbx_mlx.evaluate " + shlex.join(list(argv))
 
 
+def resolve_study(args: argparse.Namespace) -> Study:
+    """The study the flags ask for: ``--full`` or the default, then each flag given (in ``args`` too)."""
+    base = FULL_STUDY if args.full else DEFAULT_STUDY
+    for key in ("tokens", "speed_tokens", "workload_tokens", "speculative"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(base, key))
+    scopes = base.scopes
+    if scopes is None and args.speculative:  # the drafters are the static rows of every layer
+        scopes = tuple(dict.fromkeys((GearboxConfig().scope, "all")))
+    return Study(base.name if scopes == base.scopes else base.name + "+speculative", args.tokens,
+                 args.speed_tokens, args.workload_tokens, args.speculative, scopes)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Fail on bad input before the model loads (minutes saved, one clear message)."""
     if args.tokens < 2:
@@ -114,14 +135,39 @@ def _check_args(args: argparse.Namespace) -> None:
     _kv(args)
     if args.text is not None and not Path(args.text).expanduser().is_file():
         raise FileNotFoundError(f"text file not found: {args.text} (pass an existing text file to --text)")
-    check_encoding(args.encoding)
+    _check_text_encoding(args.encoding)
     if args.out:
         _check_out(Path(args.out).expanduser())
     if args.plots:
-        if not Path(args.plots).expanduser().is_dir():
-            raise FileNotFoundError(f"--plots directory does not exist: {args.plots} (create it first)")
-
         require_matplotlib()
+        _plots_dir(args.plots)
+
+
+def _check_text_encoding(encoding: Optional[str]) -> None:
+    """A codec Python has that also decodes bytes to text (``base64``, ``rot13`` and the like do not)."""
+    if check_encoding(encoding) is None:
+        return
+    try:
+        b"A".decode(encoding)  # an empty input decodes even where the codec is not a text encoding
+    except UnicodeError:
+        pass
+    except LookupError:
+        raise ValueError(f"--encoding {encoding!r} is not a text encoding: give one such as utf-8, latin-1, "
+                         "cp1252 or utf-16") from None
+
+
+def _plots_dir(path: str) -> Path:
+    """``--plots DIR``, created (with its parents) where missing, as ``analyze --plots`` does."""
+    d = Path(path).expanduser()
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"--plots {path} is a file, not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--plots {path}: cannot create the directory ({e.strerror or e})") from None
+    if not os.access(d, os.W_OK):
+        raise ValueError(f"--plots {path} is not writable")
+    return d
 
 
 def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
@@ -170,33 +216,56 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
             "was it written by another version?"
         ) from None
     if args.plots:
-        if not Path(args.plots).expanduser().is_dir():
-            raise FileNotFoundError(f"--plots directory does not exist: {args.plots} (create it first)")
         require_matplotlib()
+        out = _plots_dir(args.plots)
         try:
-            results["figures"] = [str(p) for p in make_all(results, Path(args.plots).expanduser(), PLOT_PREFIX)]
+            results["figures"] = [str(p) for p in make_all(results, out, PLOT_PREFIX)]
         except (KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValueError(f"cannot draw the figures of {path} ({type(e).__name__}: {e})") from None
     return results
 
 
+def expectation(args: argparse.Namespace, study: Study) -> Tuple[Dict[str, float], float, str]:
+    """The cost model's one-core seconds per phase, the wall factor of this machine now, and the line
+    printed before a run (the default model's size: another model scales it)."""
+    scopes = study.scopes or (GearboxConfig().scope,)
+    cost = expected_seconds(args.tokens, args.window, scopes, "all" in scopes, args.speed_tokens,
+                            args.workload_tokens, bool(args.speculative))
+    load1 = (load_average() or [0.0])[0]
+    factor = wall_factor(load1)
+    line = (f"expected: about {minutes(cost['total'] * wall_factor(0.0))} on an idle {os.cpu_count()}-CPU machine "
+            f"for the default model ({study.name} study; --full for the whole one), about "
+            f"{minutes(cost['total'] * factor)} at this load average ({load1:.1f})")
+    return cost, factor, line
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
+    study = resolve_study(args)
     _check_args(args)
-    say = (lambda _m: None) if args.quiet else stderr_progress
+    cost, factor, line = expectation(args, study)
+    load_start = load_average()
+    say = (lambda _m: None) if args.quiet else Eta(stderr_progress, cost, factor)
+    if not args.quiet:
+        stderr_progress(line)
     text, text_info = read_text(args.text, args.encoding)
     if text_info.get("encoding_note"):
         print(f"warning: {text_info['encoding_note']}", file=sys.stderr)
     if args.max_rows is not None:
         say("--max-rows has no effect any more: rows run many steps per pass (see --max-positions)")
     tic = time.perf_counter()
+    say(f"loading {args.model or 'the default model'} ...")
     model, tokenizer, gearbox = load(args.model, dtype=args.dtype)
     results = evaluate(
         model, tokenizer, text, tokens=args.tokens, window=args.window, seed=args.seed,
         speed_tokens=args.speed_tokens, speed_prompt=args.speed_prompt, workload_tokens=args.workload_tokens,
-        speculative=not args.no_speculative, draft_calibration_tokens=args.draft_calibration_tokens,
+        speculative=args.speculative, draft_calibration_tokens=args.draft_calibration_tokens,
         max_positions=args.max_positions, progress=say, kv=_kv(args),
         kv_calibration=gearbox.calibration.kv if gearbox.calibration is not None else None,
+        scopes=study.scopes or (GearboxConfig().scope,),
     )
+    results["study"] = {"name": study.name, "scopes": list(study.scopes or (GearboxConfig().scope,)),
+                        "expected_one_core_s": cost, "expected_wall_s": cost["total"] * factor,
+                        "load_average_start": load_start}
     results["timings"]["total_s"] = time.perf_counter() - tic
     # CPU seconds too: on a shared machine the wall time says more about the neighbours.
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -215,6 +284,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
         "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "blas": blas(),
+        "load_average": {"start": results["study"]["load_average_start"], "end": load_average()},
         "note": "speed depends on the machine and its load; quality numbers are reproducible for one "
         "command and environment (BLAS library included)",
     }
@@ -247,8 +318,10 @@ def render(results: Dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    ensure_fast_blas(None if program else argv)  # a program on Linux: restart once with OpenBLAS preloaded
     try:
         results = replot(args) if args.from_json else run(args, argv)
     except (ValueError, FileNotFoundError, ImportError, OSError) as e:

@@ -35,7 +35,7 @@ GEN_RE = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
 DECODES = {"speculative": ["--speculative"], "plain-high": ["--static-gear", "high"]}
 MODES = ("restart", "reference")
 CHILD = ("import sys; from gearbx_mlx import blas; blas.ensure_fast_blas(); "
-         "print('[bench] blas', blas.mlx_blas(), file=sys.stderr, flush=True); "
+         "print('[bench] blas', blas.shown_path(blas.mlx_blas()), file=sys.stderr, flush=True); "
          "from gearbx_mlx.generate import main; sys.exit(main(sys.argv[1:]))")
 
 

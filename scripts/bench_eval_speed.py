@@ -59,7 +59,10 @@ def export_revision(rev: str, into: Path) -> str:
 
 def run_once(package_root: Path, tokens: int, out: Path) -> Dict[str, Any]:
     """One evaluation as a child process: wall, CPU, load, and the run's own timings."""
-    cmd = [sys.executable, "-m", "gearbx_mlx.evaluate", "--tokens", str(tokens), *EVAL_ARGS, "--out", str(out)]
+    # The full policy set: since evaluate's default became the quick study, that takes --full
+    # (a revision from before then has no such flag and runs the full set by default).
+    full = ["--full"] if '"--full"' in (package_root / "gearbx_mlx" / "evaluate.py").read_text() else []
+    cmd = [sys.executable, "-m", "gearbx_mlx.evaluate", "--tokens", str(tokens), *full, *EVAL_ARGS, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(package_root)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
@@ -80,7 +83,7 @@ def run_once(package_root: Path, tokens: int, out: Path) -> Dict[str, Any]:
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "timings": result["timings"],
         "forcing": result["routing"].get("forcing"),
-        "command": "python -m gearbx_mlx.evaluate " + shlex.join(["--tokens", str(tokens), *EVAL_ARGS]),
+        "command": "python -m gearbx_mlx.evaluate " + shlex.join(["--tokens", str(tokens), *full, *EVAL_ARGS]),
     }
 
 

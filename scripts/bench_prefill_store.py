@@ -67,7 +67,7 @@ def run_once(store: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def mlx_blas(blas: str) -> str | None:
-    code = "from gearbx_mlx import blas; print(blas.mlx_blas())"
+    code = "from gearbx_mlx import blas; print(blas.shown_path(blas.mlx_blas()))"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
                          env=environment(blas))
     return out.stdout.strip() or None

@@ -87,7 +87,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": f"{'LD_PRELOAD=' + os.environ['LD_PRELOAD'] + ' ' if os.environ.get('LD_PRELOAD') else ''}"
                    f"python scripts/bench_qmm_cpu.py --rows {' '.join(map(str, args.rows))} --reps {args.reps}",
-        "mlx": mx.__version__, "mlx_blas_library": lib, "blas": kind,
+        "mlx": mx.__version__, "mlx_blas_library": blas.shown_path(lib), "blas": kind,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "results": rows,
     }

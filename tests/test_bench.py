@@ -10,16 +10,20 @@ the real default model within the time the README promises.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fault_models import tiny_model_folder
 
 from gearbx_mlx import bench
-from gearbx_mlx.evaluation import bench as bench_mod, bench_report, machine
+from gearbx_mlx.evaluation import bench as bench_mod, bench_checks, bench_report, machine
 from gearbx_mlx.evaluation.bench import AUTO_FLOOR, QUICK, BenchSettings
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,9 @@ ONE_WORKER = pytest.mark.xdist_group("bench-quick-result")
 @pytest.fixture(scope="module")
 def quick_result(model_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "a.json"
-    assert bench.main(["--model", str(model_folder), "--quick", "--quiet", "--out", str(out)]) == 0
+    # --quick runs the packed kernels alone; both kernels here, so that every section runs.
+    assert bench.main(["--model", str(model_folder), "--quick", "--kernels", "mlx", "packed", "--quiet",
+                       "--out", str(out)]) == 0
     return out, json.loads(out.read_text())
 
 
@@ -77,12 +83,19 @@ def test_quick_run_covers_every_section(quick_result):
     assert len(sp["costs"]["verify_ms"]) == QUICK.max_draft and 0 <= sp["alpha"]["continuation"] <= 1
     assert sp["plans"]["prompt"]["choice"] in ("plain", "fixed", "gated")
     assert [c["value"] for c in r["checks"]] == [row["x_plain"] for row in auto]
-    assert all(c["floor"] == AUTO_FLOOR and c["passed"] == (c["value"] >= AUTO_FLOOR) for c in r["checks"])
+    # Each verdict is judged against the spread of the plain runs, which the JSON records.
+    plain_runs = r["rows"][0]["runs_tokens_per_s"]
+    assert r["plain_noise"] == bench_checks.plain_noise(plain_runs) and len(r["plain_noise"]["ratios"]) == len(
+        plain_runs) - 1
+    for c, row in zip(r["checks"], auto):
+        assert c["floor"] == AUTO_FLOOR and c == bench_checks.auto_check(row, r["plain_noise"])
+        assert (c["verdict"] == bench_checks.PLAIN) == (row["choice"] == "plain")
     mem = r["memory"]
     assert set(mem["stores"]) == {"mlx", "packed", "nested"} and mem["stores"]["packed"]["resident_total"] > 0
     assert mem["weights_bytes"] == r["model"]["weight_bytes"] > 0 and mem["process_peak_rss_bytes"] > 0
     hw, sw, bw = (r["machine"][k] for k in ("hardware", "software", "bandwidth"))
     assert hw["cpu_count"] >= 1 and sw["mlx"] and bw["read_gb_s"] > 0
+    assert sw["blas"]["name"] in ("openblas", "mkl", "flexiblas", "accelerate", "reference", "unknown")
     assert r["settings"]["tokens"] == QUICK.tokens and r["command"].startswith("python -m gearbx_mlx.bench")
     assert r["rounds_run"] == QUICK.rounds
 
@@ -124,6 +137,96 @@ def test_compare_refuses_what_is_not_a_bench_result(tmp_path, capsys, quick_resu
     bad.write_text(content)
     rc, _, err = run(["--compare", str(quick_result[0]), str(bad)], capsys)
     assert rc == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("row, plain, verdict, passed", [
+    # The decision was plain decoding: mlx-lm's own loop, not judged against itself.
+    ({"choice": "plain", "x_plain": 0.70}, [1.0, 1.01], bench_checks.PLAIN, None),
+    # Below the floor, but plain runs of identical code differed by 1.22x and 1 / 0.78x one after another.
+    ({"choice": "fixed", "x_plain": 0.81}, [1.0, 1.22, 0.95, 0.741], bench_checks.WITHIN_NOISE, None),
+    ({"choice": "gated", "x_plain": 0.93}, [1.0, 0.9, 1.0], bench_checks.WITHIN_NOISE, None),
+    # Below the floor by more than identical runs ever differed: a failure.
+    ({"choice": "fixed", "x_plain": 0.60}, [1.0, 1.05, 0.98, 1.0], bench_checks.FAILED, False),
+    ({"choice": "fixed", "x_plain": 0.97}, [1.0, 1.3, 0.7], bench_checks.OK, True),
+    # One plain run: no spread measured, so a shortfall cannot be told from noise.
+    ({"choice": "fixed", "x_plain": 0.5}, [1.0], bench_checks.WITHIN_NOISE, None),
+])
+def test_a_verdict_is_judged_against_the_plain_runs_spread(row, plain, verdict, passed):
+    noise = bench_checks.plain_noise([10 * x for x in plain])
+    check = bench_checks.auto_check({"label": "speculative auto", "paired_x_plain": [row["x_plain"]], **row}, noise)
+    assert check["verdict"] == verdict and check["passed"] is passed
+    assert bench_checks.describe_check(check).endswith("-> " + verdict)
+
+
+def test_the_table_prints_each_verdict_and_old_files_still_read(quick_result):
+    _, r = quick_result
+    r = json.loads(json.dumps(r))
+    auto = next(row for row in r["rows"] if row.get("policy") == "speculative-auto")
+    r["plain_noise"] = bench_checks.plain_noise([10.0, 12.2, 10.0])
+    r["checks"] = [bench_checks.auto_check({**auto, "choice": "fixed", "x_plain": 0.81}, r["plain_noise"]),
+                   bench_checks.auto_check({**auto, "choice": "plain", "x_plain": 0.70}, r["plain_noise"])]
+    text = bench_report.format_result(r)
+    assert "0.81 (plain vs plain: 0.82-1.22x) -> within noise" in text
+    assert "0.70 (plain vs plain: 0.82-1.22x) -> n/a: decoded plainly" in text and "FAILED" not in text
+    # A file of the first format: checks with "passed" only.
+    r["format_version"] = 1
+    r["checks"] = [{"name": "x", "value": 0.5, "floor": 0.95, "passed": False}]
+    del r["plain_noise"]
+    bench_report.check_result(r)
+    assert "x: 0.50 -> FAILED" in bench_report.format_result(r)
+
+
+def test_the_json_names_the_blas_in_use():
+    assert machine.blas_kind("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so") == "openblas"
+    assert machine.blas_kind("/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0") == "reference"
+    assert machine.blas_kind("/opt/intel/lib/libmkl_rt.so.2") == "mkl" and machine.blas_kind(None) == "unknown"
+    assert not machine.BLAS_FILES.search("/venv/numpy.libs/libscipy_openblas64_-ff651d7f.so")  # numpy's own
+    info = machine.blas()
+    assert info["name"] in ("openblas", "mkl", "flexiblas", "accelerate", "reference", "unknown")
+    assert machine.software()["blas"]["name"] == info["name"]
+
+
+@pytest.mark.skipif(not (Path("/proc/self/maps").exists() and Path(OPENBLAS).exists()),
+                    reason="needs Linux and Debian's OpenBLAS")
+def test_a_preloaded_openblas_is_told_from_the_bundled_reference_blas():
+    code = ("import mlx.core as mx; from gearbx_mlx.evaluation import machine; "
+            "mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8))); print(machine.blas()['name'])")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    names = [subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                            check=True).stdout.strip() for extra in ({}, {"LD_PRELOAD": OPENBLAS})]
+    assert names[1] == "openblas" and names[0] != "openblas", names
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "nan"], "--budget must be a finite number"),
+    (["--budget", "inf"], "--budget must be a finite number"),
+    (["--max-draft", "0"], "--max-draft must be at least 1"),
+    (["--out", "."], "is a directory"),
+])
+def test_every_flag_is_checked_before_anything_slow(argv, message, capsys, monkeypatch):
+    def slow(*_a, **_k):
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr(bench, "load_subject", slow)
+    monkeypatch.setattr(bench, "run_bench", slow)
+    rc, _, err = run(["--quick", "--quiet"] + argv, capsys)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda r: r["rows"][1].update(tokens_per_s=None), '"rows[1].tokens_per_s" is null'),
+    (lambda r: r["rows"][0].update(x_plain="1.0"), '"rows[0].x_plain" is a string'),
+    (lambda r: r.update(speculative=[1, 2]), '"speculative" is a list'),
+    (lambda r: r.update(checks={}), '"checks" is an object'),
+    (lambda r: r["speculative"]["costs"].update(v=None), '"speculative.costs"'),
+])
+def test_compare_names_the_file_and_the_field_of_a_damaged_result(quick_result, tmp_path, capsys, edit, field):
+    damaged = json.loads(quick_result[0].read_text())
+    edit(damaged)
+    bad = tmp_path / "damaged.json"
+    bad.write_text(json.dumps(damaged))
+    rc, _, err = run(["--compare", str(quick_result[0]), str(bad)], capsys)
+    assert rc == 2 and err.count("\n") == 1 and str(bad) in err and field in err, err
 
 
 def test_bad_flags_fail_before_loading(tmp_path, capsys):
@@ -212,4 +315,5 @@ def test_quick_bench_on_the_default_model(tmp_path):
     # Each verdict is its measured ratio against its floor. Whether it passes
     # depends on the machine's load, so it is reported, never asserted here.
     for c in r["checks"]:
-        assert c["value"] > 0 and c["passed"] == (c["value"] >= c["floor"]), c
+        assert c["value"] > 0 and c["verdict"] in (bench_checks.OK, bench_checks.WITHIN_NOISE, bench_checks.FAILED,
+                                                   bench_checks.PLAIN), c

@@ -496,7 +496,7 @@ def test_same_command_twice_gives_the_same_quality(default_model, short_text, qu
 @pytest.mark.slow
 def test_cli_writes_json_and_table(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["--tokens", "6", "--window", "6", "--speed-tokens", "2", "--speed-prompt", "2",
+    rc = main(["--full", "--tokens", "6", "--window", "6", "--speed-tokens", "2", "--speed-prompt", "2",
                "--workload-tokens", "0", "--draft-calibration-tokens", "2", "--out", str(out), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -512,6 +512,105 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     for r in section["rows"]:  # modeled tokens/s from the measured static-high speed
         assert r["modeled"]["tokens_per_s"] == pytest.approx(
             r["modeled"]["speedup"] * section["high_tokens_per_s_measured"])
+
+
+@pytest.mark.slow
+def test_the_default_study_is_the_quick_one(tmp_path, capsys):
+    """Without --full: the gearbox's scope against its matched baselines, no speed, workloads or
+    speculative rows, and the expected duration printed before anything runs."""
+    out = tmp_path / "r.json"
+    assert main(["--tokens", "6", "--window", "6", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("[gearbx.evaluate] expected: about ")
+    assert " left] calibrating" in err and " left] pass 1" in err
+    import json
+
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["policies"]]
+    assert "static-high" in names and "static-low/attention" in names and "dynamic-median/attention" in names
+    assert not [n for n in names if n.endswith("/all") or "nested" in n or "planes" in n], names
+    assert "random@median/attention" in names and "position@median/attention" in names
+    assert data["speculative"] is None and data["workloads"] == {} and "speed_s" not in data["timings"]
+    assert data["study"]["name"] == "default" and data["environment"]["blas"]["name"]
+
+
+def test_the_flags_pick_the_study():
+    from gearbx_mlx.evaluate import build_parser, resolve_study
+    from gearbx_mlx.evaluation.study import DEFAULT_STUDY, FULL_STUDY
+
+    def study(*argv):
+        return resolve_study(build_parser().parse_args(list(argv)))
+
+    assert study() == DEFAULT_STUDY and study("--full") == FULL_STUDY
+    assert study("--full", "--no-speculative", "--tokens", "64").speculative is False
+    s = study("--speculative")  # the drafters are the static rows of every layer
+    assert s.speculative and s.scopes == ("attention", "all") and s.tokens == DEFAULT_STUDY.tokens
+    assert study("--speed-tokens", "8").speed_tokens == 8
+
+
+def test_the_cost_model_puts_the_default_run_within_two_minutes():
+    """The default study of 512 tokens, as the cost model prices it on an idle two-core machine
+    (the model's constants come from a measured run; this is no wall-clock assertion)."""
+    from gearbx_mlx.evaluation.study import DEFAULT_STUDY, FULL_STUDY, expected_seconds, rows_of, wall_factor
+
+    quick = expected_seconds(512, 512, ("attention",), False, 0, 0, False)
+    assert quick["total"] * wall_factor(0.0, 2) <= 120
+    full = expected_seconds(FULL_STUDY.tokens, 512, FULL_STUDY.scopes, True, 128, 48, True)
+    assert full["total"] > 10 * quick["total"] and DEFAULT_STUDY.tokens == 512
+    assert rows_of(("attention", "all"), True) == (16, 15, 7)  # the default set's rows, as measured
+    assert rows_of(("attention",), False) == (7, 7, 3)
+    assert wall_factor(6.0, 2) > 3 * wall_factor(0.0, 2)
+
+
+def test_progress_lines_carry_the_time_left():
+    from gearbx_mlx.evaluation.study import Eta
+
+    now, lines = [0.0], []
+    eta = Eta(lines.append, {"load": 10, "calibration": 10, "pass1": 40, "pass2": 20}, factor=1.0,
+              clock=lambda: now[0])
+    eta("loading the default model ...")
+    now[0] = 2.0  # a cached model loads at once: that says nothing of the work's pace
+    eta("calibrating thresholds ...")
+    now[0] = 22.0  # the calibration took twice the model's time: what is left is read at that pace
+    eta("pass 1: 5/10 steps, eta 0.2 min")
+    now[0] = 52.0
+    eta("pass 1: 8/10 steps, eta 0.1 min")
+    assert lines[0] == "[0:00 elapsed, about 1:20 left] loading the default model ..."
+    assert lines[1] == "[0:02 elapsed, about 1:10 left] calibrating thresholds ..."
+    assert lines[2] == "[0:22 elapsed, about 2:00 left] pass 1: 5/10 steps, eta 0.2 min"
+    assert lines[3] == "[0:52 elapsed, about 1:30 left] pass 1: 8/10 steps, eta 0.1 min"
+    now[0] = 500.0  # pass 1 ran ten times the model's pace: so will pass 2
+    eta("pass 2: 1/2")
+    assert lines[-1] == "[8:20 elapsed, about 3:19 left] pass 2: 1/2"
+    now[0] = 800.0  # past every estimate: nothing is left to promise
+    eta("pass 2: 2/2")
+    assert lines[-1] == "[13:20 elapsed, about 0:00 left] pass 2: 2/2"
+
+
+@pytest.mark.parametrize("codec", ["base64", "rot13", "hex", "zlib"])
+def test_a_codec_that_is_not_a_text_encoding_is_one_clear_error(codec, tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("hello")
+    assert main(["--text", str(f), "--encoding", codec, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"--encoding '{codec}' is not a text encoding" in err[0]
+
+
+def test_plots_creates_a_missing_directory_before_the_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import gearbx_mlx.evaluate as cli
+
+    def stop(*_a, **_k):
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(cli, "load", stop)
+    figs = tmp_path / "new" / "figures"
+    assert main(["--quiet", "--plots", str(figs)]) == 2 and figs.is_dir()
+    assert "stopped before loading" in capsys.readouterr().err
+    afile = tmp_path / "file"
+    afile.write_text("")
+    assert main(["--quiet", "--plots", str(afile)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 # -- bad input: one clear error, before the model loads -------------------------------

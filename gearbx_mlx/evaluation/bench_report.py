@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .bench import FORMAT_VERSION
+from .bench_checks import describe_check, verdict_of
 
 #: Keys every bench JSON has (docs/BENCHMARKS.md, "The bench JSON").
 REQUIRED = ("format_version", "kind", "machine", "model", "settings", "rows", "plain_tokens_per_s", "speculative",
@@ -40,8 +41,18 @@ def load_result(path: str) -> Dict[str, Any]:
     return data
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+#: Top-level keys whose value must be an object (``speculative`` may also be null), and must be a list.
+OBJECTS = ("machine", "model", "settings", "memory")
+LISTS = ("rows", "checks")
+
+
 def check_result(data: Any, name: str = "the result") -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``data`` is a bench result this version reads."""
+    """Raise ``ValueError`` naming ``name`` and the field unless ``data`` is a bench result this version
+    reads, with every field the tables read of the type they read it as."""
     if not isinstance(data, dict) or data.get("kind") != "gearbx-bench":
         raise ValueError(f"{name} is not a gearbx bench result (no \"kind\": \"gearbx-bench\")")
     version = data.get("format_version")
@@ -51,9 +62,41 @@ def check_result(data: Any, name: str = "the result") -> None:
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise ValueError(f"{name} lacks {', '.join(missing)}: it is damaged or cut short")
+    for key in OBJECTS + LISTS + ("speculative",):
+        want = list if key in LISTS else dict
+        if not isinstance(data[key], want) and not (key == "speculative" and data[key] is None):
+            what = "a list" if want is list else "an object"
+            raise ValueError(f"{name}: \"{key}\" is {_kind(data[key])}, not {what}")
+    if not isinstance(data["model"].get("name"), str):
+        raise ValueError(f"{name}: \"model.name\" is {_kind(data['model'].get('name'))}, not a string")
+    if not _number(data["plain_tokens_per_s"]):
+        raise ValueError(f"{name}: \"plain_tokens_per_s\" is {_kind(data['plain_tokens_per_s'])}, not a number")
     for i, row in enumerate(data["rows"]):
         if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
             raise ValueError(f"{name}: row {i} lacks one of {', '.join(ROW_KEYS)}")
+        for key in ("tokens_per_s", "x_plain"):
+            if not _number(row[key]):
+                raise ValueError(f"{name}: \"rows[{i}].{key}\" is {_kind(row[key])}, not a number "
+                                 f"(row {row.get('label')!r})")
+        if not isinstance(row["label"], str):
+            raise ValueError(f"{name}: \"rows[{i}].label\" is {_kind(row['label'])}, not a string")
+    for i, check in enumerate(data["checks"]):
+        if not isinstance(check, dict) or not isinstance(check.get("name"), str):
+            raise ValueError(f"{name}: \"checks[{i}]\" is not an object with a \"name\"")
+        if check.get("value") is not None and not _number(check["value"]):
+            raise ValueError(f"{name}: \"checks[{i}].value\" is {_kind(check['value'])}, not a number")
+    costs = (data["speculative"] or {}).get("costs")
+    if costs:
+        if not isinstance(costs, dict) or not all(_number(costs.get(k)) for k in ("c", "high_ms", "draft_ms")) \
+                or not isinstance(costs.get("v"), list) or not all(_number(x) for x in costs["v"]):
+            raise ValueError(f"{name}: \"speculative.costs\" lacks the numbers c, high_ms, draft_ms and the list v")
+
+
+def _kind(x: Any) -> str:
+    """How a JSON value reads in a message: null, a string, a list, ..."""
+    if x is None:
+        return "null"
+    return {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}.get(type(x), f"{x!r}")
 
 
 def _gib(n: Optional[float]) -> str:
@@ -70,9 +113,10 @@ def machine_line(result: Dict[str, Any]) -> str:
     band = f"{bw.get('read_gb_s', 0):.0f} GB/s read" if bw else "?"
     if bw.get("numpy_read_gb_s"):
         band += f" (numpy {bw['numpy_read_gb_s']:.1f})"
+    blas = sw.get("blas") if isinstance(sw.get("blas"), dict) else {}
     return (f"{hw.get('chip') or '?'}{' + ' + gpus if gpus else ''}, {_gib(hw.get('memory_bytes'))}, "
             f"{sw.get('default_device', '?')}, MLX {sw.get('mlx', '?')}, gearbx_mlx {sw.get('gearbx_mlx', '?')}, "
-            f"bandwidth {band}")
+            f"BLAS {blas.get('name', '?')}, bandwidth {band}")
 
 
 def _table(head: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[int] = ()) -> List[str]:
@@ -140,8 +184,13 @@ def format_result(result: Dict[str, Any]) -> str:
     if failed:
         lines.append("Custom kernels that failed their first-use check (MLX's path ran instead): "
                      + ", ".join(failed))
+    noise = result.get("plain_noise") or {}
+    if noise.get("ratios"):
+        lines.append("Plain decoding against itself, each run over the one before: "
+                     + "/".join(f"{x:.2f}" for x in noise["ratios"])
+                     + " (a check below its floor by less than this spread reads \"within noise\")")
     for ch in result["checks"]:
-        lines.append(f"Check: {ch['name']}: {ch['value']:.2f} -> {'ok' if ch['passed'] else 'FAILED'}")
+        lines.append(describe_check(ch))
     lines.append(f"Bench time: {result.get('seconds', 0):.0f} s.")
     return "\n".join(lines)
 
@@ -178,9 +227,9 @@ def format_compare(a: Dict[str, Any], b: Dict[str, Any], names: Tuple[str, str] 
         c = (r["speculative"] or {}).get("costs") or {}
         if c:
             lines.append(f"{name}: c = {c['c']:.3f}, v(k) = " + "/".join(f"{x:.2f}" for x in c["v"][1:])
-                         + "; checks: " + (", ".join("ok" if ch["passed"] else "FAILED" for ch in r["checks"])
-                                            or "none"))
+                         + "; checks: " + (", ".join(verdict_of(ch) for ch in r["checks"]) or "none"))
     return "\n".join(lines)
 
 
-__all__ = ["REQUIRED", "check_result", "format_compare", "format_result", "load_result", "machine_line"]
+__all__ = ["LISTS", "OBJECTS", "REQUIRED", "check_result", "format_compare", "format_result", "load_result",
+           "machine_line"]

@@ -122,6 +122,7 @@ def evaluate(
     progress: Optional[Callable[[str], None]] = None,
     kv: Optional[KVOptions] = None,
     kv_calibration: Any = None,
+    scopes: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     """Evaluate gear policies on ``model`` over the first ``tokens`` tokens of ``text``.
 
@@ -156,6 +157,9 @@ def evaluate(
             beside the weights' (:func:`kv_columns`).
         kv_calibration: statistics for the rotated cache (as
             :func:`gearbx_mlx.stream_generate`'s); None: from the weights.
+        scopes: the scopes of the default set's rows (``policies`` None):
+            None = both scopes and the nested store's rows; a list without
+            ``all`` leaves the nested store's rows out (they manage every layer).
 
     Returns:
         The results dictionary (see ``benchmarks/results/eval_default.json``).
@@ -172,7 +176,7 @@ def evaluate(
     layout = ModelLayout.of(model, config, vocab)
 
     with _timed(timings, "calibration_s"):
-        policies, thresholds, calibration_info = _policies(model, tokenizer, config, vocab, policies, say)
+        policies, thresholds, calibration_info = _policies(model, tokenizer, config, vocab, policies, say, scopes)
     kv = dataclasses.replace(kv, quantized_kv_start=0) if kv is not None and kv.active else None
     with kv_cache(model, kv, kv_calibration) as kv_info:
         quality = _quality(model, windows, policies, layout, config, vocab, seed, matched, max_positions, say,
@@ -272,7 +276,7 @@ def _check_arguments(
 
 def _policies(
     model: Any, tokenizer: Any, config: GearboxConfig, vocab: int, policies: Optional[Sequence[PolicySpec]],
-    say: Callable[[str], None],
+    say: Callable[[str], None], scopes: Optional[Sequence[str]] = None,
 ) -> Tuple[List[PolicySpec], Dict[str, Optional[Tuple[float, float]]], Dict[str, Any]]:
     """The first-pass specs, the thresholds behind them, and the calibration that gave them."""
     thresholds: Dict[str, Optional[Tuple[float, float]]] = {"default": scaled_thresholds(config, vocab)}
@@ -281,7 +285,10 @@ def _policies(
     say("calibrating thresholds (median and percentile) on the default prompts ...")
     cal, info = calibrated_thresholds(model, tokenizer, vocab)
     thresholds.update(cal)
-    return base_specs({"default": None, "median": cal["median"], "percentile": cal["percentile"]}), thresholds, info
+    chosen = {"default": None, "median": cal["median"], "percentile": cal["percentile"]}
+    if scopes is None:
+        return base_specs(chosen), thresholds, info
+    return base_specs(chosen, nested="all" in scopes, scopes=tuple(scopes)), thresholds, info
 
 
 def _quality(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..bindings import cpu as cpu_kernels, gpu as gpu_kernels
+from ..blas import mlx_blas, shown_path
 
 #: Seconds any one OS query may take.
 QUERY_TIMEOUT = 5.0
@@ -110,9 +112,64 @@ def software() -> Dict[str, Any]:
         "gpu_backend": gpu_kernels.gpu_backend(),
         "c_kernels": ({k: c[k] for k in ("float_isa", "intdot_isa", "threads")} if c.get("available")
                       else {"available": False, "error": c.get("error")}),
-        "env": {k: os.environ[k] for k in ("LD_PRELOAD", "MLX_CUDA_USE_CUDNN_SDPA", "OMP_NUM_THREADS")
-                if k in os.environ},
+        "env": {k: os.environ[k] for k in ("LD_PRELOAD", "MLX_CUDA_USE_CUDNN_SDPA", "OMP_NUM_THREADS",
+                                           "OPENBLAS_NUM_THREADS") if k in os.environ},
+        "blas": blas(),
     }
+
+
+#: Shared libraries that are a BLAS (or LAPACK on top of one), by file name.
+BLAS_FILES = re.compile(r"(^|/)lib(open)?blas|(^|/)liblapack|(^|/)libmkl_|(^|/)libcblas|(^|/)libflexiblas", re.I)
+
+
+def blas_kind(path: Optional[str]) -> str:
+    """The family of a BLAS library file: openblas, mkl, flexiblas, accelerate, reference or unknown."""
+    name = os.path.basename(path or "").lower()
+    for kind in ("openblas", "mkl", "flexiblas"):
+        if kind in name:
+            return kind
+    if "accelerate" in (path or "").lower() or "veclib" in (path or "").lower():
+        return "accelerate"
+    if name.startswith(("libblas", "libcblas")):
+        return "reference"  # netlib's, as MLX's Linux CPU wheel bundles it
+    return "unknown"
+
+
+def _mapped_libraries(maps: str = "/proc/self/maps") -> List[str]:
+    """The BLAS and LAPACK files this process has mapped, in the order they appear (Linux)."""
+    seen: List[str] = []
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if path.startswith("/") and BLAS_FILES.search(path) and path not in seen:
+                    seen.append(path)
+    except OSError:
+        pass
+    return seen
+
+
+def blas() -> Dict[str, Any]:
+    """The BLAS that MLX's CPU matrix products call here.
+
+    A library preloaded (``LD_PRELOAD``) or loaded globally that defines
+    ``cblas_sgemm`` answers every call first; else the one MLX links (its
+    Linux CPU wheel bundles netlib's reference BLAS, several times slower in
+    float32). On macOS MLX calls Accelerate. Returns ``name`` (openblas, mkl,
+    flexiblas, accelerate, reference, unknown), ``library`` (its file),
+    ``how`` (how it was found) and ``mapped`` (every BLAS or LAPACK file mapped).
+    """
+    mapped = _mapped_libraries()
+    first = mlx_blas()  # the library that answers MLX's cblas_sgemm (a preloaded one first)
+    if first is not None:
+        name, library, how = blas_kind(first), first, "the library MLX's cblas_sgemm resolves to"
+    elif sys.platform == "darwin":
+        name, library, how = "accelerate", None, "MLX on macOS"
+    else:
+        library = next((p for p in mapped if blas_kind(p) != "unknown" and "lapack" not in os.path.basename(p)), None)
+        name, how = blas_kind(library), "mapped (/proc/self/maps)" if library else "none found"
+    return {"name": name, "library": shown_path(library), "how": how, "mapped": [shown_path(p) for p in mapped]}
 
 
 def bandwidth(mib: Optional[int] = None, reps: int = 5) -> Dict[str, Any]:
@@ -174,4 +231,5 @@ def describe(hw: Dict[str, Any], sw: Dict[str, Any]) -> List[str]:
     return lines
 
 
-__all__ = ["BANDWIDTH_MIB", "bandwidth", "describe", "hardware", "load_average", "software"]
+__all__ = ["BANDWIDTH_MIB", "BLAS_FILES", "bandwidth", "blas", "blas_kind", "describe", "hardware", "load_average",
+           "software"]

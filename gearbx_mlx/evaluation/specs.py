@@ -333,18 +333,20 @@ def _histogram(values) -> Dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def base_specs(thresholds: Dict[str, Optional[Tuple[float, float]]], nested: bool = True) -> List[PolicySpec]:
+def base_specs(thresholds: Dict[str, Optional[Tuple[float, float]]], nested: bool = True,
+               scopes: Sequence[str] = SCOPES) -> List[PolicySpec]:
     """The first pass: reference, static mid/low, mixed recipe, entropy policies.
 
     Args:
         thresholds: ``{source: (low, high) or None}`` (None = scaled defaults).
+        scopes: the scopes of the static, mixed and entropy rows (default both).
         nested: add the nested store's rows over every linear layer: its mid
             gear, its high gear read from every plane, and the median-calibrated
             (else the first) entropy policy on its gears. Its low gear is MLX
             4-bit bit for bit, so ``static-low/all`` stands for it.
     """
     specs = [PolicySpec("static-high", "static", "all", "high")]
-    for scope in SCOPES:
+    for scope in scopes:
         specs += [
             PolicySpec(f"static-mid/{scope}", "static", scope, "mid"),
             PolicySpec(f"static-low/{scope}", "static", scope, "low"),
