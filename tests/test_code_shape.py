@@ -26,17 +26,13 @@ KNOWN: Dict[str, str] = {
     'bindings/packed_gpu.py:launch_spec': '77 lines, 11 parameters',
     'bindings/packed_gpu.py:launcher': '54 lines, 11 parameters',
     'bindings/packed_gpu.py:gemv': '45 lines, 11 parameters',
-    'evaluation/harness.py:evaluate': '108 lines, 18 parameters',
-    'evaluation/harness.py:_quality': '22 lines, 11 parameters',
-    'evaluation/harness.py:_speed': '17 lines, 14 parameters',
-    'evaluation/harness.py:_document': '59 lines, 17 parameters',
     'evaluation/speculative.py:evaluate_speculative': '50 lines, 11 parameters',
     'evaluation/teacher.py:teacher_forced': '19 lines, 10 parameters',
     'evaluation/teacher.py:__init__': '22 lines, 9 parameters',
     'nested/checks.py:_case': '10 lines, 9 parameters',
     'packed/checks.py:_gpu_case': '13 lines, 10 parameters',
-    'speculative/plan.py:plan_speculative': '72 lines, 10 parameters',
     'remote/session.py:__init__': '56 lines, 18 parameters',
+    'speculative/plan.py:plan_speculative': '72 lines, 10 parameters',
 }
 TABLES = {"(32, 64, 128)": "GROUP_SIZES", "(2, 3, 4, 5, 6, 8)": "QUANT_BITS", "(1, 2, 3, 4, 5, 6, 8)": "KV_PLAIN_BITS"}
 

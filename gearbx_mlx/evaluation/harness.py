@@ -102,27 +102,57 @@ def _timed(timings: Dict[str, float], key: str) -> Iterator[None]:
     timings[key.replace("_s", "_cpu_s")] = time.process_time() - cpu
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """How :func:`evaluate` runs (every default in one place).
+
+    Attributes:
+        tokens: tokens of text used (>= 2), cut into windows of ``window``
+            tokens; each window is one sequence (fresh cache and monitor).
+        seed: seeds the random routers' permutations and the bootstrap.
+        matched: add, for each entropy policy, a position rule at equal
+            modeled bytes and a random router replaying a permutation of its
+            gears (a second pass), each compared with it by a paired test.
+        speed_tokens, speed_prompt: decode tokens per policy on the real
+            kernels (0: skip), after a prompt of this many tokens.
+        workload_tokens: tokens per workload prompt for the gear-by-workload
+            generations (0: skip).
+        speculative: add the speculative rows (needs the static low/mid rows
+            of the draft scope in the policies; the default set has them).
+        draft_calibration_tokens: high-gear tokens per calibration prompt
+            when calibrating each drafter's block cap and stop (None: the
+            calibration's own default, as ``--speculative --calibrate``).
+        max_positions: most positions per forward pass (None: as many as
+            keep a pass's logits near 128 MiB).
+        scopes: the scopes of the default set's rows (policies None): None =
+            both scopes and the nested store's rows; a list without ``all``
+            leaves the nested store's rows out (they manage every layer).
+    """
+
+    tokens: int = DEFAULT_TOKENS
+    window: int = DEFAULT_WINDOW
+    seed: int = 0
+    matched: bool = True
+    speed_tokens: int = DEFAULT_SPEED_TOKENS
+    speed_prompt: int = DEFAULT_SPEED_PROMPT
+    workload_tokens: int = DEFAULT_WORKLOAD_TOKENS
+    speculative: bool = True
+    draft_calibration_tokens: Optional[int] = None
+    max_positions: Optional[int] = None
+    scopes: Optional[Sequence[str]] = None
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
     text: str,
     policies: Optional[Sequence[PolicySpec]] = None,
     *,
-    tokens: int = DEFAULT_TOKENS,
-    window: int = DEFAULT_WINDOW,
     config: Optional[GearboxConfig] = None,
-    seed: int = 0,
-    matched: bool = True,
-    speed_tokens: int = DEFAULT_SPEED_TOKENS,
-    speed_prompt: int = DEFAULT_SPEED_PROMPT,
-    workload_tokens: int = DEFAULT_WORKLOAD_TOKENS,
-    speculative: bool = True,
-    draft_calibration_tokens: Optional[int] = None,
-    max_positions: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
     kv: Optional[KVOptions] = None,
     kv_calibration: Any = None,
-    scopes: Optional[Sequence[str]] = None,
+    **options: Any,
 ) -> Dict[str, Any]:
     """Evaluate gear policies on ``model`` over the first ``tokens`` tokens of ``text``.
 
@@ -133,23 +163,7 @@ def evaluate(
             rows, one of them static high; None = the default set (static
             high/mid/low, mlx-lm's mixed_4_6, entropy with default, median
             and percentile thresholds; scopes attention and all).
-        tokens: tokens of text used (>= 2), cut into windows of ``window``
-            tokens; each window is one sequence (fresh cache and monitor).
         config: :class:`~gearbx_mlx.config.GearboxConfig` of the monitor and gears.
-        seed: seeds the random routers' permutations and the bootstrap.
-        matched: add, for each entropy policy, a position rule at equal
-            modeled bytes and a random router replaying a permutation of its
-            gears (a second pass), each compared with it by a paired test.
-        speed_tokens: decode tokens per policy on the real kernels (0: skip).
-        workload_tokens: tokens per workload prompt for the gear-by-workload
-            generations (0: skip).
-        speculative: add the speculative rows (needs the static low/mid rows
-            of the draft scope in ``policies``; the default set has them).
-        draft_calibration_tokens: high-gear tokens per calibration prompt
-            when calibrating each drafter's block cap and stop (None: the
-            calibration's own default, as ``--speculative --calibrate``).
-        max_positions: most positions per forward pass (None: as many as
-            keep a pass's logits near 128 MiB).
         progress: status lines (e.g. :func:`~gearbx_mlx.evaluation.teacher.stderr_progress`).
         kv: the KV cache of every pass and speed run, quantized from the
             first token (``quantized_kv_start`` is taken as 0); None: mlx-lm's
@@ -157,63 +171,72 @@ def evaluate(
             beside the weights' (:func:`kv_columns`).
         kv_calibration: statistics for the rotated cache (as
             :func:`gearbx_mlx.stream_generate`'s); None: from the weights.
-        scopes: the scopes of the default set's rows (``policies`` None):
-            None = both scopes and the nested store's rows; a list without
-            ``all`` leaves the nested store's rows out (they manage every layer).
+        options: :class:`EvalOptions` fields (``tokens``, ``window``, ...), or ``options=EvalOptions(...)``.
 
     Returns:
         The results dictionary (see ``benchmarks/results/eval_default.json``).
     """
-    _check_arguments(model, tokens, window, speed_tokens, speed_prompt, workload_tokens, draft_calibration_tokens)
-    say = progress or (lambda _msg: None)
-    config = config or GearboxConfig()
-    timings: Dict[str, float] = {}
-    vocab = vocab_size_of(model, tokenizer)
-    ids = text_tokens(tokenizer, text, tokens)
-    if len(ids) < 2:
-        raise ValueError(f"the text has {len(ids)} token(s): at least 2 are needed")
-    windows = split_windows(ids, window)
-    layout = ModelLayout.of(model, config, vocab)
+    given = options.pop("options", None) or EvalOptions()
+    study = _Study(model, tokenizer, text, dataclasses.replace(given, **options), config or GearboxConfig(),
+                   progress or (lambda _msg: None))
+    return study.run(policies, kv, kv_calibration)
 
-    with _timed(timings, "calibration_s"):
-        policies, thresholds, calibration_info = _policies(model, tokenizer, config, vocab, policies, say, scopes)
-    kv = dataclasses.replace(kv, quantized_kv_start=0) if kv is not None and kv.active else None
-    with kv_cache(model, kv, kv_calibration) as kv_info:
-        quality = _quality(model, windows, policies, layout, config, vocab, seed, matched, max_positions, say,
-                           timings)
-    kv_info = {**kv_info, "context": len(windows[0]) / 2, "bytes_per_step": kv_step_bytes(kv_info, len(windows[0])),
-               "method": KV_NOTE}
-    speed: Dict[str, Dict[str, Any]] = {}
-    if speed_tokens:
-        with _timed(timings, "speed_s"):
-            speed = _speed(model, tokenizer, text, ids, quality.first, layout, config, vocab, len(windows[0]),
-                           speed_prompt, speed_tokens, say, kv, kv_calibration)
-    spec_section: Optional[Dict[str, Any]] = None
-    if speculative:
-        with _timed(timings, "speculative_s"):
-            spec_section = evaluate_speculative(
-                model, tokenizer, quality.first, layout, config, vocab, len(windows[0]) - 1, speed,
-                ids[:speed_prompt], draft_calibration_tokens, say,
-            )
-    work: Dict[str, Any] = {}
-    if workload_tokens:
-        with _timed(timings, "workloads_s"):
-            # The entropy policies of the config's scope (the paper's default: attention).
-            work_specs = [r.spec for r in quality.first if r.spec.kind == "entropy" and r.spec.scope == config.scope]
-            work = gear_by_workload(model, tokenizer, work_specs, config, vocab, workload_tokens, progress=say)
-    if spec_section:
-        for r in spec_section["rows"]:
-            # Each draft step reads the drafter's cache, each verify pass the high gear's: alike.
-            steps = r["drafted_per_token"] + r["verify_passes_per_token"]
-            kv_columns(r["modeled"], kv_info["bytes_per_step"] * steps)
-    out = _document(
-        quality, speed, spec_section, work, timings, layout, config, vocab, thresholds, calibration_info,
-        tokenizer, text, tokens, windows, seed, speed_prompt, speed_tokens,
-    )
-    for row in out["policies"]:
-        kv_columns(row, kv_info["bytes_per_step"])
-    out["kv_cache"] = kv_info
-    return out
+
+class _Study:
+    """One evaluation's state: the text's windows, the layout, the timings."""
+
+    def __init__(self, model: Any, tokenizer: Any, text: str, opts: EvalOptions, config: GearboxConfig,
+                 say: Callable[[str], None]) -> None:
+        _check_arguments(model, opts)
+        self.model, self.tokenizer, self.text, self.opts, self.config, self.say = (
+            model, tokenizer, text, opts, config, say)
+        self.timings: Dict[str, float] = {}
+        self.vocab = vocab_size_of(model, tokenizer)
+        self.ids = text_tokens(tokenizer, text, opts.tokens)
+        if len(self.ids) < 2:
+            raise ValueError(f"the text has {len(self.ids)} token(s): at least 2 are needed")
+        self.windows = split_windows(self.ids, opts.window)
+        self.layout = ModelLayout.of(model, config, self.vocab)
+
+    def run(self, policies: Optional[Sequence[PolicySpec]], kv: Optional[KVOptions],
+            kv_calibration: Any) -> Dict[str, Any]:
+        o, say, timings, width = self.opts, self.say, self.timings, len(self.windows[0])
+        with _timed(timings, "calibration_s"):
+            policies, thresholds, calibration_info = _policies(self.model, self.tokenizer, self.config, self.vocab,
+                                                               policies, say, o.scopes)
+        kv = dataclasses.replace(kv, quantized_kv_start=0) if kv is not None and kv.active else None
+        with kv_cache(self.model, kv, kv_calibration) as kv_info:
+            quality = _quality(self, policies)
+        kv_info = {**kv_info, "context": width / 2, "bytes_per_step": kv_step_bytes(kv_info, width),
+                   "method": KV_NOTE}
+        speed: Dict[str, Dict[str, Any]] = {}
+        if o.speed_tokens:
+            with _timed(timings, "speed_s"):
+                speed = _speed(self, quality.first, kv, kv_calibration)
+        spec_section: Optional[Dict[str, Any]] = None
+        if o.speculative:
+            with _timed(timings, "speculative_s"):
+                spec_section = evaluate_speculative(
+                    self.model, self.tokenizer, quality.first, self.layout, self.config, self.vocab, width - 1,
+                    speed, self.ids[:o.speed_prompt], o.draft_calibration_tokens, say,
+                )
+        work: Dict[str, Any] = {}
+        if o.workload_tokens:
+            with _timed(timings, "workloads_s"):
+                # The entropy policies of the config's scope (the paper's default: attention).
+                specs = [r.spec for r in quality.first if r.spec.kind == "entropy" and r.spec.scope == self.config.scope]
+                work = gear_by_workload(self.model, self.tokenizer, specs, self.config, self.vocab, o.workload_tokens,
+                                        progress=say)
+        if spec_section:
+            for r in spec_section["rows"]:
+                # Each draft step reads the drafter's cache, each verify pass the high gear's: alike.
+                kv_columns(r["modeled"], kv_info["bytes_per_step"] * (r["drafted_per_token"]
+                                                                       + r["verify_passes_per_token"]))
+        out = _document(self, quality, speed, spec_section, work, thresholds, calibration_info)
+        for row in out["policies"]:
+            kv_columns(row, kv_info["bytes_per_step"])
+        out["kv_cache"] = kv_info
+        return out
 
 
 #: How the KV column is made (recorded with the results).
@@ -257,11 +280,10 @@ def kv_columns(row: Dict[str, Any], kv_bytes: float) -> Dict[str, Any]:
     return row
 
 
-def _check_arguments(
-    model: Any, tokens: Any, window: Any, speed_tokens: int, speed_prompt: int, workload_tokens: int,
-    draft_calibration_tokens: Optional[int],
-) -> None:
+def _check_arguments(model: Any, o: EvalOptions) -> None:
     """One clear error for bad arguments, before anything runs."""
+    tokens, window, speed_tokens, speed_prompt = o.tokens, o.window, o.speed_tokens, o.speed_prompt
+    workload_tokens, draft_calibration_tokens = o.workload_tokens, o.draft_calibration_tokens
     if not isinstance(tokens, int) or tokens < 2:
         raise ValueError(f"tokens must be an integer >= 2 (one scored prediction needs two tokens), got {tokens!r}")
     if not isinstance(window, int) or window < 2:
@@ -291,13 +313,12 @@ def _policies(
     return base_specs(chosen, nested="all" in scopes, scopes=tuple(scopes)), thresholds, info
 
 
-def _quality(
-    model: Any, windows: List[List[int]], policies: Sequence[PolicySpec], layout: ModelLayout,
-    config: GearboxConfig, vocab: int, seed: int, matched: bool, max_positions: Optional[int],
-    say: Callable[[str], None], timings: Dict[str, float],
-) -> Quality:
+def _quality(study: _Study, policies: Sequence[PolicySpec]) -> Quality:
     """Pass 1 (the policies), then pass 2 (baselines matched to each entropy policy's gears)."""
-    with TeacherForcing(model, windows, layout, config, vocab, policies, max_positions, say) as tf:
+    windows, layout, timings = study.windows, study.layout, study.timings
+    matched, seed = study.opts.matched, study.opts.seed
+    with TeacherForcing(study.model, windows, layout, study.config, study.vocab, policies, study.opts.max_positions,
+                        study.say) as tf:
         with _timed(timings, "pass1_s"):
             first = tf.run(policies, "pass 1")
         out = Quality(first, list(first))
@@ -315,32 +336,33 @@ def _quality(
     return out
 
 
-def _speed(
-    model: Any, tokenizer: Any, text: str, ids: List[int], first: Sequence[RowResult], layout: ModelLayout,
-    config: GearboxConfig, vocab: int, window: int, speed_prompt: int, speed_tokens: int,
-    say: Callable[[str], None], kv: Optional[KVOptions] = None, kv_calibration: Any = None,
-) -> Dict[str, Dict[str, Any]]:
+def _speed(study: _Study, first: Sequence[RowResult], kv: Optional[KVOptions] = None,
+           kv_calibration: Any = None) -> Dict[str, Dict[str, Any]]:
     """Decode speed of the first-pass policies on the real kernels (the matched baselines differ
     only in their gear sequence)."""
+    tokenizer, text, ids, say = study.tokenizer, study.text, study.ids, study.say
+    speed_prompt, speed_tokens = study.opts.speed_prompt, study.opts.speed_tokens
     need = speed_prompt + speed_tokens
     speed_ids = ids if len(ids) >= need else text_tokens(tokenizer, text, need)
     if len(speed_ids) < need:
         say(f"speed skipped: the text has fewer than {need} tokens")
         return {}
-    bench = SpeedBench(model, tokenizer, layout, config, vocab)
+    bench = SpeedBench(study.model, tokenizer, study.layout, study.config, study.vocab)
     if kv is not None:
         bench.kv = {"kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": 0,
                     "kv_rotation": kv.rotation, "kv_calibration": kv_calibration}
-    return measure_speed(bench, [r.spec for r in first], speed_ids, window, speed_prompt, speed_tokens, say)
+    return measure_speed(bench, [r.spec for r in first], speed_ids, len(study.windows[0]), speed_prompt,
+                         speed_tokens, say)
 
 
-def _document(
-    quality: Quality, speed: Dict[str, Dict[str, Any]], spec_section: Optional[Dict[str, Any]],
-    work: Dict[str, Any], timings: Dict[str, float], layout: ModelLayout, config: GearboxConfig, vocab: int,
-    thresholds: Dict[str, Optional[Tuple[float, float]]], calibration_info: Dict[str, Any], tokenizer: Any,
-    text: str, tokens: int, windows: List[List[int]], seed: int, speed_prompt: int, speed_tokens: int,
-) -> Dict[str, Any]:
+def _document(study: _Study, quality: Quality, speed: Dict[str, Dict[str, Any]],
+              spec_section: Optional[Dict[str, Any]], work: Dict[str, Any],
+              thresholds: Dict[str, Optional[Tuple[float, float]]], calibration_info: Dict[str, Any]) -> Dict[str, Any]:
     """The results dictionary: rows, comparisons and verdict, traces, and how they were made."""
+    timings, layout, config, vocab, tokenizer, text = (study.timings, study.layout, study.config, study.vocab,
+                                                       study.tokenizer, study.text)
+    tokens, windows, seed = study.opts.tokens, study.windows, study.opts.seed
+    speed_prompt, speed_tokens = study.opts.speed_prompt, study.opts.speed_tokens
     ref_bytes = next(r for r in quality.rows if r.spec.is_reference).bytes_per_token
     rows = [report.policy_row(r, ref_bytes, speed.get(r.spec.name)) for r in quality.rows]
     compared = {r.spec.name for r in quality.rows if r.spec.kind == "entropy" or r.spec.matched_to}
