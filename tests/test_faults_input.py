@@ -24,6 +24,7 @@ from fault_models import copy_model, tiny_model_folder
 
 from gearbx_mlx import analyze, evaluate
 from gearbx_mlx.calibration import Calibration
+from gearbx_mlx.chat import RAW_PROMPT_NOTICE, apply_chat_template
 from gearbx_mlx.gearbox import Gearbox
 from gearbx_mlx.generation import check_generation_options
 from gearbx_mlx.sources import models
@@ -213,6 +214,30 @@ def test_a_chat_template_that_fails_is_one_error_line(tiny, tmp_path, capsys, te
     assert code == 1 and "chat template failed" in line and "--ignore-chat-template" in line
     t = read_trace(trace)
     assert t.summary["interrupted"] is False and "chat template failed" in t.summary["error"]
+
+
+def test_a_base_model_without_a_chat_template_says_so_once(tiny, tmp_path, capsys):
+    """A base model gets the prompt as raw text, and the user is told, once (not per prompt or sample)."""
+    code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--max-tokens", "3")
+    assert code == 0 and err.count(RAW_PROMPT_NOTICE) == 1, err
+    chat = copy_model(tiny, tmp_path / "chat", chat_template="{{ messages[0]['content'] }}")
+    code, err = gen(capsys, "--model", str(chat), "--prompt", "hi", "--max-tokens", "3")
+    assert code == 0 and RAW_PROMPT_NOTICE not in err, err
+
+
+def test_the_raw_prompt_notice_is_one_warning_for_many_prompts(tiny):
+    import warnings
+
+    from mlx_lm import load
+
+    _, tok = load(str(tiny))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # the count is the package's, not Python's once-per-line rule
+        assert [apply_chat_template(tok, p) for p in ("a", "b", "c")] == ["a", "b", "c"]
+        assert apply_chat_template(tok, "d", use_template=False) == "d"
+        _, other = load(str(tiny))
+        assert apply_chat_template(other, "e") == "e"
+    assert [str(w.message) for w in seen] == [RAW_PROMPT_NOTICE] * 2
 
 
 @pytest.mark.parametrize("raw", [b"\xff\xfe\x00\x80garbage", bytes(range(256)) * 4])
