@@ -31,7 +31,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
 from .entropy import entropy_bits
-from .kvcache import calibrate_text
+from .kvcache import KVCalibration, calibrate_text
 from .sources.models import corpus_path
 
 STRATEGIES = ("median", "percentile")
@@ -102,6 +102,11 @@ class Calibration:
             if name in data and not test(data[name]):
                 raise ValueError(f"{path}: field {name!r} must be {want}, got {json.dumps(data[name])[:60]}")
         cal = cls(**data)
+        if cal.kv is not None:  # shapes and values now, before a model is loaded for them
+            try:
+                KVCalibration.from_dict(cal.kv)
+            except ValueError as e:
+                raise ValueError(f"{path}: field 'kv': {e}") from None
         if not 0 <= cal.low < cal.high:
             raise ValueError(f"{path}: thresholds are in the wrong order ({cal.low}, {cal.high})")
         vmax = math.log2(cal.vocab_size)
