@@ -31,6 +31,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
 from .entropy import entropy_bits
+from .jsonsafe import dumps
 from .kvcache import KVCalibration, calibrate_text
 from .sources.models import corpus_path
 
@@ -67,7 +68,7 @@ class Calibration:
             )
         data = {"format": CALIBRATION_FORMAT, **asdict(self)}
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.write_text(dumps(data, indent=2) + "\n")
         os.replace(tmp, path)
         return path
 

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gearbx_mlx"
 #: A pattern ending in ``.*`` takes every module of a subpackage; the first
 #: matching pattern wins, so exceptions come before their subpackage.
 LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
-    ("core", ("config", "entropy", "classifier", "chat", "affine", "kernelcheck", "packed.formats", "sources",
+    ("core", ("config", "entropy", "classifier", "chat", "jsonsafe", "affine", "kernelcheck", "packed.formats", "sources",
               "sources.*")),
     ("layers and policies", (
         "packed", "packed.*", "nested", "nested.*", "kvcache", "kvcache.*", "policies", "sourcecheck",

@@ -8,13 +8,13 @@ A comparison's verdict comes from a paired test over positions
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import GEARS
+from ..jsonsafe import dumps
 from . import significance
 from .teacher import RowResult
 
@@ -258,23 +258,12 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _clean(x: Any) -> Any:
-    """JSON has no NaN or infinity: write null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def write_json(results: Dict[str, Any], path: str | os.PathLike) -> Path:
     """Write the results atomically (temporary file, then rename)."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {path.parent} (create it first)")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(results), indent=1) + "\n")
+    tmp.write_text(dumps(results, indent=1) + "\n")
     os.replace(tmp, path)
     return path

@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..jsonsafe import dumps
 from .arch import AttentionInfo, attention_modules, describe, input_norm_weight
 
 KV_CALIBRATION_FORMAT = 1
@@ -163,7 +164,7 @@ class KVCalibration:
         if not path.parent.exists():
             raise FileNotFoundError(f"cannot save the KV calibration: {path.parent} does not exist")
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
+        tmp.write_text(dumps(self.to_dict()) + "\n")
         os.replace(tmp, path)
         return path
 

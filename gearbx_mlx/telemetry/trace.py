@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Dict, Iterable, Iterator, List, Optional
 
 from ..config import GEARS
+from ..jsonsafe import dumps
 from ..precision import managed_bytes
 
 FORMAT = "gearbx-trace"
@@ -95,7 +96,7 @@ class TraceWriter:
 
     @staticmethod
     def _line(record: Dict[str, Any]) -> str:
-        return json.dumps({k: _clean(v) for k, v in record.items()}, ensure_ascii=False) + "\n"
+        return dumps(record, ensure_ascii=False) + "\n"  # non-finite values become null at any depth
 
     def _write(self, record: Dict[str, Any]) -> None:
         if self._closed:
