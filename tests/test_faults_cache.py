@@ -370,3 +370,18 @@ def test_the_evaluation_corpus_is_pinned_and_a_damaged_copy_fetched_again(tmp_pa
     with pytest.raises(RuntimeError, match="SHA-256"):  # and the next download is not the pinned file either
         models.corpus_path(name)
     assert models.corpus_path(name).read_bytes() == payload and len(fetched) == 3
+
+
+def test_a_note_is_given_once_per_entry_and_forgotten_with_it(gguf, cache_root):
+    folder = _resolve(gguf)
+    assert entries.note_once(folder, "source already quantized") is True
+    assert entries.note_once(folder, "source already quantized") is False
+    assert entries.note_once(folder, "another note") is True
+    assert check_entry(folder) is None  # the note leaves the entry good
+    (folder / RECORD).unlink()  # a damaged entry: rebuilt, and the note with it
+    folder = _resolve(gguf)
+    assert entries.note_once(folder, "source already quantized") is True
+    own = cache_root / "own-folder"
+    own.mkdir()
+    assert entries.note_once(own, "source already quantized") is True  # no record: nothing remembered
+    assert entries.note_once(own, "source already quantized") is True

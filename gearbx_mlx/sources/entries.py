@@ -147,6 +147,28 @@ def _check_recorded(folder: Path, record: Dict[str, Any], record_path: Path) -> 
     return None
 
 
+def note_once(folder: Path, note: str) -> bool:
+    """True the first time ``note`` is noted for the entry ``folder``, False after: the note is kept
+    in the entry's record (``"notes"``), so it lasts as long as the entry (a rebuilt entry forgets
+    it). A folder that is no good entry (a user's own, read-only, damaged) remembers nothing: True.
+
+    For what should be said once per converted model, not once per run (the warning that the
+    source was already quantized).
+    """
+    if check_entry(folder) is not None:
+        return True
+    record, reason = _read_record(folder / RECORD)
+    if reason is not None:
+        return True
+    notes = record.get("notes") if isinstance(record.get("notes"), list) else []
+    if note in notes:
+        return False
+    record["notes"] = [*notes, note]
+    with contextlib.suppress(OSError):  # cannot remember it: say it again next time
+        _write_json(folder / RECORD, record)
+    return True
+
+
 # -- single cached files ----------------------------------------------------------------------
 def file_record(path: Path) -> Path:
     """Where the integrity record of the single cached file ``path`` lives: ``.<name>.gearbx-entry.json``
