@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import warnings
@@ -30,6 +29,7 @@ from .evaluation.bench import (
     run_bench,
 )
 from .evaluation.bench_report import format_compare, format_result, load_result
+from .jsonsafe import dumps
 
 DEFAULT_OUT = "gearbx-bench.json"
 
@@ -125,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         subject = load_subject(args.model, args.shape, args.dtype, settings.prompt)
         result = run_bench(subject, settings, progress)
         result["command"] = environment_command() if argv is None else "python -m gearbx_mlx.bench " + " ".join(argv)
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        out.write_text(dumps(result, indent=1, default=str) + "\n")
         print(format_result(result))
         print(f"wrote {out}: attach it to a bug report, or compare two with --compare A.json B.json",
               file=sys.stderr)

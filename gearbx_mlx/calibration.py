@@ -32,7 +32,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
 from .entropy import entropy_bits
-from .kvcache import calibrate_text
+from .jsonsafe import dumps
+from .kvcache import KVCalibration, calibrate_text
 from .nested.store import fingerprint
 from .sources.cache import cache_dir
 from .sources.models import corpus_path
@@ -70,7 +71,7 @@ class Calibration:
             )
         data = {"format": CALIBRATION_FORMAT, **asdict(self)}
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.write_text(dumps(data, indent=2) + "\n")
         os.replace(tmp, path)
         return path
 
@@ -105,6 +106,11 @@ class Calibration:
             if name in data and not test(data[name]):
                 raise ValueError(f"{path}: field {name!r} must be {want}, got {json.dumps(data[name])[:60]}")
         cal = cls(**data)
+        if cal.kv is not None:  # shapes and values now, before a model is loaded for them
+            try:
+                KVCalibration.from_dict(cal.kv)
+            except ValueError as e:
+                raise ValueError(f"{path}: field 'kv': {e}") from None
         if not 0 <= cal.low < cal.high:
             raise ValueError(f"{path}: thresholds are in the wrong order ({cal.low}, {cal.high})")
         vmax = math.log2(cal.vocab_size)

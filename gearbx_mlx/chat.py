@@ -3,12 +3,21 @@
 Every place that prompts a chat model (the command line, calibration, the
 drafter's calibration, the workload generations, scripts) goes through
 :func:`apply_chat_template`, so a template that fails says so once, in one
-message, and a tokenizer without a template gets the raw text.
+message, and a tokenizer without a template gets the raw text (a base model:
+said once, as a warning, since such a model continues the text rather than
+answering it).
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Union
+
+#: The notice for a tokenizer without a chat template (shown once per tokenizer).
+RAW_PROMPT_NOTICE = "base model, no chat template: the prompt is used as raw text"
+#: Tokenizers whose raw-prompt notice was shown (weak: a tokenizer's end forgets it).
+_noticed: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def chat_messages(prompt: str, system_prompt: Optional[str] = None) -> List[Dict[str, str]]:
@@ -31,7 +40,10 @@ def apply_chat_template(
     Raises:
         ValueError: the template failed to render (a broken or hostile template).
     """
-    if not use_template or not has_chat_template(tokenizer):
+    if not use_template:
+        return prompt
+    if not has_chat_template(tokenizer):
+        _notice_raw_prompt(tokenizer)
         return prompt
     try:
         return list(tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), add_generation_prompt=True))
@@ -40,6 +52,17 @@ def apply_chat_template(
             f"the model's chat template failed ({type(e).__name__}: {e}); "
             "pass --ignore-chat-template to send the prompt as raw text"
         ) from None
+
+
+def _notice_raw_prompt(tokenizer: Any) -> None:
+    """Warn once per tokenizer that its prompts go in as raw text (calibration prompts it many times)."""
+    try:
+        if tokenizer in _noticed:
+            return
+        _noticed.add(tokenizer)
+    except TypeError:  # a tokenizer that takes no weak reference: warn each time rather than never
+        pass
+    warnings.warn(RAW_PROMPT_NOTICE, UserWarning, stacklevel=3)
 
 
 def encode_chat(tokenizer: Any, prompt: str, system_prompt: Optional[str] = None) -> List[int]:

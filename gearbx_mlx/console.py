@@ -139,7 +139,7 @@ def kv_line(kv: Dict[str, Any]) -> str:
     per = kv.get("bytes_per_token")
     size = f"{per / 1024:.1f} KiB per token" if per else "bytes per token unknown"
     if kv["kind"] == "float":
-        return f"KV cache: float (mlx-lm's), {size} at float16"
+        return f"KV cache: float (mlx-lm's), {size} at {kv.get('dtype', 'float16')}"
     what = "rotated" if kv["kind"] == "rotated" else "mlx-lm affine"
     parts = [f"{'/'.join(kv['rotation'])}"] if kv["kind"] == "rotated" else []
     if kv.get("lambda"):

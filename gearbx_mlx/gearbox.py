@@ -20,6 +20,7 @@ from .distributed.ranks import Ranks, model_identity
 from .entropy import EntropyMonitor, MonitorStep, scaled_thresholds
 from .precision import PrecisionManager
 from .sourcecheck import SourceCheck, check_modules
+from .sources.entries import note_once
 
 
 def vocab_size_of(model: nn.Module, tokenizer: Any = None) -> int:
@@ -143,8 +144,10 @@ class Gearbox:
         if not check.suspected:
             return None
         if not self._warned:
-            warnings.warn(check.message(), stacklevel=3)
             self._warned = True
+            # Once per converted model, not once per run: remembered in its cache entry.
+            if self.model_dir is None or note_once(self.model_dir, "warned: source already quantized"):
+                warnings.warn(check.message(), stacklevel=3)
         return check.message()
 
     # -- routing ---------------------------------------------------------------

@@ -177,6 +177,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--trace {args.trace} is a directory: give a file name")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")
+    if args.calibration and not args.calibrate:
+        Calibration.load(args.calibration)  # a damaged or ill-shaped file: one error before the model loads
     if args.calibrate and args.calibration and writes and not Path(args.calibration).expanduser().parent.is_dir():
         raise FileNotFoundError(f"calibration directory does not exist: {Path(args.calibration).parent}")
 

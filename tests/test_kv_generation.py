@@ -22,7 +22,7 @@ from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.console import kv_line
 from gearbx_mlx.gearbox import Gearbox
 from gearbx_mlx.kvcache import RotatedKVCache, RotatedQuantizedKVCache, calibrate_text
-from gearbx_mlx.kvcache.option import KVOptions, open_kv, recipe
+from gearbx_mlx.kvcache.option import KVOptions, open_kv, plain_summary, recipe
 from gearbx_mlx.pipeline import stream_generate, stream_speculative_generate
 from gearbx_mlx.policies import RandomPolicy
 from gearbx_mlx.speculative.decode import SpeculativeConfig
@@ -318,6 +318,22 @@ def test_summary_line():
     assert "rotated 4-bit g64" in line and "layers 1 at 8 bits" in line and "2.0 KiB per token" in line
     assert "0.36x float16" in line
     assert kv_line({"kind": "float", "bytes_per_token": 1024.0}).startswith("KV cache: float")
+
+
+@pytest.mark.parametrize("dtype, size", [(mx.float32, 4), (mx.float16, 2), (mx.bfloat16, 2)])
+def test_the_float_cache_line_states_its_real_dtype_and_bytes(dtype, size):
+    """mlx-lm's float cache holds the keys in the model's dtype: a float32 model's is twice float16's."""
+    model = make_tiny_llama()
+    model.set_dtype(dtype)
+    s = plain_summary(model, KVOptions())
+    elements = sum(2 * layer.self_attn.n_kv_heads * layer.self_attn.head_dim for layer in model.layers)
+    name = str(dtype).split(".")[-1]
+    assert s["dtype"] == name and s["bytes_per_token"] == elements * size
+    assert s["float16_bytes_per_token"] == elements * 2 and s["ratio_to_float16"] == size / 2
+    cache = make_prompt_cache(model)  # what mlx-lm really stores
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    assert cache[0].keys.dtype == dtype
+    assert kv_line(s) == f"KV cache: float (mlx-lm's), {elements * size / 1024:.1f} KiB per token at {name}"
 
 
 # -- the evaluation's KV column ---------------------------------------------------------------

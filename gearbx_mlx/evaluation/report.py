@@ -8,13 +8,13 @@ A comparison's verdict comes from a paired test over positions
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import GEARS
+from ..jsonsafe import dumps
 from . import significance
 from .teacher import RowResult
 
@@ -173,6 +173,7 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
         lines.append(
             f"{r['name']:<30} {r['perplexity']:>8.3f} {_kl(r['mean_kl']):>9} {r['top1_agreement']:>6.3f} "
             f"{r['bytes_per_token'] / 1e6:>7.1f} {r['relative_bytes']:>6.3f} "
+            f"{_mb(r.get('kv_bytes_per_token')):>6} {_mb(r.get('total_bytes_per_token'), 1):>7} "
             f"{100 * f['low']:>5.1f} {100 * f['mid']:>5.1f} {100 * f['high']:>5.1f} {r['shifts']:>6d} "
             f"{'' if tps is None else format(tps, '.1f'):>6}"
         )
@@ -216,9 +217,9 @@ def speculative_table(section: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _mb(x: Optional[float]) -> str:
-    """Megabytes with two decimals ('' when absent: results saved before the KV column)."""
-    return "" if x is None else f"{x / 1e6:.2f}"
+def _mb(x: Optional[float], decimals: int = 2) -> str:
+    """Megabytes with ``decimals`` decimals ('' when absent: results saved before the KV column)."""
+    return "" if x is None else f"{x / 1e6:.{decimals}f}"
 
 
 def kv_note(kv: Optional[Dict[str, Any]]) -> str:
@@ -250,21 +251,11 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
         out.append(
             f"| {r['name']} | {r['perplexity']:.3f} | {_kl(r['mean_kl'])} | {r['top1_agreement']:.3f} | "
             f"{r['bytes_per_token'] / 1e6:.1f} | {r['relative_bytes']:.3f} | "
+            f"{_mb(r.get('kv_bytes_per_token'))} | {_mb(r.get('total_bytes_per_token'), 1)} | "
             f"{100 * f['low']:.0f}/{100 * f['mid']:.0f}/{100 * f['high']:.0f} | {r['shifts']} | "
             f"{'' if tps is None else format(tps, '.1f')} |"
         )
     return "\n".join(out)
-
-
-def _clean(x: Any) -> Any:
-    """JSON has no NaN or infinity: write null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 def write_json(results: Dict[str, Any], path: str | os.PathLike) -> Path:
@@ -273,6 +264,6 @@ def write_json(results: Dict[str, Any], path: str | os.PathLike) -> Path:
     if not path.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {path.parent} (create it first)")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(results), indent=1) + "\n")
+    tmp.write_text(dumps(results, indent=1) + "\n")
     os.replace(tmp, path)
     return path

@@ -83,8 +83,7 @@ def build_transforms(
     if calibration is not None:
         if check_calibration:
             calibration.check(model)
-        if len(calibration.layers) != len(infos):
-            raise ValueError("the KV calibration has a different number of layers than the model")
+        calibration.check_shapes([(i.n_kv_heads, i.head_dim) for i in infos])
     scores = outlier_scores(model) if config.outliers == "auto" else None
     bits = layer_bits(config, len(infos), scores)
     out = []

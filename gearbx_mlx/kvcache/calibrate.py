@@ -36,12 +36,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..jsonsafe import dumps
 from .arch import AttentionInfo, attention_modules, describe, input_norm_weight
 
 KV_CALIBRATION_FORMAT = 1
@@ -64,8 +65,41 @@ class LayerStats:
         return {f: np.round(getattr(self, f), 7).tolist() for f in _FIELDS}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "LayerStats":
-        return cls(**{f: np.asarray(d[f], dtype=np.float64) for f in _FIELDS})
+    def from_dict(cls, d: Dict[str, Any], where: str = "layer") -> "LayerStats":
+        """Checked: every field a finite ``(n_kv_heads, head_dim)`` array, all of one shape.
+
+        Raises:
+            ValueError: names ``where`` and the field.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be an object of statistics, got {type(d).__name__}")
+        arrays = {f: _stat_array(d, f, where) for f in _FIELDS}
+        first = _FIELDS[0]
+        for f, a in arrays.items():
+            if a.shape != arrays[first].shape:
+                raise ValueError(f"{where}.{f} has shape {a.shape}, {where}.{first} has {arrays[first].shape}: "
+                                 "one (n_kv_heads, head_dim) shape for every statistic of a layer")
+        return cls(**arrays)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """``(n_kv_heads, head_dim)``."""
+        return tuple(self.k_var.shape)
+
+
+def _stat_array(d: Dict[str, Any], f: str, where: str) -> np.ndarray:
+    """Field ``f`` of one layer's statistics as a finite 2-D float64 array (ValueError naming it)."""
+    if f not in d:
+        raise ValueError(f"{where} lacks {f!r}")
+    try:
+        a = np.asarray(d[f], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}.{f} is not a (n_kv_heads, head_dim) array of numbers") from None
+    if a.ndim != 2 or 0 in a.shape:
+        raise ValueError(f"{where}.{f} must be a (n_kv_heads, head_dim) array, got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{where}.{f} holds NaN or infinity (a statistic must be finite: calibrate again)")
+    return a
 
 
 @dataclass
@@ -93,16 +127,36 @@ class KVCalibration:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "KVCalibration":
+        """Checked: every statistic finite and of the shape the saved fingerprint gives its layer.
+
+        Raises:
+            ValueError: names the field (``layers[i].k_var``, ...) and what is wrong.
+        """
         if not isinstance(d, dict) or d.get("format") != KV_CALIBRATION_FORMAT:
             raise ValueError(f"not a KV calibration of format {KV_CALIBRATION_FORMAT}")
+        if not isinstance(d.get("layers"), list):
+            raise ValueError("malformed KV calibration ('layers' must be a list)")
+        layers = [LayerStats.from_dict(x, f"layers[{i}]") for i, x in enumerate(d["layers"])]
         try:
-            return cls(
-                layers=[LayerStats.from_dict(x) for x in d["layers"]],
-                fingerprint=d["fingerprint"], source=d["source"], n_tokens=int(d["n_tokens"]),
+            out = cls(
+                layers=layers, fingerprint=d["fingerprint"], source=d["source"], n_tokens=int(d["n_tokens"]),
                 text_sha256=d.get("text_sha256", ""), created=d.get("created", ""),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed KV calibration ({e})") from None
+        if not isinstance(out.fingerprint, dict):
+            raise ValueError("malformed KV calibration ('fingerprint' must be an object)")
+        out.check_shapes(_fingerprint_shapes(out.fingerprint), "the fingerprint's model")
+        return out
+
+    def check_shapes(self, shapes: Sequence[Tuple[int, int]], whose: str = "the model") -> None:
+        """ValueError unless there is one layer per ``(n_kv_heads, head_dim)`` of ``shapes``, of that shape."""
+        if len(self.layers) != len(shapes):
+            raise ValueError(f"'layers' has {len(self.layers)} layers, {whose} has {len(shapes)}")
+        for i, (s, want) in enumerate(zip(self.layers, shapes)):
+            if s.shape != tuple(want):
+                raise ValueError(f"layers[{i}] statistics have shape {s.shape}; {whose}'s layer {i} has "
+                                 f"(n_kv_heads, head_dim) = {tuple(want)}")
 
     def save(self, path: "str | os.PathLike") -> Path:
         """Write JSON atomically (temporary file, then rename)."""
@@ -110,7 +164,7 @@ class KVCalibration:
         if not path.parent.exists():
             raise FileNotFoundError(f"cannot save the KV calibration: {path.parent} does not exist")
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
+        tmp.write_text(dumps(self.to_dict()) + "\n")
         os.replace(tmp, path)
         return path
 
@@ -129,16 +183,28 @@ class KVCalibration:
             raise ValueError(f"{path}: {e}") from None
 
     def check(self, model: nn.Module) -> None:
-        """ValueError unless these statistics were taken on ``model``'s weights."""
+        """ValueError unless these statistics were taken on ``model``'s weights (and fit its shapes)."""
         mismatch = fingerprint_mismatch(self.fingerprint, model_fingerprint(model))
         if mismatch:
             raise ValueError(
                 f"this KV calibration belongs to another model ({mismatch}); calibrate "
                 "again on this model (calibrate_text or calibrate_weights)"
             )
+        self.check_shapes([(i.n_kv_heads, i.head_dim) for i in describe(model)])
 
 
 # -- fingerprints -------------------------------------------------------------------
+
+
+def _fingerprint_shapes(fp: Dict[str, Any]) -> List[Tuple[int, int]]:
+    """Per layer ``(n_kv_heads, head_dim)`` as a saved fingerprint states them."""
+    n, heads, dims = fp.get("n_layers"), fp.get("n_kv_heads"), fp.get("head_dim")
+    ok = (isinstance(n, int) and isinstance(heads, list) and isinstance(dims, list) and len(heads) == len(dims) == n
+          and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in heads + dims))
+    if not ok:
+        raise ValueError("malformed KV calibration ('fingerprint' needs n_layers and, per layer, n_kv_heads and "
+                         "head_dim as positive integers)")
+    return list(zip(heads, dims))
 
 
 def dense_weight(module: Any) -> Optional[mx.array]:

@@ -177,6 +177,17 @@ def float_bytes_per_token(model: nn.Module, dtype_bytes: int = 2) -> float:
     return float(sum(2 * i.n_kv_heads * i.head_dim * dtype_bytes for i in describe(model)))
 
 
+def float_cache_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of mlx-lm's float cache for ``model``: that of the keys it computes, i.e. of the
+    first attention layer's ``k_proj`` weight (its scales if quantized, any nested plane's scales);
+    float16 if none is found."""
+    for attn in attention_modules(model)[:1]:
+        for _, a in tree_flatten(attn["k_proj"].parameters()):
+            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating):
+                return a.dtype
+    return mx.float16
+
+
 class KVSession:
     """One stream's KV transform: the model's handle, a drafter's, and the caches.
 
@@ -282,8 +293,10 @@ def plain_summary(model: nn.Module, options: KVOptions) -> Dict[str, Any]:
     except ValueError:
         f16 = None
     if not options.active:
-        return {"kind": "float", "bytes_per_token": f16, "float16_bytes_per_token": f16,
-                "ratio_to_float16": 1.0 if f16 else None}
+        dtype = float_cache_dtype(model)
+        ratio = dtype.size / 2  # the cache holds the keys and values in the model's own dtype
+        return {"kind": "float", "dtype": str(dtype).split(".")[-1], "bytes_per_token": None if f16 is None
+                else f16 * ratio, "float16_bytes_per_token": f16, "ratio_to_float16": ratio if f16 else None}
     bpe = bits_per_element(options.bits, options.plain_group_size)
     bpt = None if f16 is None else f16 * bpe / 16
     return {"kind": "affine", "bits": options.bits, "group_size": options.plain_group_size,

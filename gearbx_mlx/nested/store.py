@@ -6,16 +6,25 @@ converted model (or in the package's cache folder when that folder cannot be
 written), in one safetensors file keyed by the model's weight files. A later
 load of the ``planes`` store reads the planes and never materializes the
 managed float weights. A cache file is used only if its format version, key,
-plan and every tensor's shape and dtype match what the model needs; a
-missing, damaged or foreign file is rebuilt, never trusted.
+plan and every tensor's shape and dtype match what the model needs, and the
+file matches the integrity record written beside it (the converted models'
+record, :mod:`gearbx_mlx.sources.entries`: a same-size overwrite is caught by
+its hash); a missing, damaged or foreign file is rebuilt, never trusted. A
+file that cannot be written (a full disk) leaves the run going without it,
+with one warning naming the file and the cause.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
@@ -23,6 +32,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
+from ..sources.entries import (
+    LEGACY_STALE_S,
+    check_file,
+    clean_stale,
+    file_record,
+    sha256_file,
+    temporary_file,
+    write_file_record,
+)
 from .layers import NestedWeights, is_embedding, make_view, nested_weights_of
 from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, PlaneSpec
 
@@ -149,7 +167,14 @@ def cache_path(model_dir: Path, key: str, fallback_dir: Path) -> Path:
 
 
 def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> Path:
-    """Write every plane to ``path`` atomically (a temporary file, then a rename)."""
+    """Write every plane to ``path`` atomically (a locked temporary file, then a rename),
+    with its integrity record beside it (:func:`gearbx_mlx.sources.entries.file_record`).
+
+    Raises:
+        OSError: ``path`` could not be written (a full disk, a read-only or foreign
+            path): the message names the file and the cause, and one warning says the
+            same before it is raised (the caller may go on without the cache).
+    """
     arrays: Dict[str, mx.array] = {}
     layout: Dict[str, Any] = {}
     for p, w in weights.items():
@@ -160,16 +185,40 @@ def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> P
         layout[p] = {"bits": list(w.bits), "group_sizes": list(w.group_sizes), "exponents": list(w.exponents),
                      "bias": "bias" in w}
     meta = {"format": "gearbx-planes", "version": str(FORMAT_VERSION), "key": key, "layout": json.dumps(layout)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
     try:
-        mx.save_safetensors(tmp, arrays, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale(path.parent)
+        with temporary_file(path.parent, path.name) as (tmp, fh):
+            # A Python file, not a path: MLX then reports a failed write as the OSError it is.
+            mx.save_safetensors(fh, arrays, metadata=meta)
+            fh.flush()
+            digest = sha256_file(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file_record(path))  # no moment where the old record vouches for the new file
+            os.replace(tmp, path)
+        write_file_record(path, digest, {"key": key})
+    except (OSError, RuntimeError) as e:
+        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+        message = f"planes cache {path} not written ({cause}): going on without it"
+        warnings.warn(message, stacklevel=3)
+        raise OSError(getattr(e, "errno", None) or errno.EIO, message) from None
     return path
+
+
+#: Temporary files of earlier versions' writers (``.<key>.XXXXXXXX.safetensors``).
+_LEGACY_TMP = re.compile(r"\.[0-9a-f]{24}\.[a-z0-9_]{8}\.safetensors")
+
+
+def sweep_stale(folder: Path) -> int:
+    """Remove the temporaries that killed writers left in a planes folder; how many went."""
+    removed = clean_stale(folder)
+    now = time.time()
+    for p in folder.glob(".*.safetensors") if folder.is_dir() else ():
+        with contextlib.suppress(OSError):
+            if _LEGACY_TMP.fullmatch(p.name) and now - p.lstat().st_mtime > LEGACY_STALE_S:
+                p.unlink()
+                removed += 1
+    return removed
 
 
 class PlanesCacheError(ValueError):
@@ -179,12 +228,18 @@ class PlanesCacheError(ValueError):
 def load_nested(
     path: Path, key: str, shapes: Mapping[str, Tuple[int, int]], plan: Sequence[PlaneSpec]
 ) -> Dict[str, NestedWeights]:
-    """The planes saved at ``path`` for ``key``, checked against each path's ``(out, in)`` and the plan.
+    """The planes saved at ``path`` for ``key``, checked against their integrity record
+    (sizes, and SHA-256 where the file was touched), each path's ``(out, in)`` and the plan.
 
     Raises:
-        PlanesCacheError: unreadable, truncated, another model's or another
-            plan's file, or a tensor missing or of the wrong shape.
+        PlanesCacheError: not a regular file, no record or not matching it (a
+            damaged file), unreadable, another model's or another plan's file,
+            or a tensor missing or of the wrong shape.
     """
+    sweep_stale(Path(path).parent)
+    reason = check_file(Path(path))
+    if reason is not None:  # checked before it is opened: a FIFO there must not block the run
+        raise PlanesCacheError(f"planes cache {path} is not usable ({reason})")
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:  # noqa: BLE001  (MLX raises RuntimeError/ValueError for damaged files)

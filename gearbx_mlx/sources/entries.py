@@ -19,6 +19,10 @@ entry cannot be replaced, the error names the folder to delete.
 Temporary folders carry :data:`TMP_PREFIX` and a lock file that their builder
 holds (``flock``) while it works: the lock dies with the process, even under
 SIGKILL, so :func:`clean_stale` removes exactly the temporaries of dead runs.
+
+A single cached file (the nested store's planes) has the same record, of one
+file, beside it (:func:`file_record`, :func:`check_file`), and is written
+through a temporary file its writer holds locked (:func:`temporary_file`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Tuple
 
 try:  # POSIX (macOS, Linux); elsewhere temporaries are judged by age alone
     import fcntl
@@ -94,24 +99,40 @@ def check_entry(folder: Path) -> Optional[str]:
         return "absent"
     if not folder.is_dir():
         return "not a folder"
+    record, reason = _read_record(folder / RECORD)
+    return reason or _check_recorded(folder, record, folder / RECORD)
+
+
+def _read_record(path: Path) -> Tuple[Dict[str, Any], Optional[str]]:
+    """``(record, None)``, or ``({}, what is wrong)`` (a FIFO in its place is not opened: it would block)."""
     try:
-        record = json.loads((folder / RECORD).read_text())
+        if not stat.S_ISREG(path.stat().st_mode):
+            return {}, f"its integrity record {path.name} is not a regular file"
+        record = json.loads(path.read_text())
     except FileNotFoundError:
-        return "no integrity record (made by an earlier version, or never finished)"
+        return {}, "no integrity record (made by an earlier version, or never finished)"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return f"its integrity record {RECORD} is unreadable"
+        return {}, f"its integrity record {path.name} is unreadable"
     files = record.get("files") if isinstance(record, dict) else None
     if not isinstance(files, dict) or not files or record.get("format") != RECORD_FORMAT:
-        return f"its integrity record {RECORD} is malformed"
+        return {}, f"its integrity record {path.name} is malformed"
+    return record, None
+
+
+def _check_recorded(folder: Path, record: Dict[str, Any], record_path: Path) -> Optional[str]:
+    """None if every file of ``record`` (relative to ``folder``) matches it; the record's times are
+    refreshed where a file was touched but its hash is unchanged."""
     refreshed = False
-    for name, want in files.items():
+    for name, want in record["files"].items():
         p = folder / name
         try:
             st = p.stat()
         except OSError:
             return f"{name} is missing"
         if not isinstance(want, dict):
-            return f"its integrity record {RECORD} is malformed"
+            return f"its integrity record {record_path.name} is malformed"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file"
         if st.st_size != want.get("size"):
             return f"{name} has {st.st_size} bytes, the record says {want.get('size')}"
         if _stamp(st) != {k: want.get(k) for k in ("size", "mtime_ns", "ctime_ns")}:
@@ -122,8 +143,81 @@ def check_entry(folder: Path) -> Optional[str]:
             refreshed = True
     if refreshed:
         with contextlib.suppress(OSError):  # a read-only cache just hashes again next time
-            _write_json(folder / RECORD, record)
+            _write_json(record_path, record)
     return None
+
+
+def note_once(folder: Path, note: str) -> bool:
+    """True the first time ``note`` is noted for the entry ``folder``, False after: the note is kept
+    in the entry's record (``"notes"``), so it lasts as long as the entry (a rebuilt entry forgets
+    it). A folder that is no good entry (a user's own, read-only, damaged) remembers nothing: True.
+
+    For what should be said once per converted model, not once per run (the warning that the
+    source was already quantized).
+    """
+    if check_entry(folder) is not None:
+        return True
+    record, reason = _read_record(folder / RECORD)
+    if reason is not None:
+        return True
+    notes = record.get("notes") if isinstance(record.get("notes"), list) else []
+    if note in notes:
+        return False
+    record["notes"] = [*notes, note]
+    with contextlib.suppress(OSError):  # cannot remember it: say it again next time
+        _write_json(folder / RECORD, record)
+    return True
+
+
+# -- single cached files ----------------------------------------------------------------------
+def file_record(path: Path) -> Path:
+    """Where the integrity record of the single cached file ``path`` lives: ``.<name>.gearbx-entry.json``
+    beside it (the same record as an entry's, of one file)."""
+    return path.with_name(f".{path.name}{RECORD}")
+
+
+def write_file_record(path: Path, sha256: Optional[str] = None, source: Optional[Dict[str, Any]] = None) -> Path:
+    """Record the size, times and SHA-256 (``sha256`` if already known) of the file ``path``."""
+    entry = {**_stamp(path.stat()), "sha256": sha256 or sha256_file(path)}
+    record = {"format": RECORD_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "source": source or {}, "files": {path.name: entry}}
+    _write_json(file_record(path), record)
+    return file_record(path)
+
+
+def check_file(path: Path) -> Optional[str]:
+    """None if the cached file ``path`` is a regular file that matches its record
+    (:func:`file_record`); else what is wrong ("absent" if there is nothing)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return "absent"
+    except OSError as e:
+        return f"it cannot be examined ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    record, reason = _read_record(file_record(path))
+    if reason is None and set(record["files"]) != {path.name}:
+        reason = f"its integrity record {file_record(path).name} is malformed"
+    return reason or _check_recorded(path.parent, record, file_record(path))
+
+
+@contextlib.contextmanager
+def temporary_file(parent: Path, name: str) -> Iterator[Tuple[Path, BinaryIO]]:
+    """``(path, open file)``: a temporary file in ``parent`` that its writer holds locked
+    (``flock``) while it writes, so :func:`clean_stale` never takes a live one, however
+    long it writes, and takes a dead run's once it is :data:`UNLOCKED_STALE_S` old (a
+    lock is taken just after the file is made); removed on exit unless renamed away."""
+    parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{name}.", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if fcntl is not None:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            yield Path(tmp), fh
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 # -- temporaries ----------------------------------------------------------------------------
@@ -143,12 +237,13 @@ def temporary_dir(parent: Path, name: str) -> Iterator[Path]:
 
 
 def _owner_alive(tmp: Path) -> Optional[bool]:
-    """True if the builder of ``tmp`` still holds its lock; None if it has none."""
-    lock = tmp / LOCK
-    if fcntl is None or not lock.exists():
-        return None
+    """True if the builder of ``tmp`` (a folder, or a file of :func:`temporary_file`) still holds
+    its lock; False if a lock is free; None if it has none."""
+    lock = tmp / LOCK if tmp.is_dir() else tmp
     try:
-        fd = os.open(lock, os.O_RDWR)
+        if fcntl is None or not stat.S_ISREG(lock.lstat().st_mode):
+            return None  # never open a FIFO or a device: that could block
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
     try:
@@ -181,8 +276,10 @@ def clean_stale(parent: Path, say: Optional[Callable[[str], None]] = None) -> in
         except OSError:
             continue
         if p.name.startswith(TMP_PREFIX):
-            alive = _owner_alive(p) if p.is_dir() else None
-            stale = alive is False or (alive is None and age > UNLOCKED_STALE_S)
+            alive = _owner_alive(p)
+            # A folder whose lock is free is a dead run's; a file may be an unlocked one
+            # (a record being written), so a free file is stale only once old.
+            stale = (alive is False and p.is_dir()) or (not alive and age > UNLOCKED_STALE_S)
         else:
             stale = _is_legacy_tmp(p) and age > LEGACY_STALE_S
         if not stale:

