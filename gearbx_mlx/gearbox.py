@@ -74,7 +74,6 @@ class Gearbox:
         self.manager = PrecisionManager(model, config or GearboxConfig(), planes_dir, draft_scope)
         #: The config as resolved: store, kernel and scope decided once (:attr:`resolution` says why).
         self.config = self.manager.config
-        self.resolution = self.manager.resolution
         #: The loaded model's folder, where :func:`gearbx_mlx.load` knows it (keys saved calibrations).
         self.model_dir: Optional[Path] = None
         #: Where the thresholds come from: ``default-scaled``, ``manual`` or ``calibration:<strategy>``.
@@ -86,6 +85,11 @@ class Gearbox:
         self._source_check: Optional[SourceCheck] = None
         self._warned = False
         self.prompt_class: Optional[PromptClass] = None
+
+    @property
+    def resolution(self) -> Any:
+        """What the gearbox runs with and why (:class:`~gearbx_mlx.resolver.Resolution`)."""
+        return self.manager.resolution
 
     # -- thresholds -----------------------------------------------------------
     @property

@@ -289,7 +289,9 @@ def _kv_held_text(kv: Dict[str, Any]) -> str:
 
 def _resolution_line(r: Dict[str, Any]) -> str:
     why = r.get("why", {})
-    return "Resolved: " + "; ".join(f"{k} {r[k]} ({why.get(k, '')})" for k in ("store", "kernel", "scope") if k in r)
+    parts = [f"{k} {r[k]} ({why.get(k, '')})" for k in ("store", "kernel", "scope") if k in r]
+    parts += [f"{g} gear: {why[g]}" for g in ("mid", "low") if g in why]
+    return "Resolved: " + "; ".join(parts)
 
 
 def _routed_lines(s: Dict[str, Any]) -> List[str]:

@@ -26,6 +26,7 @@ each once.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import warnings
@@ -247,7 +248,9 @@ class PrecisionManager:
         self.loaded_read_bytes = step_read_bytes(model)
         #: Bytes ``scope="all"`` would manage, taken before any gear is installed (a
         #: nested high gear replaces the loaded modules, which would hide them later).
-        self.managed_bytes_scope_all = 0 if self.telemetry_only else managed_bytes(model, "all", c.group_size)
+        every = set() if self.telemetry_only else set(discover(model, "all", c.group_size,
+                                                                quantized=self.source != "float")[0])
+        self.managed_bytes_scope_all = sum(nbytes(m) for p, m in model.named_modules() if p in every)
         if self.telemetry_only:
             self.paths, self.skipped = [], []
         else:
@@ -307,10 +310,24 @@ class PrecisionManager:
         self.cache = {g: {p: shard_gear(m, self.originals[p]) for p, m in mods.items()} for g, mods in views.items()}
         mx.eval([w.parameters() for w in self.nested.values()])
         self.planes_seconds = time.perf_counter() - tic
+        self._no_gear_dearer_than_high()
         if c.high == "planes":
             # The high gear reads the planes: install it now, and let the loaded weights go.
             self.model.update_modules(self._tree("high"))
             self.originals, self.sources = {}, {}
+
+    def _no_gear_dearer_than_high(self) -> None:
+        """A gear that reads more bytes than the high gear is not offered: it runs the high gear's
+        modules (on an MLX 8-bit model the mid planes, 4+4 bits with their scales, outweigh the
+        loaded 8-bit layers), and the resolution says so."""
+        if self.config.high != "original":
+            return
+        high = sum(read_bytes(m) for m in self.cache["high"].values())
+        for gear in ("mid", "low"):
+            if gear in self.cache and sum(read_bytes(m) for m in self.cache[gear].values()) >= high:
+                self.cache[gear] = self.cache["high"]
+                self.resolution = dataclasses.replace(self.resolution, why=self.resolution.why + (
+                    (gear, "its planes read no fewer bytes than the loaded weights: it runs the high gear's"),))
 
     def _shard(self) -> Tuple[int, int]:
         """``(rank, ranks)`` of the group the managed layers are sharded over; ``(0, 1)`` if none."""

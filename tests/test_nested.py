@@ -366,3 +366,15 @@ def test_a_static_high_gear_builds_no_planes_until_another_gear_is_asked_for():
     mgr.shift("low")  # a policy that does enter one (say, a server request) builds every gear then
     assert mgr.nested is not None and set(mgr.cache) == {"high", "mid", "low"}
     mgr.shift("high")
+
+
+def test_no_gear_reads_more_than_the_high_gear_on_an_mlx_8bit_model():
+    """On an MLX 8-bit model the mid planes (4+4 bits and their scales) outweigh the loaded 8-bit
+    layers: the mid gear then runs the high gear's modules, and the resolution says why."""
+    model = make_tiny_llama(hidden=128)
+    nn.quantize(model, group_size=64, bits=8)
+    mgr = PrecisionManager(model, GearboxConfig(store="nested", scope="all"))
+    step = mgr.step_bytes()
+    assert step["mid"] <= step["high"] and step["low"] < step["high"]
+    assert mgr.cache["mid"] is mgr.cache["high"] and "mid" in dict(mgr.resolution.why)
+    assert mgr.managed_bytes_scope_all > 0  # what --scope all manages here is not 0%
