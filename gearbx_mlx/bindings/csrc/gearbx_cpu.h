@@ -16,6 +16,7 @@
  *
  * Source layout: ref.c (oracles), dispatch.c (CPU features, kernel choice,
  * entry points), pool.c (threads), bandwidth.c (read-bandwidth probe),
+ * nested.c (nested planes' GEMV), unpack.c (a nested gear as one matrix),
  * arch/x86/ and arch/arm/ (SIMD kernels), internal.h (what they share),
  * test_main.c (self-test driver).
  */
