@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from nested_cases import (
     ODD_SHAPES,
     PLANS,
@@ -33,6 +34,7 @@ from nested_cases import (
 )
 
 from gearbx_mlx.bindings import build, cpu, nested_cpu
+from gearbx_mlx.nested.planes import quantize_plane, unpack_plane
 
 ROOT = Path(__file__).resolve().parent.parent
 QK = 32
@@ -156,6 +158,82 @@ def test_prepared_views_are_zero_copy():
     for k, p in enumerate(planes):
         mx.eval(p.weight)
         assert int(ffi.cast("uintptr_t", prep.table[k].codes)) == np.asarray(p.weight).ctypes.data
+
+
+# -- the gear as one matrix (the dense product's unpacking) ---------------------------
+
+
+def mlx_unpack(planes, n: int, rows=None) -> np.ndarray:
+    """The oracle: unpack_plane of each plane, summed in plane order in MLX."""
+    w = unpack_plane(planes[0])
+    for p in planes[1:n]:
+        w = w + unpack_plane(p)
+    w = np.asarray(w)
+    return w if rows is None else w[rows[0]:rows[1]]
+
+
+@pytest.mark.parametrize("plan, shape, group_size", CASES)
+def test_unpack_is_the_mlx_unpacking_bit_for_bit(plan, shape, group_size):
+    out_features, in_features = shape
+    dtype = (mx.float32, mx.bfloat16, mx.float16)[(len(plan) + (group_size or 0) // 32) % 3]
+    planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=out_features)
+    prep = nested_cpu.prepare_nested(planes)
+    lib = cpu.require().lib
+    old = lib.gbx_set_min_work(1)  # let the pool split even these small matrices
+    try:
+        for n in range(1, len(plan) + 1):
+            want = mlx_unpack(planes, n)
+            for threads in (1, 2, 3):
+                got = prep.unpack(n, threads=threads)
+                assert got.shape == shape and got.dtype == mx.float32
+                assert np.array_equal(np.asarray(got), want), (n, threads)
+            rows = (out_features // 3, out_features - 1)  # a block of rows
+            assert np.array_equal(np.asarray(prep.unpack(n, rows)), mlx_unpack(planes, n, rows))
+    finally:
+        lib.gbx_set_min_work(old)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    out_features=st.integers(1, 41),
+    groups=st.integers(1, 5),
+    specs=st.lists(st.tuples(st.sampled_from(nested_cpu.NESTED_BITS), st.sampled_from((32, 64, 128))),
+                   min_size=1, max_size=3),
+    exponents=st.lists(st.integers(0, 12), min_size=3, max_size=3),
+    dtype=st.sampled_from((mx.float32, mx.float16, mx.bfloat16)),
+    seed=st.integers(0, 2**16),
+)
+def test_unpack_of_any_planes_is_the_mlx_unpacking(out_features, groups, specs, exponents, dtype, seed):
+    in_features = 128 * groups
+    w = make_x((out_features, in_features), mx.float32, seed=seed) * 0.05
+    planes = [quantize_plane(w, bits, gs, e, dtype) for (bits, gs), e in zip(specs, exponents)]
+    prep = nested_cpu.prepare_nested(planes)
+    n = len(planes)
+    assert np.array_equal(np.asarray(prep.unpack(n)), mlx_unpack(planes, n))
+    assert np.array_equal(np.asarray(nested_cpu.nested_unpack(planes, 1)), np.asarray(unpack_plane(planes[0])))
+
+
+def test_unpack_bad_arguments_name_what_is_wrong():
+    planes = make_planes(16, 128, (4, 4), 64, mx.float16)
+    prep = nested_cpu.prepare_nested(planes)
+    with pytest.raises(ValueError, match="1 to 2 planes"):
+        prep.unpack(3)
+    with pytest.raises(ValueError, match="rows must satisfy"):
+        prep.unpack(1, (5, 17))
+    with pytest.raises(ValueError, match="rows must satisfy"):
+        prep.unpack(1, (6, 5))
+    with pytest.raises(ValueError, match="threads"):
+        prep.unpack(1, threads=0)
+    assert prep.unpack(1, (4, 4)).shape == (0, 128)
+    with pytest.raises(ValueError, match="out must be"):
+        prep.unpack(1, out=mx.zeros((16, 64)))
+    out = mx.zeros((16, 128))
+    assert prep.unpack(2, out=out) is out and np.array_equal(np.asarray(out), mlx_unpack(planes, 2))
+    ext = cpu.require()  # the C checks behind the wrapper's
+    w = ext.ffi.new("float[]", 16 * 128)
+    assert ext.lib.gbx_nested_unpack(prep.table, 1, w, 0, 17, 16, 128, 1) == ext.lib.GBX_E_SHAPE
+    assert ext.lib.gbx_nested_unpack(prep.table, 3, w, 0, 16, 16, 128, 1) == ext.lib.GBX_E_PLANES
+    assert ext.lib.gbx_nested_unpack(prep.table, 1, ext.ffi.NULL, 0, 16, 16, 128, 1) == ext.lib.GBX_E_NULL
 
 
 # -- the self-test driver (natively; the NEON builds: test_neon_qemu.py) ---------------

@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from nested_cases import assert_close, make_planes, make_x, reference64
+from nested_cases import ODD_SHAPES, PLANS, assert_close, make_planes, make_x, plan_cases, reference64
 
 from gearbx_mlx import blas
-from gearbx_mlx.bindings import cpu, gpu, guard, nested_gpu
+from gearbx_mlx.bindings import cpu, gpu, guard, nested_cpu, nested_gpu
 from gearbx_mlx.nested import matmul, planes as planes_module
 from gearbx_mlx.nested.matmul import NestedKernelConfig, NestedProduct, nested_matmul
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, dense_matmul, quantize_plane, unpack_plane
@@ -94,6 +94,61 @@ def test_dense_product_in_blocks_of_rows_is_the_whole_product(monkeypatch):
     assert_close(whole, want, mag, mx.float32)
     with pytest.raises(ValueError, match="1 to 3 planes"):
         dense_matmul(x, planes, 4)
+
+
+@needs_cpu_ext
+@on_cpu_device
+@pytest.mark.parametrize("plan, shape, group_size", plan_cases(PLANS, ODD_SHAPES[:2] + [(40, 128)]))
+def test_dense_product_unpacks_in_c_to_the_mlx_unpacking(monkeypatch, plan, shape, group_size):
+    """The C unpacking gives the MLX one's weights bit for bit, so the same BLAS product, and
+    that is the gear's product within float32 summation; a matrix of several blocks keeps
+    MLX's lazy unpacking."""
+    out_features, in_features = shape
+    dtype = (mx.float32, mx.bfloat16)[len(plan) % 2]
+    planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=in_features)
+    x = make_x((3, in_features), dtype)
+    calls = []
+    real = nested_cpu.PreparedNested.unpack
+    monkeypatch.setattr(nested_cpu.PreparedNested, "unpack", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    for n in range(1, len(plan) + 1):
+        y = dense_matmul(x, planes, n)
+        want, mag = reference64(x, planes, n)
+        assert_close(y, want, mag, dtype)
+        with monkeypatch.context() as m:
+            m.setattr(cpu, "available", lambda: False)  # no extension: the MLX unpacking
+            assert mx.array_equal(dense_matmul(x, planes, n), y).item()
+        with monkeypatch.context() as m:
+            m.setattr(planes_module, "DENSE_BLOCK_ELEMENTS", in_features * 7)  # 7 rows a block, and a tail
+            assert_close(dense_matmul(x, planes, n), want, mag, dtype)
+    assert calls == list(range(1, len(plan) + 1))  # the blocked products did not reach the C unpacking
+
+
+@needs_cpu_ext
+@on_cpu_device
+def test_dense_products_sharing_scratch_weights_and_prepared_planes_stay_right():
+    """Products of one shape unpack into the same scratch matrix: each is evaluated before the
+    next rewrites it. The planes' C tables are kept per first plane, and rebuilt when a plane's
+    arrays change."""
+    a = make_planes(40, 128, tuple(DEFAULT_PLAN), None, mx.float32, seed=1)
+    b = make_planes(40, 128, tuple(DEFAULT_PLAN), None, mx.float32, seed=2)
+    x = make_x((4, 128), mx.float32)
+    ya, yb = dense_matmul(x, a, 2), dense_matmul(x, b, 2)
+    for planes, y in ((a, ya), (b, yb)):
+        want, mag = reference64(x, planes, 2)
+        assert_close(y, want, mag, mx.float32)
+    assert mx.array_equal(dense_matmul(x, a, 2), ya).item()  # the kept table
+    a[1].weight, a[1].scales, a[1].biases = b[1].weight, b[1].scales, b[1].biases  # another residual
+    want, mag = reference64(x, a, 2)
+    assert_close(dense_matmul(x, a, 2), want, mag, mx.float32)
+
+
+@on_cpu_device
+def test_dense_product_of_planes_no_kernel_reads_takes_the_mlx_unpacking(monkeypatch):
+    planes = make_planes(24, 128, DEFAULT_PLAN[:2] + ((5, 64),), None, mx.float16)
+    x = make_x((3, 128), mx.float16)
+    monkeypatch.setattr(nested_cpu, "prepare_nested", lambda *a: pytest.fail("5-bit planes reached the C kernels"))
+    want, mag = reference64(x, planes, 3)
+    assert_close(dense_matmul(x, planes, 3), want, mag, mx.float16)
 
 
 @on_cpu_device

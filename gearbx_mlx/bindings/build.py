@@ -52,7 +52,7 @@ CSRC = "gearbx_mlx/bindings/csrc"
 #: instruction set it needs (csrc/internal.h), so a macOS universal2
 #: build compiles the same list for both halves.
 SOURCES = tuple(f"{CSRC}/{name}" for name in (
-    "ref.c", "dispatch.c", "pool.c", "bandwidth.c", "nested.c",
+    "ref.c", "dispatch.c", "pool.c", "bandwidth.c", "nested.c", "unpack.c",
     "arch/x86/packed.c", "arch/x86/nested.c", "arch/arm/packed.c", "arch/arm/nested.c",
 ))
 #: The self-test driver (not in the extension): built by the tests with SOURCES.
@@ -128,6 +128,8 @@ void gbx_quantize_act(const float *x, int n, int8_t *qs, float *d, int32_t *sum)
 int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, int m,
                     int out_features, int in_features, int path, int nthreads);
 int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int path);
+int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int row1, int out_features,
+                      int in_features, int nthreads);
 """
 
 

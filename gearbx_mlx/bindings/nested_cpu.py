@@ -24,7 +24,7 @@ module does not import the nested package, which sits above the kernels.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence, Union
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +32,7 @@ import numpy as np
 from ..mlx_tables import GROUP_SIZES
 from . import cpu
 
-__all__ = ["PreparedNested", "prepare_nested", "nested_gemv"]
+__all__ = ["PreparedNested", "prepare_nested", "nested_gemv", "nested_unpack"]
 
 ArrayLike = Union[mx.array, np.ndarray]
 PATHS = cpu.PATHS
@@ -168,6 +168,53 @@ class PreparedNested:
             cpu.raise_for(ext, rc, "gearbx_mlx.bindings.nested_cpu.gemv")
         return out if out is not None else mx.array(yv).reshape(shape)
 
+    def unpack(self, n: Optional[int] = None, rows: Optional[Tuple[int, int]] = None, *,
+               threads: Optional[int] = None, out: Optional[mx.array] = None) -> mx.array:
+        """The gear of the first ``n`` planes (default all) as one float32 matrix.
+
+        ``sum_p 2**-e_p * deq(plane p)``, each plane's values formed as
+        :func:`gearbx_mlx.nested.planes.unpack_plane` forms them and added in
+        plane order: the same float32 values, bit for bit, from the C kernels'
+        threads instead of MLX's element-wise operations.
+
+        Args:
+            n: planes read (1 .. n_planes).
+            rows: ``(start, stop)``: only those output rows (default all).
+            threads: threads for this call (default :func:`gearbx_mlx.bindings.cpu.get_threads`).
+            out: optional float32 MLX array of the result's shape, written in
+                place (a caller that reuses one must be done with its last values).
+
+        Returns:
+            ``(stop - start, in_features)`` float32, evaluated.
+        """
+        ext = cpu.require()
+        n = self.n_planes if n is None else n
+        if not isinstance(n, (int, np.integer)) or not 1 <= n <= self.n_planes:
+            raise ValueError(f"a gear reads 1 to {self.n_planes} planes, got {n!r}")
+        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        start, stop = (0, self.out_features) if rows is None else (int(rows[0]), int(rows[1]))
+        if not 0 <= start <= stop <= self.out_features:
+            raise ValueError(f"rows must satisfy 0 <= start <= stop <= {self.out_features}, got {rows!r}")
+        shape = (stop - start, self.in_features)
+        if out is None:
+            # MLX's own buffer (its allocator recycles them; a fresh numpy one
+            # costs page faults and a copy), written before anything else holds it.
+            out = mx.zeros(shape, dtype=mx.float32)
+        elif not isinstance(out, mx.array) or out.dtype != mx.float32 or tuple(out.shape) != shape:
+            raise ValueError(f"out must be a float32 mlx array of shape {shape}")
+        mx.eval(out)
+        view = np.asarray(out)
+        if not (view.flags.c_contiguous and view.flags.writeable):
+            raise ValueError("out must be contiguous and writable")
+        ffi = ext.ffi
+        rc = ext.lib.gbx_nested_unpack(self.table, int(n), ffi.from_buffer("float[]", view, require_writable=True),
+                                       start, stop, self.out_features, self.in_features,
+                                       0 if threads is None else int(threads))
+        if rc != 0:
+            cpu.raise_for(ext, rc, "gearbx_mlx.bindings.nested_cpu.unpack")
+        return out
+
 
 def _rows(x: ArrayLike, in_features: int):
     """``x`` as a C-contiguous float32 ``(m, in_features)`` buffer, and its leading shape."""
@@ -204,3 +251,8 @@ def nested_gemv(
 ) -> mx.array:
     """One-off :meth:`PreparedNested.gemv` (a layer keeps a :class:`PreparedNested`)."""
     return prepare_nested(planes).gemv(x, n, path=path, threads=threads)
+
+
+def nested_unpack(planes: Sequence[PlaneLike], n: int, *, threads: Optional[int] = None) -> mx.array:
+    """One-off :meth:`PreparedNested.unpack`: the first ``n`` planes summed, ``(out, in)`` float32."""
+    return prepare_nested(planes).unpack(n, threads=threads)

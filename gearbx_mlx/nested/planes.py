@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..bindings import cpu, nested_cpu
 from ..mlx_tables import GROUP_SIZES as MLX_GROUP_SIZES, QUANT_BITS
 
 #: ``(bits, group size)`` of each plane, low gear first: the default nesting.
@@ -292,8 +295,13 @@ def dense_matmul(
     Several input rows on a CPU: MLX's CPU ``quantized_matmul`` computes each
     output without BLAS (about one multiply-add per nanosecond,
     ``scripts/bench_qmm_cpu.py``) and the oracle makes ``n`` of them, while
-    a dequantization costs about one product of a single row. The dequantized
-    weights live only during the call, a block of :data:`DENSE_BLOCK_ELEMENTS` at a time.
+    a dequantization costs about one product of a single row. The planes are
+    summed by the C kernels' threads where they can read them
+    (:meth:`gearbx_mlx.bindings.nested_cpu.PreparedNested.unpack`: the values of
+    :func:`unpack_plane`, bit for bit, several times faster) where the matrix is
+    one block of :data:`DENSE_BLOCK_ELEMENTS`, and the product is evaluated at
+    once; else by :func:`unpack_plane`, lazily. The dequantized weights live only
+    during the call, a block of :data:`DENSE_BLOCK_ELEMENTS` at a time.
 
     Args:
         x: ``(..., in)``, any float dtype.
@@ -305,8 +313,15 @@ def dense_matmul(
     out_features, in_features = planes[0].shape
     xf = x.astype(mx.float32)
     step = max(1, DENSE_BLOCK_ELEMENTS // in_features)
+    # The C path works at once and evaluates its product; a matrix of several
+    # blocks (an output embedding) keeps MLX's lazy unpacking, so that a
+    # product nobody reads (the logits of a prefill chunk) costs nothing.
+    prepared = _c_planes(planes[:n]) if step >= out_features else None
     parts = []
-    for start in range(0, out_features, step):
+    if prepared is not None:
+        parts.append(xf @ prepared.unpack(n, out=_scratch(out_features, in_features)).T)
+        mx.eval(parts[0])  # done with the scratch weights before the next call rewrites them
+    for start in range(0, out_features, step) if prepared is None else ():
         block = [_rows_of(p, start, start + step) for p in planes[:n]] if step < out_features else planes[:n]
         w = unpack_plane(block[0])
         for p in block[1:]:
@@ -316,6 +331,45 @@ def dense_matmul(
     if bias is not None:
         y = y + bias.astype(mx.float32)
     return y.astype(x.dtype)
+
+
+#: Per thread, ``(out, in)`` -> the float32 matrix :func:`dense_matmul` unpacks a gear into
+#: through the C kernels (one allocation per shape, not a fresh zeroed one per call).
+_SCRATCH = threading.local()
+#: ``(id of the first plane, n)`` -> ``(the planes' arrays, their PreparedNested)``; an entry
+#: goes with its first plane (checking planes costs more than a small product's unpacking).
+_PREPARED: Dict[Tuple[int, int], Tuple[Tuple[mx.array, ...], Any]] = {}
+
+
+def _scratch(rows: int, cols: int) -> mx.array:
+    cache = _SCRATCH.__dict__.setdefault("by_shape", {})
+    w = cache.get((rows, cols))
+    if w is None:
+        w = cache[(rows, cols)] = mx.zeros((rows, cols), dtype=mx.float32)
+    return w
+
+
+def _c_planes(planes: Sequence[Plane]) -> Optional[Any]:
+    """The planes as the C kernels read them (a ``PreparedNested``, kept while the first plane
+    lives), or None where they cannot: no extension, a device other than the CPU, or planes of
+    other bits, groups or dtypes."""
+    if mx.default_device().type != mx.DeviceType.cpu or not cpu.available():
+        return None
+    key = (id(planes[0]), len(planes))
+    arrays = tuple(a for p in planes for a in p.arrays())
+    hit = _PREPARED.get(key)
+    if hit is not None and len(hit[0]) == len(arrays) and all(a is b for a, b in zip(hit[0], arrays)):
+        return hit[1]
+    if any(p.bits not in nested_cpu.NESTED_BITS or p.group_size not in MLX_GROUP_SIZES for p in planes):
+        return None
+    try:
+        prepared = nested_cpu.prepare_nested(planes)
+    except (ValueError, TypeError):
+        return None
+    if hit is None:
+        weakref.finalize(planes[0], _PREPARED.pop, key, None)
+    _PREPARED[key] = (arrays, prepared)
+    return prepared
 
 
 def unpack_plane(p: Plane) -> mx.array:

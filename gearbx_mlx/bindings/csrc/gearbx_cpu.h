@@ -16,6 +16,7 @@
  *
  * Source layout: ref.c (oracles), dispatch.c (CPU features, kernel choice,
  * entry points), pool.c (threads), bandwidth.c (read-bandwidth probe),
+ * nested.c (nested planes' GEMV), unpack.c (a nested gear as one matrix),
  * arch/x86/ and arch/arm/ (SIMD kernels), internal.h (what they share),
  * test_main.c (self-test driver).
  */
@@ -161,6 +162,21 @@ int gbx_nested_intdot_ref(const gbx_plane *planes, int n, const float *x, float 
 
 /* Argument check of gbx_nested_gemv (pointers aside). */
 int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int path);
+
+/*
+ * w[r - row0][I] = sum_{p < n} factor_p * deq(plane p)[r] in float32 for rows
+ * row0 <= r < row1 of the (out_features, in_features) planes: the gear of the
+ * first n planes as one matrix (or a block of its rows), for a BLAS product
+ * of many activation rows.
+ * Per element q * (scale * factor) + bias * factor, rounded as a product and
+ * a sum (no fused multiply-add), the planes added in order: the values of
+ * gearbx_mlx.nested.planes.unpack_plane summed, bit for bit.  Rows are split
+ * over nthreads threads (<= 0: the default).  Returns GBX_OK or a GBX_E_*
+ * code (checks as gbx_check_nested; GBX_E_SHAPE unless
+ * 0 <= row0 <= row1 <= out_features).
+ */
+int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int row1, int out_features,
+                      int in_features, int nthreads);
 
 #ifdef __cplusplus
 }

@@ -12,6 +12,8 @@
  *           whatever their summation order.  A nibble-order bug fails here.
  *   random  float activations with outliers; fast vs oracle within a
  *           relative tolerance of the sum of |terms|.
+ * gbx_nested_unpack is checked bit for bit on the planes of every nested
+ * case (a fused multiply-add in it would fail there).
  */
 #include <math.h>
 #include <stdio.h>
@@ -236,6 +238,46 @@ static double nested_abs_row(const gbx_plane *pl, int n, int i, const float *x, 
     return t;
 }
 
+/* gbx_nested_unpack against the sum written out here, bit for bit: per code
+ * a rounded product q * (s * f) and a rounded sum with b * f (the volatile
+ * keeps this compiler from fusing them where the target has FMA), the planes
+ * added in order; on 1 and 3 threads, whole and for a block of rows. */
+static void check_unpack(const gbx_plane *pl, int n, int O, int I, int label)
+{
+    float *want = malloc(sizeof(float) * (size_t)O * I), *got = malloc(sizeof(float) * (size_t)O * I);
+    for (int i = 0; i < O; ++i)
+        for (int p = 0; p < n; ++p) {
+            const int gs = pl[p].group_size, ng = I / gs;
+            const uint8_t *row = (const uint8_t *)pl[p].codes + (size_t)i * I * pl[p].bits / 8;
+            for (int j = 0; j < I; ++j) {
+                const size_t at = (size_t)i * ng + (size_t)(j / gs);
+                const float s = gbx_scale_at(pl[p].scales, at, pl[p].dtype) * pl[p].factor;
+                const float b = gbx_scale_at(pl[p].biases, at, pl[p].dtype) * pl[p].factor;
+                volatile float t = (float)gbx_code_at(row, pl[p].bits, j) * s;
+                const float v = t + b;
+                float *w = want + (size_t)i * I + j;
+                *w = p == 0 ? v : *w + v;
+            }
+        }
+    const int r0 = O / 3, r1 = O - O / 4;
+    for (int th = 1; th <= 3; th += 2) {
+        memset(got, 0xFF, sizeof(float) * (size_t)O * I);
+        if (gbx_nested_unpack(pl, n, got, 0, O, O, I, th) != GBX_OK ||
+            gbx_nested_unpack(pl, n, got + (size_t)O * I - (size_t)(r1 - r0) * I, r0, r1, O, I, th) != GBX_OK) {
+            report("nested-unpack-call-failed", label, O, I, pl[0].group_size, th, -1, 0, 0);
+            continue;
+        }
+        /* the block overwrote the last r1 - r0 rows: check them against rows r0..r1 */
+        for (size_t k = 0; k < (size_t)O * I; ++k, ++g_checks) {
+            const size_t tail = (size_t)O * I - (size_t)(r1 - r0) * I;
+            const float w = k < tail ? want[k] : want[(size_t)r0 * I + (k - tail)];
+            if (memcmp(&got[k], &w, sizeof w) != 0)
+                report("nested-unpack", label, O, I, pl[0].group_size, th, (int)(k / I), got[k], w);
+        }
+    }
+    free(want), free(got);
+}
+
 /* One nested case: plan bits[0..n) with group sizes gss, scale dtypes, m activation rows.  Exact
  * data: integer x with max |x| = 127 per block (d_b = 1), power-of-two
  * scales and factors, small integer biases, and every partial sum an integer
@@ -264,6 +306,7 @@ static void check_nested_case(const int *bits, const int *gss, const int *dtypes
         if (bits[p] == 6 || (bits[p] == 4 && label != 6))
             label = bits[p];
     }
+    check_unpack(pl, n, O, I, label);
     float *x = malloc(sizeof(float) * (size_t)m * I);
     for (int j = 0; j < m * I; ++j) {
         if (exact)

@@ -1,0 +1,203 @@
+/*
+ * unpack.c -- a gear's weights as one float32 matrix: w = sum_{p<n} deq(p),
+ * for a BLAS product of several activation rows (a prefill on the CPU).
+ *
+ * Each element is formed exactly as gearbx_mlx.nested.planes.unpack_plane
+ * forms it in MLX: s' = scale * factor and b' = bias * factor per group (a
+ * power of two: exact), then q * s' + b' rounded as a product and a sum (no
+ * fused multiply-add), and the planes added in order, plane 0 first.  So
+ * the result equals the MLX oracle bit for bit.  The whole file is compiled
+ * without floating-point contraction (GCC's default -ffp-contract=fast would
+ * otherwise fuse q * s' + b' where the target has FMA, e.g. AArch64); the
+ * AVX2 kernels (4- and 8-bit planes; 6-bit planes take the scalar loop) are
+ * compiled for "avx2" without "fma" for the same reason.  Elsewhere the
+ * scalar loops are written for the compiler to vectorize.  Rows are split
+ * over the thread pool (pool.c).
+ */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "internal.h"
+
+/* o[j] = q_j * s + b (first plane) or o[j] += q_j * s + b, for the gs codes
+ * of one group starting at byte `cr`. */
+GBX_INLINE void group_4(float *restrict o, const uint8_t *restrict cr, int gs, float s, float b, int add)
+{
+    if (add)
+        for (int j = 0; j < gs / 2; ++j) {
+            o[2 * j] = o[2 * j] + ((float)(cr[j] & 15) * s + b);
+            o[2 * j + 1] = o[2 * j + 1] + ((float)(cr[j] >> 4) * s + b);
+        }
+    else
+        for (int j = 0; j < gs / 2; ++j) {
+            o[2 * j] = (float)(cr[j] & 15) * s + b;
+            o[2 * j + 1] = (float)(cr[j] >> 4) * s + b;
+        }
+}
+
+GBX_INLINE void group_8(float *restrict o, const uint8_t *restrict cr, int gs, float s, float b, int add)
+{
+    if (add)
+        for (int j = 0; j < gs; ++j)
+            o[j] = o[j] + ((float)cr[j] * s + b);
+    else
+        for (int j = 0; j < gs; ++j)
+            o[j] = (float)cr[j] * s + b;
+}
+
+/* 6 bits: every 3 bytes hold 4 codes, least significant first (a group of
+ * 32, 64 or 128 codes is whole triplets). */
+GBX_INLINE void group_6(float *restrict o, const uint8_t *restrict cr, int gs, float s, float b, int add)
+{
+    for (int t = 0; t < gs / 4; ++t) {
+        const uint32_t v = (uint32_t)cr[3 * t] | (uint32_t)cr[3 * t + 1] << 8 | (uint32_t)cr[3 * t + 2] << 16;
+        for (int k = 0; k < 4; ++k) {
+            const float d = (float)((v >> (6 * k)) & 63u) * s + b;
+            o[4 * t + k] = add ? o[4 * t + k] + d : d;
+        }
+    }
+}
+
+GBX_INLINE void unpack_rows_body(const gbx_ctx *cc, int r0, int r1)
+{
+    const gbx_nested_ctx *c = cc->nest;
+    for (int k = r0; k < r1; ++k) {
+        const int r = c->m + k; /* c->m: the first row of the block (row0) */
+        float *out = c->y + (size_t)k * c->I;
+        for (int i = 0; i < c->n; ++i) {
+            const gbx_plane_rt *p = c->p + i;
+            const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
+            const int gs = c->I / p->ng;
+            const size_t gbytes = (size_t)gs * p->bits / 8;
+            for (int g = 0; g < p->ng; ++g) {
+                const size_t at = (size_t)r * p->ng + (size_t)g;
+                const float s = gbx_scale_at(p->scales, at, p->dtype) * p->factor;
+                const float b = gbx_scale_at(p->biases, at, p->dtype) * p->factor;
+                float *o = out + (size_t)g * gs;
+                const uint8_t *cr = row + (size_t)g * gbytes;
+                if (p->bits == 4)
+                    group_4(o, cr, gs, s, b, i > 0);
+                else if (p->bits == 8)
+                    group_8(o, cr, gs, s, b, i > 0);
+                else
+                    group_6(o, cr, gs, s, b, i > 0);
+            }
+        }
+    }
+}
+
+static void unpack_rows(const gbx_ctx *cc, int r0, int r1) { unpack_rows_body(cc, r0, r1); }
+
+#if GBX_X86
+/* AVX2 without FMA: each q * s' + b' stays a rounded product and a rounded sum. */
+#define GBX_UNPACK_AVX2_FN __attribute__((target("avx2")))
+
+/* Eight codes (epu8 in the low 8 bytes of c) -> o[0..7], stored or added. */
+GBX_UNPACK_AVX2_FN GBX_INLINE void put8_avx2(float *o, __m128i c, __m256 s, __m256 b, int add)
+{
+    const __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), s), b);
+    _mm256_storeu_ps(o, add ? _mm256_add_ps(_mm256_loadu_ps(o), d) : d);
+}
+
+/* A group of gs (a multiple of 32) 4-bit codes: 16 bytes hold 32 codes, low nibble first. */
+GBX_UNPACK_AVX2_FN GBX_INLINE void group_4_avx2(float *o, const uint8_t *cr, int gs, float sf, float bf, int add)
+{
+    const __m256 s = _mm256_set1_ps(sf), b = _mm256_set1_ps(bf);
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int j = 0; j < gs; j += 32) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(cr + j / 2));
+        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* codes in order */
+        put8_avx2(o + j, c0, s, b, add);
+        put8_avx2(o + j + 8, _mm_srli_si128(c0, 8), s, b, add);
+        put8_avx2(o + j + 16, c1, s, b, add);
+        put8_avx2(o + j + 24, _mm_srli_si128(c1, 8), s, b, add);
+    }
+}
+
+GBX_UNPACK_AVX2_FN GBX_INLINE void group_8_avx2(float *o, const uint8_t *cr, int gs, float sf, float bf, int add)
+{
+    const __m256 s = _mm256_set1_ps(sf), b = _mm256_set1_ps(bf);
+    for (int j = 0; j < gs; j += 16) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(cr + j));
+        put8_avx2(o + j, v, s, b, add);
+        put8_avx2(o + j + 8, _mm_srli_si128(v, 8), s, b, add);
+    }
+}
+
+GBX_UNPACK_AVX2_FN static void unpack_rows_avx2(const gbx_ctx *cc, int r0, int r1)
+{
+    const gbx_nested_ctx *c = cc->nest;
+    for (int k = r0; k < r1; ++k) {
+        const int r = c->m + k;
+        float *out = c->y + (size_t)k * c->I;
+        for (int i = 0; i < c->n; ++i) {
+            const gbx_plane_rt *p = c->p + i;
+            const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
+            const int gs = c->I / p->ng;
+            const size_t gbytes = (size_t)gs * p->bits / 8;
+            for (int g = 0; g < p->ng; ++g) {
+                const size_t at = (size_t)r * p->ng + (size_t)g;
+                const float s = gbx_scale_at(p->scales, at, p->dtype) * p->factor;
+                const float b = gbx_scale_at(p->biases, at, p->dtype) * p->factor;
+                float *o = out + (size_t)g * gs;
+                const uint8_t *cr = row + (size_t)g * gbytes;
+                if (p->bits == 4)
+                    group_4_avx2(o, cr, gs, s, b, i > 0);
+                else if (p->bits == 8)
+                    group_8_avx2(o, cr, gs, s, b, i > 0);
+                else
+                    group_6(o, cr, gs, s, b, i > 0);
+            }
+        }
+    }
+}
+#endif
+
+int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int row1, int out_features,
+                      int in_features, int nthreads)
+{
+    int rc = gbx_check_nested(planes, n, 1, out_features, in_features, GBX_PATH_FLOAT);
+    if (rc != GBX_OK)
+        return rc;
+    if (row0 < 0 || row1 < row0 || row1 > out_features)
+        return GBX_E_SHAPE;
+    if (row1 == row0)
+        return GBX_OK;
+    if (!w)
+        return GBX_E_NULL;
+    for (int i = 0; i < n; ++i)
+        if (!planes[i].codes || !planes[i].scales || !planes[i].biases)
+            return GBX_E_NULL;
+    gbx_cpu_init();
+    gbx_nested_ctx c;
+    memset(&c, 0, sizeof c);
+    for (int i = 0; i < n; ++i) {
+        gbx_plane_rt *p = c.p + i;
+        p->codes = (const uint8_t *)planes[i].codes;
+        p->row_bytes = (size_t)in_features * planes[i].bits / 8;
+        p->scales = planes[i].scales;
+        p->biases = planes[i].biases;
+        p->bits = planes[i].bits;
+        p->dtype = planes[i].dtype;
+        p->ng = in_features / planes[i].group_size;
+        p->factor = planes[i].factor;
+    }
+    c.n = n, c.m = row0, c.O = out_features, c.I = in_features;
+    c.y = w;
+    gbx_ctx cc;
+    memset(&cc, 0, sizeof cc);
+    cc.nest = &c;
+    gbx_rows_fn fn = unpack_rows;
+#if GBX_X86
+    if (gbx_cpu.avx2)
+        fn = unpack_rows_avx2;
+#endif
+    const size_t row_weights = (size_t)in_features * (size_t)n;
+    const int rows = row1 - row0;
+    const int parts = gbx_pool_parts(nthreads, (long long)rows * (long long)row_weights, rows);
+    return gbx_run_rows(fn, &cc, rows, parts, row_weights);
+}
