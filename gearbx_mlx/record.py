@@ -124,7 +124,12 @@ class RunRecord:
             "kv_cache": kv_held(self.kv_cache, getattr(last, "prompt_tokens", 0) + len(gears)),
             "resolution": self.gearbox.resolution.as_dict(),
         }
-        out.update(self._routed(last, out) if self.mode == "routed" else {"speculative": self._speculative()})
+        if self.mode == "routed":
+            out.update(self._routed(last, out))
+        else:
+            spec = self._speculative()
+            distributed = spec.pop("distributed", None)  # a sharded run's block: the same key in every mode
+            out.update({"speculative": spec, **({"distributed": distributed} if distributed else {})})
         return out
 
     def _emitted(self, last: Any) -> tuple:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 from typing import Iterator
 
 import mlx.core as mx
@@ -126,3 +127,11 @@ def pytest_collection_modifyitems(config, items):
 
     slow_modules = {module(item) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: module(item) not in slow_modules)
+
+
+def pytest_configure(config):
+    """A harness started in the background (``cmd &`` without job control) ignores SIGINT, and a
+    child inherits an ignored signal across exec: the real-signal tests would then send Ctrl-C
+    to processes that cannot receive it. Give this process (and so its children) the default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -126,7 +126,8 @@ def scenario(name: str, args: argparse.Namespace, group: Any) -> Dict[str, Any]:
         return gears(model, make_tiny_tokenizer(), TINY_PROMPT, args.tokens, TINY_THRESHOLDS, group_size=32)
     if name == "gears-model":
         model, tok, _ = load(args.model, group=group)
-        return gears(model, tok, TEXT_PROMPT, args.tokens, args.thresholds, few=args.few)
+        # MLX's kernels: the packed C kernels quantize activations per call, which a shard does apart.
+        return gears(model, tok, TEXT_PROMPT, args.tokens, args.thresholds, few=args.few, kernel="mlx")
     if name == "disagree-thresholds":
         from conftest import make_tiny_tokenizer
 

@@ -438,7 +438,7 @@ def test_fake_quant_row_matches_real_quantized_layers(default_model, short_text)
 
     model, tokenizer, gearbox = default_model
     ids = text_tokens(tokenizer, short_text, 24)
-    config = GearboxConfig(scope="all", store="separate")  # the rows are MLX copies
+    config = GearboxConfig(scope="all", store="separate", kernel="mlx")  # the rows are MLX copies
     layout = ModelLayout.of(model, config, gearbox.vocab_size)
     specs = [
         PolicySpec("static-high", "static", "all", "high"),

@@ -119,14 +119,18 @@ def test_plain_rotation_none_is_mlx_lms_cache():
 
 
 def test_quantized_kv_start_keeps_mlx_lms_meaning():
+    """A start given keeps mlx-lm's meaning (float until the cache holds that many tokens); with
+    none given the rotated cache is quantized from the first token."""
     skip_without_quantized_attention()
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
-    late, early = make_prompt_cache(model), make_prompt_cache(model)
-    _gen(model, gb, n=6, kv_bits=4, prompt_cache=late)  # default start: mlx-lm's 5000
+    late, early, default = make_prompt_cache(model), make_prompt_cache(model), make_prompt_cache(model)
+    _gen(model, gb, n=6, kv_bits=4, quantized_kv_start=5000, prompt_cache=late)
     assert all(type(c) is RotatedKVCache for c in late)
     _gen(model, gb, n=6, kv_bits=4, quantized_kv_start=8, prompt_cache=early)
     assert all(type(c) is RotatedQuantizedKVCache for c in early)
+    _gen(model, gb, n=6, kv_bits=4, prompt_cache=default)
+    assert all(type(c) is RotatedQuantizedKVCache for c in default)
 
 
 def test_prompt_cache_carries_a_conversation_and_refuses_another_basis():
@@ -359,7 +363,8 @@ def test_evaluation_rows_carry_the_cache_beside_the_weights():
     assert rot["kv_cache"]["quantized_kv_start"] == 0  # evaluation quantizes from the first token
     f, r = _rows_by_name(flt), _rows_by_name(rot)
     per_f, per_r = flt["kv_cache"]["bytes_per_token"], rot["kv_cache"]["bytes_per_token"]
-    assert per_r == pytest.approx(per_f * 4.5 / 16)
+    # 4.5 bits an element against float16's 16 (the float cache itself holds the model's float32)
+    assert per_r == pytest.approx(flt["kv_cache"]["float16_bytes_per_token"] * 4.5 / 16)
     for name in f:
         assert f[name]["kv_bytes_per_token"] == pytest.approx(per_f * 16 / 2)  # mean context: window / 2
         assert r[name]["total_bytes_per_token"] == pytest.approx(r[name]["bytes_per_token"] + per_r * 8)

@@ -165,7 +165,7 @@ def speculative_lines(summary: Dict[str, Any]) -> List[str]:
             f"+ gear store {mem.get('store_bytes', 0) / 1e6:.1f} MB + drafter's own {mem['extra_bytes'] / 1e6:.1f} MB; "
             f"the drafter shares {mem['shared_bytes'] / 1e6:.1f} MB)"
         )
-    d = s.get("distributed")
+    d = summary.get("distributed")
     if d:
         lines.append(f"Ranks: {d['ranks']} (tensor parallel, this summary is rank 0's); drafts and verdicts: rank "
                      f"0's, {d['decision_collectives']} collectives for {d['forward_steps']} forward passes")
