@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the packed kernels alone, a {QUICK.budget_s:.0f} s budget that set-up shares with the runs; "
                         "about a CPU-minute of work after loading the model, so several minutes of wall time on a "
                         "busy machine, whose runs overrun the budget (each decodes at least "
-                        f"{MIN_RUN_TOKENS} tokens): 286 s on two CPUs at load average 17 (docs/BENCHMARKS.md)")
+                        f"{MIN_RUN_TOKENS} tokens): 31 s on two quiet CPUs, 286 s at load average 17 "
+                        "(docs/BENCHMARKS.md)")
     p.add_argument("--tokens", type=int, help=f"decode tokens per run (default {d.tokens})")
     p.add_argument("--rounds", type=int, help=f"passes over every configuration (default {d.rounds})")
     p.add_argument("--ks", type=int, nargs="+", help=f"fixed block lengths to run (default {' '.join(map(str, d.ks))})")
