@@ -377,6 +377,24 @@ def test_model_that_fails_to_load_stops_the_server() -> None:
     assert "Traceback" not in "\n".join(err)
 
 
+def test_a_load_that_fails_while_the_generator_is_built_still_exits_1(monkeypatch: Any, capsys: Any) -> None:
+    """The loading thread's interrupt can land before the HTTP server is up: still exit 1 and the error."""
+    from gearbx_mlx.server import app
+    from gearbx_mlx.server.options import build_parser
+
+    class SlowToBuild(app.GearResponseGenerator):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)  # starts the thread whose load fails at once
+            time.sleep(10)  # the interrupt lands here
+
+    served: List[bool] = []
+    monkeypatch.setattr(app, "GearResponseGenerator", SlowToBuild)
+    monkeypatch.setattr(app, "_run_http_server", lambda *a, **k: served.append(True))
+    args = build_parser().parse_args(["--model", str(ROOT / "no-such-model")])
+    assert app.serve(args) == 1 and not served
+    assert capsys.readouterr().err.strip().startswith("error: model path not found")
+
+
 # -- the request object, flags and byte count without a server --------------------------------
 
 

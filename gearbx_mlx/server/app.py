@@ -37,17 +37,21 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM; the exit status (130 when stopped, 1 when the model failed to load)."""
+    # The provider exists before the loading thread starts, so a load that fails at
+    # once (its interrupt landing while the generator is still being built) is seen.
     provider = GearModelProvider(args, gearbox_config(args))
-    generator = GearResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
+    generator: Optional[GearResponseGenerator] = None
     try:
+        generator = GearResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
         # mlx-lm's: on Ctrl-C it shuts the HTTP server down and joins the generation thread.
         _run_http_server(args.host, args.port, generator, handler_class=GearAPIHandler)
     except KeyboardInterrupt:
-        pass  # before the server was up
+        pass  # before the server was up, or the load failed
     finally:
-        generator.stop_and_join()
-    if generator.load_error is not None:
-        print(error_line(generator.load_error), file=sys.stderr)
+        if generator is not None:
+            generator.stop_and_join()
+    if provider.load_error is not None:
+        print(error_line(provider.load_error), file=sys.stderr)
         return 1
     return 130
 

@@ -103,8 +103,6 @@ class GearResponseGenerator(ResponseGenerator):
     """mlx-lm's response generator with batching off and the package's token loop."""
 
     model_provider: GearModelProvider
-    #: what stopped the model from loading (the server then exits with it)
-    load_error: Optional[BaseException] = None
 
     def _is_batchable(self, args: Any) -> bool:
         return False  # the gears are the model's: one sequence at a time (module doc)
@@ -113,7 +111,7 @@ class GearResponseGenerator(ResponseGenerator):
         try:
             self.model_provider.load_default()
         except Exception as e:  # noqa: BLE001  (whatever stops the load stops the server, in one line)
-            self.load_error = e
+            self.model_provider.load_error = e
             self._generation_failed = True
             _thread.interrupt_main()  # stops the HTTP server as Ctrl-C does; main reports the error
             return

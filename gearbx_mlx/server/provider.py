@@ -71,6 +71,8 @@ class GearModelProvider(ModelProvider):
         self.speculative: Any = None  # the SpeculativeConfig of a server started with --speculative
         self.plans: Dict[Tuple[str, bool], SpeculativePlan] = {}
         self.loaded = threading.Event()
+        #: what stopped the model from loading (the server then exits with it)
+        self.load_error: Optional[BaseException] = None
         self.names = {DEFAULT_MODEL} | ({cli_args.model} if cli_args.model else set())
 
     @property
