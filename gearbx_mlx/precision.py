@@ -275,7 +275,8 @@ class PrecisionManager:
         self.planes_seconds = 0.0  # building (or reading) the nested planes
         self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
-        self._planes_dir = planes_dir
+        #: Where the nested store's planes are cached (the loaded model's folder), if anywhere.
+        self.planes_dir = planes_dir
         # A static high gear that reads the loaded weights never enters another gear:
         # its planes are built the first time one is asked for (never, in that run).
         if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
@@ -343,7 +344,7 @@ class PrecisionManager:
         if gear in self.cache or self.telemetry_only:
             return 0.0  # a nested store built every gear with its planes
         if self.store == "nested":  # deferred (a static high gear): every gear at once
-            self._build_nested(self._planes_dir)
+            self._build_nested(self.planes_dir)
             return self.planes_seconds
         tic = time.perf_counter()
         built = {

@@ -273,6 +273,22 @@ def test_planes_are_cached_beside_the_model_and_read_back(tmp_path):
     assert third.planes_origin == "built" and third.planes_file != built.planes_file
 
 
+def test_a_drafter_of_another_scope_shares_one_manager_and_the_planes_cache(tmp_path):
+    """The low and mid drafters of scope all beside an attention-scope gearbox read one
+    set of planes, cached beside the model: a second gearbox builds none."""
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft, scope_manager
+
+    d, m = _model_dir(tmp_path)
+    box = Gearbox(m, GearboxConfig(scope="attention", store="nested"), planes_dir=d)
+    low, mid = build_draft(m, box, "low", "all"), build_draft(m, box, "mid", "all")
+    mgr = scope_manager(box, "all")
+    assert mgr is scope_manager(box, "all") and mgr is not box.manager and low.scope == mid.scope == "all"
+    assert mgr.planes_origin == "built" and mgr.planes_file.parent == d / CACHE_FOLDER
+    again = Gearbox(make_tiny_llama(), GearboxConfig(scope="attention", store="nested"), planes_dir=d)
+    assert scope_manager(again, "all").planes_origin == "cache"
+
+
 def test_a_damaged_or_foreign_planes_cache_is_rebuilt_never_trusted(tmp_path):
     d, m = _model_dir(tmp_path)
     first = PrecisionManager(m, _cfg(), planes_dir=d)

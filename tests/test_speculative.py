@@ -542,8 +542,9 @@ def test_numpy_entropy_matches_entropy_bits():
 def test_greedy_identical_on_the_default_model_with_the_host_drafter(default_model):
     from gearbx_mlx.chat import encode_chat
 
-    model, tok, _ = default_model
-    gb = Gearbox(model, GearboxConfig(scope="all", kernel="packed"))
+    model, tok, loaded = default_model
+    # the nested planes of scope all come from the disk cache beside the model (built once per machine)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="packed"), planes_dir=loaded.manager.planes_dir)
     draft = _host_or_skip(model, gb)
     prompts = ["Write the days of the week in order, separated by commas.",
                "Prove that the square root of 2 is irrational, step by step.",

@@ -21,6 +21,7 @@ drafting, is measured in :mod:`gearbx_mlx.speculative.calibration`.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -170,6 +171,27 @@ def _fake_quantized(module: nn.Module, bits: int, group_size: int) -> nn.Module:
     return out
 
 
+_SCOPE_MANAGERS: "weakref.WeakKeyDictionary[Any, Dict[str, PrecisionManager]]" = weakref.WeakKeyDictionary()
+
+
+def scope_manager(gearbox: Any, scope: str) -> PrecisionManager:
+    """A manager of ``scope`` beside the gearbox's own, built once per gearbox and scope.
+
+    It only discovers and quantizes, reading the loaded weights as its high
+    gear, so it never touches the model; the low and mid drafters of one scope
+    share it (with the nested store, one set of planes). Its nested planes are
+    cached on disk beside the gearbox's (the key holds the scope's layers), so
+    a later run reads them instead of building them. To share one store with
+    the gearbox itself, give the gearbox the drafter's scope (``draft_scope``).
+    """
+    per_box = _SCOPE_MANAGERS.setdefault(gearbox, {})
+    if scope not in per_box:
+        mgr: PrecisionManager = gearbox.manager
+        per_box[scope] = PrecisionManager(mgr.model, gearbox.config.replace(scope=scope, high="original"),
+                                          planes_dir=mgr.planes_dir)
+    return per_box[scope]
+
+
 def build_draft(
     model: nn.Module,
     gearbox: Any,
@@ -211,11 +233,7 @@ def build_draft(
         raise ValueError(f"the gearbox is in the {mgr.gear} gear: shift it to 'high' first")
     bits = bits_for(gear, config)
     if scope != config.scope:
-        # Another scope: a manager of our own, only to discover and quantize
-        # (reading the loaded weights as its high gear, so it never touches
-        # the model). With the nested store this builds planes of its own:
-        # give the gearbox the drafter's scope to share one store.
-        mgr = PrecisionManager(model, config.replace(scope=scope, high="original"))
+        mgr = scope_manager(gearbox, scope)
     if not mgr.paths:
         raise ValueError(f"scope {scope!r} manages no layer of this model: nothing to draft with")
     if quantizer == "gearbox":
