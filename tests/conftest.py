@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from typing import Iterator
 
@@ -68,7 +69,6 @@ def one_worker_at_a_time(tmp_path_factory, name: str) -> Iterator[None]:
     """An exclusive lock shared by every pytest-xdist worker of this run: what
     it guards runs in one worker at a time (alone, it costs nothing)."""
     import fcntl
-    import os
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -135,3 +135,15 @@ def pytest_configure(config):
     to processes that cannot receive it. Give this process (and so its children) the default."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _one_blas_thread_per_worker(config)
+
+
+def _one_blas_thread_per_worker(config) -> None:
+    """Parallel workers already fill the cores: each worker's OpenBLAS (and the commands the
+    tests start) computes on one thread, as its idle threads otherwise spin on a core that
+    the other worker needs. Set here, in the controller, before the workers start; a value
+    the user set is kept."""
+    workers = getattr(config.option, "numprocesses", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") or workers in (None, 0, 1):
+        return
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -26,7 +26,7 @@ from gearbx_mlx.evaluation.bench import AUTO_FLOOR, QUICK, BenchSettings
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("bench_models"))
 
@@ -41,7 +41,7 @@ def run(argv, capsys):
 ONE_WORKER = pytest.mark.xdist_group("bench-quick-result")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # made once per worker, whatever runs in between
 def quick_result(model_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "a.json"
     # --quick runs the packed kernels alone; both kernels here, so that every section runs.

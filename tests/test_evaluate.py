@@ -272,7 +272,7 @@ def test_speculative_rows_copy_the_reference_quality():
 ONE_WORKER = pytest.mark.xdist_group("evaluate-quick-results")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def short_text(default_model):
     from gearbx_mlx.evaluation.harness import read_text
 
@@ -288,7 +288,9 @@ def _quick(default_model, text, **kw):
     return evaluate(model, tokenizer, text, policies, **opts)
 
 
-@pytest.fixture(scope="module")
+# Session scope: pytest tears a module's fixtures down whenever the worker runs another module's
+# test in between, and this evaluation of the real model is the module's slowest set-up.
+@pytest.fixture(scope="session")
 def quick_results(default_model, short_text):
     return _quick(default_model, short_text)
 

@@ -43,7 +43,7 @@ BUILDS: Dict[str, List[str]] = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (the module runs in one)
 def binaries(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     out = tmp_path_factory.mktemp("neon")
     built = {}

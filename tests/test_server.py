@@ -26,7 +26,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
+# One worker runs the module, and its server and reference model are built once for it (session scope:
+# pytest tears module fixtures down whenever the worker runs another module's test in between).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_FLAGS = ["--speculative", "--max-tokens", "64"]
@@ -120,7 +122,7 @@ def sse(port: int, path: str, body: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
 # -- fixtures ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server() -> Iterator[int]:
     port = free_port()
     proc = start_server(port, *SERVER_FLAGS)
@@ -133,7 +135,7 @@ def server() -> Iterator[int]:
         stop(proc)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference() -> Tuple[Any, Any, Any]:
     """The model, tokenizer and gearbox as the server builds them (the same flags)."""
     from gearbx_mlx.generate import gearbox_config
