@@ -234,7 +234,7 @@ def expectation(args: argparse.Namespace, study: Study) -> Tuple[Dict[str, float
     load1 = (load_average() or [0.0])[0]
     factor = wall_factor(load1)
     line = (f"expected: about {minutes(cost['total'] * wall_factor(0.0))} on an idle {os.cpu_count()}-CPU machine "
-            f"for the default model ({study.name} study; --full for the whole one), about "
+            f"for the default model ({study.name} study{'' if study.name == 'full' else '; --full for the whole one'}), about "
             f"{minutes(cost['total'] * factor)} at this load average ({load1:.1f})")
     return cost, factor, line
 
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
         speculative=args.speculative, draft_calibration_tokens=args.draft_calibration_tokens,
         max_positions=args.max_positions, progress=say, kv=_kv(args),
         kv_calibration=gearbox.calibration.kv if gearbox.calibration is not None else None,
-        scopes=study.scopes or (GearboxConfig().scope,),
+        scopes=study.scopes or (GearboxConfig().scope,), model_dir=gearbox.model_dir,
     )
     results["study"] = {"name": study.name, "scopes": list(study.scopes or (GearboxConfig().scope,)),
                         "expected_one_core_s": cost, "expected_wall_s": cost["total"] * factor,

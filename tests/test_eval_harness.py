@@ -554,3 +554,43 @@ def test_a_mixed_row_has_no_nested_store():
         PolicySpec("m", "mixed", "all", store="nested")
     with pytest.raises(ValueError, match="store must be one of"):
         PolicySpec("m", "static", "all", store="planes")
+
+
+def test_thresholds_are_calibrated_once_per_weights_and_a_damaged_record_is_redone(tmp_path, monkeypatch):
+    """evaluate's threshold calibration is kept by the weights' fingerprint: a second run reads it;
+    other weights calibrate anew; an unreadable record is calibrated again and rewritten."""
+    from gearbx_mlx.evaluation import harness
+
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake(model, tokenizer, vocab):
+        calls.append(model)
+        return {"median": (1.0 + len(calls), 2.0), "percentile": (0.5, 3.0)}, {"samples": 7}
+
+    monkeypatch.setattr(harness, "calibrated_thresholds", fake)
+    folders = []
+    for seed in (0, 1):
+        d = tmp_path / f"m{seed}"
+        d.mkdir()
+        make_tiny_llama(seed=seed).save_weights(str(d / "model.safetensors"))
+        folders.append(d)
+    lines = []
+    first = harness.cached_thresholds("m", None, 256, folders[0], lines.append)
+    again = harness.cached_thresholds("m", None, 256, folders[0], lines.append)
+    assert len(calls) == 1 and again[0] == first[0] and again[1]["reused"] and "reusing" in lines[-1]
+    harness.cached_thresholds("m", None, 256, folders[1], lines.append)
+    assert len(calls) == 2
+    for path in (tmp_path / "cache" / "calibrations").glob("*.json"):
+        path.write_text("{not json")
+    redone = harness.cached_thresholds("m", None, 256, folders[0], lines.append)
+    assert len(calls) == 3 and "cannot be read" in lines[-2] and redone[0]["median"] == (4.0, 2.0)
+    def readable(path):
+        try:
+            return bool(json.loads(path.read_text())["thresholds"])
+        except ValueError:
+            return False
+
+    assert sum(map(readable, (tmp_path / "cache" / "calibrations").glob("*.json"))) == 1  # rewritten whole
+    harness.cached_thresholds("m", None, 256, None, lines.append)  # no folder: nothing kept
+    assert len(calls) == 4

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..calibration import collect_entropies, median_thresholds, percentile_thresholds
-from ..config import CALIBRATION_PROMPTS, GearboxConfig
+from ..calibration import cached_calibration_path, collect_entropies, median_thresholds, percentile_thresholds
+from ..config import CALIBRATION, CALIBRATION_PROMPTS, GearboxConfig
 from ..entropy import scaled_thresholds
 from ..gearbox import vocab_size_of
 from ..kvcache.option import KVOptions, open_kv, plain_summary
@@ -82,6 +85,36 @@ def calibrated_thresholds(
     return th, info
 
 
+def cached_thresholds(
+    model: Any, tokenizer: Any, vocab_size: int, model_dir: Optional[Path], say: Callable[[str], None]
+) -> Tuple[Dict[str, Tuple[float, float]], Dict[str, Any]]:
+    """:func:`calibrated_thresholds`, kept in the package's cache keyed by the weights of
+    ``model_dir`` and the calibration's prompts and length (None: computed every time).
+    A cache file that cannot be read is computed again and rewritten."""
+    settings = {"evaluate_thresholds": list(CALIBRATION_PROMPTS), "tokens": CALIBRATION.tokens_per_prompt,
+                "vocab": vocab_size}
+    path = cached_calibration_path(model_dir, str(model_dir), settings) if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            th = {k: (float(a), float(b)) for k, (a, b) in saved["thresholds"].items()}
+            say(f"reusing the thresholds an earlier run calibrated on these weights: {path} (delete it to calibrate again)")
+            return th, {**saved["info"], "reused": str(path)}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            say(f"the saved thresholds {path} cannot be read ({type(e).__name__}): calibrating again")
+    say("calibrating thresholds (median and percentile) on the default prompts ...")
+    th, info = calibrated_thresholds(model, tokenizer, vocab_size)
+    if path is not None:
+        try:  # written whole or not at all: another run may read it at the same time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"thresholds": th, "info": info}))
+            os.replace(tmp, path)
+        except OSError as e:
+            say(f"the thresholds were not saved ({e})")
+    return th, info
+
+
 @dataclass
 class Quality:
     """The teacher-forced passes: first-pass rows, all rows, what they cost."""
@@ -127,6 +160,10 @@ class EvalOptions:
         scopes: the scopes of the default set's rows (policies None): None =
             both scopes and the nested store's rows; a list without ``all``
             leaves the nested store's rows out (they manage every layer).
+        model_dir: the loaded model's folder: the thresholds' calibration and
+            the nested store's planes of the speed and workload runs are
+            cached by its weights and read back by a later run (None: built
+            every run).
     """
 
     tokens: int = DEFAULT_TOKENS
@@ -140,6 +177,7 @@ class EvalOptions:
     draft_calibration_tokens: Optional[int] = None
     max_positions: Optional[int] = None
     scopes: Optional[Sequence[str]] = None
+    model_dir: Optional[Path] = None
 
 
 def evaluate(
@@ -205,7 +243,7 @@ class _Study:
         o, say, timings, width = self.opts, self.say, self.timings, len(self.windows[0])
         with _timed(timings, "calibration_s"):
             policies, thresholds, calibration_info = _policies(self.model, self.tokenizer, self.config, self.vocab,
-                                                               policies, say, o.scopes)
+                                                               policies, say, o)
         kv = dataclasses.replace(kv, quantized_kv_start=0) if kv is not None and kv.active else None
         with kv_cache(self.model, kv, kv_calibration) as kv_info:
             quality = _quality(self, policies)
@@ -300,14 +338,14 @@ def _check_arguments(model: Any, o: EvalOptions) -> None:
 
 def _policies(
     model: Any, tokenizer: Any, config: GearboxConfig, vocab: int, policies: Optional[Sequence[PolicySpec]],
-    say: Callable[[str], None], scopes: Optional[Sequence[str]] = None,
+    say: Callable[[str], None], opts: EvalOptions,
 ) -> Tuple[List[PolicySpec], Dict[str, Optional[Tuple[float, float]]], Dict[str, Any]]:
     """The first-pass specs, the thresholds behind them, and the calibration that gave them."""
     thresholds: Dict[str, Optional[Tuple[float, float]]] = {"default": scaled_thresholds(config, vocab)}
     if policies is not None:
         return list(policies), thresholds, {}
-    say("calibrating thresholds (median and percentile) on the default prompts ...")
-    cal, info = calibrated_thresholds(model, tokenizer, vocab)
+    scopes = opts.scopes
+    cal, info = cached_thresholds(model, tokenizer, vocab, opts.model_dir, say)
     thresholds.update(cal)
     chosen = {"default": None, "median": cal["median"], "percentile": cal["percentile"]}
     if scopes is None:
@@ -350,6 +388,7 @@ def _speed(study: _Study, first: Sequence[RowResult], kv: Optional[KVOptions] = 
         say(f"speed skipped: the text has fewer than {need} tokens")
         return {}
     bench = SpeedBench(study.model, tokenizer, study.layout, study.config, study.vocab)
+    bench.planes_dir = study.opts.model_dir
     if kv is not None:
         bench.kv = {"kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": 0,
                     "kv_rotation": kv.rotation, "kv_calibration": kv_calibration}

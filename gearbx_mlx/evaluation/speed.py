@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import mlx.core as mx
@@ -65,11 +66,13 @@ class SpeedBench:
         self._boxes: Dict[tuple, Gearbox] = {}
         #: KV keyword arguments of every run (``kv_bits``, ...; empty: mlx-lm's float cache).
         self.kv: Dict[str, Any] = {}
+        #: The loaded model's folder: the nested store's planes are read from its cache (None: built).
+        self.planes_dir: Optional[Path] = None
 
     def gearbox(self, spec: PolicySpec) -> Gearbox:
         key = (spec.scope, spec.kind == "mixed", spec.store)
         if key not in self._boxes:
-            gb = Gearbox(self.model, spec.gear_config(self.config), self.vocab_size)
+            gb = Gearbox(self.model, spec.gear_config(self.config), self.vocab_size, planes_dir=self.planes_dir)
             with warnings.catch_warnings():
                 # The double-quantization warning is known and recorded in the results.
                 warnings.simplefilter("ignore")
