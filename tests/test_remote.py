@@ -263,3 +263,18 @@ def test_bounds_hold_against_a_real_server(mlx_server, default_model, tmp_path):
         assert h <= r["entropy_upper"] + BITS_TOL, (r, h)
         # The truth is within the slack k leaves: r log2((V - k) p_k / r) above the lower bound.
         assert h - r["entropy"] <= max_slack(r["residual_mass"], pk, 49152, 10) + BITS_TOL, (r, h)
+
+
+def test_session_options_by_keyword_or_object_and_bad_ones_named():
+    from gearbx_mlx.remote import RemoteSession, SessionOptions, parse_variants
+
+    variants = parse_variants(["http://127.0.0.1:9"])
+    by_kw = RemoteSession(variants, 100, max_tokens=3, top_k=4)
+    by_obj = RemoteSession(variants, 100, options=SessionOptions(max_tokens=3, top_k=4))
+    assert by_kw.options == by_obj.options and by_kw.max_tokens == 3 and by_obj.top_k == 4
+    with pytest.raises(TypeError, match="RemoteSession: .*topk"):
+        RemoteSession(variants, 100, topk=4)
+    for bad, words in [({"top_k": 0}, "top_k must be in 1..20"), ({"stream": "yes"}, "stream must be"),
+                       ({"max_tokens": True}, "max_tokens must be an integer")]:
+        with pytest.raises(ValueError, match=words):
+            RemoteSession(variants, 100, **bad)

@@ -8,6 +8,6 @@ telemetry) and :mod:`.cli` (``python -m gearbx_mlx.remote``, ``gearbx-remote``).
 The traces it writes are :mod:`gearbx_mlx.telemetry`'s.
 """
 
-from .session import RemoteSession, Variant, parse_variants
+from .session import RemoteSession, SessionOptions, Variant, parse_variants
 
-__all__ = ["RemoteSession", "Variant", "parse_variants"]
+__all__ = ["RemoteSession", "SessionOptions", "Variant", "parse_variants"]

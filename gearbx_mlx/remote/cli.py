@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..config import ANSI_RESET, GEAR_ANSI, GearboxConfig
 from ..console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
 from ..telemetry.trace import TraceWriter
-from .session import DEFAULT_TOP_K, RemoteSession, parse_variants, resolve_vocab_size
+from .session import DEFAULT_TOP_K, RemoteSession, SessionOptions, parse_variants, resolve_vocab_size
 from .transport import Limits
 
 
@@ -128,13 +128,15 @@ def run(args: argparse.Namespace) -> int:
             writer.token(**rec)
         show(rec["text"] or "", rec["gear"])
 
-    session = RemoteSession(
-        variants, vocab, config, tuple(args.thresholds) if args.thresholds else None, args.top_logprobs,
-        args.max_tokens, sampling, args.stream, args.system_prompt, not args.no_history,
-        args.connect_timeout, args.timeout, args.api_key, deadline=args.deadline,
-        allow_plain_http_key=args.allow_plain_http_key, on_token=record, on_text=show,
-        say=(lambda m: None) if args.quiet else None,
+    options = SessionOptions(
+        top_k=args.top_logprobs, max_tokens=args.max_tokens, sampling=sampling, stream=args.stream,
+        system_prompt=args.system_prompt, history=not args.no_history, connect_timeout=args.connect_timeout,
+        read_timeout=args.timeout, deadline=args.deadline, api_key=args.api_key,
+        allow_plain_http_key=args.allow_plain_http_key,
     )
+    session = RemoteSession(variants, vocab, config, tuple(args.thresholds) if args.thresholds else None,
+                            on_token=record, on_text=show, say=(lambda m: None) if args.quiet else None,
+                            options=options)
     if writer:
         writer.header(**session.header(), vocab_source=vocab_source, prompt_count=len(prompts))
     interrupted, error, code = False, None, 0

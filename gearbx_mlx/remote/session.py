@@ -29,6 +29,7 @@ in telemetry-only mode); ``variant`` is the gear of the variant that served it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -155,6 +156,47 @@ class PromptResult:
                 "seconds": self.seconds, "streamed": self.streamed, "finish_reason": self.finish_reason}
 
 
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a :class:`RemoteSession` asks (every default in one place).
+
+    Attributes:
+        top_k: how many log-probabilities to ask for per token (1..20).
+        max_tokens: tokens per answer.
+        sampling: ``temperature``, ``top_p``, ``seed`` sent with each request.
+        stream: ``auto`` (stream; fall back to one JSON answer if the server
+            streams no logprobs, as mlx-lm 0.32 does), ``on`` or ``off``.
+        system_prompt: sent first in each conversation (chat endpoint).
+        history: send earlier prompts and answers along (chat endpoint only).
+        connect_timeout, read_timeout, deadline: seconds to connect, without
+            progress, and for a whole answer (:class:`~.transport.Limits`).
+        api_key: sent as a bearer token; over plain http only to this machine
+            unless ``allow_plain_http_key``.
+    """
+
+    top_k: int = DEFAULT_TOP_K
+    max_tokens: int = 256
+    sampling: Optional[Dict[str, Any]] = None
+    stream: str = "auto"
+    system_prompt: Optional[str] = None
+    history: bool = True
+    connect_timeout: float = 5.0
+    read_timeout: float = 120.0
+    deadline: float = Limits.deadline
+    api_key: Optional[str] = None
+    allow_plain_http_key: bool = False
+
+    def check(self) -> None:
+        """One clear error for a bad value."""
+        if not 1 <= self.top_k <= 20:
+            raise ValueError(f"top_k must be in 1..20 (servers cap it; mlx-lm at 11), got {self.top_k}")
+        if self.stream not in ("auto", "on", "off"):
+            raise ValueError(f"stream must be auto, on or off, got {self.stream!r}")
+        m = self.max_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {m!r}")
+
+
 class RemoteSession:
     """A conversation with one or more server variants, routed per prompt.
 
@@ -163,19 +205,12 @@ class RemoteSession:
         vocab_size: the model's vocabulary size ``V``.
         config: window, hysteresis, minimum duration, default thresholds.
         thresholds: ``(low, high)`` in the model's bits; default: scaled (§3.4).
-        top_k: how many log-probabilities to ask for per token.
-        sampling: ``temperature``, ``top_p``, ``seed`` sent with each request.
-        stream: ``auto`` (stream; fall back to one JSON answer if the server
-            streams no logprobs, as mlx-lm 0.32 does), ``on`` or ``off``.
-        history: send earlier prompts and answers along (chat endpoint only).
-        connect_timeout, read_timeout, deadline: seconds to connect, without
-            progress, and for a whole answer (:class:`~.transport.Limits`).
-        api_key: sent as a bearer token; over plain http only to this machine
-            unless ``allow_plain_http_key``.
         on_token: called with each token record as it arrives.
         on_text: called with answer text whose tokens are not known one by one
             (mlx-lm without greedy decoding) and the gear in force.
         say: where notes go (stderr by default).
+        options: :class:`SessionOptions` fields (``top_k=``, ``max_tokens=``,
+            ...), or ``options=SessionOptions(...)``.
     """
 
     def __init__(
@@ -184,44 +219,35 @@ class RemoteSession:
         vocab_size: int,
         config: Optional[GearboxConfig] = None,
         thresholds: Optional[Tuple[float, float]] = None,
-        top_k: int = DEFAULT_TOP_K,
-        max_tokens: int = 256,
-        sampling: Optional[Dict[str, Any]] = None,
-        stream: str = "auto",
-        system_prompt: Optional[str] = None,
-        history: bool = True,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 120.0,
-        api_key: Optional[str] = None,
         *,
-        deadline: float = Limits.deadline,
-        allow_plain_http_key: bool = False,
         on_token: Optional[Callable[[Dict[str, Any]], None]] = None,
         on_text: Optional[Callable[[str, str], None]] = None,
         say: Optional[Callable[[str], None]] = None,
+        **options: Any,
     ) -> None:
-        if not 1 <= top_k <= 20:
-            raise ValueError(f"top_k must be in 1..20 (servers cap it; mlx-lm at 11), got {top_k}")
-        if stream not in ("auto", "on", "off"):
-            raise ValueError(f"stream must be auto, on or off, got {stream!r}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        given = options.pop("options", None) or SessionOptions()
+        try:
+            o = dataclasses.replace(given, **options)
+        except TypeError as e:  # an unknown keyword
+            raise TypeError(f"RemoteSession: {e}") from None
+        o.check()
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
-        self.limits = Limits(connect_timeout=connect_timeout, idle_timeout=read_timeout, deadline=deadline)
-        if api_key:
+        self.options = o
+        self.limits = Limits(connect_timeout=o.connect_timeout, idle_timeout=o.read_timeout, deadline=o.deadline)
+        if o.api_key:
             for v in variants.values():
-                check_key_transport(v.url, allow_plain_http_key)
-        self.allow_plain_http_key = allow_plain_http_key
+                check_key_transport(v.url, o.allow_plain_http_key)
+        self.allow_plain_http_key = o.allow_plain_http_key
         self.variants = variants
         self.vocab_size = vocab_size
         self.config = config or GearboxConfig()
         self.thresholds = thresholds or scaled_thresholds(self.config, vocab_size)
-        self.top_k, self.max_tokens, self.stream = top_k, max_tokens, stream
-        self.sampling = {"temperature": 0.0, **(sampling or {})}
+        self.top_k, self.max_tokens, self.stream = o.top_k, o.max_tokens, o.stream
+        self.sampling = {"temperature": 0.0, **(o.sampling or {})}
         self.greedy = self.sampling["temperature"] == 0
-        self.system_prompt, self.history = system_prompt, history
-        self.api_key = api_key
+        self.system_prompt, self.history = o.system_prompt, o.history
+        self.api_key = o.api_key
         self.on_token = on_token or (lambda rec: None)
         self.on_text = on_text or (lambda text, gear: None)
         self.say = say or (lambda msg: print(f"[gearbx] {msg}", file=sys.stderr, flush=True))
