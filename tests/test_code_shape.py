@@ -31,7 +31,6 @@ KNOWN: Dict[str, str] = {
     'evaluation/teacher.py:__init__': '22 lines, 9 parameters',
     'nested/checks.py:_case': '10 lines, 9 parameters',
     'packed/checks.py:_gpu_case': '13 lines, 10 parameters',
-    'speculative/plan.py:plan_speculative': '72 lines, 10 parameters',
 }
 TABLES = {"(32, 64, 128)": "GROUP_SIZES", "(2, 3, 4, 5, 6, 8)": "QUANT_BITS", "(1, 2, 3, 4, 5, 6, 8)": "KV_PLAIN_BITS"}
 

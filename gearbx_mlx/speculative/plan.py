@@ -36,6 +36,7 @@ chose and why (:mod:`gearbx_mlx.speculative.drafter`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -240,24 +241,11 @@ def _gate_at(stats: DraftStats, stop: float, greedy: bool) -> Optional[Dict[str,
             "alpha_below": sum(below) / len(below), "alpha_above": sum(above) / len(above)}
 
 
-def plan_speculative(
-    model: nn.Module,
-    draft: DraftModel,
-    ids: Sequence[int],
-    max_draft: int,
-    *,
-    greedy: bool = True,
-    mode: str = "auto",
-    calibration: Optional[Mapping[str, Any]] = None,
-    measured: Optional[StartMeasurement] = None,
-    stop: Union[str, float, None] = CHOOSE,
-    exact_k: bool = False,
-) -> SpeculativePlan:
-    """Decide between plain decoding, fixed blocks and gated blocks from the costs measured here.
+@dataclass(frozen=True)
+class PlanOptions:
+    """How :func:`plan_speculative` decides (every default in one place).
 
-    Args:
-        ids: the prompt's token ids (timed on, and α read off, unless ``measured``).
-        max_draft: the block cap of the run: lengths 1..max_draft are modeled.
+    Attributes:
         greedy: greedy decoding (α of the greedy choices; the host path).
         mode: ``auto`` (draft only where it models at least
             :data:`MIN_MODELED_SPEEDUP`) or ``force``.
@@ -267,10 +255,38 @@ def plan_speculative(
         stop: :data:`CHOOSE` (the plan picks fixed or gated blocks), None
             (fixed blocks only), or bits (gated blocks at this stop only).
         exact_k: model only ``max_draft`` itself, not the shorter lengths.
+    """
+
+    greedy: bool = True
+    mode: str = "auto"
+    calibration: Optional[Mapping[str, Any]] = None
+    measured: Optional[StartMeasurement] = None
+    stop: Union[str, float, None] = CHOOSE
+    exact_k: bool = False
+
+
+def plan_speculative(
+    model: nn.Module,
+    draft: DraftModel,
+    ids: Sequence[int],
+    max_draft: int,
+    **options: Any,
+) -> SpeculativePlan:
+    """Decide between plain decoding, fixed blocks and gated blocks from the costs measured here.
+
+    Args:
+        ids: the prompt's token ids (timed on, and α read off, unless ``measured``).
+        max_draft: the block cap of the run: lengths 1..max_draft are modeled.
+        options: :class:`PlanOptions` fields (``greedy=``, ``mode=``,
+            ``calibration=``, ``measured=``, ``stop=``, ``exact_k=``), or
+            ``options=PlanOptions(...)``.
 
     Raises:
         ValueError: an unknown mode, a block cap below 1, or a negative stop.
+        TypeError: an unknown option.
     """
+    o = dataclasses.replace(options.pop("options", None) or PlanOptions(), **options)
+    greedy, mode, calibration, measured, stop, exact_k = o.greedy, o.mode, o.calibration, o.measured, o.stop, o.exact_k
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if max_draft < 1:
