@@ -26,7 +26,6 @@ KNOWN: Dict[str, str] = {
     'bindings/packed_gpu.py:launch_spec': '77 lines, 11 parameters',
     'bindings/packed_gpu.py:launcher': '54 lines, 11 parameters',
     'bindings/packed_gpu.py:gemv': '45 lines, 11 parameters',
-    'evaluation/speculative.py:evaluate_speculative': '50 lines, 11 parameters',
     'evaluation/teacher.py:teacher_forced': '19 lines, 10 parameters',
     'evaluation/teacher.py:__init__': '22 lines, 9 parameters',
     'nested/checks.py:_case': '10 lines, 9 parameters',

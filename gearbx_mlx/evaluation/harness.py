@@ -43,7 +43,7 @@ from ..precision import is_prequantized
 from . import report
 from .significance import BOOTSTRAP
 from .specs import ModelLayout, PolicySpec, base_specs, matched_specs
-from .speculative import evaluate_speculative
+from .speculative import DraftSubject, evaluate_speculative
 from .speed import SpeedBench, measure_speed
 from .teacher import RowResult, TeacherForcing, split_windows
 from .text import read_text, text_tokens, tokenization_note
@@ -256,10 +256,9 @@ class _Study:
         spec_section: Optional[Dict[str, Any]] = None
         if o.speculative:
             with _timed(timings, "speculative_s"):
-                spec_section = evaluate_speculative(
-                    self.model, self.tokenizer, quality.first, self.layout, self.config, self.vocab, width - 1,
-                    speed, self.ids[:o.speed_prompt], o.draft_calibration_tokens, say,
-                )
+                subject = DraftSubject(self.model, self.tokenizer, self.layout, self.config, self.vocab, width - 1,
+                                       self.ids[:o.speed_prompt], o.draft_calibration_tokens)
+                spec_section = evaluate_speculative(subject, quality.first, speed, say)
         work: Dict[str, Any] = {}
         if o.workload_tokens:
             with _timed(timings, "workloads_s"):

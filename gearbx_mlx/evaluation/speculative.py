@@ -253,29 +253,47 @@ def speculative_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class DraftSubject:
+    """What the speculative rows are evaluated on.
+
+    Attributes:
+        model, tokenizer: the loaded model and its tokenizer.
+        layout: the managed paths and their bytes.
+        config: the evaluation's :class:`~gearbx_mlx.config.GearboxConfig`.
+        vocab_size: the model's vocabulary size.
+        steps: scored positions per window.
+        ids: a prompt for the directly timed calls.
+        calibration_tokens: high-gear tokens per calibration prompt when
+            choosing each drafter's block cap and stop (None: the calibration's own).
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    layout: ModelLayout
+    config: Any
+    vocab_size: int
+    steps: int
+    ids: Sequence[int]
+    calibration_tokens: Optional[int] = None
+
+
 def evaluate_speculative(
-    model: nn.Module,
-    tokenizer: Any,
+    subject: DraftSubject,
     first: Sequence[RowResult],
-    layout: ModelLayout,
-    config: Any,
-    vocab_size: int,
-    steps: int,
     speed: Dict[str, Dict[str, Any]],
-    ids: Sequence[int],
-    calibration_tokens: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Optional[Dict[str, Any]]:
     """The ``speculative`` section of the results, or None without a drafter row.
 
     Args:
+        subject: the model and settings (:class:`DraftSubject`).
         first: the first teacher-forced pass; a drafter is evaluated when it
             holds the static row of its gear in the draft scope.
-        config: the evaluation's :class:`~gearbx_mlx.config.GearboxConfig`.
-        steps: scored positions per window.
         speed: the speed runs by policy name (empty when skipped).
-        ids: a prompt for the directly timed calls.
     """
+    model, tokenizer, layout, config = subject.model, subject.tokenizer, subject.layout, subject.config
+    vocab_size, steps, ids, calibration_tokens = subject.vocab_size, subject.steps, subject.ids, subject.calibration_tokens
     scope = SpeculativeConfig().draft_scope or config.scope
     rows = {g: _static_row(first, g, scope) for g in DRAFT_GEARS}
     rows = {g: r for g, r in rows.items() if r is not None}
