@@ -5,7 +5,8 @@ The checks run each kernel that reads planes on this machine against that
 sum written out from the stored codes in float64 (the codes read back
 through ``mx.dequantize`` with unit scales, so no rounding of the reference's
 own), over odd shapes, every gear of the kernels' widest plan, and every
-input dtype (the planes' scales in the same dtype):
+input dtype (the planes' scales in the same dtype; on a GPU each shape in
+one of them, in turn: :func:`~gearbx_mlx.kernelcheck.gpu_case_dtypes`):
 
 * GPU (Metal or CUDA): the fused body, all of a gear's planes in one launch;
 * CPU: every path of the C kernels (``float``, ``intdot`` and the scalar
@@ -27,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..bindings import cpu, gpu, nested_cpu, nested_gpu
-from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_name, gemv_bound
+from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_name, gemv_bound, gpu_case_dtypes
 from .matmul import NestedProduct, gear_rows
 from .planes import DEFAULT_PLAN, Plane, build_planes
 
@@ -101,16 +102,15 @@ def _case(x: mx.array, y: mx.array, planes: Sequence[Plane], n: int, plan: Seque
 
 def _gpu(plant: Optional[Plant]) -> List[Case]:
     cases = []
-    for dtype in DTYPES:
-        for i, (o, k, plan) in enumerate(CASES):
-            planes = make_planes(o, k, plan, dtype, seed=i)
-            x = make_x((k,), dtype, seed=i)
-            bias = make_x((o,), dtype, seed=i + 7) if i % 2 == 0 else None
-            for n in range(1, len(plan) + 1):
-                y = nested_gpu.nested_gemv(x, plant_planes(planes, plant), n, bias)
-                if y is None:
-                    raise ValueError(f"the nested GPU kernel does not take planes {plan[:n]} of ({o}, {k}), {dtype}")
-                cases.append(_case(x, y, planes, n, plan, bias, dtype, False, []))
+    for (i, (o, k, plan)), dtype in zip(enumerate(CASES), gpu_case_dtypes(len(CASES), DTYPES)):
+        planes = make_planes(o, k, plan, dtype, seed=i)
+        x = make_x((k,), dtype, seed=i)
+        bias = make_x((o,), dtype, seed=i + 7) if i % 2 == 0 else None
+        for n in range(1, len(plan) + 1):
+            y = nested_gpu.nested_gemv(x, plant_planes(planes, plant), n, bias)
+            if y is None:
+                raise ValueError(f"the nested GPU kernel does not take planes {plan[:n]} of ({o}, {k}), {dtype}")
+            cases.append(_case(x, y, planes, n, plan, bias, dtype, False, []))
     return cases
 
 

@@ -36,6 +36,7 @@ from ..kernelcheck import (
     compare,
     dtype_name,
     gemv_bound,
+    gpu_case_dtypes,
     shape_label,
 )
 from . import formats, layers
@@ -105,19 +106,22 @@ def _gpu_case(bits: int, o: int, k: int, gs: Optional[int], bias: bool, dtype: m
 
 def _simt(bits: int):
     def run(plant: Optional[Plant]) -> List[Case]:
-        return [_gpu_case(bits, o, k, gs, bias, dtype, plant, mma=False, seed=i)
-                for dtype in DTYPES for i, (o, k, gs, bias) in enumerate(SIMT_CASES)]
+        dtypes = gpu_case_dtypes(len(SIMT_CASES), DTYPES)
+        return [_gpu_case(bits, o, k, gs, bias, dtypes[i], plant, mma=False, seed=i)
+                for i, (o, k, gs, bias) in enumerate(SIMT_CASES)]
     return run
 
 
 def _mma(plant: Optional[Plant]) -> List[Case]:
-    return [_gpu_case(4, o, k, gs, bias, dtype, plant, mma=True, seed=i)
-            for dtype in packed_gpu.MMA_DTYPES for i, (o, k, gs, bias) in enumerate(MMA_CASES)]
+    dtypes = gpu_case_dtypes(len(MMA_CASES), packed_gpu.MMA_DTYPES)
+    return [_gpu_case(4, o, k, gs, bias, dtypes[i], plant, mma=True, seed=i)
+            for i, (o, k, gs, bias) in enumerate(MMA_CASES)]
 
 
 def _fused(plant: Optional[Plant]) -> List[Case]:
-    return [_gpu_case(4, o, k, gs, bias, dtype, plant, mma=True, splits=splits, seed=i)
-            for dtype in packed_gpu.MMA_DTYPES for i, (o, k, gs, bias, splits) in enumerate(FUSED_CASES)]
+    dtypes = gpu_case_dtypes(len(FUSED_CASES), packed_gpu.MMA_DTYPES)
+    return [_gpu_case(4, o, k, gs, bias, dtypes[i], plant, mma=True, splits=splits, seed=i)
+            for i, (o, k, gs, bias, splits) in enumerate(FUSED_CASES)]
 
 
 # -- the C kernels -----------------------------------------------------------------------
