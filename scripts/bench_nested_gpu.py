@@ -28,7 +28,8 @@ Sections (each recorded even if another fails):
    planes through ``reference_matmul`` (``nested-*-mlx``). A suffix
    ``-fused`` runs the low gear through the fused kernel instead of MLX's
    ``quantized_matmul`` on plane 0, ``-nocompile`` the one-token launches
-   without ``mx.compile`` (:class:`~gearbx_mlx.nested.matmul.NestedKernelConfig`).
+   without ``mx.compile`` (:class:`~gearbx_mlx.nested.matmul.NestedKernelConfig`);
+   ``-mlpc`` (any variant) compiles each block's MLP into one call.
    ``--rounds`` passes over the variants, interleaved; medians, spreads and the
    host time to build one step's graph (``host_us_per_step``) reported.
 
@@ -336,6 +337,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     prompt = mx.random.randint(0, vocab, (prompt_len,))
     entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
+    mlps: List[Tuple[nn.Module, nn.Module]] = []
     for r in range(rounds):
         for variant in variants:
             entry = entries[variant]
@@ -362,7 +364,10 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 probe = mx.zeros((1, 1, model.args.hidden_size), dtype=ACT_DTYPE)
                 if variant.startswith("nested"):
                     entry["path"] = products[linears[0][0]].product.backend_for(probe, GEARS[variant.split("-")[1]])
-                greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
+                greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels, settle first-use checks
+                if variant.endswith("-mlpc"):
+                    mlps = compile_mlps(model)
+                    greedy_decode(model, prompt[:8], 8)
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
                 entry.setdefault("rounds_host_us_per_step", []).append(host_us_per_step(model, prompt))
@@ -375,6 +380,9 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 entry["error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
             finally:
+                for layer, mlp in mlps:
+                    layer.mlp = mlp
+                mlps = []
                 model.update_modules(tree_unflatten(linears))
                 plan = None
                 mx.clear_cache()
@@ -392,6 +400,28 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     del model, products
     mx.clear_cache()
     return list(entries.values())
+
+
+class CompiledMLP(nn.Module):
+    """A block's MLP as one ``mx.compile``d call (its three products and the gating):
+    how much a decode step gains from fewer host calls per block."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.inner = mlp
+        self.__dict__["run"] = mx.compile(lambda x: mlp(x))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.run(x)
+
+
+def compile_mlps(model) -> List[Tuple[nn.Module, nn.Module]]:
+    """Wrap every block's MLP in :class:`CompiledMLP`; ``[(block, its MLP)]`` to restore."""
+    out = []
+    for layer in model.layers:
+        out.append((layer, layer.mlp))
+        layer.mlp = CompiledMLP(layer.mlp)
+    return out
 
 
 def decode_targets(rows: List[Dict[str, object]]) -> List[str]:
