@@ -378,6 +378,12 @@ def test_the_low_gear_is_mlx_4bit_quantized_linear_on_plane_0():
     assert mx.array_equal(low(x), reference_matmul(x, w.planes, 1, bias)).item()  # the oracle's arithmetic
     assert not make_view(w, 2, False, fused=False).through_mlx  # mid and high keep their product
     assert make_view(w, 1, False, fused=True).through_mlx is (gpu.gpu_backend() is not None)
+    table = NestedWeights.from_weight(weight)  # a tied embedding's output projection too
+    qe = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
+    qe.weight, qe.scales, qe.biases = mx.quantize(weight, group_size=64, bits=4)
+    emb = make_view(table, 1, True, fused=False)
+    assert emb.through_mlx and mx.array_equal(emb.as_linear(x), qe.as_linear(x)).item()
+    assert mx.array_equal(emb(mx.array([[3, 95]])), qe(mx.array([[3, 95]]))).item()
 
 
 def test_a_static_high_gear_builds_no_planes_until_another_gear_is_asked_for():

@@ -14,12 +14,13 @@ one token on a GPU, the C kernels on the CPU) and the pure-MLX oracle
 (:func:`~gearbx_mlx.nested.planes.reference_matmul`) otherwise; a view made
 with ``fused=False`` always takes the oracle.
 
-The low gear's linear view is MLX's 4-bit layer by construction: plane 0 is
+The low gear's view is MLX's 4-bit layer by construction: plane 0 is
 ``mx.quantize``'s codes, scales and biases of the weight. Where
 :func:`~gearbx_mlx.nested.matmul.low_gear_through_mlx` says so (the oracle
 asked for, or a GPU, whose per-call host time bounds decode), it calls
 ``mx.quantized_matmul`` on plane 0's arrays (the same objects, no copy) exactly
-as ``nn.QuantizedLinear`` does, with no dispatch in between.
+as ``nn.QuantizedLinear`` (a tied embedding's ``as_linear``: as
+``nn.QuantizedEmbedding``) does, with no dispatch in between.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class _View(nn.Module):
         # gear that calls MLX's quantized_matmul; kept outside the module's tree (the
         # arrays are already there, under ``nested``).
         self.__dict__["_mlx_low"] = None
+        if n == 1 and low_gear_through_mlx(weights.planes[0], fused, weights.kernel_config):
+            p = weights.planes[0]
+            self.__dict__["_mlx_low"] = (p.weight, p.scales, p.biases, p.group_size, p.bits, weights.get("bias"))
 
     def matmul(self, x: mx.array) -> mx.array:
         # Item reads, not attributes: nn.Module resolves a child module through
@@ -133,6 +137,11 @@ class _View(nn.Module):
             return product(x, self.n, bias)
         return reference_matmul(x, nested.planes, self.n, bias)
 
+    @property
+    def through_mlx(self) -> bool:
+        """True if this view's products call ``mx.quantized_matmul`` on plane 0 directly (a low gear)."""
+        return self._mlx_low is not None
+
     def _extra_repr(self) -> str:
         out, inp = self.nested.shape
         return f"in={inp}, out={out}, planes={self.n}/{self.nested.depth}, bits={self.nested.bits[: self.n]}"
@@ -140,12 +149,6 @@ class _View(nn.Module):
 
 class NestedLinear(_View):
     """A linear layer reading the first ``n`` planes: ``(..., in) -> (..., out)``."""
-
-    def __init__(self, weights: NestedWeights, n: int, fused: bool) -> None:
-        super().__init__(weights, n, fused)
-        if n == 1 and low_gear_through_mlx(weights.planes[0], fused, weights.kernel_config):
-            p = weights.planes[0]
-            self.__dict__["_mlx_low"] = (p.weight, p.scales, p.biases, p.group_size, p.bits, weights.get("bias"))
 
     def __call__(self, x: mx.array) -> mx.array:
         low = self._mlx_low
@@ -155,11 +158,6 @@ class NestedLinear(_View):
                                     bits=bits)
             return y if bias is None else y + bias
         return self.matmul(x)
-
-    @property
-    def through_mlx(self) -> bool:
-        """True if this view calls ``mx.quantized_matmul`` on plane 0 directly (a low gear)."""
-        return self._mlx_low is not None
 
 
 class NestedEmbedding(_View):
@@ -176,6 +174,11 @@ class NestedEmbedding(_View):
         return rows.astype(self.nested.scales[0].dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
+        low = self._mlx_low
+        if low is not None:  # nn.QuantizedEmbedding.as_linear, on plane 0
+            w, scales, biases, group_size, bits, _ = low
+            return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                                       bits=bits)
         return self.matmul(x)
 
 
