@@ -36,6 +36,7 @@ Named tolerances (per output element, relative to the products' magnitudes):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -79,6 +80,19 @@ def swap_nibbles(packed: mx.array, bits: int) -> mx.array:
 
 #: Faults ``selftest --plant NAME`` plants in every check (to show that the checks can fail).
 PLANTS: Dict[str, Plant] = {"nibble-order": swap_nibbles}
+
+
+def gpu_case_dtypes(n_cases: int, dtypes: Sequence[mx.Dtype]) -> List[mx.Dtype]:
+    """The one input dtype each of ``n_cases`` GPU cases runs in: ``dtypes`` in turn.
+
+    Every GPU kernel variant (dtype, plan, bias and tuning are baked into its
+    source) compiles on its first run, about a second each with CUDA's
+    run-time compiler: every case in every dtype compiled some 95 variants
+    (127 s of a 130 s self-test on an H200). One dtype per case, in turn,
+    keeps every shape, and every dtype where there are as many cases, at a
+    third of the compiles.
+    """
+    return [dtypes[i % len(dtypes)] for i in range(n_cases)]
 
 
 # -- bounds -------------------------------------------------------------------------
@@ -201,6 +215,7 @@ class CheckResult:
     device: str
     cases: List[Case] = field(default_factory=list)
     error: Optional[str] = None  # the kernel raised (a build failure, say): the check fails
+    seconds: float = 0.0  # wall time of the check, its kernels' first-run compiles included
 
     @property
     def passed(self) -> bool:
@@ -212,7 +227,7 @@ class CheckResult:
 
     def to_dict(self) -> Dict[str, object]:
         return {"name": self.name, "device": self.device, "passed": self.passed, "error": self.error,
-                "cases": [c.to_dict() for c in self.cases]}
+                "seconds": self.seconds, "cases": [c.to_dict() for c in self.cases]}
 
 
 @dataclass(frozen=True)
@@ -237,10 +252,12 @@ class KernelCheck:
     def check(self, plant: Optional[Plant] = None) -> CheckResult:
         """Run the check; an exception from the kernel fails it with the message kept."""
         out = CheckResult(self.name, self.device())
+        tic = time.perf_counter()
         try:
             out.cases = list(self.run(plant))
         except Exception as e:  # noqa: BLE001  (a kernel that fails to build or launch is a finding)
             out.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        out.seconds = time.perf_counter() - tic
         return out
 
 

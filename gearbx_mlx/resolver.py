@@ -12,7 +12,9 @@ packed int4/int8 layers of the separate store, the fused plane kernels of the
 nested store), each guarded by its first-call check against the pure-MLX
 reference. ``kernel="auto"`` (the default) takes them where they are built and
 checked to pay: the C kernels on the CPU, and the nested store's fused GPU
-kernel on a GPU; MLX's own elsewhere.
+kernel on a GPU (its low gear, plane 0, is MLX's 4-bit layer and calls MLX's
+``quantized_matmul`` there: :func:`gearbx_mlx.nested.matmul.low_gear_through_mlx`);
+MLX's own elsewhere.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def _kernel(config: GearboxConfig, store: str) -> Tuple[str, str]:
         return config.kernel, "asked for"
     if mx.default_device() != mx.cpu:
         if store == "nested":
-            return "packed", "the nested store's fused GPU kernel (its first-call check guards it)"
+            return "packed", ("the nested store's fused GPU kernel for mid and high (its first-call check "
+                              "guards it); MLX's quantized_matmul on plane 0 for low")
         return "mlx", "MLX's QuantizedLinear on a GPU"
     with warnings.catch_warnings():  # a missing optional build is no news here
         warnings.simplefilter("ignore")

@@ -25,8 +25,13 @@ Sections (each recorded even if another fails):
    ``QuantizedLinear`` 4/8-bit, the package's ``NestedLinear`` views of nested
    planes (``--plan``, default the package's ``DEFAULT_PLAN``) through the
    fused kernel (``nested-low/mid/high``) and, for comparison, the same
-   planes through ``reference_matmul`` (``nested-*-mlx``). ``--rounds`` passes
-   over the variants, interleaved; medians reported.
+   planes through ``reference_matmul`` (``nested-*-mlx``). A suffix
+   ``-fused`` runs the low gear through the fused kernel instead of MLX's
+   ``quantized_matmul`` on plane 0, ``-nocompile`` the one-token launches
+   without ``mx.compile`` (:class:`~gearbx_mlx.nested.matmul.NestedKernelConfig`);
+   ``-mlpc`` (any variant) compiles each block's MLP into one call.
+   ``--rounds`` passes over the variants, interleaved; medians, spreads and the
+   host time to build one step's graph (``host_us_per_step``) reported.
 
 Usage:
   python scripts/bench_nested_gpu.py [--out FILE] [--quick] [--skip-sweep] [--skip-gemv] [--skip-decode]
@@ -37,6 +42,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -66,6 +72,7 @@ from bench_kernels import (  # noqa: E402
 
 from gearbx_mlx.bindings import gpu, nested_gpu  # noqa: E402
 from gearbx_mlx.nested.layers import NestedWeights, make_view  # noqa: E402
+from gearbx_mlx.nested.matmul import DEFAULT_CONFIG, NestedKernelConfig  # noqa: E402
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
 
 #: (bits, group size) per plane: the package's default (--plan replaces it).
@@ -219,10 +226,20 @@ def bench_host(shape=(4096, 4096)) -> Dict[str, float]:
     x = mx.random.normal((1, 1, in_features)).astype(ACT_DTYPE)
     mx.eval(x)
     result: Dict[str, float] = {}
-    weights = NestedWeights(planes)
+    for variant in ("", "-fused", "-nocompile", "-fused-nocompile"):
+        weights = NestedWeights(planes)
+        weights.use_kernel_config(variant_config(variant))
+        for gear, n in GEARS.items():
+            if "fused" in variant and n > 1:
+                continue  # the low gear's choice only
+            view = make_view(weights, n, False)
+            result[f"nested-{gear}{variant} view"] = _host_us(lambda: view(x))
+            y, ref = view(x).astype(mx.float32), reference_matmul(x, planes, n).astype(mx.float32)
+            err = (mx.abs(y - ref).max() / mx.abs(ref).max()).item()  # the warm (bound, compiled) call
+            result[f"nested-{gear}{variant} rel_err"] = err
+            if not err < CHECK_TOL:
+                print(f"  WRONG nested-{gear}{variant}: relative error {err:.3g}", flush=True)
     for gear, n in GEARS.items():
-        view = make_view(weights, n, False)
-        result[f"nested-{gear} view"] = _host_us(lambda: view(x))
         run = nested_gpu.launcher(gpu.gpu_backend(), tuple(b for b, _ in PLAN[:n]), tuple(g for _, g in PLAN[:n]),
                                   in_features, out_features, ACT_DTYPE, ACT_DTYPE, False).bound(
             nested_gpu.plane_arrays(planes, n), nested_gpu.factors_of(planes, n))
@@ -235,8 +252,35 @@ def bench_host(shape=(4096, 4096)) -> Dict[str, float]:
     lin.weight = w
     result["bf16 Linear"] = _host_us(lambda: lin(x))
     for k, v in result.items():
-        print(f"  host {k:26s} {v:6.2f} us/call", flush=True)
+        if "rel_err" not in k:
+            print(f"  host {k:30s} {v:6.2f} us/call", flush=True)
     return result
+
+
+def variant_config(suffix: str) -> NestedKernelConfig:
+    """The package's kernel config for a decode variant's suffix: ``-fused`` (the low gear
+    through the fused kernel, not MLX's quantized_matmul), ``-nocompile`` (no
+    ``mx.compile`` around the one-token launch), or both."""
+    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in suffix,
+                               gpu_compile=DEFAULT_CONFIG.gpu_compile and "nocompile" not in suffix)
+
+
+def host_us_per_step(model, prompt: mx.array, steps: int = 24) -> Dict[str, float]:
+    """Host microseconds to build one decode step's graph (``model(y, cache)``, nothing
+    evaluated), median and spread over ``steps`` steps after the prompt."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(y)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(y[None], cache=cache)
+        times.append((time.perf_counter() - t0) * 1e6)
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.eval(y)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
 def bench_gemv(shapes) -> List[Dict[str, object]]:
@@ -293,6 +337,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     prompt = mx.random.randint(0, vocab, (prompt_len,))
     entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
+    mlps: List[Tuple[nn.Module, nn.Module]] = []
     for r in range(rounds):
         for variant in variants:
             entry = entries[variant]
@@ -306,7 +351,12 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 else:
                     parts = variant.split("-")
                     n = GEARS[parts[1]]
+                    config = variant_config("-".join(parts[2:]))
+                    for p, _ in linears:
+                        products[p].use_kernel_config(config)
                     plan = [(p, make_view(products[p], n, False, fused=parts[-1] != "mlx")) for p, _ in linears]
+                    entry["low_through_mlx"] = bool(getattr(plan[0][1], "through_mlx", False))
+                    entry["compiled"] = config.gpu_compile
                     entry["bits_per_weight"] = 8 * sum(plane_bytes(products[p].planes, n) for p, _ in linears) / sum(
                         m.weight.size for _, m in linears)
                 if plan:
@@ -314,9 +364,13 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 probe = mx.zeros((1, 1, model.args.hidden_size), dtype=ACT_DTYPE)
                 if variant.startswith("nested"):
                     entry["path"] = products[linears[0][0]].product.backend_for(probe, GEARS[variant.split("-")[1]])
-                greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels
+                greedy_decode(model, prompt[:8], 8)  # warm up: compile kernels, settle first-use checks
+                if variant.endswith("-mlpc"):
+                    mlps = compile_mlps(model)
+                    greedy_decode(model, prompt[:8], 8)
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
+                entry.setdefault("rounds_host_us_per_step", []).append(host_us_per_step(model, prompt))
                 entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
                 if reference_tokens is None:
                     reference_tokens = tokens
@@ -326,6 +380,9 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 entry["error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
             finally:
+                for layer, mlp in mlps:
+                    layer.mlp = mlp
+                mlps = []
                 model.update_modules(tree_unflatten(linears))
                 plan = None
                 mx.clear_cache()
@@ -333,19 +390,45 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 runs = entry["rounds_tok_per_s"]
                 if runs:
                     entry["tok_per_s"] = statistics.median(runs)
-                print(f"  decode {kind:13s} {variant:18s} "
+                    entry["tok_per_s_spread"] = [min(runs), max(runs)]
+                    entry["host_us_per_step"] = statistics.median(
+                        h["median"] for h in entry["rounds_host_us_per_step"])
+                print(f"  decode {kind:13s} {variant:26s} "
                       + (f"{entry['tok_per_s']:7.1f} tok/s median of " + "/".join(f"{t:.0f}" for t in runs)
+                         + f", host {entry['host_us_per_step']:.0f} us/step"
                          if "tok_per_s" in entry else entry.get("error", "")), flush=True)
     del model, products
     mx.clear_cache()
     return list(entries.values())
 
 
+class CompiledMLP(nn.Module):
+    """A block's MLP as one ``mx.compile``d call (its three products and the gating):
+    how much a decode step gains from fewer host calls per block."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.inner = mlp
+        self.__dict__["run"] = mx.compile(lambda x: mlp(x))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.run(x)
+
+
+def compile_mlps(model) -> List[Tuple[nn.Module, nn.Module]]:
+    """Wrap every block's MLP in :class:`CompiledMLP`; ``[(block, its MLP)]`` to restore."""
+    out = []
+    for layer in model.layers:
+        out.append((layer, layer.mlp))
+        layer.mlp = CompiledMLP(layer.mlp)
+    return out
+
+
 def decode_targets(rows: List[Dict[str, object]]) -> List[str]:
     lines = []
     by = {(r["model"], r["variant"]): r.get("tok_per_s") for r in rows}
     for model in sorted({r["model"] for r in rows}):
-        for gear, ref, factor in (("low", "mlx-4", 1.0), ("mid", "mlx-8", 1.0), ("high", "bf16", 0.9)):
+        for gear, ref, factor in (("low", "mlx-4", 1.0), ("mid", "mlx-8", 0.9), ("high", "bf16", 0.9)):
             a, b = by.get((model, f"nested-{gear}")), by.get((model, ref))
             if a and b:
                 ratio = a / b

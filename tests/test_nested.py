@@ -110,6 +110,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from conftest import make_tiny_llama  # noqa: E402
 
+from gearbx_mlx.bindings import gpu  # noqa: E402
 from gearbx_mlx.config import GearboxConfig  # noqa: E402
 from gearbx_mlx.nested.layers import NestedEmbedding, NestedLinear, NestedWeights  # noqa: E402
 from gearbx_mlx.precision import PrecisionManager  # noqa: E402
@@ -373,6 +374,32 @@ def test_fused_views_use_the_kernels_and_agree_with_the_oracle():
         a, b = np.array(fused(x)), np.array(ref(x))
         assert np.abs(a - b).max() <= tol * np.abs(b).max(), n
     assert w.product is w.product  # one kernel state per matrix, shared by its views
+
+
+def test_the_low_gear_is_mlx_4bit_quantized_linear_on_plane_0():
+    """Plane 0 is MLX's 4-bit quantization: the low view that calls MLX's kernel reads
+    plane 0's very arrays and computes nn.QuantizedLinear's output bit for bit; on the
+    CPU a fused low view keeps the C kernels (the resolver's choice)."""
+    from gearbx_mlx.nested.layers import make_view
+
+    weight, bias = _weights(96, 256, mx.float32, seed=5), mx.random.normal((96,), key=mx.random.key(3))
+    w = NestedWeights.from_weight(weight, bias)
+    q = nn.QuantizedLinear.from_linear(nn.Linear(256, 96), group_size=64, bits=4)
+    q.weight, q.scales, q.biases = mx.quantize(weight, group_size=64, bits=4)
+    q.bias = bias
+    x = mx.random.normal((2, 3, 256), key=mx.random.key(4))
+    low = make_view(w, 1, False, fused=False)
+    assert low.through_mlx and low._mlx_low[0] is w.weights[0] and low._mlx_low[1] is w.scales[0]
+    assert mx.array_equal(low(x), q(x)).item()
+    assert mx.array_equal(low(x), reference_matmul(x, w.planes, 1, bias)).item()  # the oracle's arithmetic
+    assert not make_view(w, 2, False, fused=False).through_mlx  # mid and high keep their product
+    assert make_view(w, 1, False, fused=True).through_mlx is (gpu.gpu_backend() is not None)
+    table = NestedWeights.from_weight(weight)  # a tied embedding's output projection too
+    qe = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
+    qe.weight, qe.scales, qe.biases = mx.quantize(weight, group_size=64, bits=4)
+    emb = make_view(table, 1, True, fused=False)
+    assert emb.through_mlx and mx.array_equal(emb.as_linear(x), qe.as_linear(x)).item()
+    assert mx.array_equal(emb(mx.array([[3, 95]])), qe(mx.array([[3, 95]]))).item()
 
 
 def test_a_static_high_gear_builds_no_planes_until_another_gear_is_asked_for():

@@ -358,6 +358,25 @@ def test_cuda_nested_gemv_matches_the_reference(plan, dtype, group_size, shape):
             assert_close(y, want, mag, dtype, what=f"cuda n={n}")
 
 
+def test_compiled_launch_is_the_bound_launch():
+    """nested_gpu.compiled keeps run(x, shape, bias)'s signature and results, retraced
+    per input shape (here around an element-wise stand-in for the kernel)."""
+    calls = []
+
+    def run(x, shape, bias):
+        calls.append(shape)
+        y = x * 2.0 + 1.0
+        return y if bias is None else y + bias.astype(x.dtype)
+
+    for has_bias in (False, True):
+        fast = nested_gpu.compiled(run, has_bias)
+        for shape in ((1, 1, 8), (1, 8), (1, 1, 8)):
+            x = mx.random.normal(shape)
+            bias = mx.arange(8, dtype=mx.float16) if has_bias else None
+            assert mx.array_equal(fast(x, x.shape, bias), run(x, x.shape, bias)).item()
+    assert calls.count((1, 1, 8)) == 2 * (1 + 2)  # per bias: one trace of the shape, two direct calls
+
+
 @needs_cuda
 @pytest.mark.parametrize("plan", [KERNEL_PLAN, (4, 4, 8)])
 def test_cuda_bound_launches_match_the_reference(plan):

@@ -279,6 +279,21 @@ class Launcher:
         return run
 
 
+def compiled(run: Callable[[mx.array, tuple, Optional[mx.array]], mx.array],
+             has_bias: bool) -> Callable[[mx.array, tuple, Optional[mx.array]], mx.array]:
+    """:meth:`Launcher.bound`'s ``run`` wrapped in ``mx.compile``: the same signature and result.
+
+    A custom-kernel call builds a new primitive each time (its source text
+    copied in); a compiled call replays the traced node, retraced only for a
+    new input shape or dtype. The planes' arrays are captured (they never change).
+    """
+    if has_bias:
+        traced_bias = mx.compile(lambda x, bias: run(x, x.shape, bias))
+        return lambda x, shape, bias: traced_bias(x, bias)
+    traced = mx.compile(lambda x: run(x, x.shape, None))
+    return lambda x, shape, bias: traced(x)
+
+
 class _ShapeOnly:
     """Stands in for a plane in :func:`launcher`: shapes and dtypes, never evaluated."""
 

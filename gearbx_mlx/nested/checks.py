@@ -5,7 +5,8 @@ The checks run each kernel that reads planes on this machine against that
 sum written out from the stored codes in float64 (the codes read back
 through ``mx.dequantize`` with unit scales, so no rounding of the reference's
 own), over odd shapes, every gear of the kernels' widest plan, and every
-input dtype (the planes' scales in the same dtype):
+input dtype (the planes' scales in the same dtype; on a GPU each shape in
+one of them, in turn: :func:`~gearbx_mlx.kernelcheck.gpu_case_dtypes`):
 
 * GPU (Metal or CUDA): the fused body, all of a gear's planes in one launch;
 * CPU: every path of the C kernels (``float``, ``intdot`` and the scalar
@@ -27,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..bindings import cpu, gpu, nested_cpu, nested_gpu
-from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_name, gemv_bound
+from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_name, gemv_bound, gpu_case_dtypes
 from .matmul import NestedProduct, gear_rows
 from .planes import DEFAULT_PLAN, Plane, build_planes
 
@@ -52,7 +53,8 @@ def make_planes(out_features: int, in_features: int, plan: Sequence[Tuple[int, i
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.02
     w[rng.random(w.shape) < 0.01] *= 10.0
-    return build_planes(mx.array(w).astype(dtype), list(plan))
+    with mx.stream(mx.cpu):  # on a GPU, no run-time compile of the clipping search per odd shape
+        return build_planes(mx.array(w).astype(dtype), list(plan))
 
 
 def make_x(shape: Tuple[int, ...], dtype: mx.Dtype, seed: int = 1) -> mx.array:
@@ -86,14 +88,16 @@ def reference64(x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.
 
 def _case(x: mx.array, y: mx.array, planes: Sequence[Plane], n: int, plan: Sequence[Tuple[int, int]],
           bias: Optional[mx.array], out_dtype: Optional[mx.Dtype], intdot: bool, extra: Sequence[str]) -> Case:
-    w, terms = gear_rows(planes, n)
-    ref = reference64(x, planes, n, bias)
-    bound = gemv_bound(x, w, mx.array(ref.astype(np.float32)), out_dtype=out_dtype, accum=FLOAT_RTOL,
-                       intdot=intdot, terms=terms)
-    o, k = w.shape
-    label = " ".join([f"{o}x{k}", "/".join(f"{b}g{g}" for b, g in plan[:n])] + (["bias"] if bias is not None else [])
-                     + list(extra))
-    return Case(label, dtype_name(x.dtype), compare(y, ref, bound))
+    mx.eval(y)  # the kernel on its device; the reference and the bound on the CPU
+    with mx.stream(mx.cpu):
+        w, terms = gear_rows(planes, n)
+        ref = reference64(x, planes, n, bias)
+        bound = gemv_bound(x, w, mx.array(ref.astype(np.float32)), out_dtype=out_dtype, accum=FLOAT_RTOL,
+                           intdot=intdot, terms=terms)
+        o, k = w.shape
+        label = " ".join([f"{o}x{k}", "/".join(f"{b}g{g}" for b, g in plan[:n])]
+                         + (["bias"] if bias is not None else []) + list(extra))
+        return Case(label, dtype_name(x.dtype), compare(y, ref, bound))
 
 
 # -- GPU ---------------------------------------------------------------------------------
@@ -101,16 +105,17 @@ def _case(x: mx.array, y: mx.array, planes: Sequence[Plane], n: int, plan: Seque
 
 def _gpu(plant: Optional[Plant]) -> List[Case]:
     cases = []
-    for dtype in DTYPES:
-        for i, (o, k, plan) in enumerate(CASES):
-            planes = make_planes(o, k, plan, dtype, seed=i)
-            x = make_x((k,), dtype, seed=i)
-            bias = make_x((o,), dtype, seed=i + 7) if i % 2 == 0 else None
-            for n in range(1, len(plan) + 1):
-                y = nested_gpu.nested_gemv(x, plant_planes(planes, plant), n, bias)
-                if y is None:
-                    raise ValueError(f"the nested GPU kernel does not take planes {plan[:n]} of ({o}, {k}), {dtype}")
-                cases.append(_case(x, y, planes, n, plan, bias, dtype, False, []))
+    for (i, (o, k, plan)), dtype in zip(enumerate(CASES), gpu_case_dtypes(len(CASES), DTYPES)):
+        planes = make_planes(o, k, plan, dtype, seed=i)
+        x = make_x((k,), dtype, seed=i)
+        bias = make_x((o,), dtype, seed=i + 7) if i % 2 == 0 else None
+        # Each gear is a compiled variant: a plan's later shapes check the gear that reads every plane.
+        first = all(p != plan for _, _, p in CASES[:i])
+        for n in range(1, len(plan) + 1) if first else (len(plan),):
+            y = nested_gpu.nested_gemv(x, plant_planes(planes, plant), n, bias)
+            if y is None:
+                raise ValueError(f"the nested GPU kernel does not take planes {plan[:n]} of ({o}, {k}), {dtype}")
+            cases.append(_case(x, y, planes, n, plan, bias, dtype, False, []))
     return cases
 
 
@@ -151,12 +156,15 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
     """``NestedProduct`` on this machine's path for each gear, first-use guard included."""
     cases = []
     o, k, plan = CASES[0]
-    for dtype in DTYPES:
+    on_gpu = gpu.gpu_backend() is not None
+    for i, dtype in enumerate(DTYPES):
         planes = make_planes(o, k, plan, dtype, seed=5)
         product = NestedProduct(plant_planes(planes, plant))
         x = make_x((k,), dtype, seed=5)
         bias = make_x((o,), dtype, seed=6)
         for n in range(1, len(plan) + 1):
+            if on_gpu and n != i + 1:  # a GPU compiles each variant: one gear per dtype, in turn
+                continue
             path = product.backend_for(x, n, True)
             intdot = path == "cpu" and product.cpu_path(n) == "intdot"
             y = product(x, n, bias)

@@ -13,6 +13,14 @@ which picks a fused kernel at call time where one applies (Metal or CUDA for
 one token on a GPU, the C kernels on the CPU) and the pure-MLX oracle
 (:func:`~gearbx_mlx.nested.planes.reference_matmul`) otherwise; a view made
 with ``fused=False`` always takes the oracle.
+
+The low gear's view is MLX's 4-bit layer by construction: plane 0 is
+``mx.quantize``'s codes, scales and biases of the weight. Where
+:func:`~gearbx_mlx.nested.matmul.low_gear_through_mlx` says so (the oracle
+asked for, or a GPU, whose per-call host time bounds decode), it calls
+``mx.quantized_matmul`` on plane 0's arrays (the same objects, no copy) exactly
+as ``nn.QuantizedLinear`` (a tied embedding's ``as_linear``: as
+``nn.QuantizedEmbedding``) does, with no dispatch in between.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .matmul import NestedProduct
+from .matmul import DEFAULT_CONFIG, NestedKernelConfig, NestedProduct, low_gear_through_mlx
 from .planes import DEFAULT_PLAN, QUANTIZED_SOURCE_PLAN, Plane, PlaneSpec, build_planes, reference_matmul
 
 
@@ -57,9 +65,20 @@ class NestedWeights(nn.Module):
         """The kernels' state of these planes, built on first use and shared by every view."""
         prod = self.__dict__.get("_product")
         if prod is None:
-            prod = NestedProduct(self.planes)
+            prod = NestedProduct(self.planes, self.kernel_config)
             self.__dict__["_product"] = prod
         return prod
+
+    @property
+    def kernel_config(self) -> NestedKernelConfig:
+        """Where each kernel is used for these planes (default :data:`~.matmul.DEFAULT_CONFIG`)."""
+        return self.__dict__.get("_kernel_config", DEFAULT_CONFIG)
+
+    def use_kernel_config(self, config: NestedKernelConfig) -> None:
+        """Use ``config`` from now on (the kernels' state is rebuilt; views built
+        before keep their low-gear choice: build views after this)."""
+        self.__dict__["_kernel_config"] = config
+        self.__dict__.pop("_product", None)
 
     @property
     def planes(self) -> List[Plane]:
@@ -100,6 +119,13 @@ class _View(nn.Module):
         self.n = n
         self.fused = fused
         self.freeze()
+        # (weight, scales, biases, group size, bits, bias) of plane 0 when this is a low
+        # gear that calls MLX's quantized_matmul; kept outside the module's tree (the
+        # arrays are already there, under ``nested``).
+        self.__dict__["_mlx_low"] = None
+        if n == 1 and low_gear_through_mlx(weights.planes[0], fused, weights.kernel_config):
+            p = weights.planes[0]
+            self.__dict__["_mlx_low"] = (p.weight, p.scales, p.biases, p.group_size, p.bits, weights.get("bias"))
 
     def matmul(self, x: mx.array) -> mx.array:
         # Item reads, not attributes: nn.Module resolves a child module through
@@ -111,6 +137,11 @@ class _View(nn.Module):
             return product(x, self.n, bias)
         return reference_matmul(x, nested.planes, self.n, bias)
 
+    @property
+    def through_mlx(self) -> bool:
+        """True if this view's products call ``mx.quantized_matmul`` on plane 0 directly (a low gear)."""
+        return self._mlx_low is not None
+
     def _extra_repr(self) -> str:
         out, inp = self.nested.shape
         return f"in={inp}, out={out}, planes={self.n}/{self.nested.depth}, bits={self.nested.bits[: self.n]}"
@@ -120,6 +151,12 @@ class NestedLinear(_View):
     """A linear layer reading the first ``n`` planes: ``(..., in) -> (..., out)``."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        low = self._mlx_low
+        if low is not None:  # nn.QuantizedLinear's own call, on plane 0
+            w, scales, biases, group_size, bits, bias = low
+            y = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                                    bits=bits)
+            return y if bias is None else y + bias
         return self.matmul(x)
 
 
@@ -137,6 +174,11 @@ class NestedEmbedding(_View):
         return rows.astype(self.nested.scales[0].dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
+        low = self._mlx_low
+        if low is not None:  # nn.QuantizedEmbedding.as_linear, on plane 0
+            w, scales, biases, group_size, bits, _ = low
+            return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                                       bits=bits)
         return self.matmul(x)
 
 

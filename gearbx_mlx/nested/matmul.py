@@ -41,7 +41,7 @@ import mlx.core as mx
 
 from .. import blas
 from ..bindings import gpu, guard, nested_cpu, nested_gpu
-from ..mlx_tables import GROUP_SIZES
+from ..mlx_tables import GROUP_SIZES, QUANT_BITS
 from ..packed.layers import cpu_backend
 from .planes import Plane, build_planes, dense_matmul, reference_matmul
 
@@ -68,9 +68,26 @@ class NestedKernelConfig:
 
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
     cpu_max_rows: int = 8
+    gpu_low_mlx: bool = True
+    gpu_compile: bool = True
 
 
 DEFAULT_CONFIG = NestedKernelConfig()
+
+
+def low_gear_through_mlx(plane: Plane, fused: bool, config: NestedKernelConfig = DEFAULT_CONFIG) -> bool:
+    """True if a low-gear view of ``plane`` (plane 0) calls ``mx.quantized_matmul`` directly.
+
+    Plane 0 is MLX's own quantization (``mx.quantize``: codes, scales and
+    biases; factor 1), so a lone plane-0 product is ``nn.QuantizedLinear``'s,
+    bit for bit. It is taken where the kernel choice leaves it to MLX
+    (``fused=False``: the oracle, which is this very call) and on a GPU default
+    device (``config.gpu_low_mlx``). On the CPU a fused view keeps the C
+    kernels that the resolver chose. Decided when the view is built.
+    """
+    if plane.exponent or plane.bits not in QUANT_BITS or plane.group_size not in GROUP_SIZES:
+        return False
+    return not fused or (config.gpu_low_mlx and gpu.gpu_backend() is not None)
 
 
 class NestedProduct:
@@ -197,6 +214,8 @@ class NestedProduct:
     def _bind_gpu(self, backend: str, dtype: mx.Dtype, n: int, has_bias: bool):
         run = self._gpu_launcher(backend, dtype, n, has_bias).bound(
             nested_gpu.plane_arrays(self.planes, n), nested_gpu.factors_of(self.planes, n))
+        if self.config.gpu_compile:
+            run = nested_gpu.compiled(run, has_bias)
         device = mx.default_device()
         if self._fast_device is None or device != self._fast_device:  # another device: rebind everything
             self._fast.clear()
