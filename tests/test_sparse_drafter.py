@@ -143,3 +143,74 @@ def test_sparse_drafter_of_the_gearbox_drafter():
     half = build_sparse_draft(draft, 0.5, tokens)
     assert half.sparse["kept_fraction"] == 0.5
     assert half.sparse["kept_down_bytes"] == half.sparse["down_bytes"] // 2
+
+
+# -- plumbing: the config, the CLI, the default model ------------------------------------
+
+
+def test_config_refuses_a_bad_sparsity():
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    assert SpeculativeConfig().draft_sparsity is None
+    with pytest.raises(ValueError, match="draft_sparsity"):
+        SpeculativeConfig(draft_sparsity=0.99)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative", "force", "--draft-sparsity", "1.2"], "argument --draft-sparsity: expected a fraction"),
+    (["--speculative", "force", "--draft-sparsity", "x"], "argument --draft-sparsity: expected a fraction"),
+    (["--draft-sparsity", "0.5"], "error: --draft-sparsity sets the speculative drafter: add --speculative"),
+    (["--speculative", "force", "--draft-gear", "mid", "--draft-sparsity", "0.5"], "drop --draft-gear mid"),
+])
+def test_cli_refuses_bad_sparsity_before_loading(argv, message, capsys):
+    """One error line, and nothing loads (the flags are checked first)."""
+    from gearbx_mlx.generate import main
+
+    try:
+        code = main(["--prompt", "hi", "--model", "/nonexistent/model", *argv])
+    except SystemExit as e:  # argparse's own error exit
+        code = e.code
+    assert code not in (0, None)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "nonexistent" not in err
+
+
+def test_cli_refuses_a_model_without_a_swiglu_ffn():
+    import argparse
+
+    from gearbx_mlx.speculative.cli import check_sparse_model
+
+    model = make_tiny_llama(vocab=64, hidden=64)
+    model.args.model_type = "gemma3_text"
+    with pytest.raises(ValueError, match="^--draft-sparsity: the sparse drafter needs a SwiGLU FFN"):
+        check_sparse_model(argparse.Namespace(draft_sparsity=0.5), model)
+    check_sparse_model(argparse.Namespace(draft_sparsity=None), model)  # off: no check
+
+
+def test_greedy_output_is_the_high_gears_with_the_sparse_drafter(default_model):
+    """Exactness is the promise: prompts x 16 tokens at two sparsities, token for token the high gear's."""
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.chat import encode_chat
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    model, tok, gearbox = default_model
+    prompts = ["Describe a walk along a river on an autumn morning.",
+               "What is the capital of France? Answer in one word.",
+               "Explain what a hash table is to a child."]
+    seen = []
+    for i, text in enumerate(prompts):
+        ids = encode_chat(tok, text)
+        want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=16), range(16))]
+        config = SpeculativeConfig(max_draft=3, draft_sparsity=(0.5, 0.9, 0.25)[i])
+        got, drafter = [], None
+        for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=16):
+            got.append(r.token)
+        assert got == want[: len(got)], text
+        assert len(got) == 16 or got[-1] in tok.eos_token_ids
+        from gearbx_mlx.speculative.decode import get_draft
+
+        drafter = get_draft(model, gearbox, "low", "all", config.draft_sparsity, tok)
+        seen.append(drafter.sparse["kept_fraction"])
+    assert seen[1] < seen[0] < seen[2] < 1

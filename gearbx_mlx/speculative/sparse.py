@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from ..sources.models import corpus_path
 from .draft import DraftModel, graft
 
 #: Model types whose FFN is ``down(silu(gate(x)) * up(x))`` (mlx-lm's llama MLP and kin).
@@ -229,6 +230,12 @@ def sparse_module(module: nn.Module, keep: Sequence[int]) -> nn.Module:
     return graft(module, tree)
 
 
+def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS) -> List[int]:
+    """The first ``n`` tokens of the evaluation corpus (the text the kept fractions are measured on)."""
+    text = corpus_path().read_bytes()[: 16 * n].decode("utf-8", errors="replace")
+    return list(tokenizer.encode(text))[:n]
+
+
 def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]) -> DraftModel:
     """The sparse drafter of ``draft`` at the target ``sparsity``, its kept fractions measured on ``tokens``.
 
@@ -259,6 +266,7 @@ def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]
 
 __all__ = [
     "CALIBRATION_TOKENS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_mass", "build_sparse_draft",
+    "calibration_tokens",
     "calibrate_keep", "check_sparsity", "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts",
     "sparse_down", "sparse_module", "top_blocks",
 ]
