@@ -11,11 +11,14 @@ from hypothesis import given, settings, strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from gearbx_mlx.speculative.sparse import (
+    GATHERS,
     SparseMLP,
+    block_major,
     block_mass,
     build_sparse_draft,
     calibrate_keep,
     check_sparsity,
+    expert_down,
     ffn_layers,
     hidden,
     masked_down,
@@ -45,9 +48,10 @@ def test_sparse_down_matches_masked_dense(out, blocks, group, bits, bias, seed, 
     keep = data.draw(st.integers(1, blocks))
     idx = top_blocks(h[0], keep, group)
     assert idx.size == keep
-    got = sparse_down(h, quant_parts(down), idx)
-    want = masked_down(h, down, idx, group)
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    parts = quant_parts(down)
+    want = np.array(masked_down(h, down, idx, group))
+    np.testing.assert_allclose(np.array(sparse_down(h, parts, idx)), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(expert_down(h, block_major(parts), parts, idx)), want, rtol=1e-4, atol=1e-4)
 
 
 @settings(max_examples=30, deadline=None)
@@ -84,10 +88,14 @@ def test_sparse_step_matches_masked_reference():
     model = _quantized_tiny(seed=1)
     mlp = ffn_layers(model)[0].mlp
     x = mx.random.normal((1, 1, 128))
-    sp = SparseMLP(mlp, 2)
     h = hidden(mlp, x)
     want = masked_down(h.reshape(1, -1), mlp.down_proj, top_blocks(h.reshape(-1), 2, 64), 64)
-    np.testing.assert_allclose(np.array(sp(x)).reshape(-1), np.array(want).reshape(-1), rtol=1e-4, atol=1e-4)
+    for gather in GATHERS:
+        sp = SparseMLP(mlp, 2, gather)
+        np.testing.assert_allclose(np.array(sp(x)).reshape(-1), np.array(want).reshape(-1), rtol=1e-4, atol=1e-4)
+    assert sp.extra_bytes == 0 < SparseMLP(mlp, 2).extra_bytes
+    with pytest.raises(ValueError, match="gather must be one of"):
+        SparseMLP(mlp, 2, "scatter")
     # several rows go dense
     xs = mx.random.normal((1, 3, 128))
     np.testing.assert_allclose(np.array(sp(xs)), np.array(mlp(xs)), rtol=1e-5, atol=1e-5)
@@ -143,6 +151,7 @@ def test_sparse_drafter_of_the_gearbox_drafter():
     half = build_sparse_draft(draft, 0.5, tokens)
     assert half.sparse["kept_fraction"] == 0.5
     assert half.sparse["kept_down_bytes"] == half.sparse["down_bytes"] // 2
+    assert half.memory["extra_bytes"] == draft.memory["extra_bytes"] + half.sparse["layout_bytes"] > 0
 
 
 # -- plumbing: the config, the CLI, the default model ------------------------------------

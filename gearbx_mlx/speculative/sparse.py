@@ -10,8 +10,14 @@ columns of a block are a slice of the packed weight, scales and biases.
 
 :class:`SparseMLP` runs a one-token decode step as: gate and up densely, the
 mass ``sum |h|`` of every block, the ``keep`` heaviest blocks, and
-``mx.quantized_matmul`` over those blocks' columns alone (``mx.take`` along
-the packed axis): ``down_proj`` reads ``keep / blocks`` of its bytes.
+``down_proj`` over those blocks' columns alone, so it reads ``keep / blocks``
+of down_proj's bytes. Two ways (:data:`GATHERS`): ``take`` gathers the kept
+columns of the packed weight, scales and biases (``mx.take`` along the packed
+axis) and calls ``mx.quantized_matmul`` on the sub-matrix; ``experts`` (the
+default) keeps a block-major copy of down_proj, one little matrix per block,
+and calls ``mx.gather_qmm`` with the kept blocks as the chosen experts, which
+reads them in place (on the CPU the ``take`` gather costs more than the
+product it saves; the copy costs down_proj's bytes once more).
 Several rows at once (the prompt's prefill, re-fed accepted tokens) go
 dense: their KV entries stay the dense drafter's.
 
@@ -139,6 +145,30 @@ def sparse_down(h: mx.array, parts: QuantParts, blocks: mx.array) -> mx.array:
     return y + parts.bias if parts.bias is not None else y
 
 
+def block_major(parts: QuantParts) -> Tuple[mx.array, mx.array, mx.array]:
+    """``down_proj``'s blocks as ``nb`` little matrices: ``(nb, out, words)``, ``(nb, out, 1)`` x 2 (a copy)."""
+    out, nb = parts.scales.shape
+    arrays = (mx.contiguous(parts.weight.reshape(out, nb, -1).transpose(1, 0, 2)),
+              mx.contiguous(parts.scales.reshape(out, nb, 1).transpose(1, 0, 2)),
+              mx.contiguous(parts.biases.reshape(out, nb, 1).transpose(1, 0, 2)))
+    mx.eval(arrays)
+    return arrays
+
+
+def expert_down(h: mx.array, blocks_major: Tuple[mx.array, mx.array, mx.array], parts: QuantParts,
+                blocks: mx.array) -> mx.array:
+    """``(1, I) -> (1, out)``: :func:`sparse_down` as MLX's gathered quantized product, each block an expert.
+
+    ``mx.gather_qmm`` reads the kept blocks of the block-major copy in place
+    (no gathered copy of the weight) and their partial products are summed.
+    """
+    w, s, b = blocks_major
+    x = h.reshape(-1, 1, parts.group_size)
+    y = mx.gather_qmm(x, w, s, b, lhs_indices=blocks, rhs_indices=blocks, transpose=True,
+                      group_size=parts.group_size, bits=parts.bits).sum(0)
+    return y + parts.bias if parts.bias is not None else y
+
+
 def masked_down(h: mx.array, down: nn.Module, blocks: mx.array, group_size: int) -> mx.array:
     """The reference of :func:`sparse_down`: zero the dropped blocks, then the dense ``down_proj``."""
     nb = h.shape[-1] // group_size
@@ -147,27 +177,49 @@ def masked_down(h: mx.array, down: nn.Module, blocks: mx.array, group_size: int)
     return down(h * mx.repeat(mask, group_size))
 
 
+#: How a one-token step reads the kept blocks: ``experts`` (``mx.gather_qmm`` over a
+#: block-major copy of down_proj) or ``take`` (gather the packed columns, then
+#: ``mx.quantized_matmul``; no copy, but the gather itself is a copy every step).
+GATHERS: Tuple[str, ...] = ("experts", "take")
+
+
 class SparseMLP(nn.Module):
     """A drafter's FFN that keeps ``keep`` of its ``blocks`` blocks on one-token steps.
 
-    ``(B, T, D) -> (B, T, D)``; a single row runs :func:`sparse_down`, several
-    rows (or ``keep == blocks``) the dense ``down_proj``.
+    ``(B, T, D) -> (B, T, D)``; a single row reads the kept blocks only (see
+    :data:`GATHERS`), several rows (or ``keep == blocks``) the dense ``down_proj``.
     """
 
-    def __init__(self, mlp: nn.Module, keep: int) -> None:
+    def __init__(self, mlp: nn.Module, keep: int, gather: str = "experts") -> None:
         super().__init__()
+        if gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.parts = quant_parts(mlp.down_proj)
         self.blocks = self.parts.scales.shape[1]
         self.keep = max(1, min(int(keep), self.blocks))
+        self.gather = gather
+        dense = self.keep >= self.blocks
+        self.__dict__["_major"] = block_major(self.parts) if gather == "experts" and not dense else None
         self.freeze()
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of the block-major copy (0 without one)."""
+        major = self.__dict__["_major"]
+        return sum(a.nbytes for a in major) if major is not None else 0
 
     def __call__(self, x: mx.array) -> mx.array:
         h = hidden(self, x)
         if self.keep >= self.blocks or h.size != h.shape[-1]:
             return self.down_proj(h)
         blocks = top_blocks(h.reshape(-1), self.keep, self.parts.group_size)
-        return sparse_down(h.reshape(1, -1), self.parts, blocks).reshape(*x.shape[:-1], -1)
+        major = self.__dict__["_major"]
+        if major is not None:
+            y = expert_down(h.reshape(1, -1), major, self.parts, blocks)
+        else:
+            y = sparse_down(h.reshape(1, -1), self.parts, blocks)
+        return y.reshape(*x.shape[:-1], -1)
 
 
 def _needed_fraction(mass: mx.array, share: float) -> mx.array:
@@ -222,10 +274,10 @@ def calibrate_keep(masses: Sequence[mx.array], sparsity: float, iters: int = 30)
     return kept(hi)
 
 
-def sparse_module(module: nn.Module, keep: Sequence[int]) -> nn.Module:
+def sparse_module(module: nn.Module, keep: Sequence[int], gather: str = "experts") -> nn.Module:
     """A copy of the drafter's tree whose FFNs are :class:`SparseMLP` keeping ``keep[i]`` blocks."""
     layers = ffn_layers(module)
-    tree: Dict[str, Any] = {"model": {"layers": {str(i): {"mlp": SparseMLP(layer.mlp, k)}
+    tree: Dict[str, Any] = {"model": {"layers": {str(i): {"mlp": SparseMLP(layer.mlp, k, gather)}
                                                  for i, (layer, k) in enumerate(zip(layers, keep))}}}
     return graft(module, tree)
 
@@ -236,14 +288,16 @@ def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS) -> List[int]
     return list(tokenizer.encode(text))[:n]
 
 
-def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]) -> DraftModel:
+def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int],
+                       gather: str = "experts") -> DraftModel:
     """The sparse drafter of ``draft`` at the target ``sparsity``, its kept fractions measured on ``tokens``.
 
     It shares every array with ``draft``; it drafts through the MLX tree (the
     host step is dense). ``sparse`` on the result records what was kept:
     ``{"sparsity", "kept_fraction", "kept_blocks", "blocks", "group_size",
-    "calibration_tokens", "down_bytes", "kept_down_bytes"}`` (bytes of every
-    layer's ``down_proj``, and of its kept blocks, per one-token step).
+    "calibration_tokens", "down_bytes", "kept_down_bytes", "gather",
+    "layout_bytes"}`` (bytes of every layer's ``down_proj``, and of its kept
+    blocks, per one-token step; bytes of the block-major copies).
     """
     check_sparsity(sparsity)
     layers = ffn_layers(draft.module)
@@ -260,13 +314,19 @@ def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]
         "blocks": blocks, "group_size": parts[0].group_size, "calibration_tokens": len(tokens),
         "down_bytes": sum(down), "kept_down_bytes": int(sum(d * k / n for d, k, n in zip(down, keep, blocks))),
     }
-    return dataclasses.replace(draft, module=sparse_module(draft.module, keep), host=None,
+    module = sparse_module(draft.module, keep, gather)
+    extra = sum(layer.mlp.extra_bytes for layer in ffn_layers(module))
+    info.update(gather=gather, layout_bytes=extra)
+    memory = dict(draft.memory)
+    if memory:
+        memory.update(extra_bytes=memory["extra_bytes"] + extra, resident_total=memory["resident_total"] + extra)
+    return dataclasses.replace(draft, module=module, host=None, memory=memory,
                                host_reason="the sparse drafter runs its FFNs in the MLX tree", sparse=info)
 
 
 __all__ = [
-    "CALIBRATION_TOKENS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_mass", "build_sparse_draft",
-    "calibration_tokens",
-    "calibrate_keep", "check_sparsity", "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts",
-    "sparse_down", "sparse_module", "top_blocks",
+    "CALIBRATION_TOKENS", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
+    "block_mass", "build_sparse_draft", "calibrate_keep", "calibration_tokens", "check_sparsity", "expert_down",
+    "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts", "sparse_down", "sparse_module",
+    "top_blocks",
 ]
