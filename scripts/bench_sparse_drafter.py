@@ -15,7 +15,8 @@ Measured per drafter, interleaved (every repeat runs all drafters in turn):
   * one draft step's time (a one-token step on a warm cache, median of ``--steps``);
   * acceptance and end-to-end tokens/s of ``--speculative force`` (greedy,
     ``--tokens`` tokens), from the pipeline's own responses.
-Median and spread (min, max) over ``--repeats``.
+Median and spread (min, max) over ``--repeats``. Then one layer's down_proj
+for one token, alone: the dense product against both gathers at half the blocks.
 
 Run with OpenBLAS preloaded, as the CPU benchmarks are:
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -43,7 +44,16 @@ from gearbx_mlx.generation import load
 from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.precision import nbytes
 from gearbx_mlx.speculative.decode import SpeculativeConfig, get_draft
-from gearbx_mlx.speculative.sparse import build_sparse_draft, calibration_tokens, quant_parts
+from gearbx_mlx.speculative.sparse import (
+    block_major,
+    build_sparse_draft,
+    calibration_tokens,
+    expert_down,
+    ffn_layers,
+    quant_parts,
+    sparse_down,
+    top_blocks,
+)
 
 #: name -> (target sparsity, gather); None: the dense drafter of the default path.
 VARIANTS = {"dense-host": (None, None), "dense-tree": (0.0, "experts"), "sparse-0.25": (0.25, "experts"),
@@ -82,16 +92,47 @@ def time_step(draft: Any, ids: List[int], steps: int) -> float:
     return statistics.median(times)
 
 
+def layer_product(draft: Any, kept: float, reps: int) -> Dict[str, float]:
+    """Microseconds of one layer's down_proj for one token (layer 0 of the drafter): the dense
+    ``mx.quantized_matmul``, and at ``kept`` of the blocks the ``take`` gather and product, and
+    ``gather_qmm`` over the block-major copy; ``(median, min)`` of ``reps`` timed calls each."""
+    parts = quant_parts(ffn_layers(draft.module)[0].mlp.down_proj)
+    nb, g = parts.scales.shape[1], parts.group_size
+    h = mx.random.normal((1, nb * g), key=mx.random.key(0))
+    blocks = top_blocks(h[0], max(1, round(kept * nb)), g)
+    major = block_major(parts)
+    cases = {
+        "dense_quantized_matmul": lambda: mx.quantized_matmul(h, parts.weight, parts.scales, parts.biases,
+                                                              transpose=True, group_size=g, bits=parts.bits),
+        "take_then_quantized_matmul": lambda: sparse_down(h, parts, blocks),
+        "gather_qmm_block_major": lambda: expert_down(h, major, parts, blocks),
+        "block_ranking": lambda: top_blocks(h[0], max(1, round(kept * nb)), g),
+    }
+    out: Dict[str, float] = {}
+    for _ in range(2):  # interleaved: every case in each round, the second round's numbers kept
+        for name, f in cases.items():
+            mx.eval(f())
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                mx.eval(f())
+                ts.append(time.perf_counter() - t0)
+            out[name] = 1e6 * statistics.median(ts)
+            out[name + "_min"] = 1e6 * min(ts)
+    return out
+
+
 def generate(model: Any, tok: Any, gearbox: Any, ids: List[int], draft: Any, n: int) -> Dict:
     sparsity = draft.sparse["sparsity"] if draft.sparse else None
     config = SpeculativeConfig(mode="force", draft_sparsity=sparsity)
-    accepted = drafted = 0
-    tokens, last = [], None
+    accepted = 0
+    tokens, last, blocks = [], None, {}
     for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=n, draft=draft):
         tokens.append(r.token)
         accepted += r.accepted
-        drafted += r.drafted if r.index == 0 else 0
+        blocks[r.block] = r.drafted
         last = r
+    drafted = sum(blocks.values())
     return {"tokens": tokens, "accepted": accepted, "drafted": drafted,
             "acceptance": accepted / drafted if drafted else None, "tokens_per_s": last.generation_tps}
 
@@ -128,8 +169,9 @@ def measure(args: argparse.Namespace) -> Dict:
             "step_bytes": step_bytes(d), "step_s": spread(runs[name]["step_s"]),
             "acceptance": spread(runs[name]["acceptance"]), "tokens_per_s": spread(runs[name]["tokens_per_s"]),
         }
+    layer = {"kept_fraction": 0.5, "reps": 200, **layer_product(dense, 0.5, 200)}
     return {"prompt": PROMPT, "tokens": args.tokens, "repeats": args.repeats, "steps": args.steps,
-            "outputs_identical": same, "drafters": out}
+            "outputs_identical": same, "drafters": out, "down_proj_layer_us": layer}
 
 
 def table(r: Dict) -> str:
@@ -141,6 +183,9 @@ def table(r: Dict) -> str:
                      f"{a['median']:6.3f} [{a['min']:.2f}-{a['max']:.2f}] "
                      f"{t['median']:6.2f} [{t['min']:.1f}-{t['max']:.1f}]")
     lines.append(f"greedy outputs identical across drafters: {r['outputs_identical']}")
+    lay = r["down_proj_layer_us"]
+    lines.append("one layer's down_proj, one token, half the blocks kept (us, median): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in lay.items() if k not in ("kept_fraction", "reps") and not k.endswith("_min")))
     return "\n".join(lines)
 
 
