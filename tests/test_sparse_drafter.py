@@ -223,3 +223,29 @@ def test_greedy_output_is_the_high_gears_with_the_sparse_drafter(default_model):
         drafter = get_draft(model, gearbox, "low", "all", config.draft_sparsity, tok)
         seen.append(drafter.sparse["kept_fraction"])
     assert seen[1] < seen[0] < seen[2] < 1
+
+
+def test_trace_header_and_summary_give_the_kept_fraction():
+    """A run on a tiny model through the one pipeline: exact, and the kept fraction is in the record."""
+    from conftest import make_tiny_tokenizer
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.cli import speculative_lines
+
+    model = make_tiny_llama(vocab=64, hidden=128, seed=4)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    tok = make_tiny_tokenizer(64)
+    ids = [5, 9, 2, 7, 3]
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=12), range(12))]
+    got, last = [], None
+    for r in stream_speculative_generate(model, tok, ids, gb, max_draft=3, draft_sparsity=0.5, max_tokens=12):
+        got.append(r.token)
+        last = r
+    assert got == want[: len(got)]
+    drafter = last.run.header()["speculative"]["drafter"]
+    assert drafter["path"] == "mlx" and drafter["kept_fraction"] == 0.5
+    summary = last.run.summary(last)
+    assert any("keep 50.0% of down_proj's 64-neuron blocks" in line for line in speculative_lines(summary))
