@@ -40,6 +40,7 @@ from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
     add_speculative_args,
     calibrate_drafter,
+    check_sparse_model,
     check_speculative_args,
     speculative_config,
     speculative_lines,
@@ -369,6 +370,8 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         check_args(args)
         if args.speculative:
             check_speculative_args(args)
+        elif getattr(args, "draft_sparsity", None) is not None:
+            raise ValueError("--draft-sparsity sets the speculative drafter: add --speculative")
         config = gearbox_config(args)
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
     stage_name, interrupted, error, streaming = "loading", False, None, False
@@ -378,6 +381,7 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         sharded = {"group": ranks.group} if ranks is not None else {}
         model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
                                          draft_scope=args.draft_scope if args.speculative else None, **sharded)
+        check_sparse_model(args, model)
         if args.calibrate and not args.thresholds:
             stage_name = "calibrating"
         stage_name = set_thresholds(args, model, tokenizer, gearbox, ranks)

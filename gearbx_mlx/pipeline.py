@@ -58,6 +58,7 @@ from .speculative.decode import (
 )
 from .speculative.draft import DraftModel
 from .speculative.plan import CHOOSE, MODES as PLAN_MODES, SpeculativePlan, plan_speculative
+from .speculative.sparse import ffn_layers
 
 #: What ``speculative=`` takes as a string: a decision mode, or ``"plain"`` (draft nothing).
 SPECULATIVE_MODES = (*PLAN_MODES, "plain")
@@ -319,9 +320,11 @@ def _set_up_speculative(run: GenerationRun, spec: SpeculativeConfig, sampling: O
                          "temp/top_p/min_p/top_k and needs trimmable caches that grow without a window")
     sampling = sampling or SamplingOptions()
     kwargs["log_dist"] = make_log_dist(**sampling.as_dict())
+    if spec.draft_sparsity is not None:
+        ffn_layers(model)  # a model the sparse drafter cannot run: refused before any drafter is built
     gearbox.manager.shift("high")  # the verifier is the loaded model itself
     if draft is None and (spec.mode != "plain" or plan is not None):
-        draft = get_draft(model, gearbox, spec.draft_gear, spec.draft_scope)
+        draft = get_draft(model, gearbox, spec.draft_gear, spec.draft_scope, spec.draft_sparsity, run.tokenizer)
     elif draft is not None and draft.gear != spec.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {spec.draft_gear}")
     run.kv = open_kv(model, kv_options, kv_calibration, draft=None if draft is None else draft.module,

@@ -2,7 +2,8 @@
 
 :mod:`.draft` (the drafter: the model tree with its managed layers in a lower
 gear), :mod:`.host` (the drafter's decode step in numpy around the C kernels),
-:mod:`.drafter` (the draft paths: host step, MLX tree, none),
+:mod:`.drafter` (the draft paths: host step, MLX tree, none), :mod:`.sparse`
+(the activation-sparse drafter: FFN blocks a token barely uses are skipped),
 :mod:`.acceptance` (greedy and rejection-sampling acceptance), :mod:`.decode`
 (the block loop; the streaming API is :mod:`gearbx_mlx.pipeline`'s), :mod:`.calibration` (measured step
 costs, acceptance, the entropy stop), :mod:`.plan` (whether drafting pays

@@ -20,6 +20,7 @@ from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
 from .plan import MIN_MODELED_SPEEDUP, MODES
+from .sparse import MAX_SPARSITY, ffn_layers
 
 
 def _positive_int(text: str) -> int:
@@ -42,6 +43,19 @@ def _stop_bits(text: str) -> Optional[float]:
         raise argparse.ArgumentTypeError(f"expected bits (a number >= 0) or 'off', got {text!r}") from None
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(f"expected bits >= 0, got {v}")
+    return v
+
+
+def _sparsity(text: str) -> Optional[float]:
+    """``off`` -> None (the dense drafter); else a fraction in ``[0, MAX_SPARSITY]``."""
+    if text.lower() == "off":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, {MAX_SPARSITY}] or 'off', got {text!r}") from None
+    if not 0 <= v <= MAX_SPARSITY:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, {MAX_SPARSITY}] or 'off', got {text!r}")
     return v
 
 
@@ -76,6 +90,12 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         "threshold (default: no cap)")
     g.add_argument("--draft-scope", choices=SCOPES, default=d.draft_scope,
                    help=f"layers the drafter quantizes (default {d.draft_scope})")
+    g.add_argument("--draft-sparsity", type=_sparsity, default=d.draft_sparsity, metavar="S",
+                   help="draft with activation-sparse FFNs: one-token draft steps skip the lightest 64-neuron "
+                        "blocks of down_proj, S of them on average (kept fractions per layer measured on the "
+                        "evaluation text at start); the output stays the high gear's, only acceptance can drop. "
+                        "SwiGLU models with the low gear's MLX-quantized down_proj; 'off' (the default): the "
+                        "dense drafter. The decision never turns it on by itself")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
@@ -94,6 +114,9 @@ def check_speculative_args(args: argparse.Namespace) -> None:
             "KV caches that grow without a window and builds its own draft gear"
         )
     hard = getattr(args, "hard_max_draft", None)
+    if getattr(args, "draft_sparsity", None) is not None and args.draft_gear != "low":
+        raise ValueError("--draft-sparsity drafts with the low gear (its 4-bit down_proj is gathered by block): "
+                         "drop --draft-gear mid")
     if hard is not None and (hard < 0 or (args.max_draft is not None and hard > args.max_draft)):
         raise ValueError(f"--hard-max-draft must be in [0, --max-draft], got {hard}")
     # MLX-CUDA reads this once, at the first attention call: set it before any
@@ -125,7 +148,18 @@ def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeCon
     return SpeculativeConfig(
         draft_gear=args.draft_gear, max_draft=int(max_draft), draft_entropy_stop=stop,
         hard_max_draft=hard, draft_scope=args.draft_scope, mode=args.speculative, plan_options=plan_options,
+        draft_sparsity=getattr(args, "draft_sparsity", None),
     )
+
+
+def check_sparse_model(args: argparse.Namespace, model: Any) -> None:
+    """``--draft-sparsity`` on a model the sparse drafter cannot run: one error naming the flag, right after loading."""
+    if getattr(args, "draft_sparsity", None) is None:
+        return
+    try:
+        ffn_layers(model)
+    except ValueError as e:
+        raise ValueError(f"--draft-sparsity: {e}") from None
 
 
 def calibrate_drafter(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:

@@ -71,6 +71,7 @@ from .acceptance import read_verdict
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
 from .plan import MODES, SpeculativePlan
+from .sparse import build_sparse_draft, calibration_tokens, check_sparsity
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -101,6 +102,9 @@ class SpeculativeConfig:
             None: draft with these settings as they are.
         plan_options: more arguments of ``plan_speculative`` (``stop``,
             ``exact_k``, ``measured``); ``{"stop": None}`` allows fixed blocks only.
+        draft_sparsity: draft with the activation-sparse drafter, skipping
+            this fraction of FFN neurons (in ``[0, 0.95]``); None: the dense
+            drafter. The decision never turns it on by itself.
     """
 
     draft_gear: str = "low"
@@ -110,6 +114,7 @@ class SpeculativeConfig:
     draft_scope: Optional[str] = "all"
     prefill_step_size: int = PREFILL_STEP_SIZE
     mode: Optional[str] = None
+    draft_sparsity: Optional[float] = None
     plan_options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +133,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft_scope must be one of {SCOPES} or None, got {self.draft_scope!r}")
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        check_sparsity(self.draft_sparsity)
 
     @property
     def gated(self) -> bool:
@@ -418,14 +424,26 @@ SpeculativeResponse = GearboxResponse
 _DRAFTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple, DraftModel]]" = weakref.WeakKeyDictionary()
 
 
-def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str]) -> DraftModel:
-    """The drafter of ``model`` in ``gear``, built once per gearbox and reused."""
+def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
+              sparsity: Optional[float] = None, tokenizer: Any = None) -> DraftModel:
+    """The drafter of ``model`` in ``gear``, built once per gearbox and reused.
+
+    ``sparsity``: the activation-sparse drafter at that target
+    (:mod:`gearbx_mlx.speculative.sparse`), its kept fractions measured on the
+    evaluation corpus's opening through ``tokenizer``; None: the dense drafter.
+    """
     per_box = _DRAFTS.setdefault(gearbox, {})
     key = (gear, scope or gearbox.config.scope)
     if key not in per_box:
         gearbox.manager.shift("high")
         per_box[key] = build_draft(model, gearbox, gear, scope)
-    return per_box[key]
+    if sparsity is None:
+        return per_box[key]
+    if tokenizer is None:
+        raise ValueError("a sparse drafter needs the tokenizer: its kept fractions are measured on text")
+    if (*key, sparsity) not in per_box:
+        per_box[(*key, sparsity)] = build_sparse_draft(per_box[key], sparsity, calibration_tokens(tokenizer))
+    return per_box[(*key, sparsity)]
 
 
 def single_token_drafts(config: Any) -> bool:

@@ -59,6 +59,8 @@ class DraftModel:
         kernel: the managed layers' kernel (the gearbox's, or ``"fake"``).
         host: the decode step in numpy around the C GEMV (:class:`HostForward`),
             where it applies; ``host_reason`` says why not where it does not.
+        sparse: what an activation-sparse drafter keeps of its FFNs
+            (:func:`~gearbx_mlx.speculative.sparse.build_sparse_draft`); None: dense.
     """
 
     module: nn.Module
@@ -71,6 +73,7 @@ class DraftModel:
     memory: Dict[str, int] = field(default_factory=dict)
     host: Optional["HostForward"] = field(default=None, repr=False)
     host_reason: Optional[str] = None
+    sparse: Optional[Dict[str, Any]] = None
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, **kwargs: Any) -> mx.array:
         """``(1, T)`` ids -> ``(1, T, V)`` logits, through the host forward when

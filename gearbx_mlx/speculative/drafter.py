@@ -125,7 +125,7 @@ class Drafter(ABC):
         trim_prompt_cache(self.cache, max(k - j, 0))
         self.pending = list(emitted[max(min(j, k) - 1, 0):])
 
-    def describe(self) -> Dict[str, Optional[str]]:
+    def describe(self) -> Dict[str, Any]:
         """``{"path", "detail", "reason"}``: what drafts and why this path (for summaries and traces)."""
         return {"path": self.path, "detail": "", "reason": None}
 
@@ -154,7 +154,7 @@ class HostDrafter(Drafter):
                 break
         return DraftBlock(mx.array(tokens, dtype=mx.uint32), mx.array(ents), None, stop)
 
-    def describe(self) -> Dict[str, Optional[str]]:
+    def describe(self) -> Dict[str, Any]:
         return {"path": self.path, "detail": "numpy decode step around the C GEMV on a host KV cache "
                 f"({self.model.kernel} {self.model.bits}-bit, no MLX graph)", "reason": None}
 
@@ -218,15 +218,22 @@ class TreeDrafter(Drafter):
         return DraftBlock(mx.stack(tokens).astype(mx.uint32), mx.stack(ents),
                           mx.stack(log_qs) if log_qs else None, stop)
 
-    def describe(self) -> Dict[str, Optional[str]]:
+    def describe(self) -> Dict[str, Any]:
         if isinstance(self.cache[0], HostKVCache):
             return {"path": self.path, "detail": "MLX draws the drafts; logits from the numpy host step",
                     "reason": "sampling (temp > 0): the host step drafts greedily only"}
         reason = self.model.host_reason
         if reason is None and self.model.host is not None:
             reason = "the KV cache given is the MLX tree's, not a host cache"
-        return {"path": self.path, "detail": f"MLX module tree, {self.model.kernel} {self.model.bits}-bit kernels",
-                "reason": reason}
+        out = {"path": self.path, "detail": f"MLX module tree, {self.model.kernel} {self.model.bits}-bit kernels",
+               "reason": reason}
+        sparse = self.model.sparse
+        if sparse:
+            out["detail"] += (f"; activation-sparse FFNs (target sparsity {sparse['sparsity']:g}): one-token steps "
+                              f"keep {100 * sparse['kept_fraction']:.1f}% of down_proj's {sparse['group_size']}-neuron "
+                              "blocks")
+            out["kept_fraction"] = sparse["kept_fraction"]
+        return out
 
 
 class NoDrafter(Drafter):
@@ -246,7 +253,7 @@ class NoDrafter(Drafter):
     def rewind(self, drafts: Sequence[int], emitted: Sequence[int]) -> None:
         pass
 
-    def describe(self) -> Dict[str, Optional[str]]:
+    def describe(self) -> Dict[str, Any]:
         return {"path": self.path, "detail": "the high gear decodes alone", "reason": None}
 
 

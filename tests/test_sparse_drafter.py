@@ -1,0 +1,251 @@
+"""The activation-sparse drafter: block gathers against a masked dense reference, dense equivalence, errors."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import make_tiny_llama
+from hypothesis import given, settings, strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+
+from gearbx_mlx.speculative.sparse import (
+    GATHERS,
+    SparseMLP,
+    block_major,
+    block_mass,
+    build_sparse_draft,
+    calibrate_keep,
+    check_sparsity,
+    expert_down,
+    ffn_layers,
+    hidden,
+    masked_down,
+    quant_parts,
+    sparse_down,
+    sparse_module,
+    top_blocks,
+)
+
+
+def _quantized_linear(inp: int, out: int, bits: int, group: int, bias: bool, seed: int) -> nn.QuantizedLinear:
+    mx.random.seed(seed)
+    lin = nn.Linear(inp, out, bias=bias)
+    lin.weight = mx.random.normal((out, inp)) * 0.1
+    if bias:
+        lin.bias = mx.random.normal((out,))
+    return nn.QuantizedLinear.from_linear(lin, group_size=group, bits=bits)
+
+
+@settings(max_examples=40, deadline=None)
+@given(out=st.integers(1, 70), blocks=st.integers(1, 9), group=st.sampled_from([32, 64, 128]),
+       bits=st.sampled_from([4, 8]), bias=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_sparse_down_matches_masked_dense(out, blocks, group, bits, bias, seed, data):
+    """Gathering the kept blocks' packed columns is the dense product with the dropped neurons zeroed."""
+    down = _quantized_linear(blocks * group, out, bits, group, bias, seed)
+    h = mx.random.normal((1, blocks * group))
+    keep = data.draw(st.integers(1, blocks))
+    idx = top_blocks(h[0], keep, group)
+    assert idx.size == keep
+    parts = quant_parts(down)
+    want = np.array(masked_down(h, down, idx, group))
+    np.testing.assert_allclose(np.array(sparse_down(h, parts, idx)), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(expert_down(h, block_major(parts), parts, idx)), want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(2, 12), seed=st.integers(0, 2**16), data=st.data())
+def test_top_blocks_are_the_heaviest(blocks, seed, data):
+    mx.random.seed(seed)
+    h = mx.random.normal((blocks * 64,))
+    keep = data.draw(st.integers(1, blocks))
+    idx = np.array(top_blocks(h, keep, 64))
+    mass = np.array(block_mass(h, 64))
+    assert list(idx) == sorted(set(idx.tolist()))
+    assert mass[idx].min() >= np.sort(mass)[::-1][keep - 1] - 1e-6
+
+
+def _quantized_tiny(seed: int = 0):
+    model = make_tiny_llama(vocab=64, hidden=128, layers=2, seed=seed)  # FFN of 256 neurons = 4 blocks of 64
+    nn.quantize(model, group_size=64, bits=4)
+    return model
+
+
+def test_all_blocks_kept_is_the_dense_drafter():
+    model = _quantized_tiny()
+    sparse = sparse_module(model, [4, 4])
+    ids = mx.array([[1, 5, 9, 2]])
+    c1, c2 = make_prompt_cache(model), make_prompt_cache(sparse)
+    np.testing.assert_array_equal(np.array(model(ids, cache=c1)), np.array(sparse(ids, cache=c2)))
+    for t in (7, 3):
+        a, b = model(mx.array([[t]]), cache=c1), sparse(mx.array([[t]]), cache=c2)
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_step_matches_masked_reference():
+    """A one-token step of the sparse tree equals the dense tree whose FFNs zero the same blocks."""
+    model = _quantized_tiny(seed=1)
+    mlp = ffn_layers(model)[0].mlp
+    x = mx.random.normal((1, 1, 128))
+    h = hidden(mlp, x)
+    want = masked_down(h.reshape(1, -1), mlp.down_proj, top_blocks(h.reshape(-1), 2, 64), 64)
+    for gather in GATHERS:
+        sp = SparseMLP(mlp, 2, gather)
+        np.testing.assert_allclose(np.array(sp(x)).reshape(-1), np.array(want).reshape(-1), rtol=1e-4, atol=1e-4)
+    assert sp.extra_bytes == 0 < SparseMLP(mlp, 2).extra_bytes
+    with pytest.raises(ValueError, match="gather must be one of"):
+        SparseMLP(mlp, 2, "scatter")
+    # several rows go dense
+    xs = mx.random.normal((1, 3, 128))
+    np.testing.assert_allclose(np.array(sp(xs)), np.array(mlp(xs)), rtol=1e-5, atol=1e-5)
+
+
+def test_calibrated_keep_meets_the_target():
+    rng = np.random.default_rng(0)
+    masses = [mx.array(np.abs(rng.standard_normal((50, 24))) ** p) for p in (1, 2, 3)]
+    for s in (0.25, 0.5, 0.8):
+        kept = calibrate_keep(masses, s)
+        assert abs(np.mean(kept) - (1 - s)) <= 1 / 24 + 1e-6
+        assert kept[2] <= kept[0]  # the more concentrated layer keeps fewer blocks
+
+
+@pytest.mark.parametrize("bad", [-0.1, 0.96, 1.0, float("nan"), True, "0.5"])
+def test_bad_sparsity_is_refused(bad):
+    with pytest.raises(ValueError, match=r"draft_sparsity must be in \[0, 0.95\]"):
+        check_sparsity(bad)
+
+
+def test_a_model_without_gate_up_down_is_refused():
+    model = make_tiny_llama(vocab=64, hidden=64)
+    model.args.model_type = "gemma3_text"
+    with pytest.raises(ValueError, match="SwiGLU"):
+        ffn_layers(model)
+    model.args.model_type = "llama"
+    del model.model.layers[1].mlp["up_proj"]
+    with pytest.raises(ValueError, match="layer 1"):
+        ffn_layers(model)
+
+
+def test_a_float_down_proj_is_refused():
+    model = make_tiny_llama(vocab=64, hidden=64)
+    with pytest.raises(ValueError, match="MLX-quantized down_proj"):
+        quant_parts(model.model.layers[0].mlp.down_proj)
+
+
+def test_sparse_drafter_of_the_gearbox_drafter():
+    """Over the gearbox's own drafter (nested planes or quantized layers): sparsity 0 is the dense
+    drafter's logits, and a sparse one records its kept fraction and reads fewer down_proj bytes."""
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft
+
+    model = make_tiny_llama(vocab=64, hidden=128, seed=2)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    draft = build_draft(model, gb, "low", "all", host=False)
+    tokens = list(range(1, 40))
+    dense = build_sparse_draft(draft, 0.0, tokens)
+    assert dense.sparse["kept_fraction"] == 1.0 and dense.host is None
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    np.testing.assert_allclose(np.array(draft.module(ids)), np.array(dense.module(ids)), rtol=1e-5, atol=1e-5)
+    half = build_sparse_draft(draft, 0.5, tokens)
+    assert half.sparse["kept_fraction"] == 0.5
+    assert half.sparse["kept_down_bytes"] == half.sparse["down_bytes"] // 2
+    assert half.memory["extra_bytes"] == draft.memory["extra_bytes"] + half.sparse["layout_bytes"] > 0
+
+
+# -- plumbing: the config, the CLI, the default model ------------------------------------
+
+
+def test_config_refuses_a_bad_sparsity():
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    assert SpeculativeConfig().draft_sparsity is None
+    with pytest.raises(ValueError, match="draft_sparsity"):
+        SpeculativeConfig(draft_sparsity=0.99)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative", "force", "--draft-sparsity", "1.2"], "argument --draft-sparsity: expected a fraction"),
+    (["--speculative", "force", "--draft-sparsity", "x"], "argument --draft-sparsity: expected a fraction"),
+    (["--draft-sparsity", "0.5"], "error: --draft-sparsity sets the speculative drafter: add --speculative"),
+    (["--speculative", "force", "--draft-gear", "mid", "--draft-sparsity", "0.5"], "drop --draft-gear mid"),
+])
+def test_cli_refuses_bad_sparsity_before_loading(argv, message, capsys):
+    """One error line, and nothing loads (the flags are checked first)."""
+    from gearbx_mlx.generate import main
+
+    try:
+        code = main(["--prompt", "hi", "--model", "/nonexistent/model", *argv])
+    except SystemExit as e:  # argparse's own error exit
+        code = e.code
+    assert code not in (0, None)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "nonexistent" not in err
+
+
+def test_cli_refuses_a_model_without_a_swiglu_ffn():
+    import argparse
+
+    from gearbx_mlx.speculative.cli import check_sparse_model
+
+    model = make_tiny_llama(vocab=64, hidden=64)
+    model.args.model_type = "gemma3_text"
+    with pytest.raises(ValueError, match="^--draft-sparsity: the sparse drafter needs a SwiGLU FFN"):
+        check_sparse_model(argparse.Namespace(draft_sparsity=0.5), model)
+    check_sparse_model(argparse.Namespace(draft_sparsity=None), model)  # off: no check
+
+
+def test_greedy_output_is_the_high_gears_with_the_sparse_drafter(default_model):
+    """Exactness is the promise: prompts x 16 tokens at two sparsities, token for token the high gear's."""
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.chat import encode_chat
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    model, tok, gearbox = default_model
+    prompts = ["Describe a walk along a river on an autumn morning.",
+               "What is the capital of France? Answer in one word.",
+               "Explain what a hash table is to a child."]
+    seen = []
+    for i, text in enumerate(prompts):
+        ids = encode_chat(tok, text)
+        want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=16), range(16))]
+        config = SpeculativeConfig(max_draft=3, draft_sparsity=(0.5, 0.9, 0.25)[i])
+        got, drafter = [], None
+        for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=16):
+            got.append(r.token)
+        assert got == want[: len(got)], text
+        assert len(got) == 16 or got[-1] in tok.eos_token_ids
+        from gearbx_mlx.speculative.decode import get_draft
+
+        drafter = get_draft(model, gearbox, "low", "all", config.draft_sparsity, tok)
+        seen.append(drafter.sparse["kept_fraction"])
+    assert seen[1] < seen[0] < seen[2] < 1
+
+
+def test_trace_header_and_summary_give_the_kept_fraction():
+    """A run on a tiny model through the one pipeline: exact, and the kept fraction is in the record."""
+    from conftest import make_tiny_tokenizer
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.cli import speculative_lines
+
+    model = make_tiny_llama(vocab=64, hidden=128, seed=4)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    tok = make_tiny_tokenizer(64)
+    ids = [5, 9, 2, 7, 3]
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=12), range(12))]
+    got, last = [], None
+    for r in stream_speculative_generate(model, tok, ids, gb, max_draft=3, draft_sparsity=0.5, max_tokens=12):
+        got.append(r.token)
+        last = r
+    assert got == want[: len(got)]
+    drafter = last.run.header()["speculative"]["drafter"]
+    assert drafter["path"] == "mlx" and drafter["kept_fraction"] == 0.5
+    summary = last.run.summary(last)
+    assert any("keep 50.0% of down_proj's 64-neuron blocks" in line for line in speculative_lines(summary))
