@@ -37,11 +37,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import load_tokenizer
 
 from .affine import bytes_per_weight
 from .config import GEARS, GearboxConfig, bits_for
 from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
 from .nested.layers import NestedWeights
+from .nested.lowquant import calibration_tokens, low_planes, settings_of
+from .nested.planes import Plane
 from .nested.store import (
     PlanesCacheError,
     build_nested,
@@ -275,6 +278,7 @@ class PrecisionManager:
         self.planes_seconds = 0.0  # building (or reading) the nested planes
         self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
+        self.low_quant_seconds = 0.0  # of planes_seconds, the low quantizer's (0 for rtn or a cache hit)
         self._planes_dir = planes_dir
         # A static high gear that reads the loaded weights never enters another gear:
         # its planes are built the first time one is asked for (never, in that run).
@@ -287,9 +291,11 @@ class PrecisionManager:
             raise ValueError(f"the nested store's gears are 4-bit and 4+4-bit planes; bits={c.bits} needs store='separate'")
         tic = time.perf_counter()
         plan = plan_for(c.high, self.source == "quantized-8bit", c.group_size)
+        if c.low_quant != "rtn" and self.source != "float":
+            raise ValueError(f"--low-quant {c.low_quant} quantizes float weights; this model is {self.source}")
         key = None
         if planes_dir is not None:
-            key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard())
+            key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard(), settings_of(c.low_quant))
             self.planes_file = cache_path(planes_dir, key, cache_dir() / "planes")
             if self.planes_file.exists():
                 shapes = {p: module_shape(m) for p, m in self.sources.items()}
@@ -299,7 +305,7 @@ class PrecisionManager:
                 except PlanesCacheError as e:
                     warnings.warn(f"{e}; rebuilding it", stacklevel=3)
         if self.nested is None:
-            self.nested = build_nested(self.sources, plan)
+            self.nested = build_nested(self.sources, plan, self._low_planes(planes_dir))
             self.planes_origin = "built"
             if self.planes_file is not None and key is not None:
                 try:
@@ -315,6 +321,21 @@ class PrecisionManager:
             # The high gear reads the planes: install it now, and let the loaded weights go.
             self.model.update_modules(self._tree("high"))
             self.originals, self.sources = {}, {}
+
+    def _low_planes(self, planes_dir: Optional[Path]) -> Optional[Dict[str, Plane]]:
+        """Plane 0 of every managed path by the config's ``low_quant`` (None: round-to-nearest,
+        made with the other planes); the calibration text is tokenized with the model's own
+        tokenizer, read from its folder."""
+        method = self.config.low_quant
+        if method == "rtn":
+            return None
+        if planes_dir is None:
+            raise ValueError(f"--low-quant {method} reads the model's tokenizer from its folder: load a local model")
+        tic = time.perf_counter()
+        tokens = calibration_tokens(load_tokenizer(Path(planes_dir)))
+        low = low_planes(self.model, self.paths, method, tokens, self.config.group_size)
+        self.low_quant_seconds = time.perf_counter() - tic
+        return low
 
     def _no_gear_dearer_than_high(self) -> None:
         """A gear that reads more bytes than the high gear is not offered: it runs the high gear's

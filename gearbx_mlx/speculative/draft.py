@@ -215,7 +215,9 @@ def build_draft(
         # (reading the loaded weights as its high gear, so it never touches
         # the model). With the nested store this builds planes of its own:
         # give the gearbox the drafter's scope to share one store.
-        mgr = PrecisionManager(model, config.replace(scope=scope, high="original"))
+        # A low plane of another quantizer reads the model's tokenizer from its folder.
+        mgr = PrecisionManager(model, config.replace(scope=scope, high="original"),
+                               getattr(gearbox, "model_dir", None) if config.low_quant != "rtn" else None)
     if not mgr.paths:
         raise ValueError(f"scope {scope!r} manages no layer of this model: nothing to draft with")
     if quantizer == "gearbox":
