@@ -29,8 +29,7 @@ to each count) whose mean KL is at or below the policy's.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -68,18 +67,29 @@ def gear_rows(first: Sequence[RowResult], row: RowResult) -> Optional[Dict[str, 
     return out if set("".join(row.gears)) <= set(out) else None
 
 
+METRICS = ("kl", "nll", "hits")
+
+
+def _tables(rows: Dict[str, RowResult]) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+    """``(lookup from a gear char's byte to its row index, {metric: (gears, positions) values})``."""
+    order = sorted(rows)
+    lookup = np.full(256, -1, dtype=np.int64)
+    for i, c in enumerate(order):
+        lookup[ord(c)] = i
+    return lookup, {m: np.stack([np.asarray(getattr(rows[c], m), dtype=np.float64) for c in order]) for m in METRICS}
+
+
+def _select(idx: np.ndarray, tables: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Values of each metric at ``idx`` ``(..., positions)`` of row indices, position by position."""
+    cols = np.arange(idx.shape[-1])
+    return {m: t[idx, cols] for m, t in tables.items()}
+
+
 def reselect(gears: str, rows: Dict[str, RowResult]) -> Dict[str, np.ndarray]:
     """Per-position ``kl``, ``nll`` and ``hits`` of a gear trace (one char a position), each position
     from the row of its gear."""
-    pick = np.frombuffer(gears.encode(), dtype=np.uint8)
-    out = {}
-    for name in ("kl", "nll", "hits"):
-        values = np.zeros(pick.size)
-        for c, r in rows.items():
-            mask = pick == ord(c)
-            values[mask] = np.asarray(getattr(r, name), dtype=np.float64)[mask]
-        out[name] = values
-    return out
+    lookup, tables = _tables(rows)
+    return _select(lookup[np.frombuffer(gears.encode(), dtype=np.uint8)], tables)
 
 
 def _summary(values: np.ndarray) -> Dict[str, float]:
@@ -87,9 +97,10 @@ def _summary(values: np.ndarray) -> Dict[str, float]:
     return {"median": mid, "p2_5": low, "p97_5": high}
 
 
-def _means(v: Dict[str, np.ndarray]) -> Dict[str, float]:
-    return {"mean_kl": float(v["kl"].mean()), "perplexity": math.exp(float(v["nll"].mean())),
-            "top1_agreement": float(v["hits"].mean())}
+def _means(v: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Mean KL, perplexity and top-1 over the last axis (positions)."""
+    return {"mean_kl": v["kl"].mean(axis=-1), "perplexity": np.exp(v["nll"].mean(axis=-1)),
+            "top1_agreement": v["hits"].mean(axis=-1)}
 
 
 def random_distribution(
@@ -109,21 +120,18 @@ def random_distribution(
 
     Returns:
         ``{"permutations", "seed", "mean_kl" | "perplexity" | "top1_agreement": {"median", "p2_5", "p97_5"},
-        "policy_reselected", "difference": {...}, "outcome", "p_value", "approximation", "method"}``.
+        "policy_reselected", "policy_measured", "difference", "outcome", "p_value", "approximation", "method"}``.
     """
     trace = "".join(row.gears)
     if window_steps < 1 or len(trace) % window_steps:
         raise ValueError(f"window_steps must divide the {len(trace)} positions, got {window_steps}")
-    rng = np.random.default_rng(seed)
-    chars = np.frombuffer(trace.encode(), dtype=np.uint8).reshape(-1, window_steps)
-    stats = {k: np.empty(permutations) for k in ("mean_kl", "perplexity", "top1_agreement")}
-    for i in range(permutations):
-        shuffled = rng.permuted(chars, axis=1).tobytes().decode()
-        for k, v in _means(reselect(shuffled, rows)).items():
-            stats[k][i] = v
-    own = _means(reselect(trace, rows))
-    diff = own["mean_kl"] - stats["mean_kl"]
-    d = _summary(diff)
+    lookup, tables = _tables(rows)
+    idx = lookup[np.frombuffer(trace.encode(), dtype=np.uint8)]
+    windows = np.tile(idx.reshape(-1, window_steps), (permutations, 1, 1))
+    shuffled = np.random.default_rng(seed).permuted(windows, axis=2).reshape(permutations, -1)
+    stats = _means(_select(shuffled, tables))
+    own = {k: float(v) for k, v in _means(_select(idx, tables)).items()}
+    d = _summary(own["mean_kl"] - stats["mean_kl"])
     outcome = LOWER if d["p97_5"] < 0 else HIGHER if d["p2_5"] > 0 else SAME
     out: Dict[str, Any] = {
         "permutations": permutations, "seed": seed, **{k: _summary(v) for k, v in stats.items()},
@@ -135,7 +143,7 @@ def random_distribution(
     }
     if measured is not None:
         out["approximation"] = {"measured_random_mean_kl": measured.mean_kl,
-                                "reselected_random_mean_kl": _means(reselect("".join(measured.gears), rows))["mean_kl"]}
+                                "reselected_random_mean_kl": float(reselect("".join(measured.gears), rows)["kl"].mean())}
     return out
 
 
