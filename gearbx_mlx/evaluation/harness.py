@@ -386,7 +386,9 @@ def _document(study: _Study, quality: Quality, speed: Dict[str, Dict[str, Any]],
     compared = {r.spec.name for r in quality.rows if r.spec.kind == "entropy" or r.spec.matched_to}
     kl = {r.spec.name: r.kl for r in quality.rows if r.spec.name in compared}
     steps = len(windows[0]) - 1
-    comps = report.comparisons(rows, kl, steps, seed, random_distributions(quality, steps, seed))
+    with _timed(timings, "random_distribution_s"):
+        dists = random_distributions(quality, steps, seed)
+    comps = report.comparisons(rows, kl, steps, seed, dists)
     return {
         "format": report.FORMAT,
         "version": report.VERSION,
