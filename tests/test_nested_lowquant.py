@@ -139,3 +139,25 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_cli_records_the_quantizer_and_a_second_run_builds_nothing(tmp_path, monkeypatch):
+    from fault_models import tiny_model_folder
+
+    from gearbx_mlx.telemetry.trace import read_trace
+
+    generate = importlib.import_module("gearbx_mlx.generate")
+    folder = tiny_model_folder(tmp_path / "m")
+    argv = ["--model", str(folder), "--scope", "all", "--low-quant", "gptq", "-p", "Hello", "-m", "3", "--quiet"]
+    assert generate.main(argv + ["--trace", str(tmp_path / "a.jsonl")]) == 0
+    first = read_trace(tmp_path / "a.jsonl")
+    assert first.header["low_quant"] == "gptq" and first.header["store"] == "nested"
+    assert first.summary["low_quant_seconds"] > 0
+
+    def no_build(*_a, **_kw):
+        raise AssertionError("the low planes were built again")
+
+    monkeypatch.setattr(precision, "low_planes", no_build)
+    assert generate.main(argv + ["--trace", str(tmp_path / "b.jsonl")]) == 0
+    second = read_trace(tmp_path / "b.jsonl")
+    assert second.header["low_quant"] == "gptq" and second.summary["low_quant_seconds"] == 0
