@@ -320,6 +320,9 @@ def _routed_lines(s: Dict[str, Any]) -> List[str]:
     if not s["telemetry_only"]:
         lines.append(
             f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms")
+    if s.get("low_quant") not in (None, "rtn"):
+        how = f"built in {s['low_quant_seconds']:.1f} s" if s.get("low_quant_seconds") else "read from the planes cache"
+        lines.append(f"Low gear: mlx-lm's {s['low_quant'].upper()} (--low-quant), {how}")
     costs = []
     for g, e in s.get("entries", {}).items():
         parts = [f"quantized once in {1e3 * e['quantize_seconds']:.1f} ms"] if e["quantize_seconds"] else []

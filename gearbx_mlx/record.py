@@ -167,6 +167,7 @@ class RunRecord:
             "store": mgr.store,
             "high": mgr.config.high if mgr.store == "nested" else "original",
             "planes_seconds": mgr.planes_seconds,
+            "low_quant": mgr.config.low_quant if mgr.store == "nested" else None,
             "low_quant_seconds": mgr.low_quant_seconds,
             "model_bytes": mgr.model_bytes,
             "loaded_read_bytes": mgr.loaded_read_bytes,

@@ -141,15 +141,16 @@ class _nothing:
         return False
 
 
-def test_the_cli_records_the_quantizer_and_a_second_run_builds_nothing(tmp_path, monkeypatch):
+def test_the_cli_records_the_quantizer_and_a_second_run_builds_nothing(tmp_path, monkeypatch, capsys):
     from fault_models import tiny_model_folder
 
     from gearbx_mlx.telemetry.trace import read_trace
 
     generate = importlib.import_module("gearbx_mlx.generate")
     folder = tiny_model_folder(tmp_path / "m")
-    argv = ["--model", str(folder), "--scope", "all", "--low-quant", "gptq", "-p", "Hello", "-m", "3", "--quiet"]
+    argv = ["--model", str(folder), "--scope", "all", "--low-quant", "gptq", "-p", "Hello", "-m", "3"]
     assert generate.main(argv + ["--trace", str(tmp_path / "a.jsonl")]) == 0
+    assert "Low gear: mlx-lm's GPTQ (--low-quant), built in" in capsys.readouterr().err
     first = read_trace(tmp_path / "a.jsonl")
     assert first.header["low_quant"] == "gptq" and first.header["store"] == "nested"
     assert first.summary["low_quant_seconds"] > 0
@@ -159,5 +160,6 @@ def test_the_cli_records_the_quantizer_and_a_second_run_builds_nothing(tmp_path,
 
     monkeypatch.setattr(precision, "low_planes", no_build)
     assert generate.main(argv + ["--trace", str(tmp_path / "b.jsonl")]) == 0
+    assert "Low gear: mlx-lm's GPTQ (--low-quant), read from the planes cache" in capsys.readouterr().err
     second = read_trace(tmp_path / "b.jsonl")
     assert second.header["low_quant"] == "gptq" and second.summary["low_quant_seconds"] == 0
