@@ -6,7 +6,8 @@ bias per group), each quantizing what the planes before it left over:
 
 * plane 0 (4 bits, groups of 64): ``W`` itself; alone, it *is* MLX's 4-bit
   quantization of ``W`` (``mx.quantize``: same codes, scales and biases): the
-  low gear;
+  low gear (or an MLX 4-bit layer made by one of mlx-lm's quantizers,
+  :mod:`gearbx_mlx.nested.lowquant`, with the planes below fitting ``W``);
 * plane 1 (4 bits, groups of 32): ``W - deq(p0)``; planes 0-1 are the mid
   gear, closer to ``W`` than MLX's 8-bit quantization (as KL to the loaded
   weights: ``scripts/bench_nested.py``);
