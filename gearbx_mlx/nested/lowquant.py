@@ -7,7 +7,10 @@ mlx-lm's quantizers (``mlx_lm.quant``) makes of the managed layers, run on a
 copy of the model:
 
 * ``gptq``: ``mlx_lm.quant.gptq.gptq_quantize`` (Hessians of the layers'
-  inputs on the calibration text, then column-by-column error feedback);
+  inputs on the calibration text, then column-by-column error feedback); a
+  managed tied embedding is given to it as the model's ``lm_head`` (an
+  ``nn.Linear`` of the same weight), so that the output projection, the
+  largest matrix of a small model, is GPTQ's too;
 * ``awq``: ``mlx_lm.quant.awq.awq_quantize`` with the model's own AWQ
   configuration less its scale search (``scale_configs=[]``): the search
   divides a norm's weights by the scales it multiplies the next layers' columns
@@ -132,6 +135,42 @@ class _LeftAlone(nn.Linear):
     type ``nn.Linear``, so it computes this one as loaded and spends no time on it."""
 
 
+class _Called(nn.Module):
+    """Stands in for a layer and notes that the model called it."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.called = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.called = True
+        return self.layer(x)
+
+
+def _untie(student: nn.Module, paths: List[str]) -> str:
+    """Where a managed tied embedding is the output projection of an mlx-lm model that reads
+    ``lm_head`` when ``args.tie_word_embeddings`` is off: give it that ``lm_head`` (an ``nn.Linear``
+    of the embedding's weight), so that GPTQ quantizes the output projection from its inputs.
+    Returns the embedding's path ('' where not: it keeps GPTQ's fallback, round-to-nearest)."""
+    args = getattr(student, "args", None)
+    embedding = next((p for p in paths if isinstance(dict(student.named_modules())[p], nn.Embedding)), "")
+    if not embedding or not getattr(args, "tie_word_embeddings", False) or "lm_head" in student:
+        return ""
+    weight = dict(student.named_modules())[embedding].weight
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight = weight
+    probe = _Called(head)
+    student.lm_head, args.tie_word_embeddings = probe, False
+    student(mx.array([[0, 1]]))
+    if not probe.called:  # this architecture ties regardless of the flag
+        del student["lm_head"]
+        args.tie_word_embeddings = True
+        return ""
+    student.lm_head = head
+    return embedding
+
+
 def _gptq(student: nn.Module, teacher: nn.Module, paths: List[str], tokens: mx.array, group_size: int,
           settings: LowQuantDefaults) -> None:
     managed = set(paths)
@@ -142,8 +181,15 @@ def _gptq(student: nn.Module, teacher: nn.Module, paths: List[str], tokens: mx.a
             keep.update(m.parameters())
             left.append((p, keep))
     student.update_modules(tree_unflatten(left))
-    # Layers GPTQ does not take (a tied embedding) get its fallback: round-to-nearest at these bits.
+    embedding = _untie(student, paths)
+    # Layers GPTQ does not take (an embedding) get its fallback: round-to-nearest at these bits.
     gptq_quantize(student, tokens, LOW_BITS, group_size, LOW_BITS, group_size)
+    if embedding:  # the tied embedding's plane 0 is GPTQ's output projection
+        head = student.lm_head
+        parent, _, name = embedding.rpartition(".")
+        q = nn.QuantizedEmbedding(head.weight.shape[0], head.weight.shape[1] * 32 // LOW_BITS, group_size, LOW_BITS)
+        q.weight, q.scales, q.biases = head.weight, head.scales, head.biases
+        dict(student.named_modules())[parent][name] = q
 
 
 def _awq(student: nn.Module, teacher: nn.Module, paths: List[str], tokens: mx.array, group_size: int,
