@@ -239,6 +239,10 @@ class PrecisionManager:
                 "the nested store re-expresses float or MLX 8-bit weights; this model is quantized below "
                 "8 bits, so it has no room for finer gears: use the separate store (telemetry only)"
             )
+        if c.low_quant != "rtn" and (self.store != "nested" or c.telemetry_only):
+            raise ValueError(f"--low-quant {c.low_quant} builds the nested store's low gear, and this gearbox "
+                             f"runs {'telemetry only' if c.telemetry_only else 'the separate store'} "
+                             f"({self.resolution.as_dict()['why']['store']})")
         self.telemetry_only = c.telemetry_only or (quantized and not (self.store == "nested" and self.source == "quantized-8bit"))
         #: Why nothing is swapped (None when gears are real), for the user to read.
         self.telemetry_reason: Optional[str] = (

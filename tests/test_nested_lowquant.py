@@ -118,6 +118,12 @@ def test_bad_low_quant_settings_are_one_clear_error():
         lowquant.check_low_quant("awq", "mamba")
     with pytest.raises(ValueError, match="load a local model"):
         PrecisionManager(make_tiny_llama(), _cfg("gptq"))
+    # Where the store resolves to separate copies, or nothing is swapped, the quantizer would be
+    # ignored: refused instead.
+    with pytest.raises(ValueError, match="needs store='nested'"):
+        PrecisionManager(make_tiny_llama(), GearboxConfig(low_quant="gptq", bits={"low": 4, "mid": 6}))
+    with pytest.raises(ValueError, match="runs telemetry only"):
+        PrecisionManager(make_tiny_llama(), GearboxConfig(low_quant="gptq", telemetry_only=True))
 
 
 @pytest.mark.parametrize("argv, message", [
