@@ -53,6 +53,43 @@ STORES: Tuple[str, ...] = ("separate", "nested")
 #: about 1.0x the float16 bytes).
 HIGH_SOURCES: Tuple[str, ...] = ("original", "planes")
 
+#: How the nested store's low gear (plane 0, an MLX 4-bit layer) is made: ``rtn``, MLX's
+#: round-to-nearest (``mx.quantize``); or mlx-lm's own quantizers (``mlx_lm.quant``):
+#: ``awq`` (its activation-aware clipping search), ``gptq``, ``dwq`` (scales and biases
+#: distilled from the loaded model), calibrated on :data:`LOW_QUANT`'s text
+#: (:mod:`gearbx_mlx.nested.lowquant`). The mid and high planes fit the loaded weights whatever
+#: the low gear is.
+LOW_QUANTS: Tuple[str, ...] = ("rtn", "awq", "gptq", "dwq")
+
+
+@dataclass(frozen=True)
+class LowQuantDefaults:
+    """How :data:`LOW_QUANTS` other than ``rtn`` are calibrated (our choices; mlx-lm's
+    command lines download a hub text or data set, which the package never does).
+
+    Attributes:
+        corpus: the package's calibration text: gensim's ``lee.cor`` news articles,
+            which the KV calibration reads too; not the evaluation text
+            (``lee_background.cor``), so the evaluation does not score on it.
+        sequence_length: tokens per calibration sample (the text is cut into
+            samples of this many tokens: 19 for SmolLM2's tokenizer).
+        dwq_learning_rate: Adam's rate for DWQ (mlx-lm's 1e-6 is for thousands of
+            samples; a few dozen steps need more to move the scales).
+        dwq_epochs: passes of DWQ over the calibration samples.
+        dwq_batch_size: samples per DWQ step.
+        seed: seeds the quantizers' sampling (mlx-lm's ``mx.random`` and NumPy).
+    """
+
+    corpus: str = "lee"
+    sequence_length: int = 256
+    dwq_learning_rate: float = 1e-4
+    dwq_epochs: int = 2
+    dwq_batch_size: int = 2
+    seed: int = 0
+
+
+LOW_QUANT = LowQuantDefaults()
+
 #: Prompt tokens per prefill chunk, in every mode. mlx-lm's default is 2,048;
 #: Python handles Ctrl-C only between MLX evaluations, so a chunk is also how
 #: late an interrupt during the prefill can arrive: 512 keeps that to a
@@ -131,6 +168,8 @@ class GearboxConfig:
     # Where the gears' weights live, and what the nested store's high gear reads.
     store: Optional[str] = None
     high: str = "original"
+    # How the nested store's low gear is quantized (LOW_QUANTS).
+    low_quant: str = "rtn"
     telemetry_only: bool = False
     # A fixed gear (a baseline): the monitor still measures, nothing routes.
     static_gear: Optional[str] = None
@@ -178,6 +217,10 @@ class GearboxConfig:
             raise ValueError(f"store must be one of {STORES} (or None: nested for float weights), got {self.store!r}")
         if self.high not in HIGH_SOURCES:
             raise ValueError(f"high must be one of {HIGH_SOURCES}, got {self.high!r}")
+        if self.low_quant not in LOW_QUANTS:
+            raise ValueError(f"low_quant must be one of {LOW_QUANTS}, got {self.low_quant!r}")
+        if self.low_quant != "rtn" and self.store == "separate":
+            raise ValueError(f"low_quant={self.low_quant!r} builds the nested store's low plane: it needs store='nested'")
         if self.high == "planes" and self.store == "separate":
             raise ValueError("high='planes' reads the nested store's planes: it needs store='nested'")
         if self.group_size not in GROUP_SIZES:

@@ -18,7 +18,18 @@ from typing import Any, Dict, List, Optional, Sequence
 from .blas import ensure_fast_blas
 from .calibration import Calibration, cached_calibration_path, calibrate_kv
 from .chat import apply_chat_template
-from .config import ANSI_RESET, GEAR_ANSI, GEARS, HIGH_SOURCES, KERNELS, LITTLE_TO_GAIN, SCOPES, STORES, GearboxConfig
+from .config import (
+    ANSI_RESET,
+    GEAR_ANSI,
+    GEARS,
+    HIGH_SOURCES,
+    KERNELS,
+    LITTLE_TO_GAIN,
+    LOW_QUANTS,
+    SCOPES,
+    STORES,
+    GearboxConfig,
+)
 from .console import (
     add_color_arg,
     check_flag,
@@ -100,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nested store only: the high gear reads the loaded weights ('original', exact) or "
                         "every plane ('planes': the loaded weights are dropped, all gears in ~1.0x the "
                         f"float16 bytes) (default {GearboxConfig.high})")
+    r.add_argument("--low-quant", choices=LOW_QUANTS, default=GearboxConfig.low_quant,
+                   help="nested store only: how the low gear (an MLX 4-bit layer) is quantized: 'rtn' "
+                        "round-to-nearest, or mlx-lm's own 'awq' (its clipping search), 'gptq' or 'dwq', "
+                        "calibrated on the package's text; built once, then read from the planes cache "
+                        f"(default {GearboxConfig.low_quant})")
     r.add_argument("--thresholds", nargs=2, type=float, metavar=("LOW", "HIGH"),
                    help="entropy thresholds in bits of this model (no vocabulary scaling)")
     r.add_argument("--calibrate", nargs="?", const="median", choices=("median", "percentile"),
@@ -146,6 +162,7 @@ def gearbox_config(args: argparse.Namespace) -> GearboxConfig:
         kernel=args.kernel,
         store=args.store,
         high=args.high,
+        low_quant=args.low_quant,
         telemetry_only=args.telemetry_only,
         static_gear=args.static_gear,
         lag=args.lag,
@@ -162,6 +179,9 @@ def check_args(args: argparse.Namespace) -> None:
     check_flag(args.window >= 1, "--window", args.window, "an integer >= 1")
     check_flag(finite(args.hysteresis) and args.hysteresis >= 0, "--hysteresis", args.hysteresis, "a number >= 0")
     check_flag(args.min_gear_duration >= 1, "--min-gear-duration", args.min_gear_duration, "an integer >= 1")
+    if args.low_quant != "rtn" and (args.store == "separate" or args.telemetry_only):
+        raise ValueError(f"--low-quant {args.low_quant} builds the nested store's low gear: it needs the nested "
+                         f"store, not {'--telemetry-only' if args.telemetry_only else '--store separate'}")
     if args.thresholds and not all(finite(t) for t in args.thresholds):
         raise ValueError(f"--thresholds must be finite numbers of bits, got {args.thresholds[0]} {args.thresholds[1]}")
     if args.thresholds and not 0 <= args.thresholds[0] < args.thresholds[1]:
@@ -301,6 +321,9 @@ def _routed_lines(s: Dict[str, Any]) -> List[str]:
     if not s["telemetry_only"]:
         lines.append(
             f"Time quantizing: {1e3 * s['quantize_seconds']:.1f} ms, swapping: {1e3 * s['swap_seconds']:.2f} ms")
+    if s.get("low_quant") not in (None, "rtn"):
+        how = f"built in {s['low_quant_seconds']:.1f} s" if s.get("low_quant_seconds") else "read from the planes cache"
+        lines.append(f"Low gear: mlx-lm's {s['low_quant'].upper()} (--low-quant), {how}")
     costs = []
     for g, e in s.get("entries", {}).items():
         parts = [f"quantized once in {1e3 * e['quantize_seconds']:.1f} ms"] if e["quantize_seconds"] else []

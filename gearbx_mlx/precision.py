@@ -37,11 +37,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import load_tokenizer
 
 from .affine import bytes_per_weight
 from .config import GEARS, GearboxConfig, bits_for
 from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
 from .nested.layers import NestedWeights
+from .nested.lowquant import calibration_tokens, low_planes, settings_of
+from .nested.planes import Plane
 from .nested.store import (
     PlanesCacheError,
     build_nested,
@@ -236,6 +239,10 @@ class PrecisionManager:
                 "the nested store re-expresses float or MLX 8-bit weights; this model is quantized below "
                 "8 bits, so it has no room for finer gears: use the separate store (telemetry only)"
             )
+        if c.low_quant != "rtn" and (self.store != "nested" or c.telemetry_only):
+            raise ValueError(f"--low-quant {c.low_quant} builds the nested store's low gear, and this gearbox "
+                             f"runs {'telemetry only' if c.telemetry_only else 'the separate store'} "
+                             f"({self.resolution.as_dict()['why']['store']})")
         self.telemetry_only = c.telemetry_only or (quantized and not (self.store == "nested" and self.source == "quantized-8bit"))
         #: Why nothing is swapped (None when gears are real), for the user to read.
         self.telemetry_reason: Optional[str] = (
@@ -255,8 +262,7 @@ class PrecisionManager:
             self.paths, self.skipped = [], []
         else:
             self.paths, self.skipped = discover(model, c.scope, c.group_size, quantized=self.source != "float")
-        modules = dict(model.named_modules())
-        # The very objects that were loaded: the high gear restores these (unless it reads planes).
+        modules = dict(model.named_modules())  # the originals: the very objects loaded, which the high gear restores
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}
         # What the gears are built from: each module itself, or the rank's shard of a sharded linear.
         self.sources: Dict[str, nn.Module] = {
@@ -265,20 +271,18 @@ class PrecisionManager:
         self.managed_loaded_bytes = sum(nbytes(m) for m in self.originals.values())
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
         self.gear = "high"
-        # Swap seconds (quantization excluded) of every entry into each gear.
+        # Swap seconds (quantization excluded) of every entry into each gear,
         self.swaps: Dict[str, List[float]] = {g: [] for g in GEARS}
-        self.quantize_seconds: Dict[str, float] = {}
+        self.quantize_seconds: Dict[str, float] = {}  # and the seconds quantizing each gear
         self.history: List[ShiftRecord] = []
         self._trees: Dict[str, Tuple[Dict[str, nn.Module], Dict[str, object]]] = {}
         self._quantizer: Quantizer = packed_quantizer if c.kernel == "packed" else mlx_quantizer
         self.nested: Optional[Dict[str, NestedWeights]] = None
-        self.planes_seconds = 0.0  # building (or reading) the nested planes
-        self.planes_file: Optional[Path] = None
+        self.planes_seconds, self.planes_file = 0.0, None  # building (or reading) the nested planes, their cache
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
-        #: Where the nested store's planes are cached (the loaded model's folder), if anywhere.
-        self.planes_dir = planes_dir
-        # A static high gear that reads the loaded weights never enters another gear:
-        # its planes are built the first time one is asked for (never, in that run).
+        self.low_quant_seconds = 0.0  # of planes_seconds, the low quantizer's (0 for rtn or a cache hit)
+        self.planes_dir = planes_dir  # where the planes are cached (the loaded model's folder), if anywhere
+        # A static high gear that reads the loaded weights never enters another gear: no planes until asked.
         if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
             self._build_nested(planes_dir)
 
@@ -288,9 +292,11 @@ class PrecisionManager:
             raise ValueError(f"the nested store's gears are 4-bit and 4+4-bit planes; bits={c.bits} needs store='separate'")
         tic = time.perf_counter()
         plan = plan_for(c.high, self.source == "quantized-8bit", c.group_size)
+        if c.low_quant != "rtn" and self.source != "float":
+            raise ValueError(f"--low-quant {c.low_quant} quantizes float weights; this model is {self.source}")
         key = None
         if planes_dir is not None:
-            key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard())
+            key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard(), settings_of(c.low_quant))
             self.planes_file = cache_path(planes_dir, key, cache_dir() / "planes")
             if self.planes_file.exists():
                 shapes = {p: module_shape(m) for p, m in self.sources.items()}
@@ -300,7 +306,7 @@ class PrecisionManager:
                 except PlanesCacheError as e:
                     warnings.warn(f"{e}; rebuilding it", stacklevel=3)
         if self.nested is None:
-            self.nested = build_nested(self.sources, plan)
+            self.nested = build_nested(self.sources, plan, self._low_planes(planes_dir))
             self.planes_origin = "built"
             if self.planes_file is not None and key is not None:
                 try:
@@ -316,6 +322,21 @@ class PrecisionManager:
             # The high gear reads the planes: install it now, and let the loaded weights go.
             self.model.update_modules(self._tree("high"))
             self.originals, self.sources = {}, {}
+
+    def _low_planes(self, planes_dir: Optional[Path]) -> Optional[Dict[str, Plane]]:
+        """Plane 0 of every managed path by the config's ``low_quant`` (None: round-to-nearest,
+        made with the other planes); the calibration text is tokenized with the model's own
+        tokenizer, read from its folder."""
+        method = self.config.low_quant
+        if method == "rtn":
+            return None
+        if planes_dir is None:
+            raise ValueError(f"--low-quant {method} reads the model's tokenizer from its folder: load a local model")
+        tic = time.perf_counter()
+        tokens = calibration_tokens(load_tokenizer(Path(planes_dir)))
+        low = low_planes(self.model, self.paths, method, tokens, self.config.group_size)
+        self.low_quant_seconds = time.perf_counter() - tic
+        return low
 
     def _no_gear_dearer_than_high(self) -> None:
         """A gear that reads more bytes than the high gear is not offered: it runs the high gear's

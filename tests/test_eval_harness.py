@@ -358,7 +358,12 @@ def test_evaluation_comparisons_carry_tests_and_traces_carry_kl(tiny_results, tm
         for kind in ("random", "position"):
             t = c[f"test_{kind}"]
             assert t["positions"] == tiny_results["text"]["scored_positions"]
-            assert c[f"beats_{kind}"] == (t["outcome"] == "lower")
+        assert c["beats_position"] == (c["test_position"]["outcome"] == "lower")
+        # Against random routing: the permutation test over the distribution, not the one draw.
+        dist = c["random_distribution"]
+        assert dist["permutations"] >= 20 and c["beats_random"] == (dist["outcome"] == "lower")
+        k = dist["mean_kl"]
+        assert k["p2_5"] <= k["median"] <= k["p97_5"]
     assert len(tiny_results["traces"]["dynamic-a/all"]["kl"]) == tiny_results["text"]["scored_positions"]
     assert "kl" not in tiny_results["traces"]["static-low/all"]
     assert tiny_results["significance"]["seed"] == 5
@@ -594,3 +599,63 @@ def test_thresholds_are_calibrated_once_per_weights_and_a_damaged_record_is_redo
     assert sum(map(readable, (tmp_path / "cache" / "calibrations").glob("*.json"))) == 1  # rewritten whole
     harness.cached_thresholds("m", None, 256, None, lines.append)  # no folder: nothing kept
     assert len(calls) == 4
+
+
+# -- the random baseline as a distribution over permutations ------------------------------------------------
+
+from gearbx_mlx.evaluation import permutation  # noqa: E402
+from gearbx_mlx.evaluation.teacher import RowResult  # noqa: E402
+
+
+def _static(gear: str, kl, scope: str = "all") -> RowResult:
+    spec = PolicySpec(f"static-{gear}/{scope}", "static", scope, gear)
+    r = RowResult(spec, steps=len(kl))
+    r.kl, r.nll = list(kl), [2.0 + x for x in kl]
+    r.hits = [x < 0.05 for x in kl]
+    r.gears = [{"low": "l", "mid": "m", "high": "h"}[gear]] * len(kl)
+    r.kl_sum, r.nll_sum, r.agree = sum(r.kl), sum(r.nll), sum(r.hits)
+    return r
+
+
+def _policy(gears: str) -> RowResult:
+    r = RowResult(PolicySpec("dynamic-x/all", "entropy", "all"), steps=len(gears))
+    r.gears = list(gears)
+    return r
+
+
+@pytest.fixture
+def three_gears():
+    rng = np.random.default_rng(3)
+    low = rng.uniform(0.0, 0.2, 200)
+    return [_static("high", np.zeros(200)), _static("mid", low / 10), _static("low", low)], low
+
+
+def test_a_permutation_reselects_each_position_from_its_gears_row(three_gears):
+    first, low = three_gears
+    rows = permutation.gear_rows(first, _policy("l" * 200))
+    assert set(rows) == {"h", "m", "l"}
+    got = permutation.reselect("l" * 100 + "h" * 100, rows)
+    np.testing.assert_array_equal(got["kl"], np.concatenate([low[:100], np.zeros(100)]))
+    np.testing.assert_array_equal(got["nll"], np.concatenate([2.0 + low[:100], np.full(100, 2.0)]))
+    # A policy using a gear without a static row has no distribution.
+    assert permutation.gear_rows(first[:2], _policy("l" * 200)) is None
+
+
+def test_placing_the_low_gear_well_beats_random_and_badly_loses_to_it(three_gears):
+    first, low = three_gears
+    cheap = np.argsort(low)  # positions where the low gear costs least, first
+    good, bad = np.array(["h"] * 200), np.array(["h"] * 200)
+    good[cheap[:100]], bad[cheap[100:]] = "l", "l"
+    rows = permutation.gear_rows(first, _policy("".join(good)))
+    outcomes = {}
+    for name, trace in (("good", good), ("bad", bad)):
+        d = permutation.random_distribution(_policy("".join(trace)), rows, 100, seed=1, permutations=50)
+        assert d["permutations"] == 50 and d["mean_kl"]["p2_5"] <= d["mean_kl"]["median"] <= d["mean_kl"]["p97_5"]
+        outcomes[name] = d["outcome"], d["p_value"]
+    assert outcomes["good"][0] == "lower" and outcomes["good"][1] < 0.05
+    assert outcomes["bad"][0] == "higher" and outcomes["bad"][1] > 0.95
+    # One window of all one gear permutes to itself: nothing to tell apart.
+    same = permutation.random_distribution(_policy("l" * 100 + "h" * 100), rows, 100, permutations=20)
+    assert same["outcome"] == "indistinguishable" and same["difference"]["median"] == 0.0
+    with pytest.raises(ValueError, match="must divide"):
+        permutation.random_distribution(_policy("l" * 200), rows, 30)

@@ -40,7 +40,8 @@ from ..entropy import scaled_thresholds
 from ..gearbox import vocab_size_of
 from ..kvcache.option import KVOptions, open_kv, plain_summary
 from ..precision import is_prequantized
-from . import report
+from . import permutation, report
+from .permutation import gear_rows, random_distribution
 from .significance import BOOTSTRAP
 from .specs import ModelLayout, PolicySpec, base_specs, matched_specs
 from .speculative import DraftSubject, evaluate_speculative
@@ -66,7 +67,9 @@ LAG_NOTE = (
 )
 RANDOM_NOTE = (
     "random@X replays, in each window, a random permutation (seeded) of X's own gears in that window: "
-    "the same gears in the same number, hence the same modeled bytes, at positions the entropy did not choose"
+    "the same gears in the same number, hence the same modeled bytes, at positions the entropy did not choose; "
+    "it is one draw, run for real; the comparison with random routing is against the distribution of many "
+    "permutations (comparisons[].random_distribution)"
 )
 
 
@@ -375,6 +378,19 @@ def _quality(study: _Study, policies: Sequence[PolicySpec]) -> Quality:
     return out
 
 
+def random_distributions(quality: Quality, steps: int, seed: int) -> Dict[str, Dict[str, Any]]:
+    """``{entropy policy: its random baseline as a distribution}`` (:mod:`.permutation`), for each
+    policy whose gears all have a static row in the first pass."""
+    out = {}
+    for r in quality.first:
+        rows = gear_rows(quality.first, r) if r.spec.kind == "entropy" else None
+        if rows is None:
+            continue
+        drawn = next((x for x in quality.rows if x.spec.kind == "random" and x.spec.matched_to == r.spec.name), None)
+        out[r.spec.name] = random_distribution(r, rows, steps, seed, measured=drawn)
+    return out
+
+
 def _speed(study: _Study, first: Sequence[RowResult], kv: Optional[KVOptions] = None,
            kv_calibration: Any = None) -> Dict[str, Dict[str, Any]]:
     """Decode speed of the first-pass policies on the real kernels (the matched baselines differ
@@ -408,7 +424,9 @@ def _document(study: _Study, quality: Quality, speed: Dict[str, Dict[str, Any]],
     compared = {r.spec.name for r in quality.rows if r.spec.kind == "entropy" or r.spec.matched_to}
     kl = {r.spec.name: r.kl for r in quality.rows if r.spec.name in compared}
     steps = len(windows[0]) - 1
-    comps = report.comparisons(rows, kl, steps, seed)
+    with _timed(timings, "random_distribution_s"):
+        dists = random_distributions(quality, steps, seed)
+    comps = report.comparisons(rows, kl, steps, seed, dists)
     return {
         "format": report.FORMAT,
         "version": report.VERSION,
@@ -434,6 +452,7 @@ def _document(study: _Study, quality: Quality, speed: Dict[str, Dict[str, Any]],
                 f"mx.dequantize, affine, group {config.group_size})"
             ),
             "random_baseline": RANDOM_NOTE,
+            "random_distribution": permutation.METHOD,
             "speed_method": (
                 "gearbx_mlx.stream_generate on the real kernels (MLX QuantizedLinear/QuantizedEmbedding "
                 "swapped by PrecisionManager), forced to the text's tokens: "

@@ -15,12 +15,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import GEARS
 from ..jsonsafe import dumps
-from . import significance
+from . import permutation, significance
 from .teacher import RowResult
 
 FORMAT = "gearbx-eval"
 #: 2: random baselines permute the policy's own gears; comparisons carry a test; KL traces.
-VERSION = 2
+#: 3: the random baseline is a distribution over permutations (:mod:`.permutation`), and
+#: ``beats_random`` is the permutation test's.
+VERSION = 3
 #: Entropies kept in the JSON trace are rounded: they only feed the figures.
 TRACE_DECIMALS = 4
 #: Significant digits of the per-position KL kept in the trace (enough to redo the test).
@@ -69,6 +71,7 @@ def comparisons(
     kl: Optional[Dict[str, Sequence[float]]] = None,
     window_steps: Optional[int] = None,
     seed: int = 0,
+    distributions: Optional[Dict[str, Dict[str, Any]]] = None,
 ) -> List[Dict[str, Any]]:
     """Each entropy policy against its matched position rule and random router.
 
@@ -80,7 +83,12 @@ def comparisons(
     ``test_<kind>``, and ``beats_<kind>`` is True only when the entropy
     policy's KL is lower with the test's interval below zero; without it
     (files saved before the test), ``beats_<kind>`` compares the means.
+    With the policy's random-permutation distribution (``distributions[name]``,
+    :func:`.permutation.random_distribution`) the entry carries it as
+    ``random_distribution`` and ``beats_random`` is its permutation test's
+    (the single random row's test stays beside it as ``test_random``).
     """
+    distributions = distributions or {}
     out = []
     for r in rows:
         if r["spec"]["kind"] != "entropy":
@@ -98,6 +106,10 @@ def comparisons(
                 entry[f"beats_{kind}"] = test["outcome"] == significance.LOWER
             else:
                 entry[f"beats_{kind}"] = r["mean_kl"] < m["mean_kl"]
+        dist = distributions.get(r["name"])
+        if dist is not None:
+            entry["random_distribution"] = dist
+            entry["beats_random"] = dist["outcome"] == significance.LOWER
         out.append(entry)
     return out
 
@@ -121,7 +133,8 @@ def refresh_comparisons(results: Dict[str, Any]) -> List[Dict[str, Any]]:
     if not kl:
         return comps
     steps = results["text"]["window"] - 1
-    return comparisons(results["policies"], kl, steps, (results.get("significance") or {}).get("seed", 0))
+    dists = {c["entropy"]["name"]: c["random_distribution"] for c in comps if "random_distribution" in c}
+    return comparisons(results["policies"], kl, steps, (results.get("significance") or {}).get("seed", 0), dists)
 
 
 def verdict(comps: Sequence[Dict[str, Any]]) -> str:
@@ -130,10 +143,18 @@ def verdict(comps: Sequence[Dict[str, Any]]) -> str:
     for c in comps:
         e = c["entropy"]
         parts = []
+        dist = c.get("random_distribution")
+        if dist is not None:
+            parts.append(f"{OUTCOME_WORDS[dist['outcome']]} random routing on KL ({permutation.describe(dist)})")
         for kind in ("random", "position"):
             if kind not in c:
                 continue
             m, test = c[kind], c.get(f"test_{kind}")
+            if kind == "random" and dist is not None:  # the one permutation run for real, beside the distribution
+                shown = f", {significance.describe(test)}" if test else ""
+                parts.append(f"its one random draw run for real: mean {_kl(e['mean_kl'])} vs {_kl(m['mean_kl'])} "
+                             f"nats{shown}")
+                continue
             if test is not None:
                 word = OUTCOME_WORDS[test["outcome"]]
                 how = f"mean {_kl(e['mean_kl'])} vs {_kl(m['mean_kl'])} nats, {significance.describe(test)}"

@@ -50,6 +50,7 @@ class RowResult:
     agree: int = 0
     hits: List[bool] = field(default_factory=list)  # per step: top-1 equals the reference's
     kl: List[float] = field(default_factory=list)  # per step: KL(reference || routed), nats
+    nll: List[float] = field(default_factory=list)  # per step: NLL of the text's next token, nats
     bytes_sum: float = 0.0
     shifts: int = 0
     gears: List[str] = field(default_factory=list)  # one char per step
@@ -94,6 +95,7 @@ class RowResult:
         out.agree = sum(steps.hits)
         out.hits = list(steps.hits)
         out.kl = list(steps.kl)
+        out.nll = list(steps.nll)
         out.gears = [GEAR_CHAR[g] for g in steps.gears]
         out.shifts = sum(a != b for a, b in zip(steps.gears, steps.gears[1:]))
         out.entropy = list(steps.entropy)
@@ -236,6 +238,7 @@ def _merge(parts: Sequence[RowResult]) -> RowResult:
         out.agree += p.agree
         out.hits += p.hits
         out.kl += p.kl
+        out.nll += p.nll
         out.bytes_sum += p.bytes_sum
         out.shifts += p.shifts  # a window boundary is a new sequence, not a shift
         out.gears += p.gears

@@ -106,8 +106,10 @@ class NestedWeights(nn.Module):
     @classmethod
     def from_weight(
         cls, weight: mx.array, bias: Optional[mx.array] = None, *, plan: Sequence[PlaneSpec] = DEFAULT_PLAN,
+        low: Optional[Plane] = None,
     ) -> "NestedWeights":
-        return cls(build_planes(weight, plan), bias)
+        """Planes of ``weight`` (plane 0 ``low`` where given: :func:`build_planes`)."""
+        return cls(build_planes(weight, plan, low), bias)
 
 
 class _View(nn.Module):
@@ -182,13 +184,16 @@ class NestedEmbedding(_View):
         return self.matmul(x)
 
 
-def nested_weights_of(module: nn.Module, plan: Optional[Sequence[PlaneSpec]] = None) -> NestedWeights:
+def nested_weights_of(module: nn.Module, plan: Optional[Sequence[PlaneSpec]] = None,
+                      low: Optional[Plane] = None) -> NestedWeights:
     """Planes of a float ``nn.Linear``/``nn.Embedding`` (default :data:`DEFAULT_PLAN`) or of an
     MLX 8-bit ``QuantizedLinear``/``QuantizedEmbedding`` (re-expressed as the planes of
-    :data:`QUANTIZED_SOURCE_PLAN` of its dequantized weight).
+    :data:`QUANTIZED_SOURCE_PLAN` of its dequantized weight); ``low``: a float source's
+    plane 0 made by another quantizer (:mod:`gearbx_mlx.nested.lowquant`).
 
     Raises:
-        ValueError: a quantized source of another width, or a mode other than affine.
+        ValueError: a quantized source of another width, or a mode other than affine;
+            ``low`` for a quantized source.
     """
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         mode = getattr(module, "mode", "affine")
@@ -197,11 +202,13 @@ def nested_weights_of(module: nn.Module, plan: Optional[Sequence[PlaneSpec]] = N
                 f"nested planes re-express MLX 8-bit affine layers only; this layer is {module.bits}-bit "
                 f"{mode}: a lower-precision source has no room for a finer gear (use the telemetry-only mode)"
             )
+        if low is not None:
+            raise ValueError("a low plane from another quantizer needs float weights, not an MLX 8-bit layer")
         w = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
                           bits=module.bits)
         return NestedWeights.from_weight(w, module.get("bias"), plan=plan or QUANTIZED_SOURCE_PLAN)
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        return NestedWeights.from_weight(module.weight, module.get("bias"), plan=plan or DEFAULT_PLAN)
+        return NestedWeights.from_weight(module.weight, module.get("bias"), plan=plan or DEFAULT_PLAN, low=low)
     raise TypeError(f"cannot build nested planes of a {type(module).__name__}")
 
 

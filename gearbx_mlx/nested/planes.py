@@ -6,7 +6,8 @@ bias per group), each quantizing what the planes before it left over:
 
 * plane 0 (4 bits, groups of 64): ``W`` itself; alone, it *is* MLX's 4-bit
   quantization of ``W`` (``mx.quantize``: same codes, scales and biases): the
-  low gear;
+  low gear (or an MLX 4-bit layer made by one of mlx-lm's quantizers,
+  :mod:`gearbx_mlx.nested.lowquant`, with the planes below fitting ``W``);
 * plane 1 (4 bits, groups of 32): ``W - deq(p0)``; planes 0-1 are the mid
   gear, closer to ``W`` than MLX's 8-bit quantization (as KL to the loaded
   weights: ``scripts/bench_nested.py``);
@@ -217,22 +218,33 @@ def residual_exponent(r: mx.array) -> int:
     return 0 if m == 0.0 else -math.frexp(m)[1]
 
 
-def build_planes(weight: mx.array, plan: Sequence[PlaneSpec] = DEFAULT_PLAN) -> List[Plane]:
+def build_planes(weight: mx.array, plan: Sequence[PlaneSpec] = DEFAULT_PLAN, low: Optional[Plane] = None) -> List[Plane]:
     """Planes of ``weight`` ``(out, in)``, each quantizing the residual of those before.
 
     Residuals are formed in float32 whatever the weight's dtype; every
     plane's scales and biases are in the source's dtype, as MLX's quantized
     layers of that source would hold them.
+
+    Args:
+        low: plane 0 made elsewhere (another quantizer's MLX layer of the plan's
+            first bits and group size, :mod:`gearbx_mlx.nested.lowquant`); None:
+            MLX's round-to-nearest of ``weight``. The planes after it fit the
+            residual to ``weight`` either way.
     """
     check_plan(plan, weight.shape[-1])
     if weight.ndim != 2:
         raise ValueError(f"planes quantize a matrix (out, in), got shape {tuple(weight.shape)}")
+    if low is not None and ((low.bits, low.group_size) != tuple(plan[0]) or low.shape != tuple(weight.shape)
+                            or low.exponent):
+        raise ValueError(f"a given low plane must be {tuple(plan[0])} of shape {tuple(weight.shape)}, got "
+                         f"{(low.bits, low.group_size)} of shape {low.shape}")
     dtype = weight.dtype
     planes: List[Plane] = []
     residual = weight.astype(mx.float32)
     for i, (bits, group_size) in enumerate(plan):
         if i == 0:
-            p = quantize_plane(weight, bits, group_size)  # exactly MLX's quantization of the source
+            # Exactly MLX's quantization of the source, unless another quantizer made it.
+            p = quantize_plane(weight, bits, group_size) if low is None else low
         else:
             p = quantize_plane(residual, bits, group_size, residual_exponent(residual), dtype,
                                clip=bits in CLIPPED_PLANE_BITS)

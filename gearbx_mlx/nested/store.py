@@ -26,7 +26,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,9 +61,12 @@ def plan_for(high: str, quantized_source: bool, group_size: int = 64) -> Tuple[P
     return ((plan[0][0], group_size),) + tuple(plan[1:])
 
 
-def build_nested(modules: Mapping[str, nn.Module], plan: Sequence[PlaneSpec]) -> Dict[str, NestedWeights]:
-    """``{path: NestedWeights}`` of every module (float, or MLX 8-bit)."""
-    return {path: nested_weights_of(m, plan) for path, m in modules.items()}
+def build_nested(modules: Mapping[str, nn.Module], plan: Sequence[PlaneSpec],
+                 low: Optional[Mapping[str, Plane]] = None) -> Dict[str, NestedWeights]:
+    """``{path: NestedWeights}`` of every module (float, or MLX 8-bit); ``low``: plane 0 of
+    each path made by another quantizer (:func:`gearbx_mlx.nested.lowquant.low_planes`)."""
+    low = low or {}
+    return {path: nested_weights_of(m, plan, low.get(path)) for path, m in modules.items()}
 
 
 def gear_views(
@@ -148,12 +151,15 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[PlaneSpec],
-              shard: Tuple[int, int] = (0, 1)) -> str:
-    """What a planes file is valid for: the weights, the managed paths, the plan, and for a
-    model sharded over ``shard = (rank, ranks)`` with ``ranks > 1``, which shard."""
+              shard: Tuple[int, int] = (0, 1), low_quant: Optional[Mapping[str, Any]] = None) -> str:
+    """What a planes file is valid for: the weights, the managed paths, the plan, for a
+    model sharded over ``shard = (rank, ranks)`` with ``ranks > 1`` which shard, and the
+    low plane's quantizer with its settings (:func:`gearbx_mlx.nested.lowquant.settings_of`)."""
     parts: list = [FORMAT_VERSION, model_fingerprint, list(paths), [list(s) for s in plan]]
     if shard[1] > 1:  # one process keeps the key it always had
         parts.append(list(shard))
+    if low_quant and low_quant.get("method", "rtn") != "rtn":  # round-to-nearest keeps its key too
+        parts.append({"low_quant": dict(low_quant)})
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 

@@ -190,8 +190,10 @@ def scope_manager(gearbox: Any, scope: str) -> PrecisionManager:
     per_box = _SCOPE_MANAGERS.setdefault(gearbox, {})
     if scope not in per_box:
         mgr: PrecisionManager = gearbox.manager
+        # The model's folder also holds the tokenizer that a low plane of another quantizer reads.
+        folder = mgr.planes_dir if mgr.planes_dir is not None else getattr(gearbox, "model_dir", None)
         per_box[scope] = PrecisionManager(mgr.model, gearbox.config.replace(scope=scope, high="original"),
-                                          planes_dir=mgr.planes_dir)
+                                          planes_dir=folder)
     return per_box[scope]
 
 

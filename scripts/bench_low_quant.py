@@ -1,0 +1,236 @@
+"""The nested store's low gear by each quantizer (``--low-quant``): quality, build time, acceptance.
+
+    python scripts/bench_low_quant.py [--quantizers rtn gptq awq dwq] [--scope all] [--tokens 2048]
+                                      [--window 512] [--budget 300] [--out FILE.json]
+
+Each quantizer runs in a child process of its own, given ``--budget`` seconds
+(a quantizer that does not finish in them is recorded as such, with the
+progress its own progress bar had reached), on the default model with the
+nested store over ``--scope``'s layers and a planes cache in a fresh folder:
+
+* the time the quantizer took (``PrecisionManager.low_quant_seconds``: its
+  calibration tokens and mlx-lm's quantizer; the residual planes excluded),
+  and that a second load with the same settings reads the planes cache;
+* quality of the low gear (and of the mid gear, planes 0-1) against the
+  loaded weights, teacher-forced over ``--tokens`` of gensim's
+  ``lee_background`` (the evaluation text; the quantizers calibrate on
+  ``lee.cor``): perplexity, mean KL(loaded || gear) in nats and greedy top-1
+  agreement, with the evaluation harness's metrics
+  (:mod:`gearbx_mlx.evaluation.metrics`), each gear through float layers that
+  hold exactly the values its quantized layers multiply by (MLX's quantized
+  CPU kernels are far too slow for thousands of positions);
+* speculative acceptance with the low plane drafting: greedy blocks of k
+  drafts replayed along the text from the low gear's per-position agreement
+  with the loaded weights, as the evaluation harness replays its drafters
+  (:func:`gearbx_mlx.evaluation.speculative.replay`).
+
+Prints a table and writes JSON (default
+``benchmarks/results/low_quant_smollm2-135m.json``) with the machine's load
+average before and after each child (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+QUANTIZERS = ("rtn", "gptq", "awq", "dwq")
+BLOCKS = (2, 4, 6)
+
+
+def _as_float(module: Any) -> Any:
+    """A float layer holding the exact weight values a nested view multiplies by."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from gearbx_mlx.nested.planes import reconstruct
+
+    weights = getattr(module, "nested", None)
+    if weights is None:
+        return module
+    w, bias = reconstruct(weights.planes, module.n, mx.float32), weights.get("bias")
+    out = nn.Embedding(*w.shape) if hasattr(module, "as_linear") else nn.Linear(w.shape[1], w.shape[0],
+                                                                                 bias=bias is not None)
+    out.weight = w
+    if bias is not None:
+        out.bias = bias
+    mx.eval(out.parameters())
+    return out
+
+
+def _load(method: str, scope: str, planes_dir: str):
+    from gearbx_mlx import precision
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.generation import load
+
+    # The planes cache in the run's own folder: the first load builds the planes, the second reads them.
+    precision.cache_path = lambda model_dir, key, fallback: Path(planes_dir) / f"{key}.safetensors"
+    return load(None, config=GearboxConfig(scope=scope, store="nested", kernel="mlx", low_quant=method))
+
+
+def _quality(model: Any, gb: Any, ids: List[int], window: int) -> Dict[str, Any]:
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    from gearbx_mlx.evaluation import metrics
+    from gearbx_mlx.evaluation.speculative import replay
+
+    windows = [ids[i : i + window + 1] for i in range(0, len(ids) - window, window)]
+    mgr = gb.manager
+    out: Dict[str, Any] = {}
+    refs = []
+    for gear in ("high", "low", "mid"):
+        mods = mgr.cache[gear]
+        model.update_modules(tree_unflatten([(p, _as_float(m)) for p, m in mods.items()]))
+        per: Dict[str, List] = {"nll": [], "kl": [], "hits": [], "entropy": []}
+        for wi, w in enumerate(windows):
+            logits = model(mx.array(w[:-1])[None])[0]
+            if gear == "high":
+                refs.append(metrics.reference(logits, list(w[1:]))[0])
+                continue
+            r = metrics.routed(logits, list(w[1:]), refs[wi])
+            for k in per:
+                per[k] += r[k]
+        if gear == "high":
+            continue
+        n = len(per["kl"])
+        out[gear] = {"perplexity": math.exp(sum(per["nll"]) / n), "kl_nats": sum(per["kl"]) / n,
+                     "top1": sum(per["hits"]) / n, "positions": n}
+        if gear == "low":
+            out["acceptance"] = {}
+            for k in BLOCKS:
+                c = replay(per["hits"], per["entropy"], window, k)
+                out["acceptance"][str(k)] = {"acceptance_rate": c.acceptance_rate,
+                                             "mean_accepted_length": c.mean_accepted_length, **c.to_dict()}
+    model.update_modules(tree_unflatten(list(mgr.cache["high"].items())))
+    return out
+
+
+def child(args: argparse.Namespace) -> Dict[str, Any]:
+    from gearbx_mlx.evaluation.harness import text_tokens
+    from gearbx_mlx.sources.models import corpus_path
+
+    tic = time.perf_counter()
+    model, tok, gb = _load(args.child, args.scope, args.planes_dir)
+    mgr = gb.manager
+    built = {"origin": mgr.planes_origin, "planes_seconds": mgr.planes_seconds,
+             "quantizer_seconds": mgr.low_quant_seconds, "load_seconds": time.perf_counter() - tic,
+             "planes_file": mgr.planes_file.name if mgr.planes_file else None, "managed_layers": len(mgr.paths)}
+    ids = text_tokens(tok, corpus_path("lee_background").read_text(encoding="utf-8"), args.tokens + 1)
+    quality = _quality(model, gb, ids, args.window)
+    del model, gb, mgr
+    _, _, again = _load(args.child, args.scope, args.planes_dir)
+    second = {"origin": again.manager.planes_origin, "planes_seconds": again.manager.planes_seconds,
+              "quantizer_seconds": again.manager.low_quant_seconds}
+    return {"quantizer": args.child, "finished": True, "build": built, "second_load": second, **quality}
+
+
+def _progress(stderr: str) -> str:
+    """The last progress line a quantizer wrote (tqdm redraws with carriage returns)."""
+    lines = [ln.strip() for ln in stderr.replace("\r", "\n").splitlines() if "%|" in ln or "it/s" in ln
+             or "s/it" in ln]
+    return lines[-1] if lines else ""
+
+
+def _run_child(method: str, args: argparse.Namespace) -> Dict[str, Any]:
+    from gearbx_mlx.evaluation.machine import load_average
+
+    with tempfile.TemporaryDirectory() as planes, tempfile.NamedTemporaryFile(suffix=".json") as res:
+        cmd = [sys.executable, __file__, "--child", method, "--planes-dir", planes, "--result", res.name,
+               "--scope", args.scope, "--tokens", str(args.tokens), "--window", str(args.window)]
+        before, tic = load_average(), time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            _, err = proc.communicate(timeout=args.budget)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            return {"quantizer": method, "finished": False, "budget_seconds": args.budget,
+                    "progress_at_budget": _progress(err), "load_average_before": before,
+                    "load_average_after": load_average()}
+        wall = time.perf_counter() - tic
+        if proc.returncode != 0:
+            return {"quantizer": method, "finished": False, "error": err.strip().splitlines()[-1:],
+                    "load_average_before": before}
+        out = json.loads(Path(res.name).read_text())
+    out.update(child_wall_seconds=wall, load_average_before=before, load_average_after=load_average())
+    return out
+
+
+def _table(rows: List[Dict[str, Any]]) -> str:
+    rtn = next((r for r in rows if r["quantizer"] == "rtn" and r.get("finished")), None)
+    head = (f"{'low gear':<8} {'quant s':>8} {'ppl':>8} {'KL nats':>9} {'vs rtn':>7} {'top-1':>6} "
+            f"{'mid KL':>9} " + " ".join(f"{'acc k=' + str(k):>8}" for k in BLOCKS) + f" {'2nd load':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if not r.get("finished"):
+            why = r.get("progress_at_budget") or r.get("error")
+            lines.append(f"{r['quantizer']:<8} not finished in {r.get('budget_seconds', '?')} s: {why}")
+            continue
+        low, rel = r["low"], r["low"]["kl_nats"] / rtn["low"]["kl_nats"] - 1 if rtn else float("nan")
+        acc = " ".join(f"{r['acceptance'][str(k)]['acceptance_rate']:>8.3f}" for k in BLOCKS)
+        lines.append(f"{r['quantizer']:<8} {r['build']['quantizer_seconds']:>8.1f} {low['perplexity']:>8.3f} "
+                     f"{low['kl_nats']:>9.4f} {100 * rel:>6.1f}% {low['top1']:>6.3f} {r['mid']['kl_nats']:>9.2e} "
+                     f"{acc} {r['second_load']['origin']:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
+    p.add_argument("--scope", default="all", choices=("attention", "all"),
+                   help="the managed layers (default all: the speculative drafter's scope)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--budget", type=int, default=300, help="seconds each quantizer's child may take")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/low_quant_smollm2-135m.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of --out's other quantizers (runs of different budgets in one file)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--planes-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        Path(args.result).write_text(json.dumps(child(args)))
+        return 0
+    from gearbx_mlx.evaluation.machine import hardware, load_average, software
+
+    rows, runs = [], []
+    if args.merge and Path(args.out).is_file():
+        saved = json.loads(Path(args.out).read_text())
+        rows = [r for r in saved["rows"] if r["quantizer"] not in args.quantizers]
+        runs = saved.get("runs", [])
+    for q in args.quantizers:
+        print(f"{q} ...", file=sys.stderr, flush=True)
+        rows.append(_run_child(q, args))
+    rows.sort(key=lambda r: QUANTIZERS.index(r["quantizer"]))
+    print(_table(rows))
+    command = "python " + " ".join([str(Path(__file__).relative_to(ROOT))] + (argv or sys.argv[1:]))
+    runs.append({"command": command, "quantizers": args.quantizers, "budget_seconds": args.budget,
+                 "date": date.today().isoformat(), "load_average_end": load_average()})
+    result = {
+        "runs": runs, "model": "SmolLM2-135M-Instruct (float32, the default model)",
+        "scope": args.scope, "tokens": args.tokens, "window": args.window,
+        "text": "gensim lee_background.cor (evaluation); the quantizers calibrate on lee.cor",
+        "acceptance_method": "greedy blocks of k drafts replayed along the text from the low gear's per-position "
+                             "top-1 agreement with the loaded weights (gearbx_mlx.evaluation.speculative.replay)",
+        "hardware": hardware(), "software": software(), "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
