@@ -174,6 +174,11 @@ class NestedProduct:
                 self._prepared = nested_cpu.prepare_nested(self.planes[:k])
         return self._prepared
 
+    def _host_prepared(self) -> Optional[nested_cpu.PreparedNested]:
+        """:meth:`cpu_prepared` on the CPU device (one state for the C GEMV and the dense path's
+        unpacking, built once), else None."""
+        return self.cpu_prepared() if mx.default_device().type == mx.DeviceType.cpu else None
+
     def backend_for(self, x: mx.array, n: int, has_bias: bool = False) -> str:
         """Which path ``self(x, n)`` takes now (see the module docstring)."""
         rows = self._rows(x)
@@ -233,7 +238,7 @@ class NestedProduct:
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype)
         if path == "dense":
-            return dense_matmul(x, self.planes, n, bias)
+            return dense_matmul(x, self.planes, n, bias, prepared=self._host_prepared())
         if x.ndim == 1:  # MLX's CUDA quantized_matmul wants a matrix
             return reference_matmul(x[None], self.planes, n, bias)[0]
         return reference_matmul(x, self.planes, n, bias)
