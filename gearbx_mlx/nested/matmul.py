@@ -25,8 +25,10 @@ this order (:meth:`NestedProduct.backend_for` tells which a call takes):
    ``mx.quantized_matmul`` per plane.
 
 A layer (``NestedLinear``) keeps one :class:`NestedProduct` per matrix: it
-checks the planes and builds the kernels' state once, and a gear shift only
-changes ``n``. Each kernel's first call per gear and shape checks itself
+checks the planes and builds the kernels' state once (the precision manager
+has it built with the planes, on the CPU: not in the first prefill), the C
+GEMV and the dense path's unpacking share it, and a gear shift only changes
+``n``. Each kernel's first call per gear and shape checks itself
 against the oracle (:mod:`gearbx_mlx.bindings.guard`); one that fails to build
 or disagrees is dropped for the oracle, with one warning. :func:`nested_matmul` is the same product without the cache.
 The planes are treated as immutable once a product has used them.
@@ -60,10 +62,8 @@ class NestedKernelConfig:
         which would double the mid gear's and swamp the high gear's.
     cpu_max_rows: the most input rows the C kernels take in one call where
         MLX's BLAS is optimized: they re-read each weight row from cache once
-        per input row, their float path slows past a few rows, and a
-        layer's first call builds their state (a prefill through one BLAS
-        product of the dequantized gear leaves that to the first decode
-        step). On a reference BLAS they take every row count.
+        per input row, and their float path slows past a few rows. On a
+        reference BLAS they take every row count.
     """
 
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
