@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         "median_ratio": statistics.median(next(iter(ratios.values()))),
     }
     if args.tree:
-        result["trees"] = {name: {"path": str(tree), "commit": git_commit(tree), "ratios": ratios[name],
+        result["trees"] = {name: {"commit": git_commit(tree), "ratios": ratios[name],  # no host paths
                                   "median_ratio": statistics.median(ratios[name])}
                            for name, tree in args.trees.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
