@@ -6,8 +6,16 @@
     ...     print(r.text, r.gear, r.entropy)
 
 Importing the package has no side effects: nothing is compiled, downloaded or
-written until a function is called.
+written until a function is called. (In a process started as one of the
+package's commands, its start-up answers Ctrl-C with one line and exit 130:
+:mod:`gearbx_mlx.launch`.)
 """
+
+# The start-up guard goes first: the imports below take seconds.
+# ruff: noqa: E402
+from . import launch
+
+launch.guard_start_up()
 
 from .calibration import Calibration
 from .config import GEARS, GearboxConfig

@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from . import launch
 from .console import error_line
 from .plotting import require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     try:
         if args.plots:

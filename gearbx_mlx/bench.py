@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
+from . import launch
 from .blas import ensure_fast_blas
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.bench import (
@@ -109,6 +110,7 @@ def check_args(args: argparse.Namespace) -> Tuple[BenchSettings, Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
     ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how

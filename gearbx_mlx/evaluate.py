@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from mlx.utils import tree_flatten
 
+from . import launch
 from .blas import ensure_fast_blas
 from .config import GearboxConfig
 from .console import error_line
@@ -318,6 +319,7 @@ def render(results: Dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import launch
 from .blas import ensure_fast_blas
 from .calibration import Calibration, cached_calibration_path, calibrate_kv
 from .chat import apply_chat_template
@@ -548,6 +549,7 @@ def _sampling(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning  # one plain line, not a source excerpt
     ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how

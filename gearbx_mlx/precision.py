@@ -316,6 +316,11 @@ class PrecisionManager:
         views = gear_views(self.nested, self.originals, c.high, fused=c.kernel == "packed")
         self.cache = {g: {p: shard_gear(m, self.originals[p]) for p, m in mods.items()} for g, mods in views.items()}
         mx.eval([w.parameters() for w in self.nested.values()])
+        if c.kernel == "packed" and mx.default_device().type == mx.DeviceType.cpu:
+            # The C kernels' view of each matrix's planes, checked now with the planes rather
+            # than in the first prefill (where it would cost as much as a few layers' products).
+            for w in self.nested.values():
+                w.product.cpu_prepared()
         self.planes_seconds = time.perf_counter() - tic
         self._no_gear_dearer_than_high()
         if c.high == "planes":

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import launch
 from .bindings import guard
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))

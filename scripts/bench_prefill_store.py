@@ -1,7 +1,8 @@
 """Prompt tokens/s of the nested store against separate copies, through the README's command.
 
     python scripts/bench_prefill_store.py [--pairs 3] [--blas openblas|reference] [--max-tokens 4]
-                                          [--model NAME] [--out FILE.json]
+                                          [--clock wall|cpu] [--tree NAME=PATH ...] [--model NAME]
+                                          [--out FILE.json]
 
 Runs ``python -m gearbx_mlx.generate --scope all --store S -p PROMPT -m N`` in
 a fresh process per run, separate and nested interleaved (A/B/A/B, ``--pairs``
@@ -11,6 +12,21 @@ lines. ``--blas openblas`` preloads Debian's OpenBLAS (as ``.ci/run`` does);
 onto one). Prints a table and writes the runs, the per-pair ratios, the load
 average, the BLAS, the date and the commands to ``--out`` (default
 ``benchmarks/results/prefill_store_<blas>.json``).
+
+``--clock cpu`` is for a machine others load: each fresh process loads the
+model as the command does (``gearbx_mlx.load``, the chat template, the
+generation set up with ``gearbx_mlx.prepare``, the cold-start classifier
+reading the prompt as typed, so the same gear; the separate store's
+one-time quantization stays outside, as it does from mlx-lm's prompt
+timing) and times the same window as mlx-lm's prompt time, the first
+response of ``run.tokens()``, both on the wall clock and in the process's
+CPU time (every thread's), which another program's load stretches far less;
+the ratios are then separate's CPU time over nested's (default out
+``prefill_store_<blas>_cpu.json``).
+
+``--tree NAME=PATH`` adds another checkout (say, the code before a change,
+from ``git worktree add``) whose runs take their places in every pair, so
+both codes see the same load; the JSON then gives each tree's ratios.
 """
 
 from __future__ import annotations
@@ -42,9 +58,11 @@ def command(store: str, args: argparse.Namespace) -> list[str]:
     return cmd + (["--model", args.model] if args.model else [])
 
 
-def environment(blas: str) -> dict[str, str]:
+def environment(blas: str, tree: Path = ROOT) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
+    if tree != ROOT:  # another checkout's package (a run before a change, say)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
     if blas == "openblas":
         env["LD_PRELOAD"] = OPENBLAS
     else:
@@ -52,10 +70,10 @@ def environment(blas: str) -> dict[str, str]:
     return env
 
 
-def run_once(store: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_once(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[str, Any]:
     tic = time.perf_counter()
-    proc = subprocess.run(command(store, args), check=False, capture_output=True, text=True, cwd=ROOT,
-                          env=environment(args.blas), timeout=args.timeout)
+    proc = subprocess.run(command(store, args), check=False, capture_output=True, text=True, cwd=tree,
+                          env=environment(args.blas, tree), timeout=args.timeout)
     text = proc.stdout + proc.stderr
     p, g = PROMPT_RE.search(text), GEN_RE.search(text)
     gears = next((line for line in text.splitlines() if line.startswith("Gears:")), "")
@@ -66,10 +84,67 @@ def run_once(store: str, args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": round(time.perf_counter() - tic, 2), "load_avg_after": os.getloadavg()}
 
 
+def child(store: str, args: argparse.Namespace) -> None:
+    """``--clock cpu``'s measurement, in this fresh process: one JSON line on stdout."""
+    import gearbx_mlx
+    from gearbx_mlx.chat import apply_chat_template
+
+    model, tokenizer, gearbox = gearbx_mlx.load(args.model, scope="all", store=store)
+    text = apply_chat_template(tokenizer, PROMPT, None, use_template=True)  # as the command does
+    run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=args.max_tokens, prompt_text=PROMPT)
+    wall, cpu = time.perf_counter(), time.process_time()
+    first = next(run.tokens())
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    run.close()
+    print(json.dumps({"prompt_tokens": int(first.prompt_tokens), "window_wall_s": round(wall, 4),
+                      "window_cpu_s": round(cpu, 4), "prompt_tps": round(first.prompt_tps, 3), "gear": first.gear}))
+
+
+def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", store, "--max-tokens", str(args.max_tokens)]
+    cmd += ["--model", args.model] if args.model else []
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tree,
+                          env=environment(args.blas, tree), timeout=args.timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"error: {store} run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return {"store": store, **json.loads(lines[-1]), "load_avg_after": os.getloadavg()}
+
+
 def mlx_blas(blas: str) -> str | None:
     code = "from gearbx_mlx import blas; print(blas.shown_path(blas.mlx_blas()))"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
                          env=environment(blas))
+    return out.stdout.strip() or None
+
+
+def speed(run: dict[str, Any], clock: str) -> float:
+    """Prompt tokens per second of a run: mlx-lm's (wall), or over the window's CPU time."""
+    return run["prompt_tps"] if clock == "wall" else run["prompt_tokens"] / run["window_cpu_s"]
+
+
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """The interleaved runs and, per tree, each pair's nested/separate ratio of :func:`speed`."""
+    runs: list[dict[str, Any]] = []
+    ratios: dict[str, list[float]] = {name: [] for name in args.trees}
+    for i in range(args.pairs):
+        for name, tree in args.trees.items():
+            pair = {}
+            for store in ("separate", "nested"):
+                r = run_once(store, args, tree) if args.clock == "wall" else run_child(store, args, tree)
+                r.update(pair=i, **({"tree": name} if name else {}))
+                runs.append(r)
+                pair[store] = r
+                extra = (f"decode {r['generation_tps']} tok/s | {r['gears']}" if args.clock == "wall" else
+                         f"window {r['window_wall_s']:.3f} s wall, {r['window_cpu_s']:.3f} s CPU | {r['gear']}")
+                print(f"pair {i} {name} {store:9s} prompt {r['prompt_tokens']} tok at {speed(r, args.clock):8.2f} "
+                      f"tok/s ({args.clock}), {extra}", flush=True)
+            ratios[name].append(speed(pair["nested"], args.clock) / speed(pair["separate"], args.clock))
+    return runs, ratios
+
+
+def git_commit(tree: Path) -> str | None:
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], check=False, capture_output=True, text=True)
     return out.stdout.strip() or None
 
 
@@ -78,43 +153,51 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--blas", choices=("openblas", "reference"), default="openblas")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                    help="also a checkout at PATH (its package first on PYTHONPATH), interleaved pair by pair")
     ap.add_argument("--model", default=None)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", choices=("separate", "nested"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        return child(args.child, args)
     if args.blas == "openblas" and not Path(OPENBLAS).is_file():
         raise SystemExit(f"error: --blas openblas needs {OPENBLAS} (apt-get install libopenblas0-pthread)")
-    out = args.out or ROOT / "benchmarks" / "results" / f"prefill_store_{args.blas}.json"
+    bad = [t for t in args.tree if "=" not in t or not Path(t.split("=", 1)[1], "gearbx_mlx").is_dir()]
+    if bad:
+        raise SystemExit(f"error: --tree {bad[0]!r}: want NAME=PATH of a checkout with gearbx_mlx/ in it")
+    args.trees = {"this": ROOT, **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}} \
+        if args.tree else {"": ROOT}
+    suffix = "" if args.clock == "wall" else "_cpu"
+    out = args.out or ROOT / "benchmarks" / "results" / f"prefill_store_{args.blas}{suffix}.json"
     load_before = os.getloadavg()
-    runs = []
-    for i in range(args.pairs):
-        for store in ("separate", "nested"):
-            r = run_once(store, args)
-            r["pair"] = i
-            runs.append(r)
-            print(f"pair {i} {store:9s} prompt {r['prompt_tokens']} tok at {r['prompt_tps']:8.2f} tok/s, "
-                  f"decode {r['generation_tps']} tok/s | {r['gears']}", flush=True)
-    ratios = []
-    for i in range(args.pairs):
-        sep, nest = (next(r for r in runs if r["pair"] == i and r["store"] == s) for s in ("separate", "nested"))
-        ratios.append(nest["prompt_tps"] / sep["prompt_tps"])
-    print(f"\n{'pair':>4} {'separate':>10} {'nested':>10} {'nested/separate':>16}")
-    for i, ratio in enumerate(ratios):
-        sep, nest = (next(r for r in runs if r["pair"] == i and r["store"] == s) for s in ("separate", "nested"))
-        print(f"{i:>4} {sep['prompt_tps']:>10.2f} {nest['prompt_tps']:>10.2f} {ratio:>16.2f}")
-    print(f"median nested/separate prompt tokens/s: {statistics.median(ratios):.2f}")
+    runs, ratios = measure(args)
+    for name, tree_ratios in ratios.items():
+        print(f"\n{name or 'this tree'}: {'pair':>4} {'nested/separate':>16}   ({args.clock} clock)")
+        for i, ratio in enumerate(tree_ratios):
+            print(f"{i:>4} {ratio:>16.2f}")
+        print(f"median nested/separate prompt tokens/s: {statistics.median(tree_ratios):.2f}")
     result = {
         "what": "prompt tokens/s, nested store vs separate copies, interleaved fresh processes",
+        "clock": args.clock,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commands": {s: " ".join(command(s, args)[1:]) for s in ("separate", "nested")},
+        "commands": {s: " ".join(command(s, args)[1:]) if args.clock == "wall" else
+                     f"scripts/bench_prefill_store.py --child {s} --max-tokens {args.max_tokens}"
+                     for s in ("separate", "nested")},
         "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"),
         "mlx_blas_library": mlx_blas(args.blas),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count()},
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-        "runs": runs, "ratios_nested_over_separate": ratios,
-        "median_ratio": statistics.median(ratios),
+        "runs": runs, "ratios_nested_over_separate": next(iter(ratios.values())),
+        "median_ratio": statistics.median(next(iter(ratios.values()))),
     }
+    if args.tree:
+        result["trees"] = {name: {"commit": git_commit(tree), "ratios": ratios[name],  # no host paths
+                                  "median_ratio": statistics.median(ratios[name])}
+                           for name, tree in args.trees.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

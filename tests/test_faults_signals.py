@@ -260,3 +260,55 @@ def test_sigint_during_a_long_prefill_real_signal(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "interrupted" in err
     assert_interrupted_trace(trace, stage="prefill")
+
+
+def _mlx_mapped(pid: int) -> bool:
+    """True once the process has begun loading MLX: the package's imports are under way."""
+    try:
+        return "mlx" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps to see the imports start")
+@pytest.mark.parametrize("after_s", [0.0, 0.3, 0.8])
+def test_sigint_during_start_up_real_signal(tiny, tmp_path, after_s):
+    """A real SIGINT while ``python -m gearbx_mlx.generate`` still imports the package
+    (MLX, mlx-lm, transformers): one line, exit 130, no traceback. Sent as soon as MLX
+    starts loading (surely inside the imports: the line is then exactly "interrupted"),
+    and a little later (inside the imports on most machines; past them, the command's
+    own handling answers, by the same promise)."""
+    proc = _spawn(tmp_path, tiny)
+    _wait_for(lambda: _mlx_mapped(proc.pid), proc, START_S)
+    time.sleep(after_s)
+    code, err = _interrupt(proc)
+    assert code == 130 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and "interrupted" in err, err
+    if after_s == 0.0:
+        assert err.strip() == "interrupted", err
+
+
+def test_start_up_guard_applies_to_the_commands_only():
+    from gearbx_mlx import launch
+
+    assert launch.command_of("-m", ["python", "-m", "gearbx_mlx.generate", "-p", "hi"]) == "gearbx_mlx.generate"
+    assert launch.command_of("-m", ["python", "-X", "dev", "-mgearbx_mlx.server"]) == "gearbx_mlx.server"
+    assert launch.command_of("-m", ["python", "-m", "pytest"]) is None
+    assert launch.command_of("-m", ["python", "-m", "gearbx_mlx.bindings.build"]) is None
+    assert launch.command_of("/venv/bin/gearbx-bench", ["/venv/bin/python", "/venv/bin/gearbx-bench"]) == "gearbx-bench"
+    assert launch.command_of("-c", ["python", "-c", "import gearbx_mlx"]) is None
+    assert launch.command_of("/x/ipython", ["python", "/x/ipython"]) is None
+    assert not launch.guard_start_up()  # a test run is no command: importing the package changed nothing
+    assert signal.getsignal(signal.SIGINT) is not None and signal.getsignal(signal.SIGINT).__module__ != launch.__name__
+
+
+def test_start_up_guard_knows_every_console_script():
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    from gearbx_mlx import launch
+
+    assert set(launch.COMMAND_SCRIPTS) == set(scripts)
+    for target in scripts.values():  # each console script's module is a command module or inside one
+        module = target.split(":")[0]
+        assert any(module == m or module.startswith(m + ".") for m in launch.COMMAND_MODULES), module

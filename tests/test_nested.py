@@ -182,6 +182,25 @@ def test_nested_memory_counts_shared_planes_once():
     assert planes["resident_total"] / planes["fp16_bytes"] == pytest.approx(18 / 16, rel=0.02)
 
 
+def test_nested_store_checks_the_planes_for_the_c_kernels_with_the_planes_not_in_a_prefill(monkeypatch):
+    """Every matrix's C-kernel state is built with its planes, so a first prefill and its
+    decode steps (mlx-lm's prompt time) build none."""
+    from gearbx_mlx.bindings import cpu, gpu, nested_cpu
+
+    if not cpu.available() or gpu.gpu_backend() is not None:
+        pytest.skip("the C kernels on the CPU device")
+    mgr = PrecisionManager(make_tiny_llama(), GearboxConfig(scope="all", store="nested", kernel="packed"))
+    built = []
+    real = nested_cpu.PreparedNested.__init__
+    monkeypatch.setattr(nested_cpu.PreparedNested, "__init__", lambda self, p: built.append(p) or real(self, p))
+    for gear in ("mid", "low"):
+        mgr.shift(gear)
+        _logits(mgr.model)
+        out = mgr.model(mx.array([[IDS[0]]]))  # one row: the C GEMV
+        mx.eval(out)
+    assert built == []
+
+
 def test_nested_store_of_an_8bit_model_gets_a_real_low_gear():
     model = make_tiny_llama()
     nn.quantize(model, group_size=64, bits=8)

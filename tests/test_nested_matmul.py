@@ -58,6 +58,28 @@ def test_the_low_gear_uses_int8_activations_and_stays_within_their_bound():
 
 @needs_cpu_ext
 @on_cpu_device
+def test_a_prefill_and_the_decode_after_it_check_the_planes_for_the_c_kernels_once(monkeypatch):
+    """The dense product of a prefill chunk and the C GEMV of the steps after it read the same
+    planes: one PreparedNested per matrix serves both (checking planes costs as much as a small
+    product's unpacking, and the first decode step is inside mlx-lm's prompt time)."""
+    built = []
+    real = nested_cpu.PreparedNested.__init__
+    monkeypatch.setattr(nested_cpu.PreparedNested, "__init__", lambda self, p: built.append(len(p)) or real(self, p))
+    monkeypatch.setattr(blas, "optimized", lambda: True)
+    planes = make_planes(24, 128, (4, 4, 8), 64, mx.float32)
+    prod = NestedProduct(planes, NestedKernelConfig(cpu_max_rows=2))
+    x = make_x((5, 128), mx.float32)
+    for n in (1, 2, 3):
+        assert prod.backend_for(x, n) == "dense" and prod.backend_for(x[:1], n) == "cpu"
+        dense, one = prod(x, n), prod(x[:1], n)
+        want, mag = reference64(x, planes, n)
+        assert_close(dense, want, mag, mx.float32)
+        assert_close(one, want[:1], mag[:1], mx.float32, **({"rtol": 5e-3} if n == 1 else {}))  # n=1: int8 x
+    assert built == [3]
+
+
+@needs_cpu_ext
+@on_cpu_device
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_many_rows_take_the_kernels_on_a_reference_blas_and_one_blas_product_on_an_optimized_one(
         monkeypatch, dtype):
@@ -71,7 +93,7 @@ def test_many_rows_take_the_kernels_on_a_reference_blas_and_one_blas_product_on_
     assert prod.backend_for(x[0, :2], 3) == "cpu"  # up to cpu_max_rows: the kernels still
     seen = []
     real = matmul.dense_matmul
-    monkeypatch.setattr(matmul, "dense_matmul", lambda *a: seen.append(a[2]) or real(*a))
+    monkeypatch.setattr(matmul, "dense_matmul", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
     for n in (1, 2, 3):
         assert prod.backend_for(x, n) == "dense"
         y = prod(x, n, bias)

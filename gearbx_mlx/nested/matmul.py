@@ -25,8 +25,10 @@ this order (:meth:`NestedProduct.backend_for` tells which a call takes):
    ``mx.quantized_matmul`` per plane.
 
 A layer (``NestedLinear``) keeps one :class:`NestedProduct` per matrix: it
-checks the planes and builds the kernels' state once, and a gear shift only
-changes ``n``. Each kernel's first call per gear and shape checks itself
+checks the planes and builds the kernels' state once (the precision manager
+has it built with the planes, on the CPU: not in the first prefill), the C
+GEMV and the dense path's unpacking share it, and a gear shift only changes
+``n``. Each kernel's first call per gear and shape checks itself
 against the oracle (:mod:`gearbx_mlx.bindings.guard`); one that fails to build
 or disagrees is dropped for the oracle, with one warning. :func:`nested_matmul` is the same product without the cache.
 The planes are treated as immutable once a product has used them.
@@ -60,10 +62,8 @@ class NestedKernelConfig:
         which would double the mid gear's and swamp the high gear's.
     cpu_max_rows: the most input rows the C kernels take in one call where
         MLX's BLAS is optimized: they re-read each weight row from cache once
-        per input row, their float path slows past a few rows, and a
-        layer's first call builds their state (a prefill through one BLAS
-        product of the dequantized gear leaves that to the first decode
-        step). On a reference BLAS they take every row count.
+        per input row, and their float path slows past a few rows. On a
+        reference BLAS they take every row count.
     """
 
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
@@ -191,6 +191,11 @@ class NestedProduct:
                 self._prepared = nested_cpu.prepare_nested(self.planes[:k])
         return self._prepared
 
+    def _host_prepared(self) -> Optional[nested_cpu.PreparedNested]:
+        """:meth:`cpu_prepared` on the CPU device (one state for the C GEMV and the dense path's
+        unpacking, built once), else None."""
+        return self.cpu_prepared() if mx.default_device().type == mx.DeviceType.cpu else None
+
     def backend_for(self, x: mx.array, n: int, has_bias: bool = False) -> str:
         """Which path ``self(x, n)`` takes now (see the module docstring)."""
         rows = self._rows(x)
@@ -252,7 +257,7 @@ class NestedProduct:
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype)
         if path == "dense":
-            return dense_matmul(x, self.planes, n, bias)
+            return dense_matmul(x, self.planes, n, bias, prepared=self._host_prepared())
         if x.ndim == 1:  # MLX's CUDA quantized_matmul wants a matrix
             return reference_matmul(x[None], self.planes, n, bias)[0]
         return reference_matmul(x, self.planes, n, bias)

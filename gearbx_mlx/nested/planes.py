@@ -299,7 +299,7 @@ DENSE_BLOCK_ELEMENTS = 1 << 22
 
 
 def dense_matmul(
-    x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None
+    x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None, prepared: Optional[Any] = None,
 ) -> mx.array:
     """The product of :func:`reference_matmul` as one BLAS product: the first ``n`` planes
     dequantized and summed in float32 (:meth:`Plane.dequantize`), then ``x @ w.T`` in float32.
@@ -317,6 +317,10 @@ def dense_matmul(
 
     Args:
         x: ``(..., in)``, any float dtype.
+        prepared: the planes as the C kernels read them, where the caller keeps
+            them (a ``PreparedNested`` of at least ``n`` planes: a layer's
+            :class:`~gearbx_mlx.nested.matmul.NestedProduct` builds one for both
+            its paths); else checked here once and kept while the planes live.
     Returns:
         ``(..., out)`` in the dtype of ``x``.
     """
@@ -328,7 +332,10 @@ def dense_matmul(
     # The C path works at once and evaluates its product; a matrix of several
     # blocks (an output embedding) keeps MLX's lazy unpacking, so that a
     # product nobody reads (the logits of a prefill chunk) costs nothing.
-    prepared = _c_planes(planes[:n]) if step >= out_features else None
+    if step < out_features:
+        prepared = None
+    elif prepared is None or prepared.n_planes < n or mx.default_device().type != mx.DeviceType.cpu:
+        prepared = _c_planes(planes[:n])
     parts = []
     if prepared is not None:
         parts.append(xf @ prepared.unpack(n, out=_scratch(out_features, in_features)).T)

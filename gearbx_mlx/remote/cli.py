@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .. import launch
 from ..config import ANSI_RESET, GEAR_ANSI, GearboxConfig
 from ..console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
 from ..telemetry.trace import TraceWriter
@@ -177,6 +178,7 @@ def _print_summary(s: Dict[str, Any], thresholds: Tuple[float, float]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     try:
         return run(args)

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import _run_http_server
 
+from .. import launch
 from ..blas import ensure_fast_blas
 from ..console import error_line, show_warning
 from ..generate import check_args, gearbox_config
@@ -57,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
     ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how

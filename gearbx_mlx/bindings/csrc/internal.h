@@ -330,6 +330,15 @@ struct gbx_nested_ctx {
     float *y;                /* [m][O] */
 };
 
+/* nested.c, for both of its callers (the GEMV and unpack.c's unpacking):
+ * 1 if every plane has its codes, scales and biases; the context's planes
+ * (all but gshift and fn), n, O and I filled, the rest zero; fn(rows) over
+ * the thread pool with the context, row_weights the weights a row reads. */
+GBX_HIDDEN int gbx_planes_present(const gbx_plane *planes, int n);
+GBX_HIDDEN void gbx_nested_setup(gbx_nested_ctx *c, const gbx_plane *planes, int n, int out_features,
+                                 int in_features);
+GBX_HIDDEN int gbx_nested_run(gbx_rows_fn fn, const gbx_nested_ctx *c, int rows, size_t row_weights, int nthreads);
+
 /* Scalar parts of a plane's row, blocks [b0, b1) of GBX_QK codes, without the
  * bias term: the kernels of a CPU without SIMD and the tails of the others. */
 GBX_INLINE float gbx_nested_tail_float(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k, int b0, int b1)

@@ -91,6 +91,44 @@ void gbx_nested_isa_names(const char **float_isa, const char **intdot_isa)
 }
 
 /* ------------------------------------------------------------------------ */
+/* Shared by the GEMV below and the unpacking of unpack.c                   */
+/* ------------------------------------------------------------------------ */
+
+int gbx_planes_present(const gbx_plane *planes, int n)
+{
+    for (int i = 0; i < n; ++i)
+        if (!planes[i].codes || !planes[i].scales || !planes[i].biases)
+            return 0;
+    return 1;
+}
+
+void gbx_nested_setup(gbx_nested_ctx *c, const gbx_plane *planes, int n, int out_features, int in_features)
+{
+    memset(c, 0, sizeof *c);
+    for (int i = 0; i < n; ++i) {
+        gbx_plane_rt *p = c->p + i;
+        p->codes = (const uint8_t *)planes[i].codes;
+        p->row_bytes = (size_t)in_features * planes[i].bits / 8;
+        p->scales = planes[i].scales;
+        p->biases = planes[i].biases;
+        p->bits = planes[i].bits;
+        p->dtype = planes[i].dtype;
+        p->ng = in_features / planes[i].group_size;
+        p->factor = planes[i].factor;
+    }
+    c->n = n, c->O = out_features, c->I = in_features;
+}
+
+int gbx_nested_run(gbx_rows_fn fn, const gbx_nested_ctx *c, int rows, size_t row_weights, int nthreads)
+{
+    gbx_ctx cc;
+    memset(&cc, 0, sizeof cc);
+    cc.nest = c;
+    const int parts = gbx_pool_parts(nthreads, (long long)rows * (long long)row_weights, rows);
+    return gbx_run_rows(fn, &cc, rows, parts, row_weights);
+}
+
+/* ------------------------------------------------------------------------ */
 /* Entry point                                                              */
 /* ------------------------------------------------------------------------ */
 
@@ -228,9 +266,8 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
         return GBX_OK;
     if (!x || !y)
         return GBX_E_NULL;
-    for (int i = 0; i < n; ++i)
-        if (!planes[i].codes || !planes[i].scales || !planes[i].biases)
-            return GBX_E_NULL;
+    if (!gbx_planes_present(planes, n))
+        return GBX_E_NULL;
     gbx_cpu_init();
     if (path == GBX_PATH_REF)
         return gbx_nested_float_ref(planes, n, x, y, m, out_features, in_features);
@@ -240,41 +277,24 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
     const int intdot = path == GBX_PATH_INTDOT;
     const gbx_nested_kernels *kern = intdot ? pick_nested_intdot() : pick_nested_float();
     gbx_nested_ctx c;
-    memset(&c, 0, sizeof c);
+    gbx_nested_setup(&c, planes, n, out_features, in_features);
     int any4 = 0;
     for (int i = 0; i < n; ++i) {
         gbx_plane_rt *p = c.p + i;
-        p->codes = (const uint8_t *)planes[i].codes;
-        p->row_bytes = (size_t)in_features * planes[i].bits / 8;
-        p->scales = planes[i].scales;
-        p->biases = planes[i].biases;
-        p->bits = planes[i].bits;
-        p->dtype = planes[i].dtype;
-        p->ng = in_features / planes[i].group_size;
         p->gshift = log2_int(planes[i].group_size / GBX_QK);
-        p->factor = planes[i].factor;
         p->fn = kern->fn[GBX_BITS_SLOT(p->bits)][p->dtype];
         if (!p->fn)
             p->fn = (intdot ? &nested_intdot_scalar : &nested_float_scalar)->fn[GBX_BITS_SLOT(p->bits)][p->dtype];
         any4 |= p->bits == 4;
     }
-    c.n = n, c.m = m, c.O = out_features, c.I = in_features;
+    c.m = m;
     c.nspans = in_features / GBX_SPAN;
     c.x = x, c.y = y;
 
     nested_buffers buf;
     rc = build_buffers(&c, intdot, any4, &buf);
-    if (rc == GBX_OK) {
-        gbx_ctx cc;
-        memset(&cc, 0, sizeof cc);
-        cc.nest = &c;
-        size_t row_weights = 0;
-        for (int i = 0; i < n; ++i)
-            row_weights += (size_t)in_features;
-        row_weights *= (size_t)m;
-        const int parts = gbx_pool_parts(nthreads, (long long)out_features * (long long)row_weights, out_features);
-        rc = gbx_run_rows(nested_rows, &cc, out_features, parts, row_weights);
-    }
+    if (rc == GBX_OK)
+        rc = gbx_nested_run(nested_rows, &c, out_features, (size_t)in_features * (size_t)n * (size_t)m, nthreads);
     free_buffers(&buf);
     return rc;
 }

@@ -61,35 +61,38 @@ GBX_INLINE void group_6(float *restrict o, const uint8_t *restrict cr, int gs, f
     }
 }
 
-GBX_INLINE void unpack_rows_body(const gbx_ctx *cc, int r0, int r1)
-{
-    const gbx_nested_ctx *c = cc->nest;
-    for (int k = r0; k < r1; ++k) {
-        const int r = c->m + k; /* c->m: the first row of the block (row0) */
-        float *out = c->y + (size_t)k * c->I;
-        for (int i = 0; i < c->n; ++i) {
-            const gbx_plane_rt *p = c->p + i;
-            const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
-            const int gs = c->I / p->ng;
-            const size_t gbytes = (size_t)gs * p->bits / 8;
-            for (int g = 0; g < p->ng; ++g) {
-                const size_t at = (size_t)r * p->ng + (size_t)g;
-                const float s = gbx_scale_at(p->scales, at, p->dtype) * p->factor;
-                const float b = gbx_scale_at(p->biases, at, p->dtype) * p->factor;
-                float *o = out + (size_t)g * gs;
-                const uint8_t *cr = row + (size_t)g * gbytes;
-                if (p->bits == 4)
-                    group_4(o, cr, gs, s, b, i > 0);
-                else if (p->bits == 8)
-                    group_8(o, cr, gs, s, b, i > 0);
-                else
-                    group_6(o, cr, gs, s, b, i > 0);
-            }
-        }
+/* The rows [r0, r1) of the block: each row's planes summed in plane order, one
+ * group at a time, through the group functions G4, G8 and G6 (of one ISA). */
+#define GBX_UNPACK_ROWS(NAME, ATTR, G4, G8, G6)                                                     \
+    ATTR static void NAME(const gbx_ctx *cc, int r0, int r1)                                       \
+    {                                                                                              \
+        const gbx_nested_ctx *c = cc->nest;                                                        \
+        for (int k = r0; k < r1; ++k) {                                                            \
+            const int r = c->m + k; /* c->m: the first row of the block (row0) */                  \
+            float *out = c->y + (size_t)k * c->I;                                                  \
+            for (int i = 0; i < c->n; ++i) {                                                       \
+                const gbx_plane_rt *p = c->p + i;                                                  \
+                const uint8_t *row = p->codes + (size_t)r * p->row_bytes;                          \
+                const int gs = c->I / p->ng;                                                       \
+                const size_t gbytes = (size_t)gs * p->bits / 8;                                    \
+                for (int g = 0; g < p->ng; ++g) {                                                  \
+                    const size_t at = (size_t)r * p->ng + (size_t)g;                               \
+                    const float s = gbx_scale_at(p->scales, at, p->dtype) * p->factor;             \
+                    const float b = gbx_scale_at(p->biases, at, p->dtype) * p->factor;             \
+                    float *o = out + (size_t)g * gs;                                               \
+                    const uint8_t *cr = row + (size_t)g * gbytes;                                  \
+                    if (p->bits == 4)                                                              \
+                        G4(o, cr, gs, s, b, i > 0);                                                \
+                    else if (p->bits == 8)                                                         \
+                        G8(o, cr, gs, s, b, i > 0);                                                \
+                    else                                                                           \
+                        G6(o, cr, gs, s, b, i > 0);                                                \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
     }
-}
 
-static void unpack_rows(const gbx_ctx *cc, int r0, int r1) { unpack_rows_body(cc, r0, r1); }
+GBX_UNPACK_ROWS(unpack_rows, , group_4, group_8, group_6)
 
 #if GBX_X86
 /* AVX2 without FMA: each q * s' + b' stays a rounded product and a rounded sum. */
@@ -128,33 +131,7 @@ GBX_UNPACK_AVX2_FN GBX_INLINE void group_8_avx2(float *o, const uint8_t *cr, int
     }
 }
 
-GBX_UNPACK_AVX2_FN static void unpack_rows_avx2(const gbx_ctx *cc, int r0, int r1)
-{
-    const gbx_nested_ctx *c = cc->nest;
-    for (int k = r0; k < r1; ++k) {
-        const int r = c->m + k;
-        float *out = c->y + (size_t)k * c->I;
-        for (int i = 0; i < c->n; ++i) {
-            const gbx_plane_rt *p = c->p + i;
-            const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
-            const int gs = c->I / p->ng;
-            const size_t gbytes = (size_t)gs * p->bits / 8;
-            for (int g = 0; g < p->ng; ++g) {
-                const size_t at = (size_t)r * p->ng + (size_t)g;
-                const float s = gbx_scale_at(p->scales, at, p->dtype) * p->factor;
-                const float b = gbx_scale_at(p->biases, at, p->dtype) * p->factor;
-                float *o = out + (size_t)g * gs;
-                const uint8_t *cr = row + (size_t)g * gbytes;
-                if (p->bits == 4)
-                    group_4_avx2(o, cr, gs, s, b, i > 0);
-                else if (p->bits == 8)
-                    group_8_avx2(o, cr, gs, s, b, i > 0);
-                else
-                    group_6(o, cr, gs, s, b, i > 0);
-            }
-        }
-    }
-}
+GBX_UNPACK_ROWS(unpack_rows_avx2, GBX_UNPACK_AVX2_FN, group_4_avx2, group_8_avx2, group_6)
 #endif
 
 int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int row1, int out_features,
@@ -167,37 +144,17 @@ int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int ro
         return GBX_E_SHAPE;
     if (row1 == row0)
         return GBX_OK;
-    if (!w)
+    if (!w || !gbx_planes_present(planes, n))
         return GBX_E_NULL;
-    for (int i = 0; i < n; ++i)
-        if (!planes[i].codes || !planes[i].scales || !planes[i].biases)
-            return GBX_E_NULL;
     gbx_cpu_init();
     gbx_nested_ctx c;
-    memset(&c, 0, sizeof c);
-    for (int i = 0; i < n; ++i) {
-        gbx_plane_rt *p = c.p + i;
-        p->codes = (const uint8_t *)planes[i].codes;
-        p->row_bytes = (size_t)in_features * planes[i].bits / 8;
-        p->scales = planes[i].scales;
-        p->biases = planes[i].biases;
-        p->bits = planes[i].bits;
-        p->dtype = planes[i].dtype;
-        p->ng = in_features / planes[i].group_size;
-        p->factor = planes[i].factor;
-    }
-    c.n = n, c.m = row0, c.O = out_features, c.I = in_features;
+    gbx_nested_setup(&c, planes, n, out_features, in_features);
+    c.m = row0;
     c.y = w;
-    gbx_ctx cc;
-    memset(&cc, 0, sizeof cc);
-    cc.nest = &c;
     gbx_rows_fn fn = unpack_rows;
 #if GBX_X86
     if (gbx_cpu.avx2)
         fn = unpack_rows_avx2;
 #endif
-    const size_t row_weights = (size_t)in_features * (size_t)n;
-    const int rows = row1 - row0;
-    const int parts = gbx_pool_parts(nthreads, (long long)rows * (long long)row_weights, rows);
-    return gbx_run_rows(fn, &cc, rows, parts, row_weights);
+    return gbx_nested_run(fn, &c, row1 - row0, (size_t)in_features * (size_t)n, nthreads);
 }
