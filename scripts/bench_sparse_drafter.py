@@ -26,20 +26,16 @@ Run with OpenBLAS preloaded, as the CPU benchmarks are:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from gearbx_mlx.chat import encode_chat
+from gearbx_mlx.evaluation.machine import load_average, write_result
 from gearbx_mlx.generation import load
 from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.precision import nbytes
@@ -196,18 +192,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per speculative run")
     p.add_argument("--out", default="benchmarks/results/sparse_drafter_cpu.json")
     a = p.parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_average()
     r = measure(a)
     print(table(r))
-    r.update(command="python scripts/bench_sparse_drafter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             machine=f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, MLX CPU",
-             ld_preload=os.environ.get("LD_PRELOAD"), mlx=mx.__version__,
-             load_average={"before": load_before, "after": os.getloadavg()},
-             model="SmolLM2-135M-Instruct (default, float32)")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(r, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    r.update(model="SmolLM2-135M-Instruct (default, float32)")
+    write_result(a.out, r, "python scripts/bench_sparse_drafter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 load_before)
     return 0
 
 

@@ -19,18 +19,14 @@ Usage: python scripts/kairox_stats.py [--tokens 256] [--out benchmarks/results/k
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import sys
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from gearbx_mlx.evaluation.machine import load_average, write_result
 from gearbx_mlx.evaluation.text import read_text, text_tokens
 from gearbx_mlx.generation import load
 from gearbx_mlx.speculative.draft import build_draft
@@ -139,17 +135,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--out", default="benchmarks/results/kairox_stats_default.json")
     a = p.parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_average()
     r = measure(a.tokens)
     print(table(r))
-    r.update(command="python scripts/kairox_stats.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             machine=f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
-             load_average={"before": load_before, "after": os.getloadavg()}, model="SmolLM2-135M-Instruct (default)",
-             drafter="low gear (4-bit g64), scope all, MLX tree")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(r, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    r.update(model="SmolLM2-135M-Instruct (default)", drafter="low gear (4-bit g64), scope all, MLX tree")
+    write_result(a.out, r, "python scripts/kairox_stats.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 load_before)
     return 0
 
 

@@ -233,3 +233,19 @@ def describe(hw: Dict[str, Any], sw: Dict[str, Any]) -> List[str]:
 
 __all__ = ["BANDWIDTH_MIB", "BLAS_FILES", "bandwidth", "blas", "blas_kind", "describe", "hardware", "load_average",
            "software"]
+
+
+def write_result(path: str, result: Dict[str, Any], command: str, load_before: Optional[List[float]]) -> None:
+    """Write a benchmark script's ``result`` as JSON at ``path`` (its folder made), stamped with the
+    command that made it, the date (UTC), the machine, the BLAS and the load average before and after."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    result.update(command=command, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  machine=f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
+                  ld_preload=os.environ.get("LD_PRELOAD"), mlx=mx.__version__, blas=blas(),
+                  load_average={"before": load_before, "after": load_average()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")

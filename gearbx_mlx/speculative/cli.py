@@ -33,30 +33,27 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _stop_bits(text: str) -> Optional[float]:
-    """``off`` -> None (fixed-length blocks); else bits >= 0."""
+def _off_or_number(text: str, what: str, ok: Any) -> Optional[float]:
+    """``off`` -> None; else the number, which ``ok`` must accept (NaN never does)."""
     if text.lower() == "off":
         return None
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bits (a number >= 0) or 'off', got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"expected bits >= 0, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {what} or 'off', got {text!r}") from None
+    if not math.isfinite(v) or not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {what} or 'off', got {text!r}")
     return v
+
+
+def _stop_bits(text: str) -> Optional[float]:
+    """``off`` -> None (fixed-length blocks); else bits >= 0."""
+    return _off_or_number(text, "bits (a number >= 0)", lambda v: v >= 0)
 
 
 def _sparsity(text: str) -> Optional[float]:
     """``off`` -> None (the dense drafter); else a fraction in ``[0, MAX_SPARSITY]``."""
-    if text.lower() == "off":
-        return None
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, {MAX_SPARSITY}] or 'off', got {text!r}") from None
-    if not 0 <= v <= MAX_SPARSITY:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, {MAX_SPARSITY}] or 'off', got {text!r}")
-    return v
+    return _off_or_number(text, f"a fraction in [0, {MAX_SPARSITY}]", lambda v: 0 <= v <= MAX_SPARSITY)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
