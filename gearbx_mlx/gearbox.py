@@ -63,6 +63,7 @@ class Gearbox:
         planes_dir: Optional[Path] = None,
         ranks: Optional[Ranks] = None,
         draft_scope: Optional[str] = None,
+        draft_gear: Optional[str] = None,
     ) -> None:
         self.model = model
         self.ranks = ranks or Ranks.of_model(model)
@@ -71,7 +72,7 @@ class Gearbox:
             self.ranks.identity = model_identity(model)
         self.vocab_size = vocab_size or vocab_size_of(model)
         self.model_name = model_name
-        self.manager = PrecisionManager(model, config or GearboxConfig(), planes_dir, draft_scope)
+        self.manager = PrecisionManager(model, config or GearboxConfig(), planes_dir, draft_scope, draft_gear)
         #: The config as resolved: store, kernel and scope decided once (:attr:`resolution` says why).
         self.config = self.manager.config
         #: The loaded model's folder, where :func:`gearbx_mlx.load` knows it (keys saved calibrations).

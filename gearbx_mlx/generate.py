@@ -377,7 +377,8 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
             writer.header(model=args.model or "default", sampling=_sampling(args))
         sharded = {"group": ranks.group} if ranks is not None else {}
         model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
-                                         draft_scope=args.draft_scope if args.speculative else None, **sharded)
+                                         draft_scope=args.draft_scope if args.speculative else None,
+                                         draft_gear=args.draft_gear if args.speculative else None, **sharded)
         if args.calibrate and not args.thresholds:
             stage_name = "calibrating"
         stage_name = set_thresholds(args, model, tokenizer, gearbox, ranks)

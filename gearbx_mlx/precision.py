@@ -42,8 +42,11 @@ from .affine import bytes_per_weight
 from .config import GEARS, GearboxConfig, bits_for
 from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
 from .nested.layers import NestedWeights
+from .nested.planes import PlaneSpec
 from .nested.store import (
+    GEAR_PLANES,
     PlanesCacheError,
+    Plans,
     build_nested,
     cache_key,
     cache_path,
@@ -208,11 +211,16 @@ class PrecisionManager:
         config: Optional[GearboxConfig] = None,
         planes_dir: Optional[Path] = None,
         draft_scope: Optional[str] = None,
+        draft_gear: Optional[str] = None,
     ) -> None:
         """
         Args:
             draft_scope: the layers a speculative drafter quantizes (the nested
                 store's planes are built over them: one copy for both).
+            draft_gear: the gear that drafts, where the run only drafts and
+                verifies: the layers managed only because the drafter's scope is
+                wider than the gearbox's get the draft gear's planes alone (with
+                ``high='original'``), not every gear's. None: every gear's.
             planes_dir: the loaded model's folder: the nested store reads its
                 planes from the disk cache there (or in the package's cache
                 folder) when a valid one exists, and writes them there after
@@ -223,9 +231,9 @@ class PrecisionManager:
         """
         self.model = model
         self.config = config or GearboxConfig()
-        c = self.config
+        asked = self.config
         #: The config as resolved (store, kernel, scope) and why (:mod:`gearbx_mlx.resolver`).
-        self.config, self.resolution = resolve(c, model, draft_scope)
+        self.config, self.resolution = resolve(asked, model, draft_scope)
         c = self.config
         quantized = is_prequantized(model)
         self.source = weights_source(model)
@@ -276,6 +284,12 @@ class PrecisionManager:
         self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
         self._planes_dir = planes_dir
+        # The layers the gearbox routes itself, where the drafter's scope widened what is managed.
+        self._draft_gear = draft_gear
+        self._own_paths: Optional[set] = None
+        if draft_gear is not None and c.scope != asked.scope and self.paths:
+            bits_for(draft_gear, c)  # validates the name
+            self._own_paths = set(discover(model, asked.scope, c.group_size, quantized=self.source != "float")[0])
         # A static high gear that reads the loaded weights never enters another gear:
         # its planes are built the first time one is asked for (never, in that run).
         if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
@@ -286,7 +300,7 @@ class PrecisionManager:
         if c.bits != {"low": 4, "mid": 8}:
             raise ValueError(f"the nested store's gears are 4-bit and 4+4-bit planes; bits={c.bits} needs store='separate'")
         tic = time.perf_counter()
-        plan = plan_for(c.high, self.source == "quantized-8bit", c.group_size)
+        plan = self._plans(plan_for(c.high, self.source == "quantized-8bit", c.group_size))
         key = None
         if planes_dir is not None:
             key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard())
@@ -315,6 +329,15 @@ class PrecisionManager:
             # The high gear reads the planes: install it now, and let the loaded weights go.
             self.model.update_modules(self._tree("high"))
             self.originals, self.sources = {}, {}
+
+    def _plans(self, plan: Tuple[PlaneSpec, ...]) -> Plans:
+        """Each path's planes: ``plan``, except that a layer managed only for the drafter
+        (see ``draft_gear``) holds the draft gear's planes alone: a speculative run
+        never enters another gear there, and the residual planes cost most of a build."""
+        if self._own_paths is None or self.config.high != "original":
+            return plan
+        drafted = plan[: GEAR_PLANES.get(self._draft_gear or "", len(plan))]
+        return {p: plan if p in self._own_paths else drafted for p in self.paths}
 
     def _no_gear_dearer_than_high(self) -> None:
         """A gear that reads more bytes than the high gear is not offered: it runs the high gear's
