@@ -46,7 +46,6 @@ from .nested.planes import PlaneSpec
 from .nested.store import (
     GEAR_PLANES,
     PlanesCacheError,
-    Plans,
     build_nested,
     cache_key,
     cache_path,
@@ -218,9 +217,9 @@ class PrecisionManager:
             draft_scope: the layers a speculative drafter quantizes (the nested
                 store's planes are built over them: one copy for both).
             draft_gear: the gear that drafts, where the run only drafts and
-                verifies: the layers managed only because the drafter's scope is
-                wider than the gearbox's get the draft gear's planes alone (with
-                ``high='original'``), not every gear's. None: every gear's.
+                verifies (it never enters another gear than that and the high
+                one): with ``high='original'`` each managed layer holds the draft
+                gear's planes alone, not every gear's. None: every gear's.
             planes_dir: the loaded model's folder: the nested store reads its
                 planes from the disk cache there (or in the package's cache
                 folder) when a valid one exists, and writes them there after
@@ -231,9 +230,9 @@ class PrecisionManager:
         """
         self.model = model
         self.config = config or GearboxConfig()
-        asked = self.config
+        c = self.config
         #: The config as resolved (store, kernel, scope) and why (:mod:`gearbx_mlx.resolver`).
-        self.config, self.resolution = resolve(asked, model, draft_scope)
+        self.config, self.resolution = resolve(c, model, draft_scope)
         c = self.config
         quantized = is_prequantized(model)
         self.source = weights_source(model)
@@ -284,12 +283,9 @@ class PrecisionManager:
         self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
         self._planes_dir = planes_dir
-        # The layers the gearbox routes itself, where the drafter's scope widened what is managed.
-        self._draft_gear = draft_gear
-        self._own_paths: Optional[set] = None
-        if draft_gear is not None and c.scope != asked.scope and self.paths:
+        if draft_gear is not None:
             bits_for(draft_gear, c)  # validates the name
-            self._own_paths = set(discover(model, asked.scope, c.group_size, quantized=self.source != "float")[0])
+        self._draft_gear = draft_gear
         # A static high gear that reads the loaded weights never enters another gear:
         # its planes are built the first time one is asked for (never, in that run).
         if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
@@ -330,14 +326,14 @@ class PrecisionManager:
             self.model.update_modules(self._tree("high"))
             self.originals, self.sources = {}, {}
 
-    def _plans(self, plan: Tuple[PlaneSpec, ...]) -> Plans:
-        """Each path's planes: ``plan``, except that a layer managed only for the drafter
-        (see ``draft_gear``) holds the draft gear's planes alone: a speculative run
-        never enters another gear there, and the residual planes cost most of a build."""
-        if self._own_paths is None or self.config.high != "original":
+    def _plans(self, plan: Tuple[PlaneSpec, ...]) -> Tuple[PlaneSpec, ...]:
+        """The planes to build: ``plan``, or in a run that only drafts and verifies (see
+        ``draft_gear``) the draft gear's planes alone, where the high gear reads the loaded
+        weights: that run never reads the others, and on a float model the residual planes
+        cost most of a build's time and memory."""
+        if self._draft_gear is None or self.config.high != "original":
             return plan
-        drafted = plan[: GEAR_PLANES.get(self._draft_gear or "", len(plan))]
-        return {p: plan if p in self._own_paths else drafted for p in self.paths}
+        return plan[: GEAR_PLANES.get(self._draft_gear, len(plan))]
 
     def _no_gear_dearer_than_high(self) -> None:
         """A gear that reads more bytes than the high gear is not offered: it runs the high gear's

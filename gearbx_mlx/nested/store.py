@@ -26,7 +26,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,22 +61,9 @@ def plan_for(high: str, quantized_source: bool, group_size: int = 64) -> Tuple[P
     return ((plan[0][0], group_size),) + tuple(plan[1:])
 
 
-#: One plan for every path, or ``{path: plan}`` (a drafter's own layers may need fewer planes).
-Plans = Union[Sequence[PlaneSpec], Mapping[str, Sequence[PlaneSpec]]]
-
-
-def plan_of(plan: Plans, path: str) -> Tuple[PlaneSpec, ...]:
-    """The planes of ``path`` under ``plan`` (one plan for all paths, or one per path)."""
-    return tuple(plan[path]) if isinstance(plan, Mapping) else tuple(plan)
-
-
-def build_nested(modules: Mapping[str, nn.Module], plan: Plans) -> Dict[str, NestedWeights]:
-    """``{path: NestedWeights}`` of every module (float, or MLX 8-bit).
-
-    Each module's planes are built and evaluated before the next one's, so at
-    most one matrix's float32 residuals are alive at a time.
-    """
-    return {path: nested_weights_of(m, plan_of(plan, path)) for path, m in modules.items()}
+def build_nested(modules: Mapping[str, nn.Module], plan: Sequence[PlaneSpec]) -> Dict[str, NestedWeights]:
+    """``{path: NestedWeights}`` of every module (float, or MLX 8-bit)."""
+    return {path: nested_weights_of(m, plan) for path, m in modules.items()}
 
 
 def gear_views(
@@ -160,17 +147,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
-def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Plans,
+def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[PlaneSpec],
               shard: Tuple[int, int] = (0, 1)) -> str:
-    """What a planes file is valid for: the weights, the managed paths, the plan (one for
-    every path, or each path's where they differ), and for a model sharded over
-    ``shard = (rank, ranks)`` with ``ranks > 1``, which shard."""
-    plans = [[list(s) for s in plan_of(plan, p)] for p in paths]
-    if not isinstance(plan, Mapping):
-        shown: Any = [list(s) for s in plan]
-    else:  # one plan for every path keys the file as that plan alone always did
-        shown = plans[0] if len({json.dumps(v) for v in plans}) <= 1 and plans else dict(zip(paths, plans))
-    parts: list = [FORMAT_VERSION, model_fingerprint, list(paths), shown]
+    """What a planes file is valid for: the weights, the managed paths, the plan, and for a
+    model sharded over ``shard = (rank, ranks)`` with ``ranks > 1``, which shard."""
+    parts: list = [FORMAT_VERSION, model_fingerprint, list(paths), [list(s) for s in plan]]
     if shard[1] > 1:  # one process keeps the key it always had
         parts.append(list(shard))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
@@ -245,7 +226,7 @@ class PlanesCacheError(ValueError):
 
 
 def load_nested(
-    path: Path, key: str, shapes: Mapping[str, Tuple[int, int]], plan: Plans
+    path: Path, key: str, shapes: Mapping[str, Tuple[int, int]], plan: Sequence[PlaneSpec]
 ) -> Dict[str, NestedWeights]:
     """The planes saved at ``path`` for ``key``, checked against their integrity record
     (sizes, and SHA-256 where the file was touched), each path's ``(out, in)`` and the plan.
@@ -274,9 +255,9 @@ def load_nested(
     out = {}
     for p, want in shapes.items():
         entry = layout.get(p)
-        want_plan = [list(s) for s in plan_of(plan, p)]
+        want_plan = [list(s) for s in plan]
         if not isinstance(entry, dict) or [list(s) for s in zip(entry.get("bits", []), entry.get("group_sizes", []))] != want_plan:
-            raise PlanesCacheError(f"planes cache {path} lacks {p} with planes {plan_of(plan, p)}")
+            raise PlanesCacheError(f"planes cache {path} lacks {p} with planes {tuple(plan)}")
         planes = []
         for i, bits in enumerate(entry["bits"]):
             try:
