@@ -346,6 +346,10 @@ def dense_matmul(
         mx.eval(parts[0])  # done with the scratch weights before the next call rewrites them
     for start in range(0, out_features, step) if prepared is None else ():
         block = [_rows_of(p, start, start + step) for p in planes[:n]] if step < out_features else planes[:n]
+        if parts:
+            # Each block is unpacked after the product before it: MLX would otherwise unpack
+            # several blocks at once (an output embedding's prefill held ~0.4 of its float32 size).
+            block = [_after(p, parts[-1]) for p in block]
         w = unpack_plane(block[0])
         for p in block[1:]:
             w = w + unpack_plane(p)
@@ -412,6 +416,11 @@ def unpack_plane(p: Plane) -> mx.array:
     if p.exponent:
         scales, biases = scales * p.factor, biases * p.factor
     return (q.astype(mx.float32) * scales[..., None] + biases[..., None]).reshape(rows, cols)
+
+
+def _after(p: Plane, done: mx.array) -> Plane:
+    """``p`` whose codes are read only once ``done`` is computed (same values)."""
+    return Plane(mx.depends(p.weight, done), p.scales, p.biases, p.bits, p.group_size, p.exponent)
 
 
 def _rows_of(p: Plane, start: int, stop: int) -> Plane:
