@@ -101,7 +101,6 @@ def test_dense_product_in_blocks_unpacks_one_block_at_a_time(monkeypatch):
     planes = make_planes(rows, cols, tuple(DEFAULT_PLAN[:2]), None, mx.float32)
     x = make_x((31, cols), mx.float32)
     monkeypatch.setattr(planes_module, "DENSE_BLOCK_ELEMENTS", per_block * cols)
-    block = per_block * cols * 4
     mx.eval(dense_matmul(x, planes, 2))  # warm: compiled kernels, buffers
     base = mx.get_active_memory()
     mx.reset_peak_memory()
