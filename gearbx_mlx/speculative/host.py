@@ -147,7 +147,7 @@ class HostForward:
     """The decode step of a llama-shaped drafter in numpy around the packed C GEMV.
 
     Built by :func:`host_forward` only for what it reproduces exactly: mlx-lm's
-    ``llama`` architecture (full attention, plain RoPE, RMSNorm, SwiGLU) with
+    ``llama`` and ``qwen2`` architectures (full attention, plain RoPE, RMSNorm, SwiGLU) with
     float32 norms and embedding/linears that are packed int4/int8 or float32.
     Numerically it is the MLX tree's single-token path (the same kernels) up
     to float rounding in the norms, RoPE and attention.
@@ -287,7 +287,7 @@ class HostForward:
 def host_support(module: nn.Module) -> Optional[str]:
     """Why :class:`HostForward` cannot run ``module``, or None when it can.
 
-    It runs on the CPU device with the C kernels built, mlx-lm's llama models
+    It runs on the CPU device with the C kernels built, mlx-lm's llama and qwen2 models
     (full attention, plain RoPE, float32 norms) whose linears are all packed
     int4/int8 or float32, embedding included. The reason names the first
     condition that fails, for the user (``--speculative`` prints it).
