@@ -466,6 +466,26 @@ def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
     np.testing.assert_allclose(pc[1].keys[:, :8], hc[1].keys[:, :8], atol=1e-4, rtol=1e-4)
 
 
+def test_draft_statistics_are_the_same_row_by_row_and_hold_no_full_size_temporaries(monkeypatch):
+    from gearbx_mlx.speculative import calibration
+
+    mx.random.seed(7)
+    rows, vocab = 40, 5000
+    high = mx.random.normal((rows, vocab)) * 3
+    low = high + mx.random.normal((rows, vocab))
+    mx.eval(high, low)
+    monkeypatch.setattr(calibration, "COMPARE_ROWS", rows)
+    whole = calibration.compare_logits(high, low)
+    monkeypatch.setattr(calibration, "COMPARE_ROWS", 8)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    chunked = calibration.compare_logits(high, low)
+    # Compared whole, the softmaxes and entropies held about ten (rows, V) float32 arrays at once.
+    assert mx.get_peak_memory() - base < 3 * rows * vocab * 4
+    for name in ("draft_entropy", "high_entropy", "agree", "accept_prob"):
+        assert getattr(chunked, name) == getattr(whole, name), name
+
+
 def _tiny_qwen2(seed: int = 4):
     """A small mlx-lm qwen2 (llama with q/k/v biases), its biases far from zero."""
     from mlx.utils import tree_flatten, tree_unflatten
