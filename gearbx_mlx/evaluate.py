@@ -33,6 +33,7 @@ from .evaluation.text import check_encoding
 from .generation import load
 from .kvcache.option import ROTATION_CHOICES, KVOptions
 from .plotting import require_matplotlib
+from .sources.registry import MODEL_HELP
 from .telemetry.trace import versions
 
 # -- CLI ----------------------------------------------------------------------
@@ -52,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{f.speed_tokens} speed tokens, {f.workload_tokens} workload tokens, the speculative rows "
                    "(tens of minutes on a two-core CPU; the default is a few minutes: "
                    f"{d.tokens} tokens, the gearbox's scope, quality only)")
-    p.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
-                   "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--text", metavar="FILE", help="text to evaluate on (default: gensim's lee_background.cor)")
     p.add_argument("--encoding", metavar="NAME",
                    help="encoding of --text, a Python codec name such as utf-8, cp1252, utf-16 (default: a "

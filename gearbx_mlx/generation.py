@@ -206,6 +206,7 @@ def load(
     tokenizer_config: Optional[Dict[str, Any]] = None,
     group: Optional[Any] = None,
     draft_scope: Optional[str] = None,
+    draft_gear: Optional[str] = None,
     **options: Any,
 ) -> Tuple[nn.Module, Any, Gearbox]:
     """Load a model, its tokenizer and a gearbox.
@@ -225,6 +226,8 @@ def load(
         draft_scope: the layers a speculative drafter will quantize; with the
             nested store the planes are built over them (one copy for the gears
             and the drafter). The resolver records the choice.
+        draft_gear: the gear that drafts, for a run that only drafts and verifies:
+            layers managed only for the drafter then get that gear's planes alone.
 
     Returns:
         ``(model, tokenizer, gearbox)``.
@@ -240,7 +243,8 @@ def load(
     if options:
         config = config.replace(**options)
     if group is not None and group.size() > 1:
-        return _load_sharded(model, config, calibration, dtype, tokenizer_config, Ranks(group), draft_scope)
+        return _load_sharded(model, config, calibration, dtype, tokenizer_config, Ranks(group),
+                             (draft_scope, draft_gear))
     path = resolve_model(model, dtype)
     nested = config.store != "separate" and not config.telemetry_only
     # Lazily, where the nested store may be used: with high='planes' and a valid
@@ -248,7 +252,8 @@ def load(
     m, tokenizer = _mlx_load(path, tokenizer_config, lazy=nested)
     local = Path(path).is_dir()
     gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
-                      planes_dir=Path(path) if nested and local else None, draft_scope=draft_scope)
+                      planes_dir=Path(path) if nested and local else None, draft_scope=draft_scope,
+                      draft_gear=draft_gear)
     gearbox.model_dir = Path(path) if local else None
     if nested:
         mx.eval(m.parameters())
@@ -279,7 +284,7 @@ def _set_calibration(gearbox: Gearbox, tokenizer: Any, calibration: Union[None, 
 
 def _load_sharded(
     model: Optional[str], config: GearboxConfig, calibration: Union[None, str, Path, Calibration],
-    dtype: Optional[str], tokenizer_config: Optional[Dict[str, Any]], ranks: Ranks, draft_scope: Optional[str],
+    dtype: Optional[str], tokenizer_config: Optional[Dict[str, Any]], ranks: Ranks, draft: Tuple[Optional[str], Optional[str]],
 ) -> Tuple[nn.Module, Any, Gearbox]:
     """:func:`load` on every rank of ``ranks``: what mlx-lm's ``sharded_load`` does for
     tensor parallelism (a lazy load, ``model.shard()``, the shard's weights read),
@@ -295,7 +300,7 @@ def _load_sharded(
         local = Path(path).is_dir()
         gearbox = Gearbox(m, config, model_name=str(model or Path(path).name),
                           planes_dir=Path(path) if nested and local else None, ranks=ranks,
-                          draft_scope=draft_scope)
+                          draft_scope=draft[0], draft_gear=draft[1])
         gearbox.model_dir = Path(path) if local else None
         if isinstance(calibration, (str, Path)) and calibration not in ("median", "percentile"):
             calibration = Calibration.load(calibration)

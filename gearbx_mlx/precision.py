@@ -44,8 +44,9 @@ from .config import GEARS, GearboxConfig, bits_for
 from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
 from .nested.layers import NestedWeights
 from .nested.lowquant import calibration_tokens, low_planes, settings_of
-from .nested.planes import Plane
+from .nested.planes import Plane, PlaneSpec
 from .nested.store import (
+    GEAR_PLANES,
     PlanesCacheError,
     build_nested,
     cache_key,
@@ -211,11 +212,16 @@ class PrecisionManager:
         config: Optional[GearboxConfig] = None,
         planes_dir: Optional[Path] = None,
         draft_scope: Optional[str] = None,
+        draft_gear: Optional[str] = None,
     ) -> None:
         """
         Args:
             draft_scope: the layers a speculative drafter quantizes (the nested
                 store's planes are built over them: one copy for both).
+            draft_gear: the gear that drafts, where the run only drafts and
+                verifies (it never enters another gear than that and the high
+                one): with ``high='original'`` each managed layer holds the draft
+                gear's planes alone, not every gear's. None: every gear's.
             planes_dir: the loaded model's folder: the nested store reads its
                 planes from the disk cache there (or in the package's cache
                 folder) when a valid one exists, and writes them there after
@@ -262,36 +268,47 @@ class PrecisionManager:
             self.paths, self.skipped = [], []
         else:
             self.paths, self.skipped = discover(model, c.scope, c.group_size, quantized=self.source != "float")
-        modules = dict(model.named_modules())  # the originals: the very objects loaded, which the high gear restores
+        modules = dict(model.named_modules())
+        # The very objects that were loaded: the high gear restores these (unless it reads planes).
         self.originals: Dict[str, nn.Module] = {p: modules[p] for p in self.paths}
         # What the gears are built from: each module itself, or the rank's shard of a sharded linear.
         self.sources: Dict[str, nn.Module] = {
             p: local_linear(m) if is_sharded(m) else m for p, m in self.originals.items()}
         #: Bytes of the managed modules as loaded (kept: a nested high gear lets them go).
         self.managed_loaded_bytes = sum(nbytes(m) for m in self.originals.values())
+        self._start_in_high(planes_dir, draft_gear)
+        # A static high gear that reads the loaded weights never enters another gear: no planes until asked.
+        if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
+            self._build_nested(planes_dir)
+
+    def _start_in_high(self, planes_dir: Optional[Path], draft_gear: Optional[str]) -> None:
+        """The state of a manager in the high gear, before any other gear or plane is built."""
+        c = self.config
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
         self.gear = "high"
-        # Swap seconds (quantization excluded) of every entry into each gear,
+        # Swap seconds (quantization excluded) of every entry into each gear.
         self.swaps: Dict[str, List[float]] = {g: [] for g in GEARS}
-        self.quantize_seconds: Dict[str, float] = {}  # and the seconds quantizing each gear
+        self.quantize_seconds: Dict[str, float] = {}
         self.history: List[ShiftRecord] = []
         self._trees: Dict[str, Tuple[Dict[str, nn.Module], Dict[str, object]]] = {}
         self._quantizer: Quantizer = packed_quantizer if c.kernel == "packed" else mlx_quantizer
         self.nested: Optional[Dict[str, NestedWeights]] = None
-        self.planes_seconds, self.planes_file = 0.0, None  # building (or reading) the nested planes, their cache
+        self.planes_seconds = 0.0  # building (or reading) the nested planes
+        self.planes_file: Optional[Path] = None
         self.planes_origin = ""  # "built", "cache", or "built (cache not written: ...)"
         self.low_quant_seconds = 0.0  # of planes_seconds, the low quantizer's (0 for rtn or a cache hit)
-        self.planes_dir = planes_dir  # where the planes are cached (the loaded model's folder), if anywhere
-        # A static high gear that reads the loaded weights never enters another gear: no planes until asked.
-        if self.store == "nested" and self.paths and not (c.static_gear == "high" and c.high == "original"):
-            self._build_nested(planes_dir)
+        #: Where the nested store's planes are cached (the loaded model's folder), if anywhere.
+        self.planes_dir = planes_dir
+        if draft_gear is not None:
+            bits_for(draft_gear, c)  # validates the name
+        self._draft_gear = draft_gear
 
     def _build_nested(self, planes_dir: Optional[Path]) -> None:
         c = self.config
         if c.bits != {"low": 4, "mid": 8}:
             raise ValueError(f"the nested store's gears are 4-bit and 4+4-bit planes; bits={c.bits} needs store='separate'")
         tic = time.perf_counter()
-        plan = plan_for(c.high, self.source == "quantized-8bit", c.group_size)
+        plan = self._plans(plan_for(c.high, self.source == "quantized-8bit", c.group_size))
         if c.low_quant != "rtn" and self.source != "float":
             raise ValueError(f"--low-quant {c.low_quant} quantizes float weights; this model is {self.source}")
         key = None
@@ -342,6 +359,15 @@ class PrecisionManager:
         low = low_planes(self.model, self.paths, method, tokens, self.config.group_size)
         self.low_quant_seconds = time.perf_counter() - tic
         return low
+
+    def _plans(self, plan: Tuple[PlaneSpec, ...]) -> Tuple[PlaneSpec, ...]:
+        """The planes to build: ``plan``, or in a run that only drafts and verifies (see
+        ``draft_gear``) the draft gear's planes alone, where the high gear reads the loaded
+        weights: that run never reads the others, and on a float model the residual planes
+        cost most of a build's time and memory."""
+        if self._draft_gear is None or self.config.high != "original":
+            return plan
+        return plan[: GEAR_PLANES.get(self._draft_gear, len(plan))]
 
     def _no_gear_dearer_than_high(self) -> None:
         """A gear that reads more bytes than the high gear is not offered: it runs the high gear's

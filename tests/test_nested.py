@@ -257,7 +257,7 @@ def test_nested_weights_reject_mismatched_planes():
 import os  # noqa: E402
 import warnings  # noqa: E402
 
-from gearbx_mlx.nested.store import CACHE_FOLDER, PlanesCacheError, load_nested, save_nested  # noqa: E402
+from gearbx_mlx.nested.store import CACHE_FOLDER, PlanesCacheError, load_nested, plan_for, save_nested  # noqa: E402
 from gearbx_mlx.sources.entries import write_file_record  # noqa: E402
 
 TWO = DEFAULT_PLAN[:2]
@@ -325,6 +325,25 @@ def test_a_damaged_or_foreign_planes_cache_is_rebuilt_never_trusted(tmp_path):
     make_tiny_llama(seed=5).save_weights(str(d / "model.safetensors"))
     other = PrecisionManager(make_tiny_llama(seed=5), _cfg(), planes_dir=d)
     assert other.planes_origin == "built" and other.planes_file != path
+
+
+def test_a_run_that_only_drafts_holds_the_draft_gears_planes_alone(tmp_path):
+    d, m = _model_dir(tmp_path)
+    cfg = GearboxConfig(scope="attention", store="nested")
+    full = PrecisionManager(make_tiny_llama(), cfg, planes_dir=d, draft_scope="all")
+    lean = PrecisionManager(m, cfg, planes_dir=d, draft_scope="all", draft_gear="low")
+    assert lean.paths == full.paths and len(lean.paths) > len(PrecisionManager(make_tiny_llama(), cfg).paths)
+    assert all(w.depth == 1 for w in lean.nested.values()) and all(w.depth == 2 for w in full.nested.values())
+    assert lean.memory()["resident_total"] < full.memory()["resident_total"]
+    assert lean.planes_file != full.planes_file  # another plan, another cache entry
+    for p in lean.paths:  # the planes kept are the very planes of the full build
+        assert mx.array_equal(lean.nested[p].planes[0].weight, full.nested[p].planes[0].weight)
+    again = PrecisionManager(make_tiny_llama(), cfg, planes_dir=d, draft_scope="all", draft_gear="low")
+    assert again.planes_origin == "cache" and again.planes_file == lean.planes_file
+    # A mid drafter needs both planes; the planes high gear reads every plane: nothing is left out.
+    for kw in ({"draft_gear": "mid"}, {"draft_gear": "low", "config": cfg.replace(high="planes")}):
+        mgr = PrecisionManager(make_tiny_llama(), kw.pop("config", cfg), draft_scope="all", **kw)
+        assert {w.depth for w in mgr.nested.values()} == {len(plan_for(mgr.config.high, False))}
 
 
 def test_load_nested_checks_key_shapes_and_plan(tmp_path):

@@ -118,6 +118,21 @@ def test_dense_product_in_blocks_of_rows_is_the_whole_product(monkeypatch):
         dense_matmul(x, planes, 4)
 
 
+def test_dense_product_in_blocks_unpacks_one_block_at_a_time(monkeypatch):
+    rows, cols, per_block = 4096, 256, 256  # 16 blocks of 256 KiB of float32 weights
+    planes = make_planes(rows, cols, tuple(DEFAULT_PLAN[:2]), None, mx.float32)
+    x = make_x((31, cols), mx.float32)
+    monkeypatch.setattr(planes_module, "DENSE_BLOCK_ELEMENTS", per_block * cols)
+    mx.eval(dense_matmul(x, planes, 2))  # warm: compiled kernels, buffers
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(dense_matmul(x, planes, 2))
+    # A block's weights and its unpacking's temporaries (about ten blocks' bytes with two
+    # planes), never the whole matrix's float32 weights at once (16 blocks; 41 blocks' bytes
+    # when MLX was free to unpack every block before the first product).
+    assert mx.get_peak_memory() - base < rows * cols * 4
+
+
 @needs_cpu_ext
 @on_cpu_device
 @pytest.mark.parametrize("plan, shape, group_size", plan_cases(PLANS, ODD_SHAPES[:2] + [(40, 128)]))

@@ -466,6 +466,63 @@ def test_host_forward_matches_the_mlx_tree(monkeypatch, scope):
     np.testing.assert_allclose(pc[1].keys[:, :8], hc[1].keys[:, :8], atol=1e-4, rtol=1e-4)
 
 
+def test_draft_statistics_are_the_same_row_by_row_and_hold_no_full_size_temporaries(monkeypatch):
+    from gearbx_mlx.speculative import calibration
+
+    mx.random.seed(7)
+    rows, vocab = 40, 5000
+    high = mx.random.normal((rows, vocab)) * 3
+    low = high + mx.random.normal((rows, vocab))
+    mx.eval(high, low)
+    monkeypatch.setattr(calibration, "COMPARE_ROWS", rows)
+    whole = calibration.compare_logits(high, low)
+    monkeypatch.setattr(calibration, "COMPARE_ROWS", 8)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    chunked = calibration.compare_logits(high, low)
+    # Compared whole, the softmaxes and entropies held about ten (rows, V) float32 arrays at once.
+    assert mx.get_peak_memory() - base < 3 * rows * vocab * 4
+    for name in ("draft_entropy", "high_entropy", "agree", "accept_prob"):
+        assert getattr(chunked, name) == getattr(whole, name), name
+
+
+def _tiny_qwen2(seed: int = 4):
+    """A small mlx-lm qwen2 (llama with q/k/v biases), its biases far from zero."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                           tie_word_embeddings=False)
+    model = qwen2.Model(args)
+    biases = [(k, mx.random.normal(v.shape) * 0.5) for k, v in tree_flatten(model.parameters()) if k.endswith("bias")]
+    model.update(tree_unflatten(biases))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_host_forward_of_qwen2_adds_its_biases_like_the_mlx_tree(monkeypatch):
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from gearbx_mlx.packed import layers
+
+    monkeypatch.setattr(layers, "CPU_GEMV_PATH", "float")
+    m = _tiny_qwen2()
+    gb = Gearbox(m, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB)
+    d = _host_or_skip(m, gb)
+    hc, mc = d.make_cache(), [KVCache() for _ in d.module.layers]
+    for t in [3, 1, 4, 1, 5, 9, 2, 6]:
+        a = np.asarray(d(mx.array([[t]]), cache=hc))[0, -1]
+        b = np.asarray(d(mx.array([[t]]), cache=mc))[0, -1]
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    model = _tiny_qwen2()
+    draft = _host_or_skip(model, Gearbox(model, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB))
+    prompt = [5, 17, 3, 42, 8]
+    assert run(model, draft, SpeculativeConfig(max_draft=4), 12, prompt) == greedy_reference(model, prompt, 12)
+
+
 def test_host_cache_grows_and_trims(monkeypatch, tiny_host):
     import numpy as np
 

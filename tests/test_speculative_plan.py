@@ -54,14 +54,15 @@ def scaled(model):
     return model
 
 
-def tiny_qwen2(seed: int = 0):
-    """A tiny mlx-lm qwen2 (attention biases): a model the host step does not cover."""
-    from mlx_lm.models import qwen2
+def tiny_qwen3(seed: int = 0):
+    """A tiny mlx-lm qwen3 (norms on the queries and keys): a model the host step does not cover."""
+    from mlx_lm.models import qwen3
 
     mx.random.seed(seed)
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2)
-    m = qwen2.Model(args)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2,
+                           max_position_embeddings=512, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0)
+    m = qwen3.Model(args)
     m.update({"model": {"embed_tokens": {"weight": mx.random.normal((VOCAB, 64)) * 0.5}}})
     mx.eval(m.parameters())
     return scaled(m)
@@ -100,21 +101,21 @@ def test_paths_and_reasons_on_llama(llama_packed):
 
 
 def test_a_model_the_host_step_does_not_cover_drafts_through_the_tree_exactly():
-    """qwen2 with the packed kernel: the MLX tree drafts, the reason names the
+    """qwen3 with the packed kernel: the MLX tree drafts, the reason names the
     architecture, and greedy output is still the high gear's."""
-    model = tiny_qwen2()
+    model = tiny_qwen3()
     gb = Gearbox(model, GearboxConfig(scope="all", kernel="packed"), vocab_size=VOCAB)
     draft = build_draft(model, gb, "low")
     assert draft.host is None
     if mx.default_device() == mx.cpu and cpu.available():
-        assert "'qwen2'" in draft.host_reason and "llama only" in draft.host_reason
+        assert "'qwen3'" in draft.host_reason and "llama and qwen2 only" in draft.host_reason
     stats = SpeculativeStats()
     got = [t.token for t in speculative_generate_step(mx.array(PROMPT), model, draft, SpeculativeConfig(max_draft=3),
                                                       max_tokens=24, stats=stats, single_token_drafts=True)]
     assert got == greedy_reference(model, PROMPT, 24)
     assert stats.drafter["path"] == "mlx" and stats.drafter["reason"] == draft.host_reason
     assert 0 < stats.accepted < stats.drafted
-    with pytest.raises(ValueError, match="llama only|CPU|not built"):
+    with pytest.raises(ValueError, match="qwen2 only|CPU|not built"):
         build_draft(model, gb, "low", host=True)
 
 

@@ -119,8 +119,8 @@ def run_cli(monkeypatch, capsys, model, *argv):
     """``gearbx_mlx.generate.main`` on a tiny model (``load`` patched)."""
     tok = make_tiny_tokenizer(512)
 
-    def fake_load(path, config, dtype=None, draft_scope=None):
-        return model, tok, Gearbox(model, config, draft_scope=draft_scope)
+    def fake_load(path, config, dtype=None, draft_scope=None, draft_gear=None):
+        return model, tok, Gearbox(model, config, draft_scope=draft_scope, draft_gear=draft_gear)
 
     monkeypatch.setattr(cli, "load", fake_load)
     code = cli.main(["--prompt", PROMPT, "--max-tokens", "6", "--ignore-chat-template", *argv])

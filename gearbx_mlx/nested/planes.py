@@ -153,6 +153,11 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     return (codes.astype(mx.uint32).reshape(rows, -1, per) << shifts).sum(axis=-1).astype(mx.uint32)
 
 
+def clip_candidates() -> List[Tuple[float, float]]:
+    """``(low, high)`` shrinks of a group's range that :func:`quantize_residual` tries, in order."""
+    return [(lo, hi) for shrink in CLIP_SHRINKS for lo, hi in (((shrink, 0.0), (0.0, shrink)) if shrink else ((0.0, 0.0),))]
+
+
 def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> Tuple[mx.array, mx.array, mx.array]:
     """Affine group quantization of a residual with the clipping that minimizes its squared error.
 
@@ -161,8 +166,10 @@ def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) 
     few elements of many groups up to a whole step off while the rest lie
     within half a step. Min-max quantization spends its levels on those few;
     this tries each shrink of :data:`CLIP_SHRINKS` from either end of the
-    range and keeps, per group, the one with the least error, computed with
-    the scales and biases rounded to ``dtype`` as they are stored.
+    range and keeps, per group, the one with the least error (the first of
+    equals), computed with the scales and biases rounded to ``dtype`` as they
+    are stored. Each candidate costs one fused pass that keeps only its
+    per-group error; the codes are formed once, with each group's winner.
 
     Returns:
         ``(weight, scales, biases)`` in MLX's format (readable by
@@ -170,21 +177,39 @@ def quantize_residual(r: mx.array, bits: int, group_size: int, dtype: mx.Dtype) 
     """
     rows, cols = r.shape
     levels = 2**bits - 1
+    shrinks = clip_candidates()
+    table = mx.array(shrinks, dtype=mx.float32)  # (C, 2)
+    error = _clip_error(levels, dtype)
     outs = []
     for start in range(0, rows, RESIDUAL_ROW_CHUNK):
         x = r[start : start + RESIDUAL_ROW_CHUNK].astype(mx.float32)
         x = x.reshape(x.shape[0], cols // group_size, group_size)
         lo0, hi0 = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
         span = hi0 - lo0
-        best = None
-        for shrink in CLIP_SHRINKS:
-            for lo_w, hi_w in ((shrink, 0.0), (0.0, shrink)) if shrink else ((0.0, 0.0),):
-                cand = _clip_candidate(levels, dtype)(x, lo0, hi0, span, mx.array(lo_w), mx.array(hi_w))
-                best = cand if best is None else _keep_better(cand, best)
-            mx.eval(best)
-        _, q, scale, lo = best
+        mx.eval(x, lo0, span)
+        best_err, best = None, None
+        for i, (lo_w, hi_w) in enumerate(shrinks):
+            err = error(x, lo0, hi0, span, mx.array(lo_w), mx.array(hi_w))
+            if best_err is None:
+                best_err, best = err, mx.zeros(err.shape, dtype=mx.uint32)
+            else:
+                best_err, best = _keep_lower(err, best_err, best, mx.array(i, dtype=mx.uint32))
+            mx.eval(best_err, best)
+        pick = table[best]  # (rows, groups, 1, 2): each group's shrinks
+        _, q, scale, lo = _clip_candidate(levels, dtype)(x, lo0, hi0, span, pick[..., 0], pick[..., 1])
         outs.append((pack_codes(q.reshape(q.shape[0], cols), bits), scale[..., 0].astype(dtype), lo[..., 0].astype(dtype)))
+        mx.eval(outs[-1])
+        del x, lo0, hi0, span, best_err, best, pick, q, scale, lo
     return tuple(mx.concatenate([o[i] for o in outs]) for i in range(3))
+
+
+def _clip_fields(x, lo0, hi0, span, lo_w, hi_w, levels, dtype):  # noqa: ANN001, ANN202
+    lo = (lo0 + lo_w * span).astype(dtype).astype(mx.float32)
+    scale = mx.maximum((hi0 - hi_w * span - lo) / levels, 1e-30).astype(dtype).astype(mx.float32)
+    scale = mx.where(scale > 0, scale, 1.0)  # a constant group: any scale, code 0
+    q = mx.clip(mx.round((x - lo) / scale), 0, levels)
+    err = ((scale * q + lo - x) ** 2).sum(axis=-1, keepdims=True)
+    return err, q, scale, lo
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,21 +218,19 @@ def _clip_candidate(levels: int, dtype: mx.Dtype) -> Any:
     range shrunk by ``lo_w``/``hi_w`` of its span."""
     # One fused pass per candidate instead of a dozen element-wise ones
     # (compiled per bit width and dtype; the shrinks are array inputs).
-    def cand(x, lo0, hi0, span, lo_w, hi_w):
-        lo = (lo0 + lo_w * span).astype(dtype).astype(mx.float32)
-        scale = mx.maximum((hi0 - hi_w * span - lo) / levels, 1e-30).astype(dtype).astype(mx.float32)
-        scale = mx.where(scale > 0, scale, 1.0)  # a constant group: any scale, code 0
-        q = mx.clip(mx.round((x - lo) / scale), 0, levels)
-        err = ((scale * q + lo - x) ** 2).sum(axis=-1, keepdims=True)
-        return err, q, scale, lo
+    return mx.compile(lambda x, lo0, hi0, span, lo_w, hi_w: _clip_fields(x, lo0, hi0, span, lo_w, hi_w, levels, dtype))
 
-    return mx.compile(cand)
+
+@functools.lru_cache(maxsize=None)
+def _clip_error(levels: int, dtype: mx.Dtype) -> Any:
+    """The error alone of :func:`_clip_candidate`: no full-size codes are written."""
+    return mx.compile(lambda x, lo0, hi0, span, lo_w, hi_w: _clip_fields(x, lo0, hi0, span, lo_w, hi_w, levels, dtype)[0])
 
 
 @mx.compile
-def _keep_better(new: Tuple[mx.array, ...], old: Tuple[mx.array, ...]) -> Tuple[mx.array, ...]:
-    keep = new[0] < old[0]
-    return tuple(mx.where(keep, a, b) for a, b in zip(new, old))
+def _keep_lower(err: mx.array, best_err: mx.array, best: mx.array, i: mx.array) -> Tuple[mx.array, mx.array]:
+    keep = err < best_err
+    return mx.where(keep, err, best_err), mx.where(keep, i, best)
 
 
 def residual_exponent(r: mx.array) -> int:
@@ -342,6 +365,10 @@ def dense_matmul(
         mx.eval(parts[0])  # done with the scratch weights before the next call rewrites them
     for start in range(0, out_features, step) if prepared is None else ():
         block = [_rows_of(p, start, start + step) for p in planes[:n]] if step < out_features else planes[:n]
+        if parts:
+            # Each block is unpacked after the product before it: MLX would otherwise unpack
+            # several blocks at once (an output embedding's prefill held ~0.4 of its float32 size).
+            block = [_after(p, parts[-1]) for p in block]
         w = unpack_plane(block[0])
         for p in block[1:]:
             w = w + unpack_plane(p)
@@ -408,6 +435,11 @@ def unpack_plane(p: Plane) -> mx.array:
     if p.exponent:
         scales, biases = scales * p.factor, biases * p.factor
     return (q.astype(mx.float32) * scales[..., None] + biases[..., None]).reshape(rows, cols)
+
+
+def _after(p: Plane, done: mx.array) -> Plane:
+    """``p`` whose codes are read only once ``done`` is computed (same values)."""
+    return Plane(mx.depends(p.weight, done), p.scales, p.biases, p.bits, p.group_size, p.exponent)
 
 
 def _rows_of(p: Plane, start: int, stop: int) -> Plane:

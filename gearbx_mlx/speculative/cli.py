@@ -70,7 +70,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         f"the high gear where it is below {MIN_MODELED_SPEEDUP:g}x (drafting would be slower); "
                         "'force': draft anyway, the better of fixed and gated blocks. The fast "
                         "drafter (a numpy decode step around the C kernels, no MLX graph) applies to greedy "
-                        "decoding of mlx-lm llama models in float32 on the CPU with --kernel packed (the "
+                        "decoding of mlx-lm llama and qwen2 models in float32 on the CPU with --kernel packed (the "
                         "default there); elsewhere drafts go through the MLX module tree. The summary and the "
                         "trace say which path ran and why")
     g.add_argument("--draft-gear", choices=DRAFT_GEARS, default=d.draft_gear,

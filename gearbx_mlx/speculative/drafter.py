@@ -17,7 +17,7 @@ The paths (:data:`DRAFTER_PATHS`):
     :class:`HostDrafter`: greedy drafts from the numpy decode step around the
     C GEMV (:class:`~gearbx_mlx.speculative.host.HostForward`) on a host KV
     cache, with no MLX graph and no sync. It applies on the CPU to mlx-lm
-    llama models with the packed kernels (``DraftModel.host``).
+    llama and qwen2 models with the packed kernels (``DraftModel.host``).
 ``mlx``
     :class:`TreeDrafter`: drafts drawn in MLX from the drafter's logits,
     greedy or sampled (the sampled drafts' log-probabilities go to the

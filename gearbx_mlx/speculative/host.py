@@ -27,6 +27,9 @@ from ..packed import layers as packed_layers
 from ..packed.layers import PackedBase, PackedEmbedding, cpu_backend, cpu_kernels_trusted
 
 HOST_PREFILL_MAX = 64
+#: mlx-lm architectures whose decode step the host forward reproduces: llama, and qwen2 (llama
+#: with biases on q/k/v, which each host linear adds).
+HOST_ARCHITECTURES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 
 class HostKVCache(_BaseCache):
@@ -144,7 +147,7 @@ class HostForward:
     """The decode step of a llama-shaped drafter in numpy around the packed C GEMV.
 
     Built by :func:`host_forward` only for what it reproduces exactly: mlx-lm's
-    ``llama`` architecture (full attention, plain RoPE, RMSNorm, SwiGLU) with
+    ``llama`` and ``qwen2`` architectures (full attention, plain RoPE, RMSNorm, SwiGLU) with
     float32 norms and embedding/linears that are packed int4/int8 or float32.
     Numerically it is the MLX tree's single-token path (the same kernels) up
     to float rounding in the norms, RoPE and attention.
@@ -156,7 +159,7 @@ class HostForward:
         self.ffi = ext.ffi
         self.n_heads = a.num_attention_heads
         self.n_kv = a.num_key_value_heads
-        self.head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
+        self.head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
         self.rep = self.n_heads // self.n_kv
         self.eps = float(a.rms_norm_eps)
         self.hidden = a.hidden_size
@@ -284,7 +287,7 @@ class HostForward:
 def host_support(module: nn.Module) -> Optional[str]:
     """Why :class:`HostForward` cannot run ``module``, or None when it can.
 
-    It runs on the CPU device with the C kernels built, mlx-lm's llama models
+    It runs on the CPU device with the C kernels built, mlx-lm's llama and qwen2 models
     (full attention, plain RoPE, float32 norms) whose linears are all packed
     int4/int8 or float32, embedding included. The reason names the first
     condition that fails, for the user (``--speculative`` prints it).
@@ -302,8 +305,8 @@ def host_support(module: nn.Module) -> Optional[str]:
     if nested and not nested_kernels_trusted():
         return "the C nested kernels failed their first-use check (python -m gearbx_mlx.selftest says more)"
     kind = type(module).__module__
-    if kind != "mlx_lm.models.llama":
-        return f"the model is {kind.rsplit('.', 1)[-1]!r}: the host step covers mlx-lm's llama only"
+    if kind not in HOST_ARCHITECTURES:
+        return f"the model is {kind.rsplit('.', 1)[-1]!r}: the host step covers mlx-lm's llama and qwen2 only"
     inner, a = getattr(module, "model", None), getattr(module, "args", None)
     if inner is None or a is None or not getattr(inner, "layers", None):
         return "the model has no llama layer stack (model.layers) or args"
@@ -326,7 +329,7 @@ def host_support(module: nn.Module) -> Optional[str]:
         at, mlp = layer.self_attn, layer.mlp
         if getattr(layer, "use_sliding", False) or type(at.rope) is not nn.RoPE or at.rope.traditional:
             return "a layer uses sliding-window attention or a RoPE other than plain nn.RoPE"
-        if at.rope.dims % 2 or at.rope.dims > (a.head_dim or a.hidden_size // a.num_attention_heads):
+        if at.rope.dims % 2 or at.rope.dims > (getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads):
             return "a layer's RoPE dimensions are odd or exceed the head dimension"
         if not all(_supported_linear(m) for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj,
                                                   mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
