@@ -11,6 +11,8 @@ that fails leaves its field out rather than failing the run.
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import re
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -238,10 +241,6 @@ __all__ = ["BANDWIDTH_MIB", "BLAS_FILES", "bandwidth", "blas", "blas_kind", "des
 def write_result(path: str, result: Dict[str, Any], command: str, load_before: Optional[List[float]]) -> None:
     """Write a benchmark script's ``result`` as JSON at ``path`` (its folder made), stamped with the
     command that made it, the date (UTC), the machine, the BLAS and the load average before and after."""
-    import datetime
-    import json
-    from pathlib import Path
-
     result.update(command=command, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   machine=f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
                   ld_preload=os.environ.get("LD_PRELOAD"), mlx=mx.__version__, blas=blas(),
