@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -46,7 +47,7 @@ from .console import (
 from .distributed.ranks import Ranks, launched_ranks, stage
 from .generation import SamplingOptions, check_generation_options, load
 from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
-from .pipeline import prepare
+from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
@@ -563,6 +564,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
+
+class _CommandModule(types.ModuleType):
+    """This module, callable as the library's :func:`gearbx_mlx.generate`.
+
+    ``gearbx_mlx.generate`` names both the library function and this command's
+    module, and importing a submodule binds the package's attribute of that name
+    to the module: after ``import gearbx_mlx.generate`` (or ``python -m``), the
+    function would be hidden behind the module. Calling the module calls it.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> str:
+        return library_generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CommandModule
 
 if __name__ == "__main__":
     sys.exit(main())

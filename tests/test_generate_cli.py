@@ -77,3 +77,20 @@ def test_bad_input_gives_one_clear_error(args, message):
 def test_prompt_from_stdin_empty():
     p = cli("--prompt", "-", stdin="", timeout=120)
     assert p.returncode != 0 and "prompt is empty" in p.stderr
+
+
+def test_the_library_generate_survives_importing_the_command_module():
+    """``import gearbx_mlx.generate`` binds the package's ``generate`` to the command's module
+    (Python does so for every submodule): calling it still runs the library function."""
+    import importlib
+
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+    from gearbx_mlx.pipeline import generate as library_generate
+
+    importlib.import_module("gearbx_mlx.generate")
+    model, tok = make_tiny_llama(), make_tiny_tokenizer()
+    prompt = "t5 t6 t7"
+    want = library_generate(model, tok, prompt, max_tokens=5)
+    assert gearbx_mlx.generate(model, tok, prompt, max_tokens=5) == want and want

@@ -324,9 +324,7 @@ def gemv(
     bits: int,
     group_size: Optional[int],
     in_features: int,
-    path: str = "auto",
-    threads: Optional[int] = None,
-    out: Optional[mx.array] = None,
+    **call: Any,
 ) -> mx.array:
     """``y = W x`` from packed weights, float32 of shape ``(O,)`` (no bias: add it).
 
@@ -334,17 +332,16 @@ def gemv(
         packed, scales, bits, group_size, in_features: see :func:`prepare`.
         x: ``(in_features,)`` (leading dims of size 1 allowed), any float dtype;
             computed in float32.
-        path: ``"auto"``, ``"intdot"``, ``"float"``, ``"ref"`` or ``"intdot_ref"``
-            (module docstring).
-        threads: threads for this call (default :func:`get_threads`); small
-            products use fewer. The result does not depend on it.
-        out: optional float32 ``(O,)`` MLX array written in place and returned;
-            it must not feed any computation that is still pending.
+        call: the call's ``path``, ``threads`` and ``out``:
+            ``path``: ``"auto"`` (default), ``"intdot"``, ``"float"``, ``"ref"``
+            or ``"intdot_ref"`` (module docstring);
+            ``threads``: threads for this call (default :func:`get_threads`);
+            small products use fewer. The result does not depend on it;
+            ``out``: optional float32 ``(O,)`` MLX array written in place and
+            returned; it must not feed any computation that is still pending.
 
     Raises:
         TypeError / ValueError: wrong dtype, shape, bits, group size or path.
         RuntimeError: the extension is not built, or a C failure.
     """
-    return prepare(packed, scales, bits=bits, group_size=group_size, in_features=in_features).gemv(
-        x, path=path, threads=threads, out=out
-    )
+    return prepare(packed, scales, bits=bits, group_size=group_size, in_features=in_features).gemv(x, **call)

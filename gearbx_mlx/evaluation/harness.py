@@ -359,8 +359,8 @@ def _quality(study: _Study, policies: Sequence[PolicySpec]) -> Quality:
     """Pass 1 (the policies), then pass 2 (baselines matched to each entropy policy's gears)."""
     windows, layout, timings = study.windows, study.layout, study.timings
     matched, seed = study.opts.matched, study.opts.seed
-    with TeacherForcing(study.model, windows, layout, study.config, study.vocab, policies, study.opts.max_positions,
-                        study.say) as tf:
+    with TeacherForcing(study.model, windows, layout, study.config, study.vocab, policies,
+                        max_positions=study.opts.max_positions, progress=study.say) as tf:
         with _timed(timings, "pass1_s"):
             first = tf.run(policies, "pass 1")
         out = Quality(first, list(first))

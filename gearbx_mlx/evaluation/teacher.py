@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.nn as nn
 
@@ -118,6 +118,23 @@ def split_windows(tokens: Sequence[int], window: int) -> List[List[int]]:
     return [list(tokens[i : i + n]) for i in range(0, len(tokens) - n + 1, n)]
 
 
+@dataclass(frozen=True)
+class ForcingOptions:
+    """How :class:`TeacherForcing` runs.
+
+    Attributes:
+        max_positions: most positions per forward pass (None: as many as
+            :class:`~.chunked.ChunkSettings` allows for this vocabulary).
+        progress: called with a status line now and then (e.g. to stderr).
+        chunks: chunking settings; ``ChunkSettings(stepwise=True)`` is the
+            plain one-step-per-pass loop the chunked one must equal.
+    """
+
+    max_positions: Optional[int] = None
+    progress: Optional[Callable[[str], None]] = None
+    chunks: ChunkSettings = CHUNKS
+
+
 class TeacherForcing:
     """Teacher-forced rows over fixed windows, one pass of specs at a time.
 
@@ -134,11 +151,8 @@ class TeacherForcing:
         config: monitor settings (window, hysteresis, duration, bits...).
         vocab_size: output vocabulary size (the monitor's ``V``).
         specs: every spec that will be run (decides the variants built).
-        max_positions: most positions per forward pass (None: as many as
-            :class:`~.chunked.ChunkSettings` allows for this vocabulary).
-        progress: called with a status line now and then (e.g. to stderr).
-        chunks: chunking settings; ``ChunkSettings(stepwise=True)`` is the
-            plain one-step-per-pass loop the chunked one must equal.
+        options: :class:`ForcingOptions` fields (``max_positions=``,
+            ``progress=``, ``chunks=``).
     """
 
     def __init__(
@@ -149,10 +163,10 @@ class TeacherForcing:
         config: GearboxConfig,
         vocab_size: int,
         specs: Sequence[PolicySpec],
-        max_positions: Optional[int] = None,
-        progress: Optional[Callable[[str], None]] = None,
-        chunks: ChunkSettings = CHUNKS,
+        **options: Any,
     ) -> None:
+        o = ForcingOptions(**options)
+        max_positions, progress, chunks = o.max_positions, o.progress, o.chunks
         if not windows or len({len(w) for w in windows}) != 1 or len(windows[0]) < 2:
             raise ValueError("windows must be non-empty lists of one length >= 2 (use split_windows)")
         if max_positions is not None and max_positions < 1:
@@ -214,17 +228,15 @@ def teacher_forced(
     layout: ModelLayout,
     config: GearboxConfig,
     vocab_size: int,
-    progress: Optional[Callable[[str], None]] = None,
     label: str = "quality",
-    max_positions: Optional[int] = None,
-    chunks: ChunkSettings = CHUNKS,
+    **options: Any,
 ) -> List[RowResult]:
     """Run every spec over every window; return one result per spec.
 
-    One pass of :class:`TeacherForcing` (see it for the arguments); exactly
-    one spec must be static high (the reference).
+    One pass of :class:`TeacherForcing` (see it for the arguments and the
+    :class:`ForcingOptions`); exactly one spec must be static high (the reference).
     """
-    with TeacherForcing(model, windows, layout, config, vocab_size, specs, max_positions, progress, chunks) as tf:
+    with TeacherForcing(model, windows, layout, config, vocab_size, specs, **options) as tf:
         return tf.run(specs, label)
 
 

@@ -86,8 +86,10 @@ def reference64(x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.
     return y.reshape(tuple(x.shape[:-1]) + (-1,))
 
 
-def _case(x: mx.array, y: mx.array, planes: Sequence[Plane], n: int, plan: Sequence[Tuple[int, int]],
+def _case(x: mx.array, y: mx.array, gear: Tuple[Sequence[Plane], int, Sequence[Tuple[int, int]]],
           bias: Optional[mx.array], out_dtype: Optional[mx.Dtype], intdot: bool, extra: Sequence[str]) -> Case:
+    """One checked product: ``gear`` is ``(planes, n, plan)``, the first ``n`` planes of ``plan``."""
+    planes, n, plan = gear
     mx.eval(y)  # the kernel on its device; the reference and the bound on the CPU
     with mx.stream(mx.cpu):
         w, terms = gear_rows(planes, n)
@@ -115,7 +117,7 @@ def _gpu(plant: Optional[Plant]) -> List[Case]:
             y = nested_gpu.nested_gemv(x, plant_planes(planes, plant), n, bias)
             if y is None:
                 raise ValueError(f"the nested GPU kernel does not take planes {plan[:n]} of ({o}, {k}), {dtype}")
-            cases.append(_case(x, y, planes, n, plan, bias, dtype, False, []))
+            cases.append(_case(x, y, (planes, n, plan), bias, dtype, False, []))
     return cases
 
 
@@ -136,7 +138,7 @@ def _c_path(path: str):
                     for n in range(1, len(plan) + 1):
                         y = prepared.gemv(x, n, path=path)
                         extra = [f"{rows[0]} rows"] if rows else []
-                        cases.append(_case(x, y, planes, n, plan, None, None, intdot, extra))
+                        cases.append(_case(x, y, (planes, n, plan), None, None, intdot, extra))
         return cases
 
     return run
@@ -168,7 +170,7 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
             path = product.backend_for(x, n, True)
             intdot = path == "cpu" and product.cpu_path(n) == "intdot"
             y = product(x, n, bias)
-            cases.append(_case(x, y, planes, n, plan, bias, dtype, intdot, [f"via {path}"]))
+            cases.append(_case(x, y, (planes, n, plan), bias, dtype, intdot, [f"via {path}"]))
     return cases
 
 

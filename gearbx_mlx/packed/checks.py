@@ -91,8 +91,10 @@ def _planted(packed: mx.array, bits: int, plant: Optional[Plant]) -> mx.array:
 # -- GPU ---------------------------------------------------------------------------------
 
 
-def _gpu_case(bits: int, o: int, k: int, gs: Optional[int], bias: bool, dtype: mx.Dtype, plant: Optional[Plant],
+def _gpu_case(shape: Tuple[int, int, int, Optional[int]], bias: bool, dtype: mx.Dtype, plant: Optional[Plant],
               *, mma: bool, splits: Tuple[int, ...] = (), seed: int = 0) -> Case:
+    """One checked GPU product of ``shape`` = ``(bits, out, in, group size)``."""
+    bits, o, k, gs = shape
     packed, scales, x, b = make_case(o, k, bits, gs, dtype, bias, seed)
     y = packed_gpu.gemv(x, _planted(packed, bits, plant), scales, b, bits=bits, group_size=gs, mma=mma,
                      splits=splits)
@@ -112,20 +114,20 @@ def _gpu_case(bits: int, o: int, k: int, gs: Optional[int], bias: bool, dtype: m
 def _simt(bits: int):
     def run(plant: Optional[Plant]) -> List[Case]:
         dtypes = gpu_case_dtypes(len(SIMT_CASES), DTYPES)
-        return [_gpu_case(bits, o, k, gs, bias, dtypes[i], plant, mma=False, seed=i)
+        return [_gpu_case((bits, o, k, gs), bias, dtypes[i], plant, mma=False, seed=i)
                 for i, (o, k, gs, bias) in enumerate(SIMT_CASES)]
     return run
 
 
 def _mma(plant: Optional[Plant]) -> List[Case]:
     dtypes = gpu_case_dtypes(len(MMA_CASES), packed_gpu.MMA_DTYPES)
-    return [_gpu_case(4, o, k, gs, bias, dtypes[i], plant, mma=True, seed=i)
+    return [_gpu_case((4, o, k, gs), bias, dtypes[i], plant, mma=True, seed=i)
             for i, (o, k, gs, bias) in enumerate(MMA_CASES)]
 
 
 def _fused(plant: Optional[Plant]) -> List[Case]:
     dtypes = gpu_case_dtypes(len(FUSED_CASES), packed_gpu.MMA_DTYPES)
-    return [_gpu_case(4, o, k, gs, bias, dtypes[i], plant, mma=True, splits=splits, seed=i)
+    return [_gpu_case((4, o, k, gs), bias, dtypes[i], plant, mma=True, splits=splits, seed=i)
             for i, (o, k, gs, bias, splits) in enumerate(FUSED_CASES)]
 
 
