@@ -28,7 +28,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -179,6 +179,26 @@ def _host_view(a: ArrayLike, dtype: type, name: str) -> np.ndarray:
     raise TypeError(f"{name} must be an mlx.core.array or numpy.ndarray, got {type(a).__name__}")
 
 
+def check_threads(threads: Optional[int]) -> None:
+    """One clear error for a thread count that is neither None nor a positive int."""
+    if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+
+
+def writable_view(out: Optional[mx.array], shape: Tuple[int, ...]) -> Optional[np.ndarray]:
+    """The numpy view a kernel writes ``out`` through (None where ``out`` is None):
+    ``out`` must be a float32 MLX array of ``shape``, evaluated here, contiguous and writable."""
+    if out is None:
+        return None
+    if not isinstance(out, mx.array) or out.dtype != mx.float32 or tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must be a float32 mlx array of shape {tuple(shape)}")
+    mx.eval(out)
+    view = np.asarray(out)
+    if not (view.flags.c_contiguous and view.flags.writeable):
+        raise ValueError("out must be contiguous and writable")
+    return view
+
+
 def _activations(x: ArrayLike, in_features: int) -> np.ndarray:
     """``x`` as a float32 (in_features,) buffer; any leading dims must be 1.
 
@@ -250,19 +270,12 @@ class PreparedWeights:
         ext = require()
         if path not in PATHS:
             raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
-        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        check_threads(threads)
         xv = _activations(x, self.in_features)
         o = self.out_features
-        if out is None:
+        yv = writable_view(out, (o,))
+        if yv is None:
             yv = np.empty(o, dtype=np.float32)
-        else:
-            if not isinstance(out, mx.array) or out.dtype != mx.float32 or tuple(out.shape) != (o,):
-                raise ValueError(f"out must be a float32 mlx array of shape ({o},)")
-            mx.eval(out)
-            yv = np.asarray(out)
-            if not (yv.flags.c_contiguous and yv.flags.writeable):
-                raise ValueError("out must be contiguous and writable")
         ffi = ext.ffi
         rc = ext.lib.gbx_gemv(
             ffi.from_buffer(self.weight), ffi.from_buffer("float[]", self.scales), ffi.from_buffer("float[]", xv),

@@ -139,25 +139,16 @@ class PreparedNested:
             ``(..., out_features)`` float32, without any layer bias.
         """
         ext = cpu.require()
-        n = self.n_planes if n is None else n
-        if not isinstance(n, (int, np.integer)) or not 1 <= n <= self.n_planes:
-            raise ValueError(f"a gear reads 1 to {self.n_planes} planes, got {n!r}")
+        n = self._planes_read(n)
         if path not in PATHS:
             raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
-        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        cpu.check_threads(threads)
         xv, lead = _rows(x, self.in_features)
         m = xv.shape[0]
         shape = lead + (self.out_features,)
-        if out is None:
+        yv = cpu.writable_view(out, shape)
+        if yv is None:
             yv = np.empty((m, self.out_features), dtype=np.float32)
-        else:
-            if not isinstance(out, mx.array) or out.dtype != mx.float32 or tuple(out.shape) != shape:
-                raise ValueError(f"out must be a float32 mlx array of shape {shape}")
-            mx.eval(out)
-            yv = np.asarray(out)
-            if not (yv.flags.c_contiguous and yv.flags.writeable):
-                raise ValueError("out must be contiguous and writable")
         ffi = ext.ffi
         rc = ext.lib.gbx_nested_gemv(
             self.table, int(n), ffi.from_buffer("float[]", xv), ffi.from_buffer("float[]", yv, require_writable=True),
@@ -167,6 +158,13 @@ class PreparedNested:
         if rc != 0:
             cpu.raise_for(ext, rc, "gearbx_mlx.bindings.nested_cpu.gemv")
         return out if out is not None else mx.array(yv).reshape(shape)
+
+    def _planes_read(self, n: Optional[int]) -> int:
+        """``n`` planes (default all), checked against the planes this matrix has."""
+        n = self.n_planes if n is None else n
+        if not isinstance(n, (int, np.integer)) or not 1 <= n <= self.n_planes:
+            raise ValueError(f"a gear reads 1 to {self.n_planes} planes, got {n!r}")
+        return n
 
     def unpack(self, n: Optional[int] = None, rows: Optional[Tuple[int, int]] = None, *,
                threads: Optional[int] = None, out: Optional[mx.array] = None) -> mx.array:
@@ -188,11 +186,8 @@ class PreparedNested:
             ``(stop - start, in_features)`` float32, evaluated.
         """
         ext = cpu.require()
-        n = self.n_planes if n is None else n
-        if not isinstance(n, (int, np.integer)) or not 1 <= n <= self.n_planes:
-            raise ValueError(f"a gear reads 1 to {self.n_planes} planes, got {n!r}")
-        if threads is not None and (not isinstance(threads, (int, np.integer)) or threads < 1):
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        n = self._planes_read(n)
+        cpu.check_threads(threads)
         start, stop = (0, self.out_features) if rows is None else (int(rows[0]), int(rows[1]))
         if not 0 <= start <= stop <= self.out_features:
             raise ValueError(f"rows must satisfy 0 <= start <= stop <= {self.out_features}, got {rows!r}")
@@ -201,12 +196,7 @@ class PreparedNested:
             # MLX's own buffer (its allocator recycles them; a fresh numpy one
             # costs page faults and a copy), written before anything else holds it.
             out = mx.zeros(shape, dtype=mx.float32)
-        elif not isinstance(out, mx.array) or out.dtype != mx.float32 or tuple(out.shape) != shape:
-            raise ValueError(f"out must be a float32 mlx array of shape {shape}")
-        mx.eval(out)
-        view = np.asarray(out)
-        if not (view.flags.c_contiguous and view.flags.writeable):
-            raise ValueError("out must be contiguous and writable")
+        view = cpu.writable_view(out, shape)
         ffi = ext.ffi
         rc = ext.lib.gbx_nested_unpack(self.table, int(n), ffi.from_buffer("float[]", view, require_writable=True),
                                        start, stop, self.out_features, self.in_features,
