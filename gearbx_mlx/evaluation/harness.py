@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -110,9 +109,7 @@ def cached_thresholds(
     if path is not None:
         try:  # written whole or not at all: another run may read it at the same time
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"thresholds": th, "info": info}))
-            os.replace(tmp, path)
+            report.write_json({"thresholds": th, "info": info}, path)
         except OSError as e:
             say(f"the thresholds were not saved ({e})")
     return th, info

@@ -280,11 +280,12 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def write_json(results: Dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write the results atomically (temporary file, then rename)."""
+    """Write the results atomically (a temporary file of this process, then rename: two runs
+    writing one path at once leave one whole file)."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {path.parent} (create it first)")
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(dumps(results, indent=1) + "\n")
     os.replace(tmp, path)
     return path
