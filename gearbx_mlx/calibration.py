@@ -29,10 +29,10 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from .atomicfile import write_json
 from .chat import encode_chat
 from .config import CALIBRATION, CALIBRATION_PROMPTS
 from .entropy import entropy_bits
-from .jsonsafe import dumps
 from .kvcache import KVCalibration, calibrate_text
 from .nested.store import fingerprint
 from .sources.cache import cache_dir
@@ -69,11 +69,7 @@ class Calibration:
             raise FileNotFoundError(
                 f"cannot save calibration: directory {path.parent} does not exist"
             )
-        data = {"format": CALIBRATION_FORMAT, **asdict(self)}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_json(path, {"format": CALIBRATION_FORMAT, **asdict(self)}, indent=2)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from .. import atomicfile
 from ..config import GEARS
-from ..jsonsafe import dumps
 from . import permutation, significance
 from .teacher import RowResult
 
@@ -285,7 +285,4 @@ def write_json(results: Dict[str, Any], path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {path.parent} (create it first)")
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(dumps(results, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomicfile.write_json(path, results)

@@ -42,7 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..jsonsafe import dumps
+from ..atomicfile import write_json
 from .arch import AttentionInfo, attention_modules, describe, input_norm_weight
 
 KV_CALIBRATION_FORMAT = 1
@@ -163,10 +163,7 @@ class KVCalibration:
         path = Path(path)
         if not path.parent.exists():
             raise FileNotFoundError(f"cannot save the KV calibration: {path.parent} does not exist")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(dumps(self.to_dict()) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_json(path, self.to_dict(), indent=None)
 
     @classmethod
     def load(cls, path: "str | os.PathLike") -> "KVCalibration":

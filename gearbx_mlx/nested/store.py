@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
+from ..atomicfile import write_text
 from ..sources.entries import (
     LEGACY_STALE_S,
     check_file,
@@ -133,21 +133,10 @@ def _file_digest(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             h.update(block)
     try:
-        _atomic_write_text(side, json.dumps({"stamp": stamp, "sha256": h.hexdigest()}))
+        write_text(side, json.dumps({"stamp": stamp, "sha256": h.hexdigest()}))
     except OSError:
         pass  # a read-only model folder: hash again next time
     return h.hexdigest()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def cache_key(model_fingerprint: str, paths: Sequence[str], plan: Sequence[PlaneSpec],

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Tuple
 
+from ..atomicfile import write_json
+
 try:  # POSIX (macOS, Linux); elsewhere temporaries are judged by age alone
     import fcntl
 except ImportError:  # pragma: no cover
@@ -88,9 +90,7 @@ def write_record(folder: Path, source: Optional[Dict[str, Any]] = None) -> Path:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_json(path, obj, prefix=TMP_PREFIX)
 
 
 def check_entry(folder: Path) -> Optional[str]:

@@ -1,0 +1,83 @@
+"""The one atomic writer: whole file or the old one, no temporary left behind."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import math
+import os
+import threading
+
+import pytest
+
+from gearbx_mlx import atomicfile
+from gearbx_mlx.calibration import Calibration
+from gearbx_mlx.evaluation.report import write_json as write_results
+
+
+def test_writes_strict_json(tmp_path):
+    p = atomicfile.write_json(tmp_path / "r.json", {"a": [1.0, math.nan, {"b": math.inf}]})
+    assert json.loads(p.read_text()) == {"a": [1.0, None, {"b": None}]}
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_missing_folder_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        atomicfile.write_text(tmp_path / "nope" / "x.txt", "x")
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "x.txt"
+    target.write_text("old\n")
+    with pytest.raises(UnicodeEncodeError):  # a real failure inside the write
+        atomicfile.write_text(target, "new \ud800")
+    assert target.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["x.txt"]
+
+
+def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "c.json"
+    target.write_text('{"old": true}\n')
+    real = os.fdopen
+
+    class Full(io.TextIOWrapper):
+        def write(self, s):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fdopen(fd, mode="r", **kw):
+        fh = real(fd, mode.replace("w", "wb") if "b" not in mode else mode)
+        return Full(fh, encoding="utf-8")
+
+    monkeypatch.setattr(atomicfile.os, "fdopen", fdopen)
+    with pytest.raises(OSError, match="No space"):
+        atomicfile.write_json(target, {"new": True})
+    assert json.loads(target.read_text()) == {"old": True}
+    assert os.listdir(tmp_path) == ["c.json"]
+
+
+def test_concurrent_writers_leave_one_whole_file(tmp_path):
+    target = tmp_path / "r.json"
+    payloads = [{"writer": i, "data": list(range(20000))} for i in range(6)]
+    threads = [threading.Thread(target=atomicfile.write_json, args=(target, p)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert json.loads(target.read_text()) in payloads
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_package_writers_go_through_it(tmp_path, monkeypatch):
+    """The calibration and the evaluation results are written by the one writer."""
+    seen = []
+    real = atomicfile.write_text
+
+    def spy(path, text, prefix=atomicfile.TMP_PREFIX):
+        seen.append(os.fspath(path))
+        return real(path, text, prefix)
+
+    monkeypatch.setattr(atomicfile, "write_text", spy)
+    Calibration(low=1.0, high=2.0, strategy="median", n_samples=3, vocab_size=10).save(tmp_path / "cal.json")
+    write_results({"rows": []}, tmp_path / "eval.json")
+    assert [os.path.basename(p) for p in seen] == ["cal.json", "eval.json"]
