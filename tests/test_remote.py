@@ -271,7 +271,7 @@ def test_session_options_by_keyword_or_object_and_bad_ones_named():
     variants = parse_variants(["http://127.0.0.1:9"])
     by_kw = RemoteSession(variants, 100, max_tokens=3, top_k=4)
     by_obj = RemoteSession(variants, 100, options=SessionOptions(max_tokens=3, top_k=4))
-    assert by_kw.options == by_obj.options and by_kw.max_tokens == 3 and by_obj.top_k == 4
+    assert by_kw.options == by_obj.options and by_kw.options.max_tokens == 3 and by_obj.options.top_k == 4
     with pytest.raises(TypeError, match="RemoteSession: .*topk"):
         RemoteSession(variants, 100, topk=4)
     for bad, words in [({"top_k": 0}, "top_k must be in 1..20"), ({"stream": "yes"}, "stream must be"),

@@ -238,16 +238,12 @@ class RemoteSession:
         if o.api_key:
             for v in variants.values():
                 check_key_transport(v.url, o.allow_plain_http_key)
-        self.allow_plain_http_key = o.allow_plain_http_key
         self.variants = variants
         self.vocab_size = vocab_size
         self.config = config or GearboxConfig()
         self.thresholds = thresholds or scaled_thresholds(self.config, vocab_size)
-        self.top_k, self.max_tokens, self.stream = o.top_k, o.max_tokens, o.stream
         self.sampling = {"temperature": 0.0, **(o.sampling or {})}
         self.greedy = self.sampling["temperature"] == 0
-        self.system_prompt, self.history = o.system_prompt, o.history
-        self.api_key = o.api_key
         self.on_token = on_token or (lambda rec: None)
         self.on_text = on_text or (lambda text, gear: None)
         self.say = say or (lambda msg: print(f"[gearbx] {msg}", file=sys.stderr, flush=True))
@@ -293,7 +289,7 @@ class RemoteSession:
                 res.streamed = streamed
                 res.finish_reason = chunk.finish_reason or res.finish_reason
                 # The client's own cap: a server that streams past max_tokens is cut off.
-                room = self.max_tokens - res.tokens
+                room = self.options.max_tokens - res.tokens
                 tokens = chunk.tokens[:room]
                 res.text += chunk.text if len(tokens) == len(chunk.tokens) else "".join(t.text or "" for t in tokens)
                 # A chunk's time is spread over its tokens (a whole answer's, when not streamed).
@@ -303,14 +299,14 @@ class RemoteSession:
                     self.on_text(chunk.text, self.monitor.gear)  # token texts unknown: show the answer's
                 last = now if tokens else last
                 if len(chunk.tokens) > room:
-                    self.say(f"{variant.url} sent more than {self.max_tokens} tokens (--max-tokens): "
+                    self.say(f"{variant.url} sent more than {self.options.max_tokens} tokens (--max-tokens): "
                              "stopped reading its answer")
                     res.finish_reason = "length"
                     break
         res.seconds = time.perf_counter() - tic
         if res.entropies:
             self.session_monitor.push(statistics.fmean(res.entropies))
-        if self.history:
+        if self.options.history:
             self.messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": res.text}]
         return res
 
@@ -337,14 +333,14 @@ class RemoteSession:
 
     # -- requests -----------------------------------------------------------------
     def _body(self, prompt: str, chat: bool, stream: bool, legacy_logprobs: bool) -> Dict[str, Any]:
-        body: Dict[str, Any] = {"max_tokens": self.max_tokens, "stream": stream, **self.sampling}
+        body: Dict[str, Any] = {"max_tokens": self.options.max_tokens, "stream": stream, **self.sampling}
         if chat:
-            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            system = [{"role": "system", "content": self.options.system_prompt}] if self.options.system_prompt else []
             body["messages"] = system + self.messages + [{"role": "user", "content": prompt}]
-            body.update(logprobs=True, top_logprobs=self.top_k)
+            body.update(logprobs=True, top_logprobs=self.options.top_k)
         else:
             body["prompt"] = prompt
-            body.update({"logprobs": self.top_k} if legacy_logprobs else {"logprobs": True, "top_logprobs": self.top_k})
+            body.update({"logprobs": self.options.top_k} if legacy_logprobs else {"logprobs": True, "top_logprobs": self.options.top_k})
         return body
 
     def _open(self, variant: Variant, prompt: str, stream: bool) -> Request:
@@ -356,8 +352,8 @@ class RemoteSession:
             if variant.model:
                 body["model"] = variant.model
             path = "/chat/completions" if chat else "/completions"
-            req = Request(variant.url + path, body, self.limits, api_key=self.api_key, max_tokens=self.max_tokens,
-                          allow_plain_http_key=self.allow_plain_http_key)
+            req = Request(variant.url + path, body, self.limits, api_key=self.options.api_key, max_tokens=self.options.max_tokens,
+                          allow_plain_http_key=self.options.allow_plain_http_key)
             try:
                 return req.open()
             except HTTPStatusError as e:
@@ -372,7 +368,7 @@ class RemoteSession:
         raise AssertionError("unreachable")
 
     def _chunks(self, variant: Variant, prompt: str) -> Iterator[Tuple[Chunk, bool]]:
-        mode = "off" if variant.url in self._no_stream_logprobs else self.stream
+        mode = "off" if variant.url in self._no_stream_logprobs else self.options.stream
         if mode != "off":
             seen_tokens = False
             with contextlib.closing(self._open(variant, prompt, stream=True).events()) as events:
@@ -408,13 +404,13 @@ class RemoteSession:
             "source": "remote", "model": ", ".join(sorted({v.model or v.url for v in self.variants.values()})),
             "variants": {g: {"url": v.url, "model": v.model} for g, v in self.variants.items()},
             "vocab_size": self.vocab_size,
-            "entropy_is_lower_bound": True, "top_k": self.top_k,
+            "entropy_is_lower_bound": True, "top_k": self.options.top_k,
             "entropy_bound": {"entropy": "lower bound (residual packed at the k-th probability)",
                               "entropy_upper": "upper bound (§12.3: residual spread uniformly)"},
             "thresholds": {"low": self.thresholds[0], "high": self.thresholds[1]},
             "window": c.window, "hysteresis": c.hysteresis, "min_gear_duration": c.min_gear_duration,
             "routing": "per-prompt", "telemetry_only": True, "sampling": self.sampling,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.options.max_tokens,
         }
 
     def summary(self, interrupted: bool = False, error: Optional[str] = None) -> Dict[str, Any]:
