@@ -7,7 +7,7 @@
  * the kept groups in the order given, so a row's result does not depend on
  * the thread count.  The activation buffers are those of the dense nested
  * kernels (x in split order, or int8 blocks of GBX_QK with their split
- * order), built for the whole row: the kernels only read the kept spans.
+ * order), built for the kept groups only (build_kept).
  */
 #include <math.h>
 
@@ -100,11 +100,16 @@ int gbx_top_blocks(const float *x, int n, int group_size, int keep, int32_t *blo
         free(mass), free(order);
         return GBX_E_NOMEM;
     }
-    for (int g = 0; g < ng; ++g) {
-        float t = 0.0f;
-        for (int j = g * group_size; j < (g + 1) * group_size; ++j)
-            t += fabsf(x[j]);
-        mass[g] = t;
+    for (int g = 0; g < ng; ++g) { /* eight partial sums: the compiler vectorizes them */
+        const float *xg = x + (size_t)g * group_size;
+        float t[8] = {0};
+        int j = 0;
+        for (; j + 8 <= group_size; j += 8)
+            for (int k = 0; k < 8; ++k)
+                t[k] += fabsf(xg[j + k]);
+        for (; j < group_size; ++j)
+            t[0] += fabsf(xg[j]);
+        mass[g] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
     }
     /* the keep heaviest, by insertion into a list sorted by (mass desc, index asc) */
     int len = 0;
@@ -151,6 +156,70 @@ static gbx_rows_fn pick(int intdot)
     return intdot ? sparse4_intdot_scalar : sparse4_float_scalar;
 }
 
+/* The activations of the kept groups only, as the dense kernels build them
+ * for the whole row (dispatch.c): int8 blocks of GBX_QK (quantized block by
+ * block, so a kept block's codes are the dense call's) in split order with
+ * each lane's d, or fp32 x in split order; and each kept group's sum of x (of
+ * the int8 x on the intdot path).  One allocation, mem; dropped groups'
+ * entries are left unset and never read. */
+typedef struct {
+    gbx_act_q8 a;
+    gbx_span_f32 *xf;
+    float *xsum;
+    void *mem;
+} kept_act;
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static int build_kept(const float *x, int n, int gs, const int32_t *blocks, int nkept, int intdot, int split,
+                      kept_act *k)
+{
+    const int nb = n / GBX_QK, ns = n / GBX_SPAN, ng = n / gs, bpg = gs / GBX_QK, spg = gs / GBX_SPAN;
+    const size_t o_d = align64((size_t)n), o_sum = align64(o_d + 4 * (size_t)nb),
+                 o_split = align64(o_sum + 4 * (size_t)nb), o_sd = align64(o_split + sizeof(gbx_span_q8) * ns),
+                 o_xf = align64(o_sd + 32 * (size_t)ns), o_xs = align64(o_xf + (split && !intdot ? sizeof(gbx_span_f32) * ns : 0)),
+                 total = o_xs + 4 * (size_t)ng;
+    memset(k, 0, sizeof *k);
+    k->mem = malloc(total + 64);
+    if (!k->mem)
+        return GBX_E_NOMEM;
+    char *base = (char *)align64((size_t)k->mem);
+    gbx_act_q8 *a = &k->a;
+    a->n = n, a->nblocks = nb, a->nspans = ns;
+    a->qs = (int8_t *)base, a->d = (float *)(base + o_d), a->sum = (int32_t *)(base + o_sum);
+    a->split = (gbx_span_q8 *)(base + o_split), a->span_d = (float *)(base + o_sd);
+    k->xf = split && !intdot ? (gbx_span_f32 *)(base + o_xf) : NULL;
+    k->xsum = (float *)(base + o_xs);
+    for (int i = 0; i < nkept; ++i) {
+        const int g = blocks[i];
+        const float *xg = x + (size_t)g * gs;
+        float xs = 0.0f;
+        if (intdot) {
+            int8_t *q = a->qs + (size_t)g * gs;
+            gbx_quantize_act(xg, gs, q, a->d + g * bpg, a->sum + g * bpg);
+            for (int b = g * bpg; b < (g + 1) * bpg; ++b)
+                xs += a->d[b] * (float)a->sum[b];
+            for (int sp = g * spg; sp < (g + 1) * spg; ++sp) {
+                const int8_t *qp = a->qs + (size_t)sp * GBX_SPAN;
+                for (int j = 0; j < GBX_SPAN / 2; ++j)
+                    a->split[sp].even[j] = qp[2 * j], a->split[sp].odd[j] = qp[2 * j + 1];
+                for (int l = 0; l < 8; ++l)
+                    a->span_d[8 * sp + l] = a->d[2 * sp + (l >> 2)];
+            }
+        } else {
+            for (int j = 0; j < gs; ++j)
+                xs += xg[j];
+            for (int sp = g * spg; k->xf && sp < (g + 1) * spg; ++sp) {
+                const float *xp = x + (size_t)sp * GBX_SPAN;
+                for (int j = 0; j < GBX_SPAN / 2; ++j)
+                    k->xf[sp].even[j] = xp[2 * j], k->xf[sp].odd[j] = xp[2 * j + 1];
+            }
+        }
+        k->xsum[g] = xs;
+    }
+    return GBX_OK;
+}
+
 static int blocks_valid(const int32_t *blocks, int nkept, int ng)
 {
     if (nkept < 0 || nkept > ng)
@@ -187,23 +256,9 @@ int gbx_sparse_gemv(const gbx_plane *plane, const float *x, const int32_t *block
     c.blocks = blocks, c.nkept = nkept, c.factor = plane->factor;
     c.base.x = x, c.base.I = in_features, c.y = y;
 
-    float *xsum = malloc(sizeof(float) * (size_t)ng);
-    void *mem = NULL;
-    gbx_act_q8 act;
-    if (!xsum)
-        return GBX_E_NOMEM;
-    if (intdot) {
-        rc = gbx_build_act(x, in_features, 4, &act, &mem);
-        if (rc == GBX_OK) {
-            gbx_nested_group_sums_q8(act.d, act.sum, in_features, gs, xsum);
-            c.a = &act;
-        }
-    } else {
-        gbx_nested_group_sums(x, in_features, gs, xsum);
-        if (!ref && !(c.xf = gbx_build_split_f32(x, in_features, &mem)))
-            rc = GBX_E_NOMEM;
-    }
-    c.xsum = xsum;
+    kept_act k;
+    rc = build_kept(x, in_features, gs, blocks, nkept, intdot, !ref, &k);
+    c.a = &k.a, c.xf = k.xf, c.xsum = k.xsum;
     if (rc == GBX_OK) {
         const gbx_rows_fn fn = ref ? (intdot ? sparse4_intdot_scalar : sparse4_float_scalar) : pick(intdot);
         const size_t row_weights = (size_t)nkept * (size_t)gs;
@@ -214,7 +269,7 @@ int gbx_sparse_gemv(const gbx_plane *plane, const float *x, const int32_t *block
                               gbx_pool_parts(nthreads, (long long)out_features * (long long)row_weights, out_features),
                               row_weights);
     }
-    free(mem), free(xsum);
+    free(k.mem);
     return rc;
 }
 

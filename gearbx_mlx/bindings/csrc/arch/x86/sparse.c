@@ -7,8 +7,9 @@
  *   intdot  vpmaddubsw of the unsigned codes against int8 x in split order
  *           (|pair| <= 2*15*127), int32 lanes 0-3 block 2s and 4-7 block 2s+1,
  *           times the blocks' d, as the dense nested intdot kernel.
- * The next row's segment of each kept group is prefetched while this row's is
- * read (the rows are a fixed stride apart).  Oracles: ../../sparse.c.
+ * Two kept groups per step (two accumulators); the bias term b_g * xsum_g in
+ * the same pass; the scale dtype a constant in each copy of the row loop.
+ * Oracles: ../../sparse.c.
  */
 #include "../../sparse_internal.h"
 #include "simd.h"
@@ -66,37 +67,69 @@ GBX_SPARSE_FN GBX_INLINE __m256i span_isum(const uint8_t *w, const gbx_span_q8 *
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-#define GBX_SPARSE_ROWS(NAME, SPAN_TERM)                                                                    \
-    GBX_SPARSE_FN void NAME(const gbx_ctx *cc, int r0, int r1)                                              \
-    {                                                                                                       \
-        const gbx_sparse_ctx *c = gbx_sparse_of(cc);                                                        \
-        const int dtype = c->dtype;                                                                         \
-        for (int r = r0; r < r1; ++r) {                                                                     \
-            const uint8_t *row = c->codes + (size_t)r * c->row_bytes;                                       \
-            const size_t off = (size_t)r * c->ng;                                                           \
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                  \
-            for (int i = 0; i < c->nkept; ++i) {                                                            \
-                const int g = c->blocks[i];                                                                 \
-                const __m256 s = _mm256_set1_ps(scale_f(c->scales, off + (size_t)g, dtype));                \
-                for (int k = 0; k < c->spans; ++k) {                                                        \
-                    const int sp = g * c->spans + k;                                                        \
-                    const uint8_t *w = row + (size_t)sp * (GBX_SPAN / 2);                                   \
-                    if (r + 1 < r1)                                                                         \
-                        GBX_PREFETCH(w + c->row_bytes);                                                     \
-                    const __m256 t = SPAN_TERM;                                                             \
-                    if ((i + k) & 1)                                                                        \
-                        acc1 = _mm256_fmadd_ps(t, s, acc1);                                                 \
-                    else                                                                                    \
-                        acc0 = _mm256_fmadd_ps(t, s, acc0);                                                 \
-                }                                                                                           \
-            }                                                                                               \
-            c->y[r] = c->factor * (hsum_avx2(_mm256_add_ps(acc0, acc1)) + gbx_sparse_bias_term(c, r));      \
-        }                                                                                                   \
+/* One row over the kept groups: two groups per step into two accumulators;
+ * the bias term (b_g * xsum_g) in a scalar chain beside them.  SPAN_TERM(w,
+ * sp) is a span's 8 partial sums, before the group's scale. */
+#define GBX_SPARSE_ROW(NAME, SPAN_TERM)                                                                    \
+    GBX_SPARSE_FN GBX_INLINE float NAME(const gbx_sparse_ctx *c, const uint8_t *row, size_t off,           \
+                                        const int dtype)                                                   \
+    {                                                                                                      \
+        const int32_t *blocks = c->blocks;                                                                 \
+        const int n = c->nkept, spans = c->spans;                                                         \
+        const float *xsum = c->xsum;                                                                       \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                     \
+        float yb0 = 0.0f, yb1 = 0.0f;                                                                      \
+        int i = 0;                                                                                         \
+        for (; i + 2 <= n; i += 2) {                                                                       \
+            const int g0 = blocks[i], g1 = blocks[i + 1];                                                  \
+            __m256 t0 = SPAN_TERM(row, g0 * spans), t1 = SPAN_TERM(row, g1 * spans);                       \
+            for (int k = 1; k < spans; ++k) {                                                              \
+                t0 = _mm256_add_ps(t0, SPAN_TERM(row, g0 * spans + k));                                    \
+                t1 = _mm256_add_ps(t1, SPAN_TERM(row, g1 * spans + k));                                    \
+            }                                                                                              \
+            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(scale_f(c->scales, off + (size_t)g0, dtype)), acc0); \
+            acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(scale_f(c->scales, off + (size_t)g1, dtype)), acc1); \
+            yb0 += scale_f(c->biases, off + (size_t)g0, dtype) * xsum[g0];                                 \
+            yb1 += scale_f(c->biases, off + (size_t)g1, dtype) * xsum[g1];                                 \
+        }                                                                                                  \
+        if (i < n) {                                                                                       \
+            const int g0 = blocks[i];                                                                      \
+            __m256 t0 = SPAN_TERM(row, g0 * spans);                                                        \
+            for (int k = 1; k < spans; ++k)                                                                \
+                t0 = _mm256_add_ps(t0, SPAN_TERM(row, g0 * spans + k));                                    \
+            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(scale_f(c->scales, off + (size_t)g0, dtype)), acc0); \
+            yb0 += scale_f(c->biases, off + (size_t)g0, dtype) * xsum[g0];                                 \
+        }                                                                                                  \
+        return hsum_avx2(_mm256_add_ps(acc0, acc1)) + (yb0 + yb1);                                         \
     }
 
-GBX_SPARSE_ROWS(gbx_sparse4_float_avx2, span_float(w, c->xf + sp))
-GBX_SPARSE_ROWS(gbx_sparse4_intdot_avx2,
-                _mm256_mul_ps(_mm256_cvtepi32_ps(span_isum(w, c->a->split + sp)),
-                              _mm256_load_ps(c->a->span_d + 8 * (size_t)sp)))
+/* The rows [r0, r1), the scale dtype a constant in each copy of the row. */
+#define GBX_SPARSE_ROWS(NAME, ROW)                                                                         \
+    GBX_SPARSE_FN void NAME(const gbx_ctx *cc, int r0, int r1)                                             \
+    {                                                                                                      \
+        const gbx_sparse_ctx *c = gbx_sparse_of(cc);                                                       \
+        for (int r = r0; r < r1; ++r) {                                                                    \
+            const uint8_t *row = c->codes + (size_t)r * c->row_bytes;                                      \
+            const size_t off = (size_t)r * c->ng;                                                          \
+            float v;                                                                                       \
+            if (c->dtype == GBX_DTYPE_F32)                                                                 \
+                v = ROW(c, row, off, GBX_DTYPE_F32);                                                       \
+            else if (c->dtype == GBX_DTYPE_F16)                                                            \
+                v = ROW(c, row, off, GBX_DTYPE_F16);                                                       \
+            else                                                                                           \
+                v = ROW(c, row, off, GBX_DTYPE_BF16);                                                      \
+            c->y[r] = c->factor * v;                                                                       \
+        }                                                                                                  \
+    }
+
+#define GBX_FLOAT_TERM(row, sp) span_float((row) + (size_t)(sp) * (GBX_SPAN / 2), c->xf + (sp))
+#define GBX_INTDOT_TERM(row, sp)                                                                           \
+    _mm256_mul_ps(_mm256_cvtepi32_ps(span_isum((row) + (size_t)(sp) * (GBX_SPAN / 2), c->a->split + (sp))),  \
+                  _mm256_load_ps(c->a->span_d + 8 * (size_t)(sp)))
+
+GBX_SPARSE_ROW(row_float, GBX_FLOAT_TERM)
+GBX_SPARSE_ROW(row_intdot, GBX_INTDOT_TERM)
+GBX_SPARSE_ROWS(gbx_sparse4_float_avx2, row_float)
+GBX_SPARSE_ROWS(gbx_sparse4_intdot_avx2, row_intdot)
 
 #endif /* GBX_X86 */
