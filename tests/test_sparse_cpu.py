@@ -179,3 +179,26 @@ def test_sparse_host_step_is_the_sparse_tree():
     # the tree's dense twin differs: blocks were really dropped
     dense = np.asarray(d.module(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])))[0, -1]
     assert not np.allclose(dense, a, atol=1e-4)
+
+
+def test_a_kernel_that_fails_its_first_use_check_leaves_the_tree_drafting(monkeypatch):
+    """A fast path that disagrees with its scalar oracle: no sparse host step, and the reason is given."""
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft
+    from gearbx_mlx.speculative.sparse import build_sparse_draft
+
+    m = make_tiny_llama(vocab=64, hidden=64, seed=3)
+    d = build_draft(m, Gearbox(m, GearboxConfig(scope="all", kernel="packed", store="nested"), vocab_size=64),
+                    "low", scope="all")
+    if d.host is None:
+        pytest.skip(f"the host step does not apply here: {d.host_reason}")
+    real = sparse_cpu.PreparedSparse.gemv
+
+    def broken(self, x, blocks, *, path="float", threads=None, bias=True):
+        y = real(self, x, blocks, path=path, threads=threads, bias=bias)
+        return y if "ref" in path else y + 1.0
+
+    monkeypatch.setattr(sparse_cpu.PreparedSparse, "gemv", broken)
+    sp = build_sparse_draft(d, 0.5, list(range(1, 60)))
+    assert sp.host is None and "first-use check" in sp.host_reason and sp.sparse["path"] == "mlx"

@@ -19,12 +19,25 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Tuple
 
 import mlx.nn as nn
+import numpy as np
 
 from ..bindings import cpu as cpu_kernels, sparse_cpu
 from .host import HostForward, host_support
 
 #: Index of ``down_proj`` in a layer's tuple of :attr:`HostForward.layers`.
 DOWN_SLOT = 8
+#: First-use check: the fast kernel against its scalar C oracle, relative to ``max |y|``.
+FIRST_USE_RTOL = 1e-4
+
+
+def first_use_ok(prepared: sparse_cpu.PreparedSparse, path: str) -> bool:
+    """Whether the fast kernel of ``path`` agrees with its scalar oracle on a random row and half the
+    blocks of ``prepared`` (a kernel never used on this machine is checked before it drafts)."""
+    x = np.random.default_rng(0).standard_normal(prepared.in_features).astype(np.float32)
+    blocks = np.arange(0, prepared.blocks, 2, dtype=np.int32)
+    fast = np.array(prepared.gemv(x, blocks, path=path, bias=False))
+    ref = np.array(prepared.gemv(x, blocks, path="intdot_ref" if path == "intdot" else "ref", bias=False))
+    return bool(np.isfinite(fast).all() and np.abs(fast - ref).max() <= FIRST_USE_RTOL * max(np.abs(ref).max(), 1e-6))
 
 
 def sparse_host(module: nn.Module, parts: Sequence[Any], keep: Sequence[int],
@@ -40,6 +53,8 @@ def sparse_host(module: nn.Module, parts: Sequence[Any], keep: Sequence[int],
     reason = host_support(module)
     if reason is None:
         reason = next((r for r in map(sparse_cpu.unsupported, parts) if r is not None), None)
+    if reason is None and not all(first_use_ok(sparse_cpu.prepared_sparse(parts[0]), p) for p in set(paths)):
+        reason = "the C block-sparse kernel failed its first-use check against its scalar oracle"
     if reason is not None:
         return None, reason
     host = HostForward(module, cpu_kernels.require())
@@ -51,4 +66,4 @@ def sparse_host(module: nn.Module, parts: Sequence[Any], keep: Sequence[int],
     return host, None
 
 
-__all__ = ["DOWN_SLOT", "sparse_host"]
+__all__ = ["DOWN_SLOT", "FIRST_USE_RTOL", "first_use_ok", "sparse_host"]
