@@ -58,6 +58,8 @@ SOURCES = tuple(f"{CSRC}/{name}" for name in (
 ))
 #: The self-test driver (not in the extension): built by the tests with SOURCES.
 TEST_DRIVER = f"{CSRC}/test_main.c"
+#: The block-sparse kernels' self-test driver (likewise).
+SPARSE_TEST_DRIVER = f"{CSRC}/test_sparse_main.c"
 #: Include folders, relative to the root: the C headers, and the format header's folder.
 INCLUDE_DIRS = (CSRC, "metal_kernels")
 #: Headers a change of which must rebuild the extension.
