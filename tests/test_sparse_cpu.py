@@ -80,7 +80,9 @@ def test_result_does_not_depend_on_the_thread_count():
     q = _layer(1536, 576, 64, False, 3)
     h = mx.random.normal((1, 1536), key=mx.random.key(1))
     blocks = mx.array(np.arange(0, 24, 2))
-    prep = sparse_cpu.prepared_sparse(quant_parts(q))
+    parts = quant_parts(q)
+    prep = sparse_cpu.prepared_sparse(parts)
+    assert sparse_cpu.prepared_sparse(parts) is prep  # kept on the parts object
     for path in ("float", "intdot"):
         one = np.array(prep.gemv(h, blocks, path=path, threads=1))
         np.testing.assert_array_equal(one, np.array(prep.gemv(h, blocks, path=path, threads=2)))

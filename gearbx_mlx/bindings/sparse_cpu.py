@@ -28,14 +28,14 @@ Weights are duck-typed (``weight``, ``scales``, ``biases``, ``bits``,
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import numpy as np
 
 from . import cpu
 
-__all__ = ["SPARSE_BITS", "SPARSE_GROUP_SIZES", "PreparedSparse", "TopBlocksProduct", "prepared_sparse",
+__all__ = ["PREPARED_ATTR", "SPARSE_BITS", "SPARSE_GROUP_SIZES", "PreparedSparse", "TopBlocksProduct", "prepared_sparse",
            "sparse_down", "top_blocks", "unsupported"]
 
 ArrayLike = Union[mx.array, np.ndarray]
@@ -75,6 +75,7 @@ class PreparedSparse:
 
     Attributes:
         out_features, in_features, group_size, blocks: the weight (``blocks`` = groups per row).
+        source: the codes' MLX array (kept alive by the views).
         bias: the layer's bias as float32 numpy, or None (the kernel does not add it).
     """
 
@@ -84,6 +85,7 @@ class PreparedSparse:
             raise ValueError(f"gearbx_mlx.bindings.sparse_cpu: {reason}")
         ext = cpu.require()
         self.ext, self.ffi, self.lib = ext, ext.ffi, ext.lib
+        self.source = parts.weight  # the codes' array the views read
         self.out_features = int(parts.weight.shape[0])
         self.in_features = int(parts.weight.shape[1]) * 8
         self.group_size = int(parts.group_size)
@@ -193,16 +195,21 @@ def top_blocks(x: ArrayLike, group_size: int, keep: int) -> np.ndarray:
     return out[:k]
 
 
-#: Prepared weights by the id of their codes' array (which the entry keeps alive, so the id stays theirs).
-_PREPARED: Dict[int, Tuple[mx.array, PreparedSparse]] = {}
+#: The attribute a weight's parts object keeps its :class:`PreparedSparse` under (its lifetime theirs).
+PREPARED_ATTR = "sparse_cpu_prepared"
 
 
 def prepared_sparse(parts: Any) -> PreparedSparse:
-    """The :class:`PreparedSparse` of ``parts``, built on first use and kept (one per weight)."""
-    hit = _PREPARED.get(id(parts.weight))
-    if hit is None or hit[0] is not parts.weight:
-        hit = _PREPARED[id(parts.weight)] = (parts.weight, PreparedSparse(parts))
-    return hit[1]
+    """The :class:`PreparedSparse` of ``parts``, built on first use and kept on ``parts`` itself
+    (where it takes attributes; else built anew each call)."""
+    prepared = getattr(parts, PREPARED_ATTR, None)
+    if prepared is None or prepared.source is not parts.weight:
+        prepared = PreparedSparse(parts)
+        try:
+            setattr(parts, PREPARED_ATTR, prepared)
+        except AttributeError:  # a frozen or slotted parts object
+            pass
+    return prepared
 
 
 def sparse_down(h: mx.array, parts: Any, blocks: mx.array, path: str = "float") -> mx.array:
