@@ -178,6 +178,11 @@ def test_sparse_host_step_is_the_sparse_tree():
         a = np.asarray(sp(mx.array([[t]]), cache=hc))[0, -1]
         b = np.asarray(sp(mx.array([[t]]), cache=mc))[0, -1]
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    from gearbx_mlx.speculative.drafter import make_drafter
+
+    described = make_drafter(sp).describe()
+    assert described["path"] == "host" and described["kept_fraction"] == sp.sparse["kept_fraction"]
+    assert "of down_proj's 64-neuron blocks (the C block-sparse kernel)" in described["detail"]
     # the tree's dense twin differs: blocks were really dropped
     dense = np.asarray(d.module(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])))[0, -1]
     assert not np.allclose(dense, a, atol=1e-4)
