@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Syntax- and type-check the Metal kernels (GEMV, nested GEMV, KV write) with clang (no Metal compiler needed).
+"""Syntax- and type-check the Metal kernels (GEMV, nested GEMV, sparse GEMV, KV write) with clang (no Metal compiler needed).
 
 ``mx.fast.metal_kernel`` wraps the kernel ``source`` in a generated
 ``[[kernel]]`` function: one ``const device <dtype>* name [[buffer(i)]]`` per
@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gearbx_mlx.bindings import gpu, kernel_files, nested_gpu, packed_gpu  # noqa: E402  (needs the checkout on sys.path)
+from gearbx_mlx.bindings import gpu, kernel_files, nested_gpu, packed_gpu, sparse_gpu  # noqa: E402  (needs the checkout on sys.path)
 from gearbx_mlx.kvcache import write_kernel  # noqa: E402
 
 # MLX's Metal type names (get_type_string) and CUDA type names (dtype_to_cuda_type).
@@ -204,6 +204,14 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
         fname = (f"custom_kernel_gbx_nested_{'_'.join(map(str, bits))}_g{gs}_{dtype}_s{sdtype}_"
                  f"{'shared' if shared else 'device'}_v{vec}")
         parts.append(signature(consts + nsource, fname, ins, [("y", types[dtype])]))
+    # The block-sparse body: both group sizes, every x and scale dtype, one and four rows.
+    for dtype, sdtype, gs, rows in sparse_variants():
+        _, ssource = sparse_gpu.kernel_sources(backend, has_bias, directory, compact=True)
+        consts = gpu.constants_source(backend, sparse_gpu.constants(getattr(mx, dtype), gs, rows))
+        ins = [(n, {"x": types[dtype], "bias": types[dtype], "w": "uint32_t", "blocks": "uint32_t"}.get(
+            n, types[sdtype])) for n in sparse_gpu.input_names(has_bias)]
+        fname = f"custom_kernel_gbx_sparse_g{gs}_{dtype}_s{sdtype}_r{rows}"
+        parts.append(signature(consts + ssource, fname, ins, [("y", types[dtype])]))
     # The KV write body: every bit width, dtype and quantizer, the offset with the bias.
     kv_header, _ = write_kernel.kernel_sources(backend, has_bias, directory, compact=True)
     assert kv_header.startswith(header), "the KV write header extends the GEMV header"
@@ -231,6 +239,12 @@ def nested_variants() -> List[Tuple[Tuple[int, ...], str, str, int, bool, int]]:
     dtypes = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("float16", "float32"))
     return [(bits, dt, sdt, gs, shared, vec) for bits in plans for dt, sdt in dtypes
             for gs, shared, vec in ((64, True, 4), (32, False, 2), (128, False, 4))]
+
+
+def sparse_variants() -> List[Tuple[str, str, int, int]]:
+    """(x dtype, scale dtype, group size, rows) of the block-sparse kernels checked."""
+    dtypes = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("float16", "float32"))
+    return [(dt, sdt, gs, rows) for dt, sdt in dtypes for gs in (64, 128) for rows in (1, 4)]
 
 
 def mma_variants() -> List[Tuple[str, Optional[int], Tuple[int, ...]]]:
@@ -280,7 +294,7 @@ def check(directory: Path, clang: str, backends: Sequence[str], verbose: bool = 
                 text = translation_unit(backend, Path(directory), has_bias)
                 ok, log = compile_unit(clang, backend, text, Path(tmp), stub_dir, tag, nvcc)
                 n = (sum(1 for v in variants() if v[4] == has_bias) + len(mma_variants())
-                     + len(nested_variants()) + len(kv_variants()))
+                     + len(nested_variants()) + len(sparse_variants()) + len(kv_variants()))
                 how = "nvcc sm_90" if backend == "cuda" and nvcc else "clang"
                 print(f"{'ok  ' if ok else 'FAIL'} {backend:5s} {tag:6s} ({n} kernels, {how})")
                 if not ok or verbose:

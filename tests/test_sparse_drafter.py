@@ -93,7 +93,7 @@ def test_sparse_step_matches_masked_reference():
     for gather in GATHERS:
         sp = SparseMLP(mlp, 2, gather)
         np.testing.assert_allclose(np.array(sp(x)).reshape(-1), np.array(want).reshape(-1), rtol=1e-4, atol=1e-4)
-    assert sp.extra_bytes == 0 < SparseMLP(mlp, 2).extra_bytes
+    assert sp.extra_bytes == SparseMLP(mlp, 2).extra_bytes == 0 < SparseMLP(mlp, 2, "experts").extra_bytes
     with pytest.raises(ValueError, match="gather must be one of"):
         SparseMLP(mlp, 2, "scatter")
     # several rows go dense
@@ -148,7 +148,7 @@ def test_sparse_drafter_of_the_gearbox_drafter():
     assert dense.sparse["kept_fraction"] == 1.0 and dense.host is None
     ids = mx.array([[3, 1, 4, 1, 5]])
     np.testing.assert_allclose(np.array(draft.module(ids)), np.array(dense.module(ids)), rtol=1e-5, atol=1e-5)
-    half = build_sparse_draft(draft, 0.5, tokens)
+    half = build_sparse_draft(draft, 0.5, tokens, gather="experts")
     assert half.sparse["kept_fraction"] == 0.5
     assert half.sparse["kept_down_bytes"] == half.sparse["down_bytes"] // 2
     assert half.memory["extra_bytes"] == draft.memory["extra_bytes"] + half.sparse["layout_bytes"] > 0

@@ -54,14 +54,17 @@ CSRC = "gearbx_mlx/bindings/csrc"
 SOURCES = tuple(f"{CSRC}/{name}" for name in (
     "ref.c", "dispatch.c", "pool.c", "bandwidth.c", "nested.c", "unpack.c",
     "arch/x86/packed.c", "arch/x86/nested.c", "arch/arm/packed.c", "arch/arm/nested.c",
+    "sparse.c", "arch/x86/sparse.c", "arch/arm/sparse.c",
 ))
 #: The self-test driver (not in the extension): built by the tests with SOURCES.
 TEST_DRIVER = f"{CSRC}/test_main.c"
+#: The block-sparse kernels' self-test driver (likewise).
+SPARSE_TEST_DRIVER = f"{CSRC}/test_sparse_main.c"
 #: Include folders, relative to the root: the C headers, and the format header's folder.
 INCLUDE_DIRS = (CSRC, "metal_kernels")
 #: Headers a change of which must rebuild the extension.
 HEADERS = ("metal_kernels/gearbx_format.h",) + tuple(f"{CSRC}/{name}" for name in (
-    "gearbx_cpu.h", "internal.h", "arch/x86/simd.h", "arch/arm/simd.h",
+    "gearbx_cpu.h", "internal.h", "arch/x86/simd.h", "arch/arm/simd.h", "gearbx_sparse.h", "sparse_internal.h",
 ))
 
 # What Python sees of csrc/gearbx_cpu.h.  API mode checks it against the
@@ -130,6 +133,12 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
 int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, int in_features, int path);
 int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int row1, int out_features,
                       int in_features, int nthreads);
+int gbx_sparse_gemv(const gbx_plane *plane, const float *x, const int32_t *blocks, int nkept, float *y,
+                    int out_features, int in_features, int path, int nthreads);
+int gbx_top_blocks(const float *x, int n, int group_size, int keep, int32_t *blocks);
+int gbx_sparse_gemv_top(const gbx_plane *plane, const float *x, int keep, int32_t *blocks, float *y,
+                        int out_features, int in_features, int path, int nthreads);
+int gbx_check_sparse(const gbx_plane *plane, int out_features, int in_features, int path);
 """
 
 
@@ -225,7 +234,7 @@ def make_ffibuilder(absolute_paths: bool = False) -> FFI:
     ffi.cdef(CDEF)
     ffi.set_source(
         MODULE_NAME,
-        '#include "gearbx_cpu.h"\n',
+        '#include "gearbx_cpu.h"\n#include "gearbx_sparse.h"\n',
         sources=[path(s) for s in SOURCES],
         include_dirs=[path(d) for d in INCLUDE_DIRS],
         extra_compile_args=cflags,

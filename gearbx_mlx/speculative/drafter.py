@@ -155,8 +155,9 @@ class HostDrafter(Drafter):
         return DraftBlock(mx.array(tokens, dtype=mx.uint32), mx.array(ents), None, stop)
 
     def describe(self) -> Dict[str, Any]:
-        return {"path": self.path, "detail": "numpy decode step around the C GEMV on a host KV cache "
-                f"({self.model.kernel} {self.model.bits}-bit, no MLX graph)", "reason": None}
+        out = {"path": self.path, "detail": "numpy decode step around the C GEMV on a host KV cache "
+               f"({self.model.kernel} {self.model.bits}-bit, no MLX graph)", "reason": None}
+        return with_sparse_detail(out, self.model.sparse, "steps", "the C block-sparse kernel")
 
 
 class TreeDrafter(Drafter):
@@ -228,12 +229,17 @@ class TreeDrafter(Drafter):
         out = {"path": self.path, "detail": f"MLX module tree, {self.model.kernel} {self.model.bits}-bit kernels",
                "reason": reason}
         sparse = self.model.sparse
-        if sparse:
-            out["detail"] += (f"; activation-sparse FFNs (target sparsity {sparse['sparsity']:g}): one-token steps "
-                              f"keep {100 * sparse['kept_fraction']:.1f}% of down_proj's {sparse['group_size']}-neuron "
-                              "blocks")
-            out["kept_fraction"] = sparse["kept_fraction"]
-        return out
+        return with_sparse_detail(out, sparse, "one-token steps", f"gather {sparse['gather']}" if sparse else "")
+
+
+def with_sparse_detail(out: Dict[str, Any], sparse: Optional[Dict[str, Any]], steps: str, how: str) -> Dict[str, Any]:
+    """``out`` with an activation-sparse drafter's kept fraction in its detail and fields (unchanged if dense)."""
+    if sparse:
+        out["detail"] += (f"; activation-sparse FFNs (target sparsity {sparse['sparsity']:g}): {steps} "
+                          f"keep {100 * sparse['kept_fraction']:.1f}% of down_proj's {sparse['group_size']}-neuron "
+                          f"blocks ({how})")
+        out["kept_fraction"] = sparse["kept_fraction"]
+    return out
 
 
 class NoDrafter(Drafter):
@@ -291,4 +297,4 @@ def make_drafter(
 
 
 __all__ = ["DRAFTER_PATHS", "DraftBlock", "Drafter", "HostDrafter", "NoDrafter", "TreeDrafter", "make_drafter",
-           "prefill"]
+           "prefill", "with_sparse_detail"]

@@ -11,15 +11,20 @@ columns of a block are a slice of the packed weight, scales and biases.
 :class:`SparseMLP` runs a one-token decode step as: gate and up densely, the
 mass ``sum |h|`` of every block, the ``keep`` heaviest blocks, and
 ``down_proj`` over those blocks' columns alone, so it reads ``keep / blocks``
-of down_proj's bytes. Two ways (:data:`GATHERS`): ``take`` gathers the kept
+of down_proj's bytes. Ways (:data:`GATHERS`): ``take`` gathers the kept
 columns of the packed weight, scales and biases (``mx.take`` along the packed
-axis) and calls ``mx.quantized_matmul`` on the sub-matrix; ``experts`` (the
-default) keeps a block-major copy of down_proj, one little matrix per block,
-and calls ``mx.gather_qmm`` with the kept blocks as the chosen experts, which
+axis) and calls ``mx.quantized_matmul`` on the sub-matrix; ``experts`` keeps
+a block-major copy of down_proj, one little matrix per block, and calls ``mx.gather_qmm`` with the kept blocks as the chosen experts, which
 reads them in place (on the CPU the ``take`` gather costs more than the
-product it saves; the copy costs down_proj's bytes once more).
-Several rows at once (the prompt's prefill, re-fed accepted tokens) go
-dense: their KV entries stay the dense drafter's.
+product it saves; the copy costs down_proj's bytes once more). ``c`` reads
+the kept blocks in place with a C kernel (:mod:`gearbx_mlx.bindings.sparse_cpu`);
+``auto`` (the default) is ``c`` on the CPU where the kernel takes the
+weight, else ``experts``, chosen at each call. On the CPU a drafter whose
+dense twin has the host step (numpy around the C GEMV) drafts through it too,
+its ``down_proj`` the C kernel over the kept blocks
+(:mod:`gearbx_mlx.speculative.sparse_host`).
+In the tree, several rows at once (the prompt's prefill, re-fed accepted
+tokens) go dense: their KV entries stay the dense drafter's.
 
 :func:`calibrate_keep` chooses each layer's kept fraction for a target
 sparsity ``S``: one mass share ``m`` for all layers, each layer keeping the
@@ -39,8 +44,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from ..bindings import sparse_cpu
 from ..sources.models import corpus_path
 from .draft import DraftModel, graft
+from .sparse_host import sparse_host
 
 #: Model types whose FFN is ``down(silu(gate(x)) * up(x))`` (mlx-lm's llama MLP and kin).
 SWIGLU_MODELS: Tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -178,9 +185,11 @@ def masked_down(h: mx.array, down: nn.Module, blocks: mx.array, group_size: int)
 
 
 #: How a one-token step reads the kept blocks: ``experts`` (``mx.gather_qmm`` over a
-#: block-major copy of down_proj) or ``take`` (gather the packed columns, then
-#: ``mx.quantized_matmul``; no copy, but the gather itself is a copy every step).
-GATHERS: Tuple[str, ...] = ("experts", "take")
+#: block-major copy of down_proj), ``take`` (gather the packed columns, then
+#: ``mx.quantized_matmul``; no copy, but the gather itself is a copy every step),
+#: ``c`` (the C kernel, in place: CPU, 4-bit, groups of 64 or 128) or ``auto``
+#: (``c`` where it applies at the call, else ``experts``).
+GATHERS: Tuple[str, ...] = ("auto", "c", "experts", "take")
 
 
 class SparseMLP(nn.Module):
@@ -190,7 +199,7 @@ class SparseMLP(nn.Module):
     :data:`GATHERS`), several rows (or ``keep == blocks``) the dense ``down_proj``.
     """
 
-    def __init__(self, mlp: nn.Module, keep: int, gather: str = "experts") -> None:
+    def __init__(self, mlp: nn.Module, keep: int, gather: str = "auto") -> None:
         super().__init__()
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
@@ -200,7 +209,12 @@ class SparseMLP(nn.Module):
         self.keep = max(1, min(int(keep), self.blocks))
         self.gather = gather
         dense = self.keep >= self.blocks
-        self.__dict__["_major"] = block_major(self.parts) if gather == "experts" and not dense else None
+        self.c_reason = sparse_cpu.unsupported(self.parts) if gather in ("auto", "c") else f"gather {gather!r}"
+        if gather == "c" and self.c_reason is not None:
+            raise ValueError(f"the C gather cannot run here: {self.c_reason}")
+        self.c_path = sparse_path(mlp.down_proj)
+        major = gather == "experts" or (gather == "auto" and self.c_reason is not None)
+        self.__dict__["_major"] = block_major(self.parts) if major and not dense else None
         self.freeze()
 
     @property
@@ -215,7 +229,9 @@ class SparseMLP(nn.Module):
             return self.down_proj(h)
         blocks = top_blocks(h.reshape(-1), self.keep, self.parts.group_size)
         major = self.__dict__["_major"]
-        if major is not None:
+        if self.c_reason is None and mx.default_device() == mx.cpu:
+            y = sparse_cpu.sparse_down(h.reshape(1, -1), self.parts, blocks, self.c_path)
+        elif major is not None:
             y = expert_down(h.reshape(1, -1), major, self.parts, blocks)
         else:
             y = sparse_down(h.reshape(1, -1), self.parts, blocks)
@@ -274,7 +290,7 @@ def calibrate_keep(masses: Sequence[mx.array], sparsity: float, iters: int = 30)
     return kept(hi)
 
 
-def sparse_module(module: nn.Module, keep: Sequence[int], gather: str = "experts") -> nn.Module:
+def sparse_module(module: nn.Module, keep: Sequence[int], gather: str = "auto") -> nn.Module:
     """A copy of the drafter's tree whose FFNs are :class:`SparseMLP` keeping ``keep[i]`` blocks."""
     layers = ffn_layers(module)
     tree: Dict[str, Any] = {"model": {"layers": {str(i): {"mlp": SparseMLP(layer.mlp, k, gather)}
@@ -289,14 +305,16 @@ def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS) -> List[int]
 
 
 def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int],
-                       gather: str = "experts") -> DraftModel:
+                       gather: str = "auto") -> DraftModel:
     """The sparse drafter of ``draft`` at the target ``sparsity``, its kept fractions measured on ``tokens``.
 
-    It shares every array with ``draft``; it drafts through the MLX tree (the
-    host step is dense). ``sparse`` on the result records what was kept:
+    It shares every array with ``draft``. Where ``draft`` has the host step
+    and ``gather`` is ``auto`` or ``c``, so does the result (its ``down_proj``
+    the C kernel over the kept blocks); else it drafts through the MLX tree.
+    ``sparse`` on the result records what was kept:
     ``{"sparsity", "kept_fraction", "kept_blocks", "blocks", "group_size",
     "calibration_tokens", "down_bytes", "kept_down_bytes", "gather",
-    "layout_bytes"}`` (bytes of every layer's ``down_proj``, and of its kept
+    "layout_bytes", "path"}`` (``path``: ``host`` or ``mlx``) (bytes of every layer's ``down_proj``, and of its kept
     blocks, per one-token step; bytes of the block-major copies).
     """
     check_sparsity(sparsity)
@@ -320,13 +338,25 @@ def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]
     memory = dict(draft.memory)
     if memory:
         memory.update(extra_bytes=memory["extra_bytes"] + extra, resident_total=memory["resident_total"] + extra)
-    return dataclasses.replace(draft, module=module, host=None, memory=memory,
-                               host_reason="the sparse drafter runs its FFNs in the MLX tree", sparse=info)
+    host, reason = None, "the sparse drafter runs its FFNs in the MLX tree"
+    if draft.host is not None and gather in ("auto", "c") and sparsity > 0:
+        paths = [sparse_path(layer.mlp.down_proj) for layer in layers]
+        host, why = sparse_host(module, parts, keep, paths)
+        reason = None if host is not None else f"{reason}: {why}"
+    info.update(path="host" if host is not None else "mlx")
+    return dataclasses.replace(draft, module=module, host=host, memory=memory, host_reason=reason, sparse=info)
+
+
+def sparse_path(down: nn.Module) -> str:
+    """The C path of the host step's sparse ``down_proj``: the dense host step's own for a nested view
+    (``intdot`` for the 4-bit low gear), ``float`` otherwise."""
+    nested = down.get("nested") if isinstance(down, nn.Module) else None
+    return nested.product.cpu_path(down.n) if nested is not None else "float"
 
 
 __all__ = [
     "CALIBRATION_TOKENS", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
     "block_mass", "build_sparse_draft", "calibrate_keep", "calibration_tokens", "check_sparsity", "expert_down",
-    "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts", "sparse_down", "sparse_module",
+    "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts", "sparse_down", "sparse_module", "sparse_path",
     "top_blocks",
 ]
