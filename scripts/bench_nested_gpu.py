@@ -124,7 +124,7 @@ def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None) -> Dic
     if fused:
         bits, groups = tuple(b for b, _ in PLAN[:n]), tuple(g for _, g in PLAN[:n])
         run = nested_gpu.launcher(gpu.gpu_backend(), bits, groups, in_features, out_features, ACT_DTYPE,
-                                  ACT_DTYPE, False, tuning)
+                                  ACT_DTYPE, False, tuning=tuning)
         arrays = [nested_gpu.plane_arrays(c, n) for c in copies]
         factors = nested_gpu.factors_of(first, n)
         row = {"max_rel_err": _check(run(x, arrays[0], factors), reference_matmul(x[None], first, n)[0],

@@ -48,8 +48,8 @@ def c_kernels() -> bool:
 # -- an emulated GPU back end: the launchers' interface over the reference ------------
 
 
-def emulated_launcher(backend, bits, group_size, in_features, out_features, dtype, has_bias, tuning=None,
-                      shared=None, mma=None, splits=(), plant=None):
+def emulated_launcher(backend, bits, group_size, in_features, out_features, dtype, has_bias, *, splits=(),
+                      plant=None, **_):
     """What ``packed_gpu.launcher`` returns, computed by the reference (on ``plant``ed weights)."""
 
     def run(x, weight, scales, bias=None):
@@ -66,8 +66,7 @@ def emulated_launcher(backend, bits, group_size, in_features, out_features, dtyp
 
 
 def emulated_gemv(plant=None):
-    def gemv(x, weight, scales, bias=None, *, bits, group_size, backend=None, tuning=None, shared=None, mma=None,
-             splits=()):
+    def gemv(x, weight, scales, bias=None, *, bits, group_size, backend=None, splits=(), **_):
         run = emulated_launcher("cuda", bits, group_size, x.shape[-1], weight.shape[0], x.dtype, bias is not None,
                                 splits=splits, plant=plant)
         return run(x, weight, scales, bias)
@@ -75,7 +74,7 @@ def emulated_gemv(plant=None):
 
 
 def emulated_nested_launcher(backend, bits, group_sizes, in_features, out_features, dtype, scale_dtype, has_bias,
-                             tuning=None, shared=None):
+                             **_):
     """What ``nested_gpu.launcher`` returns, computed from the dequantized planes in float32."""
 
     def run(x, arrays, factors, bias=None):
@@ -324,7 +323,8 @@ def test_fused_launch_is_checked_and_falls_back(emulated_gpu, plant):
     """The 3-output launch of a fused q/k/v group: trusted when right; when wrong,
     one warning and every member's output is still the reference's."""
     p = kernelcheck.PLANTS.get(plant) if plant else None
-    emulated_gpu.setattr(packed_gpu, "launcher", lambda *a: emulated_launcher(*a, plant=p if a[-1] else None))
+    emulated_gpu.setattr(packed_gpu, "launcher",
+                         lambda *a, **kw: emulated_launcher(*a, **kw, plant=p if kw.get("splits") else None))
     fused = _packed_siblings()
     x = mx.random.normal((1, 1, 128)).astype(mx.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
