@@ -71,6 +71,7 @@ from bench_kernels import (  # noqa: E402
 )
 
 from gearbx_mlx.bindings import gpu, nested_gpu  # noqa: E402
+from gearbx_mlx.nested.fused import fuse_nested_views  # noqa: E402
 from gearbx_mlx.nested.layers import NestedWeights, make_view  # noqa: E402
 from gearbx_mlx.nested.matmul import DEFAULT_CONFIG, NestedKernelConfig  # noqa: E402
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
@@ -261,8 +262,10 @@ def variant_config(suffix: str) -> NestedKernelConfig:
     """The package's kernel config for a decode variant's suffix: ``-fused`` (the low gear
     through the fused kernel, not MLX's quantized_matmul), ``-nocompile`` (no
     ``mx.compile`` around the one-token launch), or both."""
-    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in suffix,
-                               gpu_compile=DEFAULT_CONFIG.gpu_compile and "nocompile" not in suffix)
+    # Inside a compiled block a launch is traced once anyway: no compile of its own.
+    no_compile = "nocompile" in suffix or "blockc" in suffix
+    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in suffix.split("-"),
+                               gpu_compile=DEFAULT_CONFIG.gpu_compile and not no_compile)
 
 
 def host_us_per_step(model, prompt: mx.array, steps: int = 24) -> Dict[str, float]:
@@ -320,7 +323,8 @@ def print_gemv(rows, copy_gbps: float) -> None:
                                                                       "speedup_vs_bf16")))
 
 
-def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3) -> List[Dict[str, object]]:
+def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3,
+                 progress: Callable[[List[Dict[str, object]]], None] = lambda rows: None) -> List[Dict[str, object]]:
     from mlx.utils import tree_unflatten
 
     model = build_model(kind)
@@ -338,11 +342,13 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
     mlps: List[Tuple[nn.Module, nn.Module]] = []
+    blocks: List[Tuple[int, nn.Module]] = []
+    groups: Dict[tuple, tuple] = {}  # the fused groups' stacked planes, shared by every gear and round
     for r in range(rounds):
         for variant in variants:
             entry = entries[variant]
             try:
-                if variant == "bf16":
+                if variant.split("-")[0] == "bf16":
                     plan = []
                 elif variant.startswith("mlx"):
                     bits = int(variant.split("-")[1])
@@ -355,6 +361,12 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                     for p, _ in linears:
                         products[p].use_kernel_config(config)
                     plan = [(p, make_view(products[p], n, False, fused=parts[-1] != "mlx")) for p, _ in linears]
+                    if "grp" in parts:
+                        plan = list(fuse_nested_views(dict(plan), groups).items())
+                        for _, group in groups.values():
+                            if group is not None:
+                                group.weights.use_kernel_config(config)
+                        entry["fused_groups"] = sum(g is not None for _, g in groups.values())
                     entry["low_through_mlx"] = bool(getattr(plan[0][1], "through_mlx", False))
                     entry["compiled"] = config.gpu_compile
                     entry["bits_per_weight"] = 8 * sum(plane_bytes(products[p].planes, n) for p, _ in linears) / sum(
@@ -368,9 +380,14 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 if variant.endswith("-mlpc"):
                     mlps = compile_mlps(model)
                     greedy_decode(model, prompt[:8], 8)
+                if "-blockc" in variant:
+                    blocks = compile_blocks(model)
+                    greedy_decode(model, prompt[:8], 8)
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
                 entry.setdefault("rounds_host_us_per_step", []).append(host_us_per_step(model, prompt))
+                print(f"  round {r + 1} {variant:26s} {tps:7.1f} tok/s, host "
+                      f"{entry['rounds_host_us_per_step'][-1]['median']:.0f} us/step", flush=True)
                 entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
                 if reference_tokens is None:
                     reference_tokens = tokens
@@ -383,6 +400,9 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 for layer, mlp in mlps:
                     layer.mlp = mlp
                 mlps = []
+                for i, block in blocks:
+                    model.model.layers[i] = block
+                blocks = []
                 model.update_modules(tree_unflatten(linears))
                 plan = None
                 mx.clear_cache()
@@ -397,6 +417,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                       + (f"{entry['tok_per_s']:7.1f} tok/s median of " + "/".join(f"{t:.0f}" for t in runs)
                          + f", host {entry['host_us_per_step']:.0f} us/step"
                          if "tok_per_s" in entry else entry.get("error", "")), flush=True)
+        progress(list(entries.values()))  # each round's tok/s kept, should the run be stopped
     del model, products
     mx.clear_cache()
     return list(entries.values())
@@ -421,6 +442,57 @@ def compile_mlps(model) -> List[Tuple[nn.Module, nn.Module]]:
     for layer in model.layers:
         out.append((layer, layer.mlp))
         layer.mlp = CompiledMLP(layer.mlp)
+    return out
+
+
+class CompiledBlock(nn.Module):
+    """A llama block's one-token step as two ``mx.compile``d calls around the attention
+    (whose cache grows every step): the norm and q/k/v products (and their
+    reshapes) before it, the output product, residuals, norm and MLP after it.
+    The block's arrays (a gear's planes) are captured when traced: one
+    compiled block per gear. Prompts (several tokens) take the block itself."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.inner = block
+        self.use_sliding = getattr(block, "use_sliding", False)  # what the model's forward reads of a block
+        attn = block.self_attn
+
+        def pre(x):
+            B, L, _ = x.shape
+            h = block.input_layernorm(x)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            return (q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3),
+                    k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3),
+                    v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
+
+        def post(x, o):
+            B, L, _ = x.shape
+            h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return h + block.mlp(block.post_attention_layernorm(h))
+
+        self.__dict__["pre"] = mx.compile(pre)
+        self.__dict__["post"] = mx.compile(post)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if cache is None or x.shape[1] != 1:
+            return self.inner(x, mask, cache)
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        attn = self.inner.self_attn
+        q, k, v = self.pre(x)
+        q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        return self.post(x, o)
+
+
+def compile_blocks(model) -> List[Tuple[int, nn.Module]]:
+    """Wrap every block in :class:`CompiledBlock`; ``[(index, block)]`` to restore."""
+    out = []
+    for i, block in enumerate(model.model.layers):
+        out.append((i, block))
+        model.model.layers[i] = CompiledBlock(block)
     return out
 
 
@@ -513,8 +585,10 @@ def main(argv=None) -> int:
         report["decode"] = []
         for kind in kinds:
             try:
-                report["decode"] += bench_decode(kind, variants, n_tokens=32 if args.quick else 128,
-                                                 rounds=args.rounds)
+                done = list(report["decode"])
+                report["decode"] = done + bench_decode(
+                    kind, variants, n_tokens=32 if args.quick else 128, rounds=args.rounds,
+                    progress=lambda rows: (report.__setitem__("decode", done + rows), save()))
             except Exception as e:
                 report["decode"].append({"model": kind, "error": f"{type(e).__name__}: {e}"})
                 traceback.print_exc()
