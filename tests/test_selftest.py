@@ -471,3 +471,31 @@ def test_a_nested_kernel_that_fails_to_build_does_not_stop_generate(model_folder
     assert "metal nested GEMV" in caught[0] and "failed to build" in caught[0] and "Unable to build" in caught[0]
     assert "python -m gearbx_mlx.selftest" in caught[0]
     assert all("nested" in name for name in guard.failed())
+
+
+def test_gpu_dispatch_reuses_the_families_kernels():
+    """On a GPU the dispatch check builds no kernel of its own: each of its layers runs a
+    variant (by name) that the SIMT and matrix-unit checks before it already ran."""
+
+    def name(o, k, bits, gs, dtype, **variant):
+        packed, scales, x, b = checks.make_case(o, k, bits, gs, dtype, True, seed=bits)
+        return packed_gpu.launch_spec("cuda", x, packed, scales, b, bits=bits, group_size=gs, **variant)["name"]
+
+    built = set()
+    for (o, k, gs, bias), dtype in zip(checks.SIMT_CASES, kernelcheck.gpu_case_dtypes(len(checks.SIMT_CASES),
+                                                                                       checks.DTYPES)):
+        built |= {name(o, k, bits, gs, dtype, mma=False) for bits in (4, 8) if bias}
+    for (o, k, gs, bias), dtype in zip(checks.MMA_CASES, kernelcheck.gpu_case_dtypes(len(checks.MMA_CASES),
+                                                                                     packed_gpu.MMA_DTYPES)):
+        built |= {name(o, k, 4, gs, dtype, mma=True)} if bias else set()
+    runs = checks.gpu_dispatch_cases()
+    assert [r[0] for r in runs] == list(checks.DTYPES) and {r[1] for r in runs} == {4, 8}
+    for dtype, bits, o, k, gs in runs:
+        assert name(o, k, bits, gs, dtype) in built  # PackedLinear's own choice of variant
+
+
+def test_nested_check_planes_are_built_once():
+    a = nested_checks.make_planes(17, 320, nested_checks.KERNEL_PLAN, mx.float16, seed=2)
+    b = nested_checks.make_planes(17, 320, list(nested_checks.KERNEL_PLAN), mx.float16, seed=2)
+    assert a is not b and all(p is q for p, q in zip(a, b))
+    assert nested_checks.make_planes(17, 320, nested_checks.KERNEL_PLAN, mx.bfloat16, seed=2)[0] is not a[0]
