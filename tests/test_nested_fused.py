@@ -118,3 +118,50 @@ def test_a_rescale_that_is_not_exact_refuses():
     tiny = nested_fused.Plane(big.weight, big.scales.astype(mx.float16) * 0 + 6e-8, big.biases.astype(mx.float16),
                               big.bits, big.group_size, big.exponent - 30)
     assert nested_fused._at_exponent(tiny, big.exponent) is None
+
+
+def _steps(model, tokens=(3, 9, 4), steps=4):
+    """One-token decode logits after a prompt (float32 numpy), as a gear decodes."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(mx.array(tokens)[None], cache=cache)[:, -1, :], axis=-1)
+    out = []
+    for _ in range(steps):
+        logits = model(y[None], cache=cache)[:, -1, :]
+        out.append(np.array(logits.astype(mx.float32)))
+        y = mx.argmax(logits, axis=-1)
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["packed", "mlx"])
+def test_the_manager_on_a_gpu_fuses_groups_and_compiles_steps(monkeypatch, kernel):
+    """Where the precision manager sees a GPU: every gear's siblings fused (with the packed
+    kernels), one stacked copy of their planes (each member's are row slices of it), and the
+    blocks' one-token steps compiled (with MLX's kernels: the C kernels of this CPU evaluate,
+    so they cannot be traced); every gear's decode logits as without either."""
+    import dataclasses
+
+    from conftest import make_tiny_llama
+
+    from gearbx_mlx import blockstep, precision
+    from gearbx_mlx.config import GearboxConfig
+
+    config = GearboxConfig(scope="all", store="nested", high="planes", kernel=kernel)
+    plain = precision.PrecisionManager(make_tiny_llama(tie=False), config)
+    monkeypatch.setattr(precision, "gpu", SimpleNamespace(gpu_backend=lambda: "cuda"))
+    monkeypatch.setattr(precision, "NESTED_KERNELS", dataclasses.replace(
+        precision.NESTED_KERNELS, gpu_block_steps=kernel == "mlx"))
+    mgr = precision.PrecisionManager(make_tiny_llama(tie=False), config)
+    q = "model.layers.0.self_attn.q_proj"
+    fused = isinstance(mgr.cache["mid"][q], FusedNestedLinear)
+    assert fused == (kernel == "packed")
+    if fused:
+        assert mgr.nested[q] is mgr.cache["mid"][q]["nested"] is mgr.cache["low"][q]["nested"]
+    compiled = isinstance(mgr.model.layers[0], blockstep.CompiledStep)
+    assert compiled == (kernel == "mlx")
+    for gear in ("low", "mid", "high"):
+        plain.shift(gear)
+        mgr.shift(gear)
+        for a, b in zip(_steps(plain.model), _steps(mgr.model)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -90,9 +90,16 @@ class NestedGroup:
             bounds.append(bounds[-1] + m.shape[0])
         self.bounds = tuple(bounds)
         self._last: Optional[Tuple[mx.array, int, List[mx.array]]] = None
+        self._members: Dict[int, NestedWeights] = {}
 
     def member_weights(self, index: int) -> NestedWeights:
-        """Member ``index``'s planes (and bias): row slices of the group's."""
+        """Member ``index``'s planes (and bias): row slices of the group's, one object per member
+        (every gear's view of it shares them)."""
+        if index not in self._members:
+            self._members[index] = self._slice(index)
+        return self._members[index]
+
+    def _slice(self, index: int) -> NestedWeights:
         lo, hi = self.bounds[index], self.bounds[index + 1]
         planes = [Plane(p.weight[lo:hi], p.scales[lo:hi], p.biases[lo:hi], p.bits, p.group_size, p.exponent)
                   for p in self.weights.planes]
