@@ -202,10 +202,13 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
         layer.weight, layer.scales, layer.bias = _planted(packed, bits, plant), scales, b
         path = backend_for(x, bits, k, o, gs)
         y = layer(x[None])[0]
-        ref = formats.reference_matmul(x, packed, scales, bits=bits, group_size=gs, in_features=k, bias=b)
-        w = formats.dequantize(packed, scales, bits, gs, k)
-        bound = gemv_bound(x, w, ref.astype(mx.float32), out_dtype=dtype,
-                           intdot=path == "cpu" and layers.CPU_GEMV_PATH in ("auto", "intdot"))
+        mx.eval(y)
+        with mx.stream(mx.cpu):  # on a GPU, only the layer under test runs there
+            ref = formats.reference_matmul(x, packed, scales, bits=bits, group_size=gs, in_features=k, bias=b)
+            w = formats.dequantize(packed, scales, bits, gs, k)
+            bound = gemv_bound(x, w, ref.astype(mx.float32), out_dtype=dtype,
+                               intdot=path == "cpu" and layers.CPU_GEMV_PATH in ("auto", "intdot"))
+            mx.eval(ref, bound)
         cases.append(Case(shape_label(o, k, gs, True, [f"int{bits}", f"via {path}"]), dtype_name(dtype),
                           compare(y, ref, bound)))
     return cases
