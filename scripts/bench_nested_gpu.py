@@ -29,7 +29,10 @@ Sections (each recorded even if another fails):
    ``-fused`` runs the low gear through the fused kernel instead of MLX's
    ``quantized_matmul`` on plane 0, ``-nocompile`` the one-token launches
    without ``mx.compile`` (:class:`~gearbx_mlx.nested.matmul.NestedKernelConfig`);
-   ``-mlpc`` (any variant) compiles each block's MLP into one call.
+   ``-mlpc`` (any variant) compiles each block's MLP into one call, ``-grp`` reads
+   each fused group (q/k/v, gate/up) in one launch (``gearbx_mlx.nested.fused``),
+   ``-blockc`` (any variant) runs each block's one-token step as two compiled
+   calls around the attention (:class:`CompiledBlock`).
    ``--rounds`` passes over the variants, interleaved; medians, spreads and the
    host time to build one step's graph (``host_us_per_step``) reported.
 
