@@ -32,7 +32,7 @@ Sections (each recorded even if another fails):
    ``-mlpc`` (any variant) compiles each block's MLP into one call, ``-grp`` reads
    each fused group (q/k/v, gate/up) in one launch (``gearbx_mlx.nested.fused``),
    ``-blockc`` (any variant) runs each block's one-token step as two compiled
-   calls around the attention (:class:`CompiledBlock`).
+   calls around the attention (``gearbx_mlx.blockstep``).
    ``--rounds`` passes over the variants, interleaved; medians, spreads and the
    host time to build one step's graph (``host_us_per_step``) reported.
 
@@ -74,6 +74,7 @@ from bench_kernels import (  # noqa: E402
 )
 
 from gearbx_mlx.bindings import gpu, nested_gpu  # noqa: E402
+from gearbx_mlx.blockstep import compile_block_steps, restore_block_steps  # noqa: E402
 from gearbx_mlx.nested.fused import fuse_nested_views  # noqa: E402
 from gearbx_mlx.nested.layers import NestedWeights, make_view  # noqa: E402
 from gearbx_mlx.nested.matmul import DEFAULT_CONFIG, NestedKernelConfig  # noqa: E402
@@ -345,7 +346,6 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
     mlps: List[Tuple[nn.Module, nn.Module]] = []
-    blocks: List[Tuple[int, nn.Module]] = []
     groups: Dict[tuple, tuple] = {}  # the fused groups' stacked planes, shared by every gear and round
     for r in range(rounds):
         for variant in variants:
@@ -384,7 +384,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                     mlps = compile_mlps(model)
                     greedy_decode(model, prompt[:8], 8)
                 if "-blockc" in variant:
-                    blocks = compile_blocks(model)
+                    compile_block_steps(model)  # a gear's steps compile from its second one-token call
                     greedy_decode(model, prompt[:8], 8)
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
@@ -403,9 +403,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 for layer, mlp in mlps:
                     layer.mlp = mlp
                 mlps = []
-                for i, block in blocks:
-                    model.model.layers[i] = block
-                blocks = []
+                restore_block_steps(model)
                 model.update_modules(tree_unflatten(linears))
                 plan = None
                 mx.clear_cache()
@@ -445,57 +443,6 @@ def compile_mlps(model) -> List[Tuple[nn.Module, nn.Module]]:
     for layer in model.layers:
         out.append((layer, layer.mlp))
         layer.mlp = CompiledMLP(layer.mlp)
-    return out
-
-
-class CompiledBlock(nn.Module):
-    """A llama block's one-token step as two ``mx.compile``d calls around the attention
-    (whose cache grows every step): the norm and q/k/v products (and their
-    reshapes) before it, the output product, residuals, norm and MLP after it.
-    The block's arrays (a gear's planes) are captured when traced: one
-    compiled block per gear. Prompts (several tokens) take the block itself."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.inner = block
-        self.use_sliding = getattr(block, "use_sliding", False)  # what the model's forward reads of a block
-        attn = block.self_attn
-
-        def pre(x):
-            B, L, _ = x.shape
-            h = block.input_layernorm(x)
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            return (q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3),
-                    k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3),
-                    v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
-
-        def post(x, o):
-            B, L, _ = x.shape
-            h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-            return h + block.mlp(block.post_attention_layernorm(h))
-
-        self.__dict__["pre"] = mx.compile(pre)
-        self.__dict__["post"] = mx.compile(post)
-
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if cache is None or x.shape[1] != 1:
-            return self.inner(x, mask, cache)
-        from mlx_lm.models.base import scaled_dot_product_attention
-
-        attn = self.inner.self_attn
-        q, k, v = self.pre(x)
-        q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-        return self.post(x, o)
-
-
-def compile_blocks(model) -> List[Tuple[int, nn.Module]]:
-    """Wrap every block in :class:`CompiledBlock`; ``[(index, block)]`` to restore."""
-    out = []
-    for i, block in enumerate(model.model.layers):
-        out.append((i, block))
-        model.model.layers[i] = CompiledBlock(block)
     return out
 
 
