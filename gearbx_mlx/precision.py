@@ -40,10 +40,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import load_tokenizer
 
 from .affine import bytes_per_weight
+from .bindings import gpu
+from .blockstep import compile_block_steps
 from .config import GEARS, GearboxConfig, bits_for
 from .distributed.layers import FLOAT_SHARDED, QUANTIZED_SHARDED, ShardedSumLinear, is_sharded, local_linear, shard_gear
+from .nested.fused import FusedNestedLinear, fuse_nested_views
 from .nested.layers import NestedWeights
 from .nested.lowquant import calibration_tokens, low_planes, settings_of
+from .nested.matmul import DEFAULT_CONFIG as NESTED_KERNELS
 from .nested.planes import Plane, PlaneSpec
 from .nested.store import (
     GEAR_PLANES,
@@ -331,6 +335,8 @@ class PrecisionManager:
                 except OSError as e:
                     self.planes_origin = f"built (cache not written: {e})"
         views = gear_views(self.nested, self.originals, c.high, fused=c.kernel == "packed")
+        if gpu.gpu_backend() is not None:
+            views = self._gpu_views(views)
         self.cache = {g: {p: shard_gear(m, self.originals[p]) for p, m in mods.items()} for g, mods in views.items()}
         mx.eval([w.parameters() for w in self.nested.values()])
         if c.kernel == "packed" and mx.default_device().type == mx.DeviceType.cpu:
@@ -381,6 +387,22 @@ class PrecisionManager:
                 self.cache[gear] = self.cache["high"]
                 self.resolution = dataclasses.replace(self.resolution, why=self.resolution.why + (
                     (gear, "its planes read no fewer bytes than the loaded weights: it runs the high gear's"),))
+
+    def _gpu_views(self, views: Dict[str, Dict[str, nn.Module]]) -> Dict[str, Dict[str, nn.Module]]:
+        """On a GPU: every gear's fused groups (q/k/v, gate/up) in one launch each, their planes
+        stacked once for all gears (each member's planes become row slices of its group's, so the
+        separate copies go), and each block's one-token step compiled per gear; per
+        :data:`~gearbx_mlx.nested.matmul.DEFAULT_CONFIG`. Sharded layers keep their own views."""
+        if NESTED_KERNELS.gpu_fuse_groups and not any(is_sharded(m) for m in self.originals.values()):
+            groups: dict = {}
+            views = {g: fuse_nested_views(mods, groups) for g, mods in views.items()}
+            for mods in views.values():
+                for p, m in mods.items():
+                    if isinstance(m, FusedNestedLinear):
+                        self.nested[p] = m["nested"]
+        if NESTED_KERNELS.gpu_block_steps:
+            compile_block_steps(self.model)
+        return views
 
     def _shard(self) -> Tuple[int, int]:
         """``(rank, ranks)`` of the group the managed layers are sharded over; ``(0, 1)`` if none."""

@@ -29,7 +29,10 @@ Sections (each recorded even if another fails):
    ``-fused`` runs the low gear through the fused kernel instead of MLX's
    ``quantized_matmul`` on plane 0, ``-nocompile`` the one-token launches
    without ``mx.compile`` (:class:`~gearbx_mlx.nested.matmul.NestedKernelConfig`);
-   ``-mlpc`` (any variant) compiles each block's MLP into one call.
+   ``-mlpc`` (any variant) compiles each block's MLP into one call, ``-grp`` reads
+   each fused group (q/k/v, gate/up) in one launch (``gearbx_mlx.nested.fused``),
+   ``-blockc`` (any variant) runs each block's one-token step as two compiled
+   calls around the attention (``gearbx_mlx.blockstep``).
    ``--rounds`` passes over the variants, interleaved; medians, spreads and the
    host time to build one step's graph (``host_us_per_step``) reported.
 
@@ -71,6 +74,8 @@ from bench_kernels import (  # noqa: E402
 )
 
 from gearbx_mlx.bindings import gpu, nested_gpu  # noqa: E402
+from gearbx_mlx.blockstep import compile_block_steps, restore_block_steps  # noqa: E402
+from gearbx_mlx.nested.fused import fuse_nested_views  # noqa: E402
 from gearbx_mlx.nested.layers import NestedWeights, make_view  # noqa: E402
 from gearbx_mlx.nested.matmul import DEFAULT_CONFIG, NestedKernelConfig  # noqa: E402
 from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes, reference_matmul  # noqa: E402
@@ -124,7 +129,7 @@ def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None) -> Dic
     if fused:
         bits, groups = tuple(b for b, _ in PLAN[:n]), tuple(g for _, g in PLAN[:n])
         run = nested_gpu.launcher(gpu.gpu_backend(), bits, groups, in_features, out_features, ACT_DTYPE,
-                                  ACT_DTYPE, False, tuning)
+                                  ACT_DTYPE, False, tuning=tuning)
         arrays = [nested_gpu.plane_arrays(c, n) for c in copies]
         factors = nested_gpu.factors_of(first, n)
         row = {"max_rel_err": _check(run(x, arrays[0], factors), reference_matmul(x[None], first, n)[0],
@@ -261,8 +266,10 @@ def variant_config(suffix: str) -> NestedKernelConfig:
     """The package's kernel config for a decode variant's suffix: ``-fused`` (the low gear
     through the fused kernel, not MLX's quantized_matmul), ``-nocompile`` (no
     ``mx.compile`` around the one-token launch), or both."""
-    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in suffix,
-                               gpu_compile=DEFAULT_CONFIG.gpu_compile and "nocompile" not in suffix)
+    # Inside a compiled block a launch is traced once anyway: no compile of its own.
+    no_compile = "nocompile" in suffix or "blockc" in suffix
+    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in suffix.split("-"),
+                               gpu_compile=DEFAULT_CONFIG.gpu_compile and not no_compile)
 
 
 def host_us_per_step(model, prompt: mx.array, steps: int = 24) -> Dict[str, float]:
@@ -320,7 +327,8 @@ def print_gemv(rows, copy_gbps: float) -> None:
                                                                       "speedup_vs_bf16")))
 
 
-def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3) -> List[Dict[str, object]]:
+def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, rounds=3,
+                 progress: Callable[[List[Dict[str, object]]], None] = lambda rows: None) -> List[Dict[str, object]]:
     from mlx.utils import tree_unflatten
 
     model = build_model(kind)
@@ -338,11 +346,12 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
     mlps: List[Tuple[nn.Module, nn.Module]] = []
+    groups: Dict[tuple, tuple] = {}  # the fused groups' stacked planes, shared by every gear and round
     for r in range(rounds):
         for variant in variants:
             entry = entries[variant]
             try:
-                if variant == "bf16":
+                if variant.split("-")[0] == "bf16":
                     plan = []
                 elif variant.startswith("mlx"):
                     bits = int(variant.split("-")[1])
@@ -355,6 +364,12 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                     for p, _ in linears:
                         products[p].use_kernel_config(config)
                     plan = [(p, make_view(products[p], n, False, fused=parts[-1] != "mlx")) for p, _ in linears]
+                    if "grp" in parts:
+                        plan = list(fuse_nested_views(dict(plan), groups).items())
+                        for _, group in groups.values():
+                            if group is not None:
+                                group.weights.use_kernel_config(config)
+                        entry["fused_groups"] = sum(g is not None for _, g in groups.values())
                     entry["low_through_mlx"] = bool(getattr(plan[0][1], "through_mlx", False))
                     entry["compiled"] = config.gpu_compile
                     entry["bits_per_weight"] = 8 * sum(plane_bytes(products[p].planes, n) for p, _ in linears) / sum(
@@ -368,9 +383,14 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 if variant.endswith("-mlpc"):
                     mlps = compile_mlps(model)
                     greedy_decode(model, prompt[:8], 8)
+                if "-blockc" in variant:
+                    compile_block_steps(model)  # a gear's steps compile from its second one-token call
+                    greedy_decode(model, prompt[:8], 8)
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
                 entry.setdefault("rounds_host_us_per_step", []).append(host_us_per_step(model, prompt))
+                print(f"  round {r + 1} {variant:26s} {tps:7.1f} tok/s, host "
+                      f"{entry['rounds_host_us_per_step'][-1]['median']:.0f} us/step", flush=True)
                 entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
                 if reference_tokens is None:
                     reference_tokens = tokens
@@ -383,6 +403,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 for layer, mlp in mlps:
                     layer.mlp = mlp
                 mlps = []
+                restore_block_steps(model)
                 model.update_modules(tree_unflatten(linears))
                 plan = None
                 mx.clear_cache()
@@ -397,6 +418,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                       + (f"{entry['tok_per_s']:7.1f} tok/s median of " + "/".join(f"{t:.0f}" for t in runs)
                          + f", host {entry['host_us_per_step']:.0f} us/step"
                          if "tok_per_s" in entry else entry.get("error", "")), flush=True)
+        progress(list(entries.values()))  # each round's tok/s kept, should the run be stopped
     del model, products
     mx.clear_cache()
     return list(entries.values())
@@ -513,8 +535,10 @@ def main(argv=None) -> int:
         report["decode"] = []
         for kind in kinds:
             try:
-                report["decode"] += bench_decode(kind, variants, n_tokens=32 if args.quick else 128,
-                                                 rounds=args.rounds)
+                done = list(report["decode"])
+                report["decode"] = done + bench_decode(
+                    kind, variants, n_tokens=32 if args.quick else 128, rounds=args.rounds,
+                    progress=lambda rows: (report.__setitem__("decode", done + rows), save()))
             except Exception as e:
                 report["decode"].append({"model": kind, "error": f"{type(e).__name__}: {e}"})
                 traceback.print_exc()

@@ -77,8 +77,8 @@ class FakeLauncher:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, backend, bits, group_size, in_features, out_features, dtype, has_bias,
-                 tuning, shared, mma, splits):
+    def __call__(self, backend, bits, group_size, in_features, out_features, dtype, has_bias, *,
+                 mma=None, splits=()):
         assert mma and backend == "cuda"
 
         def run(x, weight, scales, bias=None) -> List[mx.array]:

@@ -34,7 +34,7 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
     ("kernel bindings", ("bindings", "bindings.*")),
     ("layers and policies", (
         "packed", "packed.*", "nested", "nested.*", "kvcache", "kvcache.*", "policies", "sourcecheck",
-        "calibration",
+        "calibration", "blockstep",
     )),
     ("gearbox and routing", ("resolver", "precision", "gearbox", "routing", "distributed", "distributed.*")),
     ("generation and speculative decoding", ("generation", "record", "pipeline", "speculative", "speculative.decode",

@@ -370,6 +370,10 @@ def test_mma_variant_is_chosen_where_it_applies():
     simt = packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
                                mma=False)
     assert not simt["mma"] and "mma" not in simt["name"]
+    with pytest.raises(TypeError, match="rows"):  # options are Variant's fields, named
+        packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None, rows=2)
+    assert packed_gpu.launch_spec("cuda", x, packed, scales, None, bits=4, group_size=None,
+                                  splits=[8, 30])["name"] == split["name"]  # a list of bounds reads as a tuple
 
 
 # -- the CUDA twin (only with a CUDA GPU) -----------------------------------------------------

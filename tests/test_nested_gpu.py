@@ -91,6 +91,8 @@ def test_where_the_kernel_does_not_apply():
     with pytest.raises(ValueError, match="threadgroup-memory"):
         big = make_planes(9, 6272, (4,), 64, mx.bfloat16)
         nested_gpu.launch_spec("cuda", make_x((6272,), mx.bfloat16), big, 1, False, shared=True)
+    with pytest.raises(TypeError, match="vec"):  # the launcher's options are tuning and shared, named
+        nested_gpu.launcher("cuda", (4,), (64,), 128, 16, mx.bfloat16, mx.bfloat16, False, vec=2)
 
 
 def test_small_matrices_get_fewer_rows_per_simd_group():

@@ -48,8 +48,8 @@ def c_kernels() -> bool:
 # -- an emulated GPU back end: the launchers' interface over the reference ------------
 
 
-def emulated_launcher(backend, bits, group_size, in_features, out_features, dtype, has_bias, tuning=None,
-                      shared=None, mma=None, splits=(), plant=None):
+def emulated_launcher(backend, bits, group_size, in_features, out_features, dtype, has_bias, *, splits=(),
+                      plant=None, **_):
     """What ``packed_gpu.launcher`` returns, computed by the reference (on ``plant``ed weights)."""
 
     def run(x, weight, scales, bias=None):
@@ -66,8 +66,7 @@ def emulated_launcher(backend, bits, group_size, in_features, out_features, dtyp
 
 
 def emulated_gemv(plant=None):
-    def gemv(x, weight, scales, bias=None, *, bits, group_size, backend=None, tuning=None, shared=None, mma=None,
-             splits=()):
+    def gemv(x, weight, scales, bias=None, *, bits, group_size, backend=None, splits=(), **_):
         run = emulated_launcher("cuda", bits, group_size, x.shape[-1], weight.shape[0], x.dtype, bias is not None,
                                 splits=splits, plant=plant)
         return run(x, weight, scales, bias)
@@ -75,7 +74,7 @@ def emulated_gemv(plant=None):
 
 
 def emulated_nested_launcher(backend, bits, group_sizes, in_features, out_features, dtype, scale_dtype, has_bias,
-                             tuning=None, shared=None):
+                             **_):
     """What ``nested_gpu.launcher`` returns, computed from the dequantized planes in float32."""
 
     def run(x, arrays, factors, bias=None):
@@ -324,7 +323,8 @@ def test_fused_launch_is_checked_and_falls_back(emulated_gpu, plant):
     """The 3-output launch of a fused q/k/v group: trusted when right; when wrong,
     one warning and every member's output is still the reference's."""
     p = kernelcheck.PLANTS.get(plant) if plant else None
-    emulated_gpu.setattr(packed_gpu, "launcher", lambda *a: emulated_launcher(*a, plant=p if a[-1] else None))
+    emulated_gpu.setattr(packed_gpu, "launcher",
+                         lambda *a, **kw: emulated_launcher(*a, **kw, plant=p if kw.get("splits") else None))
     fused = _packed_siblings()
     x = mx.random.normal((1, 1, 128)).astype(mx.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
@@ -471,3 +471,31 @@ def test_a_nested_kernel_that_fails_to_build_does_not_stop_generate(model_folder
     assert "metal nested GEMV" in caught[0] and "failed to build" in caught[0] and "Unable to build" in caught[0]
     assert "python -m gearbx_mlx.selftest" in caught[0]
     assert all("nested" in name for name in guard.failed())
+
+
+def test_gpu_dispatch_reuses_the_families_kernels():
+    """On a GPU the dispatch check builds no kernel of its own: each of its layers runs a
+    variant (by name) that the SIMT and matrix-unit checks before it already ran."""
+
+    def name(o, k, bits, gs, dtype, **variant):
+        packed, scales, x, b = checks.make_case(o, k, bits, gs, dtype, True, seed=bits)
+        return packed_gpu.launch_spec("cuda", x, packed, scales, b, bits=bits, group_size=gs, **variant)["name"]
+
+    built = set()
+    for (o, k, gs, bias), dtype in zip(checks.SIMT_CASES, kernelcheck.gpu_case_dtypes(len(checks.SIMT_CASES),
+                                                                                       checks.DTYPES)):
+        built |= {name(o, k, bits, gs, dtype, mma=False) for bits in (4, 8) if bias}
+    for (o, k, gs, bias), dtype in zip(checks.MMA_CASES, kernelcheck.gpu_case_dtypes(len(checks.MMA_CASES),
+                                                                                     packed_gpu.MMA_DTYPES)):
+        built |= {name(o, k, 4, gs, dtype, mma=True)} if bias else set()
+    runs = checks.gpu_dispatch_cases()
+    assert [r[0] for r in runs] == list(checks.DTYPES) and {r[1] for r in runs} == {4, 8}
+    for dtype, bits, o, k, gs in runs:
+        assert name(o, k, bits, gs, dtype) in built  # PackedLinear's own choice of variant
+
+
+def test_nested_check_planes_are_built_once():
+    a = nested_checks.make_planes(17, 320, nested_checks.KERNEL_PLAN, mx.float16, seed=2)
+    b = nested_checks.make_planes(17, 320, list(nested_checks.KERNEL_PLAN), mx.float16, seed=2)
+    assert a is not b and all(p is q for p, q in zip(a, b))
+    assert nested_checks.make_planes(17, 320, nested_checks.KERNEL_PLAN, mx.bfloat16, seed=2)[0] is not a[0]

@@ -306,18 +306,22 @@ class _ShapeOnly:
 @functools.lru_cache(maxsize=None)
 def launcher(
     backend: str, bits: Tuple[int, ...], group_sizes: Tuple[int, ...], in_features: int, out_features: int,
-    dtype: mx.Dtype, scale_dtype: mx.Dtype, has_bias: bool, tuning: Optional[NestedTuning] = None,
-    shared: Optional[bool] = None,
+    dtype: mx.Dtype, scale_dtype: mx.Dtype, has_bias: bool, **options: object,
 ) -> Launcher:
     """A cached :class:`Launcher` ``run(x, arrays, factors, bias=None) -> y`` for one gear's shape.
 
     ``arrays`` is ``[w0, s0, b0, w1, s1, b1, ...]`` of the planes read, and
     ``factors`` their float32 ``(n,)`` factors; everything else is worked out
     once. ``x`` may keep leading dims of size 1; ``y`` has them too.
+    ``options``: ``tuning`` and ``shared``, as :func:`launch_spec` takes them
+    (tests, benchmarks).
     """
+    unknown = sorted(set(options) - {"tuning", "shared"})
+    if unknown:
+        raise TypeError(f"unknown nested GEMV option(s) {unknown}: take tuning, shared")
     shapes = [_ShapeOnly(b, g, out_features, in_features, scale_dtype) for b, g in zip(bits, group_sizes)]
     x = mx.zeros((in_features,), dtype=dtype)  # shapes and dtypes only
-    spec = launch_spec(backend, x, shapes, len(bits), has_bias, tuning=tuning, shared=shared)
+    spec = launch_spec(backend, x, shapes, len(bits), has_bias, **options)
     kernel = build_kernel(backend, spec["name"], len(bits), has_bias, constants_source(backend, spec["constants"]))
     run = Launcher(kernel, spec["grid"], spec["threadgroup"], dtype, out_features, has_bias)
     run.kernel_name = spec["name"]  # what the first-use guard's warning names
@@ -358,5 +362,6 @@ def nested_gemv(
         return None
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.astype(x.dtype)
-    run = launcher(backend, bits, gs, in_features, out_features, x.dtype, sdt, bias is not None, tuning, shared)
+    run = launcher(backend, bits, gs, in_features, out_features, x.dtype, sdt, bias is not None, tuning=tuning,
+                   shared=shared)
     return run(x, plane_arrays(planes, n), factors_of(planes, n), bias)

@@ -16,6 +16,7 @@ The public entry point is :func:`gemv`; :func:`.gpu.gpu_backend` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,22 +117,42 @@ def output_names(n_out: int = 1) -> List[str]:
     return ["y", "y1", "y2"][:n_out]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Overrides of a launch's kernel choice (benchmarks, tests, fused groups); ``None`` takes the default.
+
+    tuning: :data:`TUNING`'s work split (the matrix-unit variant reads only
+    ``unroll``); shared: the SIMT body's threadgroup-memory variant (default:
+    used when K <= SHARED_K); mma: the matrix-unit variant (default: on where
+    :func:`supports_mma`); splits: row boundaries of 2 or 3 outputs (matrix-unit
+    variant only).
+    """
+
+    tuning: Optional[Tuning] = None
+    shared: Optional[bool] = None
+    mma: Optional[bool] = None
+    splits: Tuple[int, ...] = ()
+
+
+def variant_of(options: Dict[str, object]) -> Variant:
+    """:class:`Variant` of a call's keyword options (``tuning``, ``shared``, ``mma``, ``splits``);
+    TypeError names an unknown one."""
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Variant)})
+    if unknown:
+        raise TypeError(f"unknown packed GEMV option(s) {unknown}: take tuning, shared, mma, splits")
+    v = Variant(**options)
+    return v if isinstance(v.splits, tuple) else dataclasses.replace(v, splits=tuple(int(b) for b in v.splits))
+
+
 @functools.lru_cache(maxsize=None)
-def kernel_name(
-    backend: str,
-    bits: int,
-    group_size: Optional[int],
-    tuning: Tuning,
-    shared: bool,
-    dtype: mx.Dtype,
-    has_bias: bool,
-    mma: bool = False,
-    splits: Tuple[int, ...] = (),
-) -> str:
+def kernel_name(backend: str, bits: int, group_size: Optional[int], dtype: mx.Dtype, has_bias: bool,
+                variant: Variant) -> str:
     """Name carrying every baked-in parameter, plus a hash of the source text.
 
-    ``splits``: the output boundaries of a multi-output (fused) kernel.
+    ``variant`` is resolved (its ``tuning`` set, ``shared`` and ``mma`` bools);
+    ``variant.splits``: the output boundaries of a multi-output (fused) kernel.
     """
+    mma, splits, tuning = bool(variant.mma), variant.splits, variant.tuning
     digest = gpu.digest(*kernel_sources(backend, has_bias, mma=mma, n_out=len(splits) + 1))
     gs = "row" if group_size is None else f"g{group_size}"
     bias = "bias" if has_bias else "nobias"
@@ -139,10 +160,10 @@ def kernel_name(
         outs = "_".join(f"s{b}" for b in splits)
         return (f"gbx_gemv_{backend}_mma_q{bits}_{gs}_u{tuning.unroll}_{DTYPE_TAG[dtype]}_"
                 f"{bias}{'_' + outs if outs else ''}_{digest}")
-    variant = "shared" if shared else "device"
+    variant_tag = "shared" if variant.shared else "device"
     return (
         f"gbx_gemv_{backend}_q{bits}_{gs}_r{tuning.rows}_u{tuning.unroll}_v{tuning.vec}_"
-        f"{variant}_{DTYPE_TAG[dtype]}_{bias}_{digest}"
+        f"{variant_tag}_{DTYPE_TAG[dtype]}_{bias}_{digest}"
     )
 
 
@@ -223,6 +244,35 @@ def build_kernel(backend: str, name: str, has_bias: bool, consts_source: str, mm
                            gpu.compact(consts_source) + source)
 
 
+def _check_splits(splits: Tuple[int, ...], mma: bool, out_features: int) -> None:
+    if splits and (not mma or len(splits) > 2 or list(splits) != sorted(set(splits)) or not 0 < splits[0]
+                   or splits[-1] >= out_features):
+        raise ValueError(f"splits must be 1-2 increasing row boundaries inside (0, {out_features}) "
+                         f"of a matrix-unit kernel, got {splits}")
+
+
+def _resolve(variant: Variant, bits: int, group_size: Optional[int], x: mx.array, out_features: int) -> Variant:
+    """``variant`` with every default taken (tuning set, shared and mma bools), or ValueError."""
+    in_features = x.shape[-1]
+    can_mma = supports_mma(bits, group_size, in_features, out_features, x.dtype)
+    mma = can_mma if variant.mma is None else variant.mma
+    if mma and not can_mma:
+        raise ValueError(
+            f"the matrix-unit variant takes int4, float16/bfloat16 inputs and K % 64 == 0, "
+            f"K <= {format_constant('GBX_MMA_MAX_K')}: got int{bits}, {x.dtype}, K={in_features}, "
+            f"group_size={group_size}")
+    _check_splits(variant.splits, mma, out_features)
+    if mma:
+        default = MMA_UNROLL if group_size is None else MMA_UNROLL_GROUPS
+        unroll = variant.tuning.unroll if variant.tuning else default
+        return Variant(Tuning(MMA_ROWS, unroll, 1), False, True, variant.splits)
+    shared_k = format_constant("GBX_SHARED_K")
+    shared = in_features <= shared_k if variant.shared is None else variant.shared
+    if shared and in_features > shared_k:
+        raise ValueError(f"the threadgroup-memory variant holds K <= {shared_k}, got {in_features}")
+    return Variant(_tuning_for(bits, variant.tuning, in_features), bool(shared), False, variant.splits)
+
+
 def launch_spec(
     backend: str,
     x: mx.array,
@@ -232,18 +282,16 @@ def launch_spec(
     *,
     bits: int,
     group_size: Optional[int],
-    tuning: Optional[Tuning] = None,
-    shared: Optional[bool] = None,
-    mma: Optional[bool] = None,
-    splits: Tuple[int, ...] = (),
+    **options: object,
 ) -> dict:
     """Everything :func:`gemv` passes to MLX, without building or running anything.
 
-    ``mma`` forces the matrix-unit variant on or off (default: on where
-    :func:`supports_mma`); ``shared`` forces the SIMT body's threadgroup-memory
-    variant on or off (default: used when K <= SHARED_K). ``splits`` (matrix-
-    unit variant only): row boundaries of 2 or 3 outputs. Split out so the
-    argument plumbing is tested on any machine.
+    ``options``: :class:`Variant`'s ``tuning``, ``shared``, ``mma``, ``splits``
+    (``mma`` forces the matrix-unit variant on or off, default on where
+    :func:`supports_mma`; ``shared`` the SIMT body's threadgroup-memory
+    variant, default used when K <= SHARED_K; ``splits``, matrix-unit variant
+    only: row boundaries of 2 or 3 outputs). Split out so the argument
+    plumbing is tested on any machine.
     """
     in_features = x.shape[-1]
     if x.size != in_features:
@@ -254,43 +302,20 @@ def launch_spec(
             f"no GPU kernel for int{bits}, group_size={group_size}, shape "
             f"({out_features}, {in_features}), input {x.dtype}: use the reference path"
         )
-    can_mma = supports_mma(bits, group_size, in_features, out_features, x.dtype)
-    if mma is None:
-        mma = can_mma
-    elif mma and not can_mma:
-        raise ValueError(
-            f"the matrix-unit variant takes int4, float16/bfloat16 inputs and K % 64 == 0, "
-            f"K <= {format_constant('GBX_MMA_MAX_K')}: got int{bits}, {x.dtype}, K={in_features}, "
-            f"group_size={group_size}")
-    splits = tuple(int(b) for b in splits)
-    if splits and (not mma or len(splits) > 2
-                   or list(splits) != sorted(set(splits)) or not 0 < splits[0]
-                   or splits[-1] >= out_features):
-        raise ValueError(f"splits must be 1-2 increasing row boundaries inside (0, {out_features}) "
-                         f"of a matrix-unit kernel, got {splits}")
+    v = _resolve(variant_of(options), bits, group_size, x, out_features)
     has_bias = bias is not None
-    bounds = (0,) + splits + (out_features,)
+    bounds = (0,) + v.splits + (out_features,)
     out_shapes = [x.shape[:-1] + (b - a,) for a, b in zip(bounds, bounds[1:])]
-    if mma:
-        default = MMA_UNROLL if group_size is None else MMA_UNROLL_GROUPS
-        t = Tuning(MMA_ROWS, (tuning.unroll if tuning else default), 1)
+    if v.mma:
         n_groups = -(-out_features // MMA_ROWS)
-        consts = mma_constants(x.dtype, group_size, t.unroll, splits)
+        consts = mma_constants(x.dtype, group_size, v.tuning.unroll, v.splits)
     else:
-        t = _tuning_for(bits, tuning, in_features)
-        if shared is None:
-            shared = in_features <= format_constant("GBX_SHARED_K")
-        elif shared and in_features > format_constant("GBX_SHARED_K"):
-            raise ValueError(
-                f"the threadgroup-memory variant holds K <= {format_constant('GBX_SHARED_K')}, "
-                f"got {in_features}")
-        n_groups = -(-out_features // (SIMD_GROUPS * t.rows))
-        consts = constants(x.dtype, bits, group_size, t, shared)
+        n_groups = -(-out_features // (SIMD_GROUPS * v.tuning.rows))
+        consts = constants(x.dtype, bits, group_size, v.tuning, v.shared)
     return dict(
-        name=kernel_name(backend, bits, group_size, t, bool(shared), x.dtype, has_bias, mma,
-                         splits),
+        name=kernel_name(backend, bits, group_size, x.dtype, has_bias, v),
         has_bias=has_bias,
-        mma=mma,
+        mma=v.mma,
         n_out=len(out_shapes),
         inputs=[weight, scales, x] + ([bias] if has_bias else []),
         constants=consts,
@@ -314,13 +339,11 @@ def launcher(
     out_features: int,
     dtype: mx.Dtype,
     has_bias: bool,
-    tuning: Optional[Tuning] = None,
-    shared: Optional[bool] = None,
-    mma: Optional[bool] = None,
-    splits: Tuple[int, ...] = (),
+    **options: object,
 ) -> Launcher:
     """A cached ``run(x, weight, scales, bias) -> y`` for one layer shape and dtype.
 
+    ``options``: :class:`Variant`'s fields, as :func:`launch_spec` takes them.
     Everything but the arrays is worked out once, so a decode step pays only
     for MLX's own kernel call (a model has a few hundred of them per token).
     ``x`` may keep leading dims of size 1; ``y`` then has them too, so no
@@ -332,10 +355,14 @@ def launcher(
     w = mx.zeros(formats.packed_shape(out_features, in_features, bits), formats.packed_dtype(bits))
     s = mx.zeros((out_features, formats.n_groups(in_features, group_size)))
     b = mx.zeros((out_features,), dtype=dtype) if has_bias else None
-    spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, tuning=tuning,
-                       shared=shared, mma=mma, splits=splits)
+    spec = launch_spec(backend, x, w, s, b, bits=bits, group_size=group_size, **options)
     kernel = build_kernel(backend, spec["name"], has_bias, constants_source(backend, spec["constants"]),
                           spec["mma"], spec["n_out"])
+    return _runner(kernel, spec)
+
+
+def _runner(kernel: Callable, spec: dict) -> Launcher:
+    """The per-call function of :func:`launcher` (one output, or the list of a split launch)."""
     grid, threadgroup, out_dtypes = spec["grid"], spec["threadgroup"], spec["output_dtypes"]
     tails = [shape[-1:] for shape in spec["output_shapes"]]
 
@@ -371,10 +398,7 @@ def gemv(
     bits: int,
     group_size: Optional[int],
     backend: Optional[str] = None,
-    tuning: Optional[Tuning] = None,
-    shared: Optional[bool] = None,
-    mma: Optional[bool] = None,
-    splits: Tuple[int, ...] = (),
+    **options: object,
 ):
     """``y = dequantize(weight, scales) @ x (+ bias)`` with the packed kernel.
 
@@ -384,9 +408,10 @@ def gemv(
         scales: ``(O, K/group_size)`` or ``(O, 1)`` float32.
         bias: ``(O,)`` or None.
         backend: "metal" or "cuda"; default :func:`.gpu.gpu_backend`.
-        tuning, shared, mma: override :data:`TUNING` and the variant (benchmarks,
-            tests); the matrix-unit variant reads only ``tuning.unroll``.
-        splits: row boundaries: return the rows in 2 or 3 arrays (one launch).
+        options: :class:`Variant`'s ``tuning``, ``shared``, ``mma`` (override
+            :data:`TUNING` and the variant: benchmarks, tests; the matrix-unit
+            variant reads only ``tuning.unroll``) and ``splits`` (row
+            boundaries: return the rows in 2 or 3 arrays, one launch).
 
     Returns:
         ``(..., O)`` in ``x.dtype``; with ``splits``, a list of ``(..., O_i)``.
@@ -404,6 +429,7 @@ def gemv(
             f"no GPU kernel for int{bits}, group_size={group_size}, shape "
             f"({weight.shape[0]}, {in_features}), input {x.dtype}: use the reference path"
         )
-    run = launcher(backend, bits, group_size, in_features, weight.shape[0], x.dtype,
-                   bias is not None, tuning, shared, mma, tuple(splits))
+    v = variant_of(options)
+    run = launcher(backend, bits, group_size, in_features, weight.shape[0], x.dtype, bias is not None,
+                   **{f.name: getattr(v, f.name) for f in dataclasses.fields(v)})
     return run(x, weight, scales, bias)

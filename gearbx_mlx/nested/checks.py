@@ -22,6 +22,7 @@ block step times ``|s q + b|``.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -49,12 +50,24 @@ C_PATHS: Tuple[str, ...] = ("float", "intdot", "ref", "intdot_ref")
 
 def make_planes(out_features: int, in_features: int, plan: Sequence[Tuple[int, int]], dtype: mx.Dtype,
                 seed: int = 0) -> List[Plane]:
-    """Planes of a random weight with a few outliers (as the nested tests'), scales in ``dtype``."""
+    """Planes of a random weight with a few outliers (as the nested tests'), scales in ``dtype``.
+
+    Built once per argument set (the clipping search of each residual plane
+    costs a sixth of a second; the C paths and the GPU check ask for the same
+    planes): treat them as read-only."""
+    return list(_planes_of(out_features, in_features, tuple(tuple(p) for p in plan), dtype, seed))
+
+
+@functools.lru_cache(maxsize=32)
+def _planes_of(out_features: int, in_features: int, plan: Tuple[Tuple[int, int], ...], dtype: mx.Dtype,
+               seed: int) -> Tuple[Plane, ...]:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.02
     w[rng.random(w.shape) < 0.01] *= 10.0
     with mx.stream(mx.cpu):  # on a GPU, no run-time compile of the clipping search per odd shape
-        return build_planes(mx.array(w).astype(dtype), list(plan))
+        planes = build_planes(mx.array(w).astype(dtype), list(plan))
+        mx.eval([a for p in planes for a in p.arrays()])
+        return tuple(planes)
 
 
 def make_x(shape: Tuple[int, ...], dtype: mx.Dtype, seed: int = 1) -> mx.array:

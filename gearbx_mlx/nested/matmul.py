@@ -70,6 +70,11 @@ class NestedKernelConfig:
     cpu_max_rows: int = 8
     gpu_low_mlx: bool = True
     gpu_compile: bool = True
+    #: On a GPU, the precision manager reads each fused group (q/k/v, gate/up) of a
+    #: gear in one launch (:mod:`.fused`) and compiles each block's one-token step
+    #: per gear (:mod:`gearbx_mlx.blockstep`): docs/BENCHMARKS.md, the GPU gears.
+    gpu_fuse_groups: bool = True
+    gpu_block_steps: bool = True
 
 
 DEFAULT_CONFIG = NestedKernelConfig()

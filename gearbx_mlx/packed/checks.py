@@ -169,31 +169,48 @@ def _c_path(path: str):
 # -- the layer dispatch --------------------------------------------------------------------
 
 
+def gpu_dispatch_cases() -> List[Tuple[mx.Dtype, int, int, int, Optional[int]]]:
+    """``(dtype, bits, out, in, group size)`` of the GPU dispatch check: per dtype, the first
+    case with a bias that a GPU family above already ran in that dtype (SIMT cases as
+    PackedLinear runs them: int4 16-bit layers the matrix units take go to the MMA cases),
+    so the dispatch and its first-use guard reuse a compiled kernel rather than build one."""
+    ran = []
+    for (o, k, gs, bias), dtype in zip(SIMT_CASES, gpu_case_dtypes(len(SIMT_CASES), DTYPES)):
+        ran += [(dtype, bits, o, k, gs) for bits in (4, 8)
+                if bias and not packed_gpu.supports_mma(bits, gs, k, o, dtype)]
+    for (o, k, gs, bias), dtype in zip(MMA_CASES, gpu_case_dtypes(len(MMA_CASES), packed_gpu.MMA_DTYPES)):
+        ran += [(dtype, packed_gpu.MMA_BITS, o, k, gs)] if bias else []
+    return [next(c for c in ran if c[0] == dtype) for dtype in DTYPES if any(c[0] == dtype for c in ran)]
+
+
 def _dispatch(plant: Optional[Plant]) -> List[Case]:
     """A ``PackedLinear`` decode call on this machine's path, first-use guard included.
 
     ``plant`` corrupts the layer's packed weights after the reference is
     taken, so the guard's fallback cannot hide it: the layer's output must
-    then differ from the true weights' reference.
+    then differ from the true weights' reference. On a GPU each dtype runs
+    one of :func:`gpu_dispatch_cases` (a kernel compiled by the checks above).
     """
     cases = []
-    on_gpu = gpu.gpu_backend() is not None
-    for i, dtype in enumerate(DTYPES):
-        for bits in (4, 8):
-            if on_gpu and bits != (4, 8)[i % 2]:  # a GPU compiles each variant: one width per dtype, in turn
-                continue
-            o, k, gs = 67, 1152, 64
-            packed, scales, x, b = make_case(o, k, bits, gs, dtype, True, seed=bits)
-            layer = PackedLinear.from_linear(nn.Linear(k, o), bits=bits, group_size=gs)
-            layer.weight, layer.scales, layer.bias = _planted(packed, bits, plant), scales, b
-            path = backend_for(x, bits, k, o, gs)
-            y = layer(x[None])[0]
+    if gpu.gpu_backend() is not None:
+        runs = gpu_dispatch_cases()
+    else:
+        runs = [(dtype, bits, 67, 1152, 64) for dtype in DTYPES for bits in (4, 8)]
+    for dtype, bits, o, k, gs in runs:
+        packed, scales, x, b = make_case(o, k, bits, gs, dtype, True, seed=bits)
+        layer = PackedLinear.from_linear(nn.Linear(k, o), bits=bits, group_size=gs)
+        layer.weight, layer.scales, layer.bias = _planted(packed, bits, plant), scales, b
+        path = backend_for(x, bits, k, o, gs)
+        y = layer(x[None])[0]
+        mx.eval(y)
+        with mx.stream(mx.cpu):  # on a GPU, only the layer under test runs there
             ref = formats.reference_matmul(x, packed, scales, bits=bits, group_size=gs, in_features=k, bias=b)
             w = formats.dequantize(packed, scales, bits, gs, k)
             bound = gemv_bound(x, w, ref.astype(mx.float32), out_dtype=dtype,
                                intdot=path == "cpu" and layers.CPU_GEMV_PATH in ("auto", "intdot"))
-            cases.append(Case(shape_label(o, k, gs, True, [f"int{bits}", f"via {path}"]), dtype_name(dtype),
-                              compare(y, ref, bound)))
+            mx.eval(ref, bound)
+        cases.append(Case(shape_label(o, k, gs, True, [f"int{bits}", f"via {path}"]), dtype_name(dtype),
+                          compare(y, ref, bound)))
     return cases
 
 

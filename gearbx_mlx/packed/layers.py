@@ -142,7 +142,7 @@ class KernelRuntime:
             else:
                 ok = (packed_gpu.supports_mma if splits else packed_gpu.supports)(bits, gs, k, o, dtype)
                 build = lambda: packed_gpu.launcher(  # noqa: E731
-                    backend, bits, gs, k, o, dtype, has_bias, None, None, True if splits else None, tuple(splits))
+                    backend, bits, gs, k, o, dtype, has_bias, mma=True if splits else None, splits=tuple(splits))
             family = "C packed GEMV" if backend == "cpu" else f"{backend} packed GEMV"
             spec = guard.KernelSpec(family, bits, gs, k, o, tuple(splits),
                                     intdot=backend == "cpu" and CPU_GEMV_PATH in ("auto", "intdot"))
