@@ -269,8 +269,8 @@ def settle_loaded() -> None:
     ``gc.collect()`` then ``gc.freeze()``: a loaded model, its tokenizer and gearbox are tens
     of thousands of Python objects that every full collection would walk again, and the
     collector starts one when enough new objects have piled up, wherever that falls: in the
-    default model's prompt time with the nested store (about 55 ms of CPU, an eighth of that
-    window, ``scripts/bench_prefill_store.py``). Not for a process that loads and drops
+    default model's prompt time with the nested store (48-65 ms of CPU, an eighth of that
+    window: ``benchmarks/results/prefill_store_openblas_settled_cpu1_gc.json``). Not for a process that loads and drops
     models (a frozen object is never collected): the library's ``load`` does not call it.
     """
     gc.collect()

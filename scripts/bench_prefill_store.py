@@ -24,7 +24,8 @@ timing) and times the same window as mlx-lm's prompt time, the first
 response of ``run.tokens()``, both on the wall clock and in the process's
 CPU time (every thread's), which another program's load stretches far less;
 the ratios are then separate's CPU time over nested's (default out
-``prefill_store_<blas>_cpu.json``).
+``prefill_store_<blas>_cpu.json``). Each run also counts the garbage
+collector's passes in the window, and the CPU time of its full ones.
 
 ``--threads N`` (with ``--clock cpu``) runs the window on ``N`` threads:
 OpenBLAS's (``OPENBLAS_NUM_THREADS``) and the C kernels' pool
@@ -41,6 +42,7 @@ both codes see the same load; the JSON then gives each tree's ratios.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -110,12 +112,18 @@ def child(store: str, args: argparse.Namespace) -> None:
         settle()  # as the command does once the model is loaded
     text = apply_chat_template(tokenizer, PROMPT, None, use_template=True)  # as the command does
     run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=args.max_tokens, prompt_text=PROMPT)
+    passes: list[tuple[str, int, float]] = []  # the garbage collector's, in the window
+    gc.callbacks.append(lambda phase, info: passes.append((phase, info["generation"], time.process_time())))
     wall, cpu = time.perf_counter(), time.process_time()
     first = next(run.tokens())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    gc.callbacks.clear()
     run.close()
+    spans = [(a[1], b[2] - a[2]) for a, b in zip(passes[::2], passes[1::2])]
     print(json.dumps({"prompt_tokens": int(first.prompt_tokens), "window_wall_s": round(wall, 4),
-                      "window_cpu_s": round(cpu, 4), "prompt_tps": round(first.prompt_tps, 3), "gear": first.gear}))
+                      "window_cpu_s": round(cpu, 4), "prompt_tps": round(first.prompt_tps, 3), "gear": first.gear,
+                      "gc_passes": {g: sum(1 for k, _ in spans if k == g) for g in (0, 1, 2)},
+                      "gc_full_cpu_s": round(sum(t for k, t in spans if k == 2), 4)}))
 
 
 def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[str, Any]:
@@ -155,7 +163,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, l
                 runs.append(r)
                 pair[store] = r
                 extra = (f"decode {r['generation_tps']} tok/s | {r['gears']}" if args.clock == "wall" else
-                         f"window {r['window_wall_s']:.3f} s wall, {r['window_cpu_s']:.3f} s CPU | {r['gear']}")
+                         f"window {r['window_wall_s']:.3f} s wall, {r['window_cpu_s']:.3f} s CPU "
+                         f"(full collections {r['gc_passes']['2']}, {r['gc_full_cpu_s']:.3f} s) | {r['gear']}")
                 print(f"pair {i} {name} {store:9s} prompt {r['prompt_tokens']} tok at {speed(r, args.clock):8.2f} "
                       f"tok/s ({args.clock}), {extra}", flush=True)
             ratios[name].append(speed(pair["nested"], args.clock) / speed(pair["separate"], args.clock))
