@@ -15,6 +15,7 @@ lockstep, each rank taking rank 0's token and routing decision at every step
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -259,6 +260,21 @@ def load(
         mx.eval(m.parameters())
     _set_calibration(gearbox, tokenizer, calibration)
     return m, tokenizer, gearbox
+
+
+def settle_loaded() -> None:
+    """Take what is alive now out of the cyclic garbage collector's scans, for a process that
+    keeps its model to the end (the command lines call it once the model is loaded).
+
+    ``gc.collect()`` then ``gc.freeze()``: a loaded model, its tokenizer and gearbox are tens
+    of thousands of Python objects that every full collection would walk again, and the
+    collector starts one when enough new objects have piled up, wherever that falls: in the
+    default model's prompt time with the nested store (48-65 ms of CPU, an eighth of that
+    window: ``benchmarks/results/prefill_store_openblas_settled_cpu1_gc.json``). Not for a process that loads and drops
+    models (a frozen object is never collected): the library's ``load`` does not call it.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _mlx_load(path: str, tokenizer_config: Optional[Dict[str, Any]], lazy: bool) -> Tuple[nn.Module, Any]:

@@ -1,8 +1,8 @@
 """Prompt tokens/s of the nested store against separate copies, through the README's command.
 
     python scripts/bench_prefill_store.py [--pairs 3] [--blas openblas|reference] [--max-tokens 4]
-                                          [--clock wall|cpu] [--tree NAME=PATH ...] [--model NAME]
-                                          [--out FILE.json]
+                                          [--clock wall|cpu] [--threads N] [--tree NAME=PATH ...]
+                                          [--model NAME] [--out FILE.json]
 
 Runs ``python -m gearbx_mlx.generate --scope all --store S -p PROMPT -m N`` in
 a fresh process per run, separate and nested interleaved (A/B/A/B, ``--pairs``
@@ -14,15 +14,25 @@ average, the BLAS, the date and the commands to ``--out`` (default
 ``benchmarks/results/prefill_store_<blas>.json``).
 
 ``--clock cpu`` is for a machine others load: each fresh process loads the
-model as the command does (``gearbx_mlx.load``, the chat template, the
-generation set up with ``gearbx_mlx.prepare``, the cold-start classifier
-reading the prompt as typed, so the same gear; the separate store's
+model as the command does (``gearbx_mlx.load``, the loaded objects out of
+the garbage collector's scans with ``gearbx_mlx.generation.settle_loaded``
+where the checkout has it, the chat template, the generation set up with
+``gearbx_mlx.prepare``, the cold-start classifier reading the prompt as
+typed, so the same gear; the separate store's
 one-time quantization stays outside, as it does from mlx-lm's prompt
 timing) and times the same window as mlx-lm's prompt time, the first
 response of ``run.tokens()``, both on the wall clock and in the process's
 CPU time (every thread's), which another program's load stretches far less;
 the ratios are then separate's CPU time over nested's (default out
-``prefill_store_<blas>_cpu.json``).
+``prefill_store_<blas>_cpu.json``). Each run also counts the garbage
+collector's passes in the window, and the CPU time of its full ones.
+
+``--threads N`` (with ``--clock cpu``) runs the window on ``N`` threads:
+OpenBLAS's (``OPENBLAS_NUM_THREADS``) and the C kernels' pool
+(``gearbx_mlx.bindings.cpu.set_threads``). With ``--threads 1`` the CPU
+time is the window's work, without the time threads spend waiting for one
+another, which on a loaded machine shifts with every run (default out
+``prefill_store_<blas>_cpu1.json``).
 
 ``--tree NAME=PATH`` adds another checkout (say, the code before a change,
 from ``git worktree add``) whose runs take their places in every pair, so
@@ -32,6 +42,7 @@ both codes see the same load; the JSON then gives each tree's ratios.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -58,9 +69,11 @@ def command(store: str, args: argparse.Namespace) -> list[str]:
     return cmd + (["--model", args.model] if args.model else [])
 
 
-def environment(blas: str, tree: Path = ROOT) -> dict[str, str]:
+def environment(blas: str, tree: Path = ROOT, threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
+    if threads:
+        env["OPENBLAS_NUM_THREADS"] = str(threads)
     if tree != ROOT:  # another checkout's package (a run before a change, say)
         env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
     if blas == "openblas":
@@ -87,24 +100,38 @@ def run_once(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[st
 def child(store: str, args: argparse.Namespace) -> None:
     """``--clock cpu``'s measurement, in this fresh process: one JSON line on stdout."""
     import gearbx_mlx
+    from gearbx_mlx import generation
+    from gearbx_mlx.bindings import cpu
     from gearbx_mlx.chat import apply_chat_template
 
+    if args.threads:
+        cpu.set_threads(args.threads)
     model, tokenizer, gearbox = gearbx_mlx.load(args.model, scope="all", store=store)
+    settle = getattr(generation, "settle_loaded", None)  # a checkout from before it has none
+    if settle is not None:
+        settle()  # as the command does once the model is loaded
     text = apply_chat_template(tokenizer, PROMPT, None, use_template=True)  # as the command does
     run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=args.max_tokens, prompt_text=PROMPT)
+    passes: list[tuple[str, int, float]] = []  # the garbage collector's, in the window
+    gc.callbacks.append(lambda phase, info: passes.append((phase, info["generation"], time.process_time())))
     wall, cpu = time.perf_counter(), time.process_time()
     first = next(run.tokens())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    gc.callbacks.clear()
     run.close()
+    spans = [(a[1], b[2] - a[2]) for a, b in zip(passes[::2], passes[1::2])]
     print(json.dumps({"prompt_tokens": int(first.prompt_tokens), "window_wall_s": round(wall, 4),
-                      "window_cpu_s": round(cpu, 4), "prompt_tps": round(first.prompt_tps, 3), "gear": first.gear}))
+                      "window_cpu_s": round(cpu, 4), "prompt_tps": round(first.prompt_tps, 3), "gear": first.gear,
+                      "gc_passes": {g: sum(1 for k, _ in spans if k == g) for g in (0, 1, 2)},
+                      "gc_full_cpu_s": round(sum(t for k, t in spans if k == 2), 4)}))
 
 
 def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", store, "--max-tokens", str(args.max_tokens)]
     cmd += ["--model", args.model] if args.model else []
+    cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tree,
-                          env=environment(args.blas, tree), timeout=args.timeout)
+                          env=environment(args.blas, tree, args.threads), timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"error: {store} run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
@@ -136,7 +163,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, l
                 runs.append(r)
                 pair[store] = r
                 extra = (f"decode {r['generation_tps']} tok/s | {r['gears']}" if args.clock == "wall" else
-                         f"window {r['window_wall_s']:.3f} s wall, {r['window_cpu_s']:.3f} s CPU | {r['gear']}")
+                         f"window {r['window_wall_s']:.3f} s wall, {r['window_cpu_s']:.3f} s CPU "
+                         f"(full collections {r['gc_passes']['2']}, {r['gc_full_cpu_s']:.3f} s) | {r['gear']}")
                 print(f"pair {i} {name} {store:9s} prompt {r['prompt_tokens']} tok at {speed(r, args.clock):8.2f} "
                       f"tok/s ({args.clock}), {extra}", flush=True)
             ratios[name].append(speed(pair["nested"], args.clock) / speed(pair["separate"], args.clock))
@@ -154,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blas", choices=("openblas", "reference"), default="openblas")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="with --clock cpu: OpenBLAS's and the C kernels' threads in the window")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                     help="also a checkout at PATH (its package first on PYTHONPATH), interleaved pair by pair")
     ap.add_argument("--model", default=None)
@@ -163,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         return child(args.child, args)
+    if args.threads is not None and (args.threads < 1 or args.clock != "cpu"):
+        raise SystemExit("error: --threads takes a positive count, with --clock cpu")
     if args.blas == "openblas" and not Path(OPENBLAS).is_file():
         raise SystemExit(f"error: --blas openblas needs {OPENBLAS} (apt-get install libopenblas0-pthread)")
     bad = [t for t in args.tree if "=" not in t or not Path(t.split("=", 1)[1], "gearbx_mlx").is_dir()]
@@ -170,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --tree {bad[0]!r}: want NAME=PATH of a checkout with gearbx_mlx/ in it")
     args.trees = {"this": ROOT, **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}} \
         if args.tree else {"": ROOT}
-    suffix = "" if args.clock == "wall" else "_cpu"
+    suffix = "" if args.clock == "wall" else f"_cpu{args.threads or ''}"
     out = args.out or ROOT / "benchmarks" / "results" / f"prefill_store_{args.blas}{suffix}.json"
     load_before = os.getloadavg()
     runs, ratios = measure(args)
@@ -181,10 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"median nested/separate prompt tokens/s: {statistics.median(tree_ratios):.2f}")
     result = {
         "what": "prompt tokens/s, nested store vs separate copies, interleaved fresh processes",
-        "clock": args.clock,
+        "clock": args.clock, "threads": args.threads,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commands": {s: " ".join(command(s, args)[1:]) if args.clock == "wall" else
                      f"scripts/bench_prefill_store.py --child {s} --max-tokens {args.max_tokens}"
+                     + (f" --threads {args.threads}" if args.threads else "")
                      for s in ("separate", "nested")},
         "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"),
         "mlx_blas_library": mlx_blas(args.blas),

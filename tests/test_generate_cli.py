@@ -94,3 +94,27 @@ def test_the_library_generate_survives_importing_the_command_module():
     prompt = "t5 t6 t7"
     want = library_generate(model, tok, prompt, max_tokens=5)
     assert gearbx_mlx.generate(model, tok, prompt, max_tokens=5) == want and want
+
+
+@pytest.mark.slow
+def test_the_command_takes_the_loaded_model_out_of_the_collectors_scans(monkeypatch):
+    """Once the model is loaded and before the prompt's first forward pass, the command
+    freezes what is alive: a full collection would otherwise walk the model's Python objects
+    again, wherever the collector happens to start one (in the prompt's time, say)."""
+    import gc
+    import importlib
+
+    command = importlib.import_module("gearbx_mlx.generate")
+    seen = {}
+
+    def run_loaded(args, model, tokenizer, gearbox, templated, writer=None):
+        seen["frozen"] = gc.get_freeze_count()
+        return 0
+
+    monkeypatch.setattr(command, "run_loaded", run_loaded)
+    gc.unfreeze()
+    try:
+        assert command.run(command.build_parser().parse_args(["--prompt", PROMPT, "--max-tokens", "1"])) == 0
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 10_000  # the model's modules, the tokenizer, the gearbox

@@ -421,7 +421,7 @@ def test_a_nested_c_kernel_that_disagrees_is_dropped_for_the_oracle(monkeypatch)
     want = nested_reference(x[None], planes, 2)[0]
     assert all(mx.allclose(y, want, atol=1e-5).item() for y in ys)
     assert calls == [2], "a failed kernel was called again"
-    assert len(guard_warnings(caught)) == 1 and "gbx_nested_cpu_4g64_4g32_float" in str(caught[-1].message)
+    assert len(guard_warnings(caught)) == 1 and "gbx_nested_cpu_4g64_4g32_intdot" in str(caught[-1].message)
     assert nested_matmul.nested_kernels_trusted() is False
 
 

@@ -13,7 +13,8 @@ this order (:meth:`NestedProduct.backend_for` tells which a call takes):
    rows where MLX's BLAS is a reference one (:func:`gearbx_mlx.blas.optimized`:
    its products are about ten times slower than these kernels); float32
    activations, except for the gears listed in ``intdot_plans`` (int8
-   activations: faster, and their error is small next to the gear's own);
+   activations: faster, and their error is small next to the gear's own)
+   and, for one input row (a decode step), in ``intdot_one_row_plans``;
 3. on the CPU device, more rows than that (a long prefill on an optimized
    BLAS, or any rows without the C kernels): :func:`.planes.dense_matmul`,
    the gear dequantized once and one BLAS product. MLX's CPU
@@ -60,6 +61,15 @@ class NestedKernelConfig:
         relative weight error) only: int8 activations add about 0.5% relative
         error (``scripts/bench_nested_kernels.py`` measures both per gear),
         which would double the mid gear's and swamp the high gear's.
+    intdot_one_row_plans: the same for one input row only: the mid gear's
+        planes (4 + 4 bits), whose one-row product (a decode step, and the
+        prompt's last token) then computes as the separate store's 8-bit mid
+        gear does (its C GEMV takes int8 activations), at 0.6x the float
+        path's time. Teacher-forced step by step, int8 activations add about
+        3.5e-3 nats of KL to the mid gear in either store
+        (``scripts/bench_mid_activations.py``), a hundredth of the low gear's.
+        More rows (a prefill chunk, a verify) keep float32 activations, as
+        the separate store's do.
     cpu_max_rows: the most input rows the C kernels take in one call where
         MLX's BLAS is optimized: they re-read each weight row from cache once
         per input row, and their float path slows past a few rows. On a
@@ -67,6 +77,7 @@ class NestedKernelConfig:
     """
 
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
+    intdot_one_row_plans: Tuple[Tuple[int, ...], ...] = ((4, 4),)
     cpu_max_rows: int = 8
     gpu_low_mlx: bool = True
     gpu_compile: bool = True
@@ -112,7 +123,8 @@ class NestedProduct:
         self._prepared: Optional[nested_cpu.PreparedNested] = None
         self._cpu_ok: Optional[bool] = None
         self._gpu: Dict[tuple, object] = {}  # (backend, dtype, n, bias) -> launcher or False
-        self._cpu: Dict[int, object] = {}  # n -> the C kernels' run(x), or False after a failed first use
+        # (n, path) -> the C kernels' run(x), or False after a failed first use
+        self._cpu: Dict[Tuple[int, str], object] = {}
         # (dtype, n, bias) -> run(x, shape, bias): the one-token GPU call with
         # everything but x and the bias bound, valid while the default device
         # is self._fast_device (a decode step makes hundreds of these calls)
@@ -164,11 +176,13 @@ class NestedProduct:
         return guard.KernelSpec(family, 0, None, self.in_features, self.out_features, intdot=intdot,
                                 rows_of=rows_of, reference=reference)
 
-    def _cpu_launcher(self, n: int):
-        """The C kernels' ``run(x) -> y`` (float32, no bias) for the gear of ``n`` planes, or False."""
-        run = self._cpu.get(n)
+    def _cpu_launcher(self, n: int, path: str):
+        """The C kernels' ``run(x) -> y`` (float32, no bias) for the gear of ``n`` planes on
+        ``path`` (:meth:`cpu_path`), or False."""
+        key = (n, path)
+        run = self._cpu.get(key)
         if run is None:
-            path, prepared = self.cpu_path(n), self._prepared
+            prepared = self._prepared
             plan = "_".join(f"{p.bits}g{p.group_size}" for p in self.planes[:n])
 
             def build():
@@ -179,8 +193,8 @@ class NestedProduct:
                 return gemv
 
             run = guard.guarded(self._spec("C nested GEMV", n, path == "intdot"), build,
-                                lambda r: self._cpu.__setitem__(n, r))
-            self._cpu[n] = run
+                                lambda r: self._cpu.__setitem__(key, r))
+            self._cpu[key] = run
         return run
 
     def cpu_prepared(self) -> Optional[nested_cpu.PreparedNested]:
@@ -215,9 +229,11 @@ class NestedProduct:
             return "cpu"
         return "dense" if rows > 1 else "reference"
 
-    def cpu_path(self, n: int) -> str:
-        """The C kernels' path for the gear of ``n`` planes: "intdot" or "float"."""
-        return "intdot" if tuple(p.bits for p in self.planes[:n]) in self.config.intdot_plans else "float"
+    def cpu_path(self, n: int, rows: int = 1) -> str:
+        """The C kernels' path for the gear of ``n`` planes and ``rows`` input rows: "intdot" or "float"."""
+        bits = tuple(p.bits for p in self.planes[:n])
+        one_row = rows == 1 and bits in self.config.intdot_one_row_plans
+        return "intdot" if one_row or bits in self.config.intdot_plans else "float"
 
     # -- the product --------------------------------------------------------------
 
@@ -255,7 +271,7 @@ class NestedProduct:
                     bias = bias.astype(x.dtype)
                 return run(x, nested_gpu.plane_arrays(self.planes, n), nested_gpu.factors_of(self.planes, n), bias)
             return self._bind_gpu(path, x.dtype, n, bias is not None)(x, x.shape, bias)
-        run = self._cpu_launcher(n) if path == "cpu" else False
+        run = self._cpu_launcher(n, self.cpu_path(n, x.size // self.in_features)) if path == "cpu" else False
         if run:
             y = run(x)
             if bias is not None:
