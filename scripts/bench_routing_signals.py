@@ -72,28 +72,28 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-def windows_of(tokenizer, path: Optional[str], tokens: int, window: int) -> tuple:
-    text, info = read_text(path)
+def windows_of(tokenizer, text: str, source: str, tokens: int, window: int) -> list:
     ids = text_tokens(tokenizer, text, tokens)
     if len(ids) < 2 * window:
-        raise ValueError(f"{info['source']} has {len(ids)} tokens: fewer than two windows of {window}")
-    return split_windows(ids, window), info
+        raise ValueError(f"{source} has {len(ids)} tokens: fewer than two windows of {window}")
+    return split_windows(ids, window)
 
 
 def run(args: argparse.Namespace, argv: List[str]) -> int:
     load_before = load_average()
     tic = time.perf_counter()
+    cal_text, cal_info = read_text(args.calibration_text or str(corpus_path("lee")))
+    eval_text, eval_info = read_text(args.text)
+    if cal_info["sha256"] == eval_info["sha256"]:
+        raise ValueError("--calibration-text and --text are the same file: the evaluation text must be unseen")
     model, tokenizer, gearbox = load(args.model)
     config = GearboxConfig(kernel="mlx")
     vocab = vocab_size_of(model, tokenizer)
     layout = ModelLayout.of(model, config, vocab)
     costs = {g: layout.bytes_per_token(PolicySpec(f"static-{g}/all", "static", "all", g), g)
              for g in ("low", "mid", "high")}
-    cal_windows, cal_info = windows_of(tokenizer, args.calibration_text or str(corpus_path("lee")), args.tokens,
-                                       args.window)
-    eval_windows, eval_info = windows_of(tokenizer, args.text, args.tokens, args.window)
-    if cal_info["sha256"] == eval_info["sha256"]:
-        raise ValueError("--calibration-text and --text are the same file: the evaluation text must be unseen")
+    cal_windows = windows_of(tokenizer, cal_text, cal_info["source"], args.tokens, args.window)
+    eval_windows = windows_of(tokenizer, eval_text, eval_info["source"], args.tokens, args.window)
     cal = measure_gears(model, cal_windows, layout, config, args.max_positions, stderr_progress)
     ev = measure_gears(model, eval_windows, layout, config, args.max_positions, stderr_progress)
     table = routing_table(cal, ev, costs, vocab, args.signals, args.seed, config=config)

@@ -42,7 +42,8 @@ from gearbx_mlx.evaluation.signal_table import (
     summarize,
     trace_bytes,
 )
-from gearbx_mlx.evaluation.specs import ModelLayout
+from gearbx_mlx.evaluation.specs import ModelLayout, PolicySpec
+from gearbx_mlx.evaluation.teacher import teacher_forced
 
 from conftest import make_tiny_llama
 
@@ -276,6 +277,15 @@ def test_measure_gears_chunked_equals_one_pass_and_high_is_the_reference():
     assert not a.values["high"]["kl"].any() and a.values["high"]["hits"].all()
     assert a.values["low"]["kl"].mean() > a.values["mid"]["kl"].mean() > 0
     assert type(model.model.norm).__name__ == "RMSNorm"  # restored
+    assert all(type(m).__name__ != "QuantizedLinear" for _, m in model.named_modules())
+    # The harness's fake-quantized rows of the same gears give the same numbers.
+    specs = [PolicySpec("static-high", "static", "all", "high"), PolicySpec("static-mid/all", "static", "all", "mid"),
+             PolicySpec("static-low/all", "static", "all", "low")]
+    rows = teacher_forced(model, windows, specs, layout, config, 256)
+    for r, g in zip(rows, ("high", "mid", "low")):
+        np.testing.assert_allclose(a.values[g]["kl"], r.kl, rtol=2e-3, atol=1e-6, err_msg=g)
+        np.testing.assert_allclose(a.values[g]["nll"], r.nll, rtol=1e-4, err_msg=g)
+        np.testing.assert_allclose(a.values[g]["entropy"], r.entropy, rtol=1e-4, atol=1e-5, err_msg=g)
 
 
 def test_script_rejects_an_unknown_signal_in_one_line():
@@ -284,3 +294,12 @@ def test_script_rejects_an_unknown_signal_in_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: --signals: unknown signal policy 'nope': choose from " + ", ".join(SIGNALS)]
+
+
+def test_script_rejects_a_missing_text_before_loading_a_model(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_routing_signals.py"), "--model", "no-such-model",
+                        "--text", str(tmp_path / "missing.txt")],
+                       capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: text file not found") and "missing.txt" in lines[0]

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import GearboxConfig
@@ -57,7 +58,7 @@ from .routers import (
     top_fraction_labels,
 )
 from .specs import ModelLayout, PolicySpec
-from .variants import VariantModel
+from .variants import ORIGINAL
 
 #: Gears measured, the reference first.
 PASS_GEARS = ("high", "mid", "low")
@@ -122,31 +123,53 @@ def _specs() -> Dict[str, PolicySpec]:
     return {g: PolicySpec("static-high" if g == "high" else f"static-{g}/all", "static", "all", g) for g in PASS_GEARS}
 
 
+@contextlib.contextmanager
+def gear_installed(model: nn.Module, layout: ModelLayout, gear: str, group_size: int) -> Iterator[None]:
+    """Every managed layer of ``model`` in ``gear`` as MLX quantized layers (the high gear: the loaded ones).
+
+    One gear's packed weights at a time (a 1.5B model's float copies of two
+    gears would not fit beside it); MLX's quantized layers compute what the
+    harness's fake-quantized copies compute, within float rounding.
+    """
+    spec = _specs()[gear]
+    modules = dict(model.named_modules())
+    keys = dict(zip(layout.paths, layout.keys(spec, gear)))
+    originals = {p: modules[p] for p, k in keys.items() if k != ORIGINAL}
+    if any(k < 0 for k in keys.values()):
+        raise ValueError(f"{gear}: only MLX affine gears are measured here, not the nested store's")
+    swapped = {p: m.to_quantized(group_size=group_size, bits=keys[p]) for p, m in originals.items()}
+    if swapped:
+        model.update_modules(tree_unflatten(list(swapped.items())))
+    try:
+        yield
+    finally:
+        if swapped:
+            model.update_modules(tree_unflatten(list(originals.items())))
+
+
 def measure_gears(model: nn.Module, windows: Sequence[Sequence[int]], layout: ModelLayout, config: GearboxConfig,
                   max_positions: int = 128, progress: Callable[[str], None] = lambda _m: None) -> GearRows:
     """Run every gear of :data:`PASS_GEARS` over ``windows`` (equal-length token lists) teacher-forced.
 
-    Chunk by chunk, every gear with its own KV cache, so only one chunk's
-    reference distribution is held.
+    Gear by gear (the reference first, its distributions kept for the
+    others), each window a fresh KV cache, ``max_positions`` positions per pass.
     """
-    specs = _specs()
     steps = len(windows[0]) - 1
     out: Dict[str, Dict[str, List[float]]] = {g: {} for g in PASS_GEARS}
-    with VariantModel(model, layout.bits_per_path(list(specs.values())), config.group_size) as vm, \
-            final_hidden(model) as seen:
-        for w, tokens in enumerate(windows):
-            caches = {g: make_prompt_cache(model) for g in PASS_GEARS}
-            for start in range(0, steps, max_positions):
-                n = min(max_positions, steps - start)
-                ids, targets = mx.array([tokens[start : start + n]], dtype=mx.uint32), tokens[start + 1 : start + n + 1]
-                ref = None
-                for g in PASS_GEARS:
-                    vm.set_keys({p: (k,) for p, k in zip(layout.paths, layout.keys(specs[g], g))})
-                    logits = model(ids, cache=caches[g])[0]
+    refs: Dict[Tuple[int, int], metrics.ReferenceRows] = {}
+    for g in PASS_GEARS:
+        with gear_installed(model, layout, g, config.group_size), final_hidden(model) as seen:
+            for w, tokens in enumerate(windows):
+                cache = make_prompt_cache(model)
+                for start in range(0, steps, max_positions):
+                    n = min(max_positions, steps - start)
+                    ids = mx.array([tokens[start : start + n]], dtype=mx.uint32)
+                    logits = model(ids, cache=cache)[0]
                     hidden = seen.value[0]
                     mx.eval(logits, hidden)
-                    ref = _append(out[g], logits, hidden, targets, ref)
-            progress(f"signals: window {w + 1}/{len(windows)} in {len(PASS_GEARS)} gears")
+                    ref = _append(out[g], logits, hidden, tokens[start + 1 : start + n + 1], refs.get((w, start)))
+                    refs.setdefault((w, start), ref)
+        progress(f"signals: {g} gear over {len(windows)} windows")
     return GearRows({g: {k: np.asarray(v, dtype=np.float64) for k, v in d.items()} for g, d in out.items()}, steps)
 
 

@@ -88,7 +88,7 @@ def summarize(name: str, trace: str, rows: GearRows, costs: Dict[str, float], se
     out: Dict[str, Any] = {
         "name": name, "mean_kl": float(v["kl"].mean()), "perplexity": float(np.exp(v["nll"].mean())),
         "top1_agreement": float(v["hits"].mean()), "bytes_per_token": b, "relative_bytes": b / costs["high"],
-        "bytes_vs_static_8bit": b / costs["mid"], "states": {c: trace.count(c) for c in sorted(set(trace))},
+        "bytes_vs_static_8bit": b / costs["mid"], "states": {c: trace.count(c) for c in sorted(set(trace))}, "trace": trace,
     }
     if not compare:
         return out
