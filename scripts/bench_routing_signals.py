@@ -54,6 +54,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    f"{', '.join(SIGNALS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the permutations and the bootstrap (default 0)")
     p.add_argument("--max-positions", type=int, default=128, help="positions per forward pass (default 128)")
+    p.add_argument("--packed", action="store_true",
+                   help="run each quantized gear on MLX's quantized layers (less memory, slower on a CPU) instead "
+                   "of float copies")
     p.add_argument("--out", metavar="FILE.json", help="write the table as JSON")
     args = p.parse_args(argv)
     args.signals = [s.strip() for s in args.signals.split(",") if s.strip()]
@@ -94,8 +97,8 @@ def run(args: argparse.Namespace, argv: List[str]) -> int:
              for g in ("low", "mid", "high")}
     cal_windows = windows_of(tokenizer, cal_text, cal_info["source"], args.tokens, args.window)
     eval_windows = windows_of(tokenizer, eval_text, eval_info["source"], args.tokens, args.window)
-    cal = measure_gears(model, cal_windows, layout, config, args.max_positions, stderr_progress)
-    ev = measure_gears(model, eval_windows, layout, config, args.max_positions, stderr_progress)
+    cal = measure_gears(model, cal_windows, layout, config, args.max_positions, stderr_progress, args.packed)
+    ev = measure_gears(model, eval_windows, layout, config, args.max_positions, stderr_progress, args.packed)
     table = routing_table(cal, ev, costs, vocab, args.signals, args.seed, config=config)
     print(format_table(table))
     print("beats its random permutations (both tests, 95%):", ", ".join(table["beats_random"]) or "none")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace, argv: List[str]) -> int:
             model=str(gearbox.model_dir or args.model), vocab_size=vocab,
             texts={"calibration": {**cal_info, "tokens": len(cal_windows) * args.window},
                    "evaluation": {**eval_info, "tokens": len(eval_windows) * args.window}},
-            window=args.window, scored_positions=ev.positions, seconds=time.perf_counter() - tic,
+            window=args.window, packed_layers=args.packed, scored_positions=ev.positions, seconds=time.perf_counter() - tic,
         )
         cmd = "python scripts/bench_routing_signals.py " + shlex.join(argv)
         write_result(args.out, table, cmd, load_before)

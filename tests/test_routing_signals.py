@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import make_tiny_llama
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from gearbx_mlx.config import GearboxConfig
@@ -44,8 +44,6 @@ from gearbx_mlx.evaluation.signal_table import (
 )
 from gearbx_mlx.evaluation.specs import ModelLayout, PolicySpec
 from gearbx_mlx.evaluation.teacher import teacher_forced
-
-from conftest import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 logits_arrays = arrays(np.float64, st.tuples(st.integers(1, 6), st.integers(2, 40)),
@@ -262,18 +260,18 @@ def spread_llama():
     return model
 
 
-def test_measure_gears_chunked_equals_one_pass_and_high_is_the_reference():
+def test_measure_gears_chunked_or_packed_equals_one_pass_and_high_is_the_reference():
     model = spread_llama()
     config = GearboxConfig(kernel="mlx")
     layout = ModelLayout.of(model, config, 256)
     rng = np.random.default_rng(0)
     windows = [rng.integers(0, 256, size=17).tolist() for _ in range(2)]
     a = measure_gears(model, windows, layout, config, max_positions=5)
-    b = measure_gears(model, windows, layout, config, max_positions=64)
+    b = measure_gears(model, windows, layout, config, max_positions=64, packed=True)
     assert a.positions == 32 and a.window_steps == 16
     for g in ("high", "mid", "low"):
         for k, v in a.values[g].items():
-            np.testing.assert_allclose(v, b.values[g][k], rtol=1e-4, atol=1e-5, err_msg=f"{g} {k}")
+            np.testing.assert_allclose(v, b.values[g][k], rtol=2e-3, atol=1e-5, err_msg=f"{g} {k}")
     assert not a.values["high"]["kl"].any() and a.values["high"]["hits"].all()
     assert a.values["low"]["kl"].mean() > a.values["mid"]["kl"].mean() > 0
     assert type(model.model.norm).__name__ == "RMSNorm"  # restored

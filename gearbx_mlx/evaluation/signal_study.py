@@ -58,7 +58,7 @@ from .routers import (
     top_fraction_labels,
 )
 from .specs import ModelLayout, PolicySpec
-from .variants import ORIGINAL
+from .variants import ORIGINAL, VariantModel
 
 #: Gears measured, the reference first.
 PASS_GEARS = ("high", "mid", "low")
@@ -124,41 +124,52 @@ def _specs() -> Dict[str, PolicySpec]:
 
 
 @contextlib.contextmanager
-def gear_installed(model: nn.Module, layout: ModelLayout, gear: str, group_size: int) -> Iterator[None]:
-    """Every managed layer of ``model`` in ``gear`` as MLX quantized layers (the high gear: the loaded ones).
+def gear_installed(model: nn.Module, layout: ModelLayout, gear: str, group_size: int,
+                   packed: bool = False) -> Iterator[None]:
+    """Every managed layer of ``model`` in ``gear`` (the high gear: the loaded layers).
 
-    One gear's packed weights at a time (a 1.5B model's float copies of two
-    gears would not fit beside it); MLX's quantized layers compute what the
-    harness's fake-quantized copies compute, within float rounding.
+    One gear at a time: the harness's fake-quantized float copies
+    (:class:`~.variants.VariantModel`, fast on a CPU), or with ``packed``
+    MLX's quantized layers, which hold a gear in a fraction of the memory
+    (for a model whose float copy would not fit beside it) but multiply many
+    positions slower on a CPU; both compute the same within float rounding.
     """
-    spec = _specs()[gear]
-    modules = dict(model.named_modules())
-    keys = dict(zip(layout.paths, layout.keys(spec, gear)))
-    originals = {p: modules[p] for p, k in keys.items() if k != ORIGINAL}
-    if any(k < 0 for k in keys.values()):
+    keys = dict(zip(layout.paths, layout.keys(_specs()[gear], gear)))
+    changed = {p: k for p, k in keys.items() if k != ORIGINAL}
+    if any(k < 0 for k in changed.values()):
         raise ValueError(f"{gear}: only MLX affine gears are measured here, not the nested store's")
-    swapped = {p: m.to_quantized(group_size=group_size, bits=keys[p]) for p, m in originals.items()}
-    if swapped:
-        model.update_modules(tree_unflatten(list(swapped.items())))
+    if not changed:
+        yield
+        return
+    if not packed:
+        with VariantModel(model, {p: [k] for p, k in changed.items()}, group_size) as vm:
+            vm.set_keys({p: (k,) for p, k in changed.items()})
+            yield
+        return
+    modules = dict(model.named_modules())
+    originals = {p: modules[p] for p in changed}
+    model.update_modules(tree_unflatten([(p, m.to_quantized(group_size=group_size, bits=changed[p]))
+                                         for p, m in originals.items()]))
     try:
         yield
     finally:
-        if swapped:
-            model.update_modules(tree_unflatten(list(originals.items())))
+        model.update_modules(tree_unflatten(list(originals.items())))
 
 
 def measure_gears(model: nn.Module, windows: Sequence[Sequence[int]], layout: ModelLayout, config: GearboxConfig,
-                  max_positions: int = 128, progress: Callable[[str], None] = lambda _m: None) -> GearRows:
+                  max_positions: int = 128, progress: Callable[[str], None] = lambda _m: None,
+                  packed: bool = False) -> GearRows:
     """Run every gear of :data:`PASS_GEARS` over ``windows`` (equal-length token lists) teacher-forced.
 
     Gear by gear (the reference first, its distributions kept for the
-    others), each window a fresh KV cache, ``max_positions`` positions per pass.
+    others), each window a fresh KV cache, ``max_positions`` positions per
+    pass; ``packed``: see :func:`gear_installed`.
     """
     steps = len(windows[0]) - 1
     out: Dict[str, Dict[str, List[float]]] = {g: {} for g in PASS_GEARS}
     refs: Dict[Tuple[int, int], metrics.ReferenceRows] = {}
     for g in PASS_GEARS:
-        with gear_installed(model, layout, g, config.group_size), final_hidden(model) as seen:
+        with gear_installed(model, layout, g, config.group_size, packed), final_hidden(model) as seen:
             for w, tokens in enumerate(windows):
                 cache = make_prompt_cache(model)
                 for start in range(0, steps, max_positions):
