@@ -83,12 +83,6 @@ def test_distribution_signals_in_row_blocks_equal_one_block():
         np.testing.assert_allclose(a[k], b[k], rtol=1e-12)
 
 
-@given(v=st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=30), w=st.integers(1, 8))
-def test_trailing_mean_is_the_mean_of_the_last_window_values(v, w):
-    want = [np.mean(v[max(0, i - w + 1) : i + 1]) for i in range(len(v))]
-    np.testing.assert_allclose(signals.trailing_mean(v, w), want, rtol=1e-9, atol=1e-6)
-
-
 def test_hidden_norm_and_bad_shapes():
     h = np.random.default_rng(1).normal(size=(5, 16))
     np.testing.assert_allclose(signals.hidden_norm(h), np.linalg.norm(h, axis=1))
@@ -96,8 +90,6 @@ def test_hidden_norm_and_bad_shapes():
         signals.hidden_norm(np.zeros(4))
     with pytest.raises(ValueError, match="vocabulary"):
         signals.log_probs(np.zeros((3, 1)))
-    with pytest.raises(ValueError, match="window"):
-        signals.trailing_mean([1.0], 0)
 
 
 # -- rules ---------------------------------------------------------------------------------------

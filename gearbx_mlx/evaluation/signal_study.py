@@ -209,7 +209,7 @@ def feature_matrix(rows: GearRows, gear: str) -> np.ndarray:
     return np.stack([rows.values[gear][f] for f in FEATURES], axis=1)
 
 
-def _shifted(rows: GearRows, values: np.ndarray) -> np.ndarray:
+def _shifted(rows: GearRows) -> np.ndarray:
     """Boolean mask of positions that have a next position in their window."""
     keep = np.ones(rows.positions, dtype=bool)
     keep[rows.window_steps - 1 :: rows.window_steps] = False
@@ -227,7 +227,7 @@ def train_router(rows: GearRows, rule: str, fraction: float, settings: RouterSet
     if rule == FALLBACK:
         return fit_logistic(feature_matrix(rows, "low"), top_fraction_labels(kl, fraction), settings.l2,
                             settings.newton_steps)
-    keep = _shifted(rows, kl)
+    keep = _shifted(rows)
     nxt = np.roll(kl, -1)[keep]
     y = top_fraction_labels(nxt, fraction)
     x = np.vstack([feature_matrix(rows, "low")[keep], feature_matrix(rows, "high")[keep]])
@@ -281,7 +281,7 @@ def calibrate(policy: SignalPolicy, rows: GearRows, costs: Dict[str, float], bud
     model = train_router(rows, policy.rule, frac, settings) if policy.feature == LEARNED else None
     direction = policy.direction
     if direction == 0:
-        keep = _shifted(rows, kl)
+        keep = _shifted(rows)
         direction = calibrated_sign(rows.values["low"][policy.feature][keep], np.roll(kl, -1)[keep])
     c = Calibrated(policy, direction, 0.0, frac, 0.0, model)
     every = np.concatenate([c.scores(rows, "low"), c.scores(rows, "high")])

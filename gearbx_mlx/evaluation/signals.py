@@ -10,8 +10,10 @@ by :mod:`.signal_study` are all cheap by-products of a decode step:
   ``p`` (how unevenly the mass is spread, which entropy alone does not say);
 * :func:`top_margin`: the probability gap between the two most likely tokens;
 * :func:`hidden_norm`: the L2 norm of the last hidden state (the input of the
-  model's final norm);
-* :func:`trailing_mean`: a trailing rolling mean, the specification's smoothing.
+  model's final norm).
+
+The specification's smoothing (a trailing mean of 3 steps) depends on the
+gears a router chose, so it lives in the router (:func:`.routers.route_lagged`).
 
 Every function takes ``(S, V)`` log-probabilities (natural log) or ``(S, D)``
 hidden states and returns one float64 value per position ``(S,)``.
@@ -68,17 +70,6 @@ def hidden_norm(hidden: np.ndarray) -> np.ndarray:
     if h.ndim != 2:
         raise ValueError(f"need (positions, hidden size) states, got shape {h.shape}")
     return np.sqrt(np.einsum("sd,sd->s", h, h))
-
-
-def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Mean of the last ``window`` values up to and including each position (fewer at the start)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    v = np.asarray(values, dtype=np.float64)
-    c = np.concatenate([[0.0], np.cumsum(v)])
-    i = np.arange(1, v.size + 1)
-    lo = np.maximum(i - window, 0)
-    return (c[i] - c[lo]) / (i - lo)
 
 
 def distribution_signals(logits: np.ndarray, rows: int = 32) -> Dict[str, np.ndarray]:
