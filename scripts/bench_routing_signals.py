@@ -33,7 +33,7 @@ from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.console import error_line
 from gearbx_mlx.evaluation.machine import load_average, write_result
 from gearbx_mlx.evaluation.routers import SIGNALS, signal_policy
-from gearbx_mlx.evaluation.signal_study import measure_gears
+from gearbx_mlx.evaluation.signal_study import GearLayers, measure_gears
 from gearbx_mlx.evaluation.signal_table import format_table, routing_table
 from gearbx_mlx.evaluation.specs import ModelLayout, PolicySpec
 from gearbx_mlx.evaluation.teacher import split_windows, stderr_progress
@@ -54,9 +54,13 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    f"{', '.join(SIGNALS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the permutations and the bootstrap (default 0)")
     p.add_argument("--max-positions", type=int, default=128, help="positions per forward pass (default 128)")
-    p.add_argument("--packed", action="store_true",
-                   help="run each quantized gear on MLX's quantized layers (less memory, slower on a CPU) instead "
-                   "of float copies")
+    low = p.add_mutually_exclusive_group()
+    low.add_argument("--packed", action="store_true",
+                     help="run each quantized gear on MLX's quantized layers (less memory, several times slower on "
+                     "a CPU) instead of a float copy beside the model")
+    low.add_argument("--in-place", action="store_true",
+                     help="quantize each gear's float weights in place and read the loaded ones back from the model "
+                     "folder after it (no copy beside the model; as fast as the copy)")
     p.add_argument("--out", metavar="FILE.json", help="write the table as JSON")
     args = p.parse_args(argv)
     args.signals = [s.strip() for s in args.signals.split(",") if s.strip()]
@@ -97,8 +101,11 @@ def run(args: argparse.Namespace, argv: List[str]) -> int:
              for g in ("low", "mid", "high")}
     cal_windows = windows_of(tokenizer, cal_text, cal_info["source"], args.tokens, args.window)
     eval_windows = windows_of(tokenizer, eval_text, eval_info["source"], args.tokens, args.window)
-    cal = measure_gears(model, cal_windows, layout, config, args.max_positions, stderr_progress, args.packed)
-    ev = measure_gears(model, eval_windows, layout, config, args.max_positions, stderr_progress, args.packed)
+    layers = GearLayers(args.packed, gearbox.model_dir if args.in_place else None)
+    if args.in_place and gearbox.model_dir is None:
+        raise ValueError("--in-place needs a model loaded from a folder of safetensors")
+    cal = measure_gears(model, cal_windows, layout, config, args.max_positions, stderr_progress, layers)
+    ev = measure_gears(model, eval_windows, layout, config, args.max_positions, stderr_progress, layers)
     table = routing_table(cal, ev, costs, vocab, args.signals, args.seed, config=config)
     print(format_table(table))
     print("beats its random permutations (both tests, 95%):", ", ".join(table["beats_random"]) or "none")
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace, argv: List[str]) -> int:
             model=str(gearbox.model_dir or args.model), vocab_size=vocab,
             texts={"calibration": {**cal_info, "tokens": len(cal_windows) * args.window},
                    "evaluation": {**eval_info, "tokens": len(eval_windows) * args.window}},
-            window=args.window, packed_layers=args.packed, scored_positions=ev.positions, seconds=time.perf_counter() - tic,
+            window=args.window, layers={"packed": args.packed, "in_place": args.in_place}, scored_positions=ev.positions, seconds=time.perf_counter() - tic,
         )
         cmd = "python scripts/bench_routing_signals.py " + shlex.join(argv)
         write_result(args.out, table, cmd, load_before)

@@ -15,6 +15,7 @@ import pytest
 from conftest import make_tiny_llama
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
+from mlx.utils import tree_flatten
 
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.evaluation import signals
@@ -32,7 +33,14 @@ from gearbx_mlx.evaluation.routers import (
     signal_policy,
     top_fraction_labels,
 )
-from gearbx_mlx.evaluation.signal_study import GearRows, calibrate, final_hidden, measure_gears, monitor_trace
+from gearbx_mlx.evaluation.signal_study import (
+    GearLayers,
+    GearRows,
+    calibrate,
+    final_hidden,
+    measure_gears,
+    monitor_trace,
+)
 from gearbx_mlx.evaluation.signal_table import (
     expected_permutation_kl,
     format_table,
@@ -252,18 +260,32 @@ def spread_llama():
     return model
 
 
-def test_measure_gears_chunked_or_packed_equals_one_pass_and_high_is_the_reference():
+def test_measure_gears_chunked_packed_or_in_place_equals_one_pass_and_high_is_the_reference(tmp_path):
     model = spread_llama()
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    loaded = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     config = GearboxConfig(kernel="mlx")
     layout = ModelLayout.of(model, config, 256)
     rng = np.random.default_rng(0)
     windows = [rng.integers(0, 256, size=17).tolist() for _ in range(2)]
     a = measure_gears(model, windows, layout, config, max_positions=5)
-    b = measure_gears(model, windows, layout, config, max_positions=64, packed=True)
+    b = measure_gears(model, windows, layout, config, max_positions=64, layers=GearLayers(packed=True))
+    c = measure_gears(model, windows, layout, config, max_positions=64, layers=GearLayers(reload_from=tmp_path))
     assert a.positions == 32 and a.window_steps == 16
     for g in ("high", "mid", "low"):
         for k, v in a.values[g].items():
             np.testing.assert_allclose(v, b.values[g][k], rtol=2e-3, atol=1e-5, err_msg=f"{g} {k}")
+            np.testing.assert_allclose(v, c.values[g][k], rtol=1e-4, atol=1e-6, err_msg=f"{g} {k}")
+    for k, v in tree_flatten(model.parameters()):  # the in-place gears left the loaded weights as they were
+        assert np.array_equal(np.array(v), loaded[k]), k
+    with pytest.raises(ValueError, match="no model"):
+        measure_gears(model, windows, layout, config, layers=GearLayers(reload_from=tmp_path / "empty"))
+    (tmp_path / "other").mkdir()
+    mx.save_safetensors(str(tmp_path / "other" / "model.safetensors"), {"model.norm.weight": mx.ones((128,))})
+    with pytest.raises(ValueError, match="cannot be read back"):
+        measure_gears(model, windows, layout, config, layers=GearLayers(reload_from=tmp_path / "other"))
+    for k, v in tree_flatten(model.parameters()):  # refused before anything was quantized
+        assert np.array_equal(np.array(v), loaded[k]), k
     assert not a.values["high"]["kl"].any() and a.values["high"]["hits"].all()
     assert a.values["low"]["kl"].mean() > a.values["mid"]["kl"].mean() > 0
     assert type(model.model.norm).__name__ == "RMSNorm"  # restored

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -58,7 +59,7 @@ from .routers import (
     top_fraction_labels,
 )
 from .specs import ModelLayout, PolicySpec
-from .variants import ORIGINAL, VariantModel
+from .variants import ORIGINAL, VariantModel, variant_weight
 
 #: Gears measured, the reference first.
 PASS_GEARS = ("high", "mid", "low")
@@ -123,17 +124,32 @@ def _specs() -> Dict[str, PolicySpec]:
     return {g: PolicySpec("static-high" if g == "high" else f"static-{g}/all", "static", "all", g) for g in PASS_GEARS}
 
 
+@dataclass(frozen=True)
+class GearLayers:
+    """How a quantized gear is put in the model's managed layers (one gear at a time).
+
+    Attributes:
+        packed: MLX's quantized layers, which hold a gear in a fraction of
+            the memory but multiply many positions several times slower on a
+            CPU; else the harness's fake-quantized float copies
+            (:class:`~.variants.VariantModel`, fast, one float copy beside
+            the model).
+        reload_from: the model's folder: the float copies replace the loaded
+            weights in place and the loaded weights are read back from its
+            ``model*.safetensors`` after the gear (no copy beside the model:
+            for a model twice whose size does not fit).
+
+    All three compute the same numbers within float rounding.
+    """
+
+    packed: bool = False
+    reload_from: Optional[Path] = None
+
+
 @contextlib.contextmanager
 def gear_installed(model: nn.Module, layout: ModelLayout, gear: str, group_size: int,
-                   packed: bool = False) -> Iterator[None]:
-    """Every managed layer of ``model`` in ``gear`` (the high gear: the loaded layers).
-
-    One gear at a time: the harness's fake-quantized float copies
-    (:class:`~.variants.VariantModel`, fast on a CPU), or with ``packed``
-    MLX's quantized layers, which hold a gear in a fraction of the memory
-    (for a model whose float copy would not fit beside it) but multiply many
-    positions slower on a CPU; both compute the same within float rounding.
-    """
+                   layers: GearLayers = GearLayers()) -> Iterator[None]:
+    """Every managed layer of ``model`` in ``gear`` (the high gear: the loaded layers), as ``layers`` says."""
     keys = dict(zip(layout.paths, layout.keys(_specs()[gear], gear)))
     changed = {p: k for p, k in keys.items() if k != ORIGINAL}
     if any(k < 0 for k in changed.values()):
@@ -141,35 +157,59 @@ def gear_installed(model: nn.Module, layout: ModelLayout, gear: str, group_size:
     if not changed:
         yield
         return
-    if not packed:
+    modules = dict(model.named_modules())
+    if layers.packed:
+        originals = {p: modules[p] for p in changed}
+        model.update_modules(tree_unflatten([(p, m.to_quantized(group_size=group_size, bits=changed[p]))
+                                             for p, m in originals.items()]))
+        try:
+            yield
+        finally:
+            model.update_modules(tree_unflatten(list(originals.items())))
+    elif layers.reload_from is not None:
+        files = sorted(Path(layers.reload_from).glob("model*.safetensors"))
+        if not files:
+            raise ValueError(f"{layers.reload_from}: no model*.safetensors to read the loaded weights back from")
+        stored = _stored(files, {f"{p}.weight": modules[p].weight for p in changed})
+        for p, k in changed.items():
+            modules[p].weight = variant_weight(modules[p].weight, k, group_size)
+            mx.eval(modules[p].weight)
+        try:
+            yield
+        finally:
+            model.load_weights(stored, strict=False)
+            mx.eval([modules[p].weight for p in changed])
+    else:
         with VariantModel(model, {p: [k] for p, k in changed.items()}, group_size) as vm:
             vm.set_keys({p: (k,) for p, k in changed.items()})
             yield
-        return
-    modules = dict(model.named_modules())
-    originals = {p: modules[p] for p in changed}
-    model.update_modules(tree_unflatten([(p, m.to_quantized(group_size=group_size, bits=changed[p]))
-                                         for p, m in originals.items()]))
-    try:
-        yield
-    finally:
-        model.update_modules(tree_unflatten(list(originals.items())))
+
+
+def _stored(files: Sequence[Path], now: Dict[str, mx.array]) -> List[Tuple[str, mx.array]]:
+    """The weights named in ``now`` as ``files`` hold them (lazily read); each must be there in its shape and dtype."""
+    found = [(n, w) for f in files for n, w in mx.load(str(f)).items() if n in now]
+    bad = sorted(set(now) - {n for n, _ in found}) + [n for n, w in found
+                                                    if w.shape != now[n].shape or w.dtype != now[n].dtype]
+    if bad:
+        raise ValueError(f"{files[0].parent}: the loaded weights of {bad[:3]} cannot be read back (missing or "
+                         "converted on load): measure without --in-place")
+    return found
 
 
 def measure_gears(model: nn.Module, windows: Sequence[Sequence[int]], layout: ModelLayout, config: GearboxConfig,
                   max_positions: int = 128, progress: Callable[[str], None] = lambda _m: None,
-                  packed: bool = False) -> GearRows:
+                  layers: GearLayers = GearLayers()) -> GearRows:
     """Run every gear of :data:`PASS_GEARS` over ``windows`` (equal-length token lists) teacher-forced.
 
     Gear by gear (the reference first, its distributions kept for the
     others), each window a fresh KV cache, ``max_positions`` positions per
-    pass; ``packed``: see :func:`gear_installed`.
+    pass; ``layers``: see :class:`GearLayers`.
     """
     steps = len(windows[0]) - 1
     out: Dict[str, Dict[str, List[float]]] = {g: {} for g in PASS_GEARS}
     refs: Dict[Tuple[int, int], metrics.ReferenceRows] = {}
     for g in PASS_GEARS:
-        with gear_installed(model, layout, g, config.group_size, packed), final_hidden(model) as seen:
+        with gear_installed(model, layout, g, config.group_size, layers), final_hidden(model) as seen:
             for w, tokens in enumerate(windows):
                 cache = make_prompt_cache(model)
                 for start in range(0, steps, max_positions):
