@@ -33,8 +33,8 @@ from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.console import error_line
 from gearbx_mlx.evaluation.machine import load_average, write_result
 from gearbx_mlx.evaluation.routers import SIGNALS, signal_policy
-from gearbx_mlx.evaluation.signal_study import GearLayers, measure_gears
-from gearbx_mlx.evaluation.signal_table import format_table, routing_table
+from gearbx_mlx.evaluation.signal_study import GearLayers, measure_gears, real_runs
+from gearbx_mlx.evaluation.signal_table import format_table, routing_table, state_values
 from gearbx_mlx.evaluation.specs import ModelLayout, PolicySpec
 from gearbx_mlx.evaluation.teacher import split_windows, stderr_progress
 from gearbx_mlx.evaluation.text import read_text, text_tokens
@@ -54,6 +54,10 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    f"{', '.join(SIGNALS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the permutations and the bootstrap (default 0)")
     p.add_argument("--max-positions", type=int, default=128, help="positions per forward pass (default 128)")
+    p.add_argument("--real-runs", metavar="POLICY", action="append", default=[],
+                   help="also run POLICY's gears and --real-permutations permutations of them for real (every "
+                   "position's keys and values from its own gear), to check re-selection; repeatable")
+    p.add_argument("--real-permutations", type=int, default=5, help="permutations run for real (default 5)")
     low = p.add_mutually_exclusive_group()
     low.add_argument("--packed", action="store_true",
                      help="run each quantized gear on MLX's quantized layers (less memory, several times slower on "
@@ -71,6 +75,13 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             signal_policy(s)
         except ValueError as e:
             raise ValueError(f"--signals: {e}") from None
+    for s in args.real_runs:
+        try:
+            signal_policy(s)
+        except ValueError as e:
+            raise ValueError(f"--real-runs: {e}") from None
+    if args.real_permutations < 1:
+        raise ValueError(f"--real-permutations must be >= 1, got {args.real_permutations}")
     if args.tokens < 2 * args.window or args.window < 2:
         raise ValueError(f"--tokens ({args.tokens}) must hold at least two --window ({args.window}) windows, "
                          "window >= 2")
@@ -108,6 +119,18 @@ def run(args: argparse.Namespace, argv: List[str]) -> int:
     ev = measure_gears(model, eval_windows, layout, config, args.max_positions, stderr_progress, layers)
     table = routing_table(cal, ev, costs, vocab, args.signals, args.seed, config=config)
     print(format_table(table))
+    table["real_runs"] = {}
+    for name in args.real_runs:
+        row = next((r for r in table["rows"] if r["name"] == name), None)
+        if row is None:
+            raise ValueError(f"--real-runs {name}: not among --signals")
+        real = real_runs(model, eval_windows, layout, config, vocab, row["trace"], args.real_permutations, args.seed)
+        real["reselected_mean_kl"] = [float(state_values(s, ev)["kl"].mean()) for s in real["sequences"]]
+        table["real_runs"][name] = real
+        print(f"{name} run for real: KL {real['mean_kl'][0]:.4f} vs its permutations "
+              + ", ".join(f"{x:.4f}" for x in real["mean_kl"][1:])
+              + f" (re-selected {real['reselected_mean_kl'][0]:.4f} vs "
+              + ", ".join(f"{x:.4f}" for x in real["reselected_mean_kl"][1:]) + ")")
     print("beats its random permutations (both tests, 95%):", ", ".join(table["beats_random"]) or "none")
     if args.out:
         table.update(

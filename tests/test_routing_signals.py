@@ -40,6 +40,7 @@ from gearbx_mlx.evaluation.signal_study import (
     final_hidden,
     measure_gears,
     monitor_trace,
+    real_runs,
 )
 from gearbx_mlx.evaluation.signal_table import (
     expected_permutation_kl,
@@ -315,3 +316,21 @@ def test_script_rejects_a_missing_text_before_loading_a_model(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: text file not found") and "missing.txt" in lines[0]
+
+
+def test_real_runs_replay_a_trace_and_its_permutations():
+    model = spread_llama()
+    config = GearboxConfig(kernel="mlx")
+    layout = ModelLayout.of(model, config, 256)
+    rng = np.random.default_rng(2)
+    windows = [rng.integers(0, 256, size=9).tolist() for _ in range(2)]
+    rows = measure_gears(model, windows, layout, config)
+    got = real_runs(model, windows, layout, config, 256, "l" * 16, permutations=2)
+    # A static trace is what re-selection assumes, so the real run equals it; its permutations are itself.
+    assert got["sequences"] == ["l" * 16] * 3
+    np.testing.assert_allclose(got["mean_kl"], [rows.values["low"]["kl"].mean()] * 3, rtol=1e-4)
+    mixed = real_runs(model, windows, layout, config, 256, "fllllllh" * 2, permutations=3, seed=1)
+    assert mixed["sequences"][0] == "hllllllh" * 2
+    assert all(sorted(s[:8]) == sorted("hllllllh") and sorted(s[8:]) == sorted("hllllllh") for s in mixed["sequences"])
+    with pytest.raises(ValueError, match="trace of 16"):
+        real_runs(model, windows, layout, config, 256, "lx")

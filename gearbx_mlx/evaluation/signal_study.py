@@ -59,6 +59,7 @@ from .routers import (
     top_fraction_labels,
 )
 from .specs import ModelLayout, PolicySpec
+from .teacher import teacher_forced
 from .variants import ORIGINAL, VariantModel, variant_weight
 
 #: Gears measured, the reference first.
@@ -348,3 +349,27 @@ def monitor_trace(rows: GearRows, vocab_size: int, config: GearboxConfig) -> str
             out.append(chars[gear])
             gear = monitor.push(rows.values[gear]["entropy"][t]).gear
     return "".join(out)
+
+
+def real_runs(model: nn.Module, windows: Sequence[Sequence[int]], layout: ModelLayout, config: GearboxConfig,
+              vocab_size: int, trace: str, permutations: int = 5, seed: int = 0) -> Dict[str, object]:
+    """Run a policy's state trace and ``permutations`` per-window permutations of it for real.
+
+    Each is replayed through the harness's teacher forcing (every position's
+    keys and values from its own gear, unlike re-selection); a fallback step
+    replays as a high-gear step, whose keys and values a fallback keeps.
+    Returns the gear sequences and each one's mean KL.
+    """
+    steps = len(windows[0]) - 1
+    replay = trace.replace("f", "h")
+    if len(replay) != steps * len(windows) or set(replay) - {"l", "m", "h"}:
+        raise ValueError(f"need a trace of {steps * len(windows)} states over l, m, h, f")
+    rng = np.random.default_rng(seed)
+    grid = np.array(list(replay)).reshape(len(windows), steps)
+    seqs = [replay] + ["".join(rng.permuted(grid, axis=1).ravel()) for _ in range(permutations)]
+    specs = [PolicySpec("static-high", "static", "all", "high")] + [
+        PolicySpec(f"replay-{i}", "random", "all", fractions=(("low", 1.0),), seed=i,
+                   sequences=tuple(s[j : j + steps] for j in range(0, len(s), steps)))
+        for i, s in enumerate(seqs)]
+    rows = teacher_forced(model, [list(w) for w in windows], specs, layout, config, vocab_size, "real runs")
+    return {"sequences": seqs, "mean_kl": [r.mean_kl for r in rows[1:]]}
