@@ -389,7 +389,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 tokens, prefill_s, tps = greedy_decode(model, prompt, n_tokens)
                 entry["rounds_tok_per_s"].append(tps)
                 entry.setdefault("rounds_host_us_per_step", []).append(host_us_per_step(model, prompt))
-                print(f"  round {r + 1} {variant:26s} {tps:7.1f} tok/s, host "
+                print(f"  repeat {r + 1} {variant:26s} {tps:7.1f} tok/s, host "
                       f"{entry['rounds_host_us_per_step'][-1]['median']:.0f} us/step", flush=True)
                 entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
                 if reference_tokens is None:

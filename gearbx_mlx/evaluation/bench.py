@@ -438,12 +438,12 @@ def _rounds(rounds: int, order: Sequence[Row], clock: "Clock", run: Callable[[Ro
     rounds_run, round_seconds = 0, 0.0
     for r in range(rounds):
         if r > 0 and clock.deadline is not None and time.perf_counter() + round_seconds > clock.deadline:
-            say(f"the time budget leaves no room for round {r + 1} of {rounds}: "
+            say(f"the time budget leaves no room for repeat {r + 1} of {rounds}: "
                 f"rows keep {rounds_run} (--budget or --no-budget gives more)")
             break
         t0 = time.perf_counter()
         for row in order:
-            row.runs.append(run(row, f"round {r + 1}"))
+            row.runs.append(run(row, f"repeat {r + 1}"))
         round_seconds, rounds_run = time.perf_counter() - t0, rounds_run + 1
         if r == 0 and after_first is not None:
             say("the automatic decision against plain decoding, run by run ...")
