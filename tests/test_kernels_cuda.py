@@ -12,14 +12,13 @@ Three layers, from anywhere to the GPU:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+import host_emulation
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -258,24 +257,7 @@ pytestmark = pytest.mark.xdist_group("cuda-host-binary")
 
 @pytest.fixture(scope="module")
 def host_binary() -> Path:
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not installed: the host emulation of the kernel body needs it")
-    text = _host_unit()
-    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    out_dir = Path(tempfile.gettempdir()) / f"gbx_host_gemv_{digest}"
-    binary = out_dir / "gemv"
-    if not binary.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        src = out_dir / "gemv.cpp"
-        src.write_text(text)
-        cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined",
-               "-fno-sanitize-recover=all", "-Wall", "-Wno-unused-variable",
-               "-o", str(binary) + ".tmp", str(src)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        Path(str(binary) + ".tmp").rename(binary)
-    return binary
+    return host_emulation.build(_host_unit(), "gemv", "gemv")
 
 
 @pytest.mark.parametrize("config", range(len(HOST_CONFIGS)))

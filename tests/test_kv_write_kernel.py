@@ -28,16 +28,15 @@ GPU quantizer and there are no such groups.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import host_emulation
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -482,29 +481,9 @@ def host_unit(directory: Path, dtypes=DTYPES, bits=BITS, groups=GROUPS) -> str:
 def build_host(directory: Path, tag: str, dtypes=DTYPES, bits=BITS, groups=GROUPS) -> Dict[mx.Dtype, Path]:
     """``{dtype: binary}``: one binary a dtype, compiled side by side (-O0: the
     216 variants compile in a fraction of -O1's time; the sanitizers stay on)."""
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not installed: the host emulation of the kernel body needs it")
-    binaries, jobs = {}, []
-    for dtype in dtypes:
-        text = host_unit(directory, (dtype,), bits, groups)
-        digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-        out_dir = Path(tempfile.gettempdir()) / f"gbx_host_kvwrite_{tag}_{digest}"
-        binary = binaries[dtype] = out_dir / "kvwrite"
-        if binary.exists():
-            continue
-        out_dir.mkdir(parents=True, exist_ok=True)
-        src = out_dir / "kvwrite.cpp"
-        src.write_text(text)
-        cmd = [cxx, "-std=c++20", "-O0", "-g", "-pthread", "-fsanitize=address,undefined",
-               "-fno-sanitize-recover=all", "-Wall", "-Wno-unused-variable", "-Wno-unused-but-set-variable",
-               "-Wno-maybe-uninitialized", "-o", str(binary) + ".tmp", str(src)]
-        jobs.append((binary, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-    for binary, proc in jobs:
-        _, err = proc.communicate()
-        assert proc.returncode == 0, err[-4000:]
-        Path(str(binary) + ".tmp").rename(binary)
-    return binaries
+    jobs = [host_emulation.start(host_unit(directory, (dtype,), bits, groups), f"kvwrite_{tag}", "kvwrite", "-O0")
+            for dtype in dtypes]
+    return {dtype: host_emulation.finish(*job) for dtype, job in zip(dtypes, jobs)}
 
 
 def _load(path: Path, dtype: mx.Dtype, shape: tuple) -> mx.array:

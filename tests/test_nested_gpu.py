@@ -16,14 +16,13 @@ ACCUM_RTOL of the sum of |terms| (float32 accumulation in another order).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Tuple
 
+import host_emulation
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -211,24 +210,7 @@ int main(int argc, char** argv) {
 
 
 def build_host(directory: Path, configs, tag: str) -> Path:
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not installed: the host emulation of the kernel body needs it")
-    text = host_unit(directory, configs)
-    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    out_dir = Path(tempfile.gettempdir()) / f"gbx_host_nested_{tag}_{digest}"
-    binary = out_dir / "nested"
-    if not binary.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        src = out_dir / "nested.cpp"
-        src.write_text(text)
-        cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined",
-               "-fno-sanitize-recover=all", "-Wall", "-Wno-unused-variable", "-Wno-unused-but-set-variable",
-               "-Wno-maybe-uninitialized", "-o", str(binary) + ".tmp", str(src)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        Path(str(binary) + ".tmp").rename(binary)
-    return binary
+    return host_emulation.build(host_unit(directory, configs), f"nested_{tag}", "nested")
 
 
 def run_host(binary: Path, tmp_path: Path, i: int, config, planes, x, bias) -> mx.array:

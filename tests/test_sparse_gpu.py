@@ -4,13 +4,11 @@ odd shapes, group sizes, dtypes and kept sets; it never reads a dropped group. N
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+import host_emulation
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -91,21 +89,7 @@ pytestmark = pytest.mark.xdist_group("sparse-gpu-host-binary")
 
 @pytest.fixture(scope="module")
 def host_binary() -> Path:
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not installed: the host emulation of the kernel body needs it")
-    text = host_unit(kernel_files.source_dir())
-    out_dir = Path(tempfile.gettempdir()) / f"gbx_host_sparse_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
-    binary = out_dir / "sparse"
-    if not binary.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "sparse.cpp").write_text(text)
-        cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-               "-Wall", "-Wno-unused-variable", "-o", str(binary) + ".tmp", str(out_dir / "sparse.cpp")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        Path(str(binary) + ".tmp").rename(binary)
-    return binary
+    return host_emulation.build(host_unit(kernel_files.source_dir()), "sparse", "sparse")
 
 
 def _parts(out: int, inp: int, config, seed: int):
