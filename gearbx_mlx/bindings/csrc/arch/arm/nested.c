@@ -20,16 +20,6 @@
 
 /* ---- scales and biases -------------------------------------------------- */
 
-GBX_INLINE float scale1_neon(const void *p, size_t i, const int dtype)
-{
-    if (dtype == GBX_DTYPE_F32)
-        return ((const float *)p)[i];
-    const uint16_t h = ((const uint16_t *)p)[i];
-    if (dtype == GBX_DTYPE_F16)
-        return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
-    return gbx_bf16_to_f32(h);
-}
-
 GBX_INLINE float32x4_t scale4_neon(const void *p, size_t i, const int dtype)
 {
     if (dtype == GBX_DTYPE_F32)
@@ -50,7 +40,7 @@ GBX_INLINE float group_dot_neon(const void *v, size_t off, const float *w, int n
         acc = vfmaq_f32(acc, scale4_neon(v, off + (size_t)g, dtype), vld1q_f32(w + g));
     float y = vaddvq_f32(acc);
     for (; g < ng; ++g)
-        y += scale1_neon(v, off + (size_t)g, dtype) * w[g];
+        y += gbx_scale1_neon(v, off + (size_t)g, dtype) * w[g];
     return y;
 }
 
@@ -91,7 +81,7 @@ GBX_INLINE float plane4_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
             float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
             fma16_u8_neon(&t0, &t1, lo, xs->even + 16 * h);
             fma16_u8_neon(&t0, &t1, hi, xs->odd + 16 * h);
-            const float sg = scale1_neon(p->scales, off + (size_t)((2 * s + h) >> p->gshift), dtype);
+            const float sg = gbx_scale1_neon(p->scales, off + (size_t)((2 * s + h) >> p->gshift), dtype);
             if (h)
                 acc1 = vfmaq_n_f32(acc1, vaddq_f32(t0, t1), sg);
             else
@@ -112,7 +102,7 @@ GBX_INLINE float plane8_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
         float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
         fma16_u8_neon(&t0, &t1, vld1q_u8(w + (size_t)b * GBX_QK), x + (size_t)b * GBX_QK);
         fma16_u8_neon(&t0, &t1, vld1q_u8(w + (size_t)b * GBX_QK + 16), x + (size_t)b * GBX_QK + 16);
-        const float sg = scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float sg = gbx_scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);
         if (b & 1)
             acc1 = vfmaq_n_f32(acc1, vaddq_f32(t0, t1), sg);
         else
@@ -154,7 +144,7 @@ GBX_INLINE float plane6_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int b = 0; b < c->I / GBX_QK; ++b) {
         const float32x4_t t = u6_block_float_neon(w + (size_t)b * (GBX_QK * 6 / 8), x + (size_t)b * GBX_QK);
-        const float sg = scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float sg = gbx_scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);
         if (b & 1)
             acc1 = vfmaq_n_f32(acc1, t, sg);
         else
@@ -184,8 +174,8 @@ GBX_INLINE float plane6_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
             u4_split16_neon(w + (size_t)s * (GBX_SPAN / 2) + 16, &lo, &hi);                                \
             int32x4_t ib = DOT(vdupq_n_s32(0), vreinterpretq_s8_u8(lo), vld1q_s8(xs->even + 16));          \
             ib = DOT(ib, vreinterpretq_s8_u8(hi), vld1q_s8(xs->odd + 16));                                 \
-            const float sa = scale1_neon(p->scales, off + (size_t)((2 * s) >> p->gshift), dtype);          \
-            const float sb = p->gshift ? sa : scale1_neon(p->scales, off + (size_t)(2 * s + 1), dtype);    \
+            const float sa = gbx_scale1_neon(p->scales, off + (size_t)((2 * s) >> p->gshift), dtype);          \
+            const float sb = p->gshift ? sa : gbx_scale1_neon(p->scales, off + (size_t)(2 * s + 1), dtype);    \
             acc0 = vfmaq_n_f32(acc0, vcvtq_f32_s32(ia), a->d[2 * s] * sa);                                 \
             acc1 = vfmaq_n_f32(acc1, vcvtq_f32_s32(ib), a->d[2 * s + 1] * sb);                             \
         }                                                                                                  \
@@ -208,7 +198,7 @@ GBX_INLINE float plane6_float_neon(const gbx_nested_ctx *c, const gbx_plane_rt *
             const int8x16_t w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wb + 16), flip));                   \
             int32x4_t i0 = DOT(vdupq_n_s32(0), w0, vld1q_s8(xb));                                          \
             i0 = DOT(i0, w1, vld1q_s8(xb + 16));                                                           \
-            const float t = a->d[b] * scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);       \
+            const float t = a->d[b] * gbx_scale1_neon(p->scales, off + (size_t)(b >> p->gshift), dtype);       \
             if (b & 1)                                                                                     \
                 acc1 = vfmaq_n_f32(acc1, vcvtq_f32_s32(i0), t);                                            \
             else                                                                                           \

@@ -40,5 +40,17 @@ GBX_INLINE void q4_split16_neon(const uint8_t *p, int8x16_t *lo, int8x16_t *hi)
     *hi = h;
 }
 
+
+/* One scale or bias (float32, float16 or bfloat16 storage) as float32. */
+GBX_INLINE float gbx_scale1_neon(const void *p, size_t i, const int dtype)
+{
+    if (dtype == GBX_DTYPE_F32)
+        return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    if (dtype == GBX_DTYPE_F16)
+        return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+    return gbx_bf16_to_f32(h);
+}
+
 #endif /* GBX_NEON */
 #endif /* GEARBX_CPU_ARM_SIMD_H */

@@ -14,16 +14,6 @@
 
 #if GBX_NEON
 
-GBX_INLINE float scale_n(const void *p, size_t i, const int dtype)
-{
-    if (dtype == GBX_DTYPE_F32)
-        return ((const float *)p)[i];
-    const uint16_t h = ((const uint16_t *)p)[i];
-    if (dtype == GBX_DTYPE_F16)
-        return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
-    return gbx_bf16_to_f32(h);
-}
-
 /* 16 code bytes -> unsigned low nibbles (elements 2k) and high (2k+1) */
 GBX_INLINE void split16(const uint8_t *p, uint8x16_t *lo, uint8x16_t *hi)
 {
@@ -54,7 +44,7 @@ void gbx_sparse4_float_neon(const gbx_ctx *cc, int r0, int r1)
         float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
         for (int i = 0; i < c->nkept; ++i) {
             const int g = c->blocks[i];
-            const float s = scale_n(c->scales, off + (size_t)g, c->dtype);
+            const float s = gbx_scale1_neon(c->scales, off + (size_t)g, c->dtype);
             for (int k = 0; k < c->spans; ++k) {
                 const int sp = g * c->spans + k;
                 const uint8_t *w = row + (size_t)sp * (GBX_SPAN / 2);
@@ -85,7 +75,7 @@ void gbx_sparse4_float_neon(const gbx_ctx *cc, int r0, int r1)
             float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);                              \
             for (int i = 0; i < c->nkept; ++i) {                                                         \
                 const int g = c->blocks[i];                                                              \
-                const float s = scale_n(c->scales, off + (size_t)g, c->dtype);                           \
+                const float s = gbx_scale1_neon(c->scales, off + (size_t)g, c->dtype);                           \
                 for (int k = 0; k < c->spans; ++k) {                                                     \
                     const int sp = g * c->spans + k;                                                     \
                     const uint8_t *w = row + (size_t)sp * (GBX_SPAN / 2);                                \

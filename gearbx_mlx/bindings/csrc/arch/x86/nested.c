@@ -27,16 +27,6 @@
 
 /* ---- scales and biases -------------------------------------------------- */
 
-GBX_NESTED_FN GBX_INLINE float scale1(const void *p, size_t i, const int dtype)
-{
-    if (dtype == GBX_DTYPE_F32)
-        return ((const float *)p)[i];
-    const uint16_t h = ((const uint16_t *)p)[i];
-    if (dtype == GBX_DTYPE_F16)
-        return _cvtsh_ss(h);
-    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)h << 16))));
-}
-
 GBX_NESTED_FN GBX_INLINE __m256 scale8(const void *p, size_t i, const int dtype)
 {
     if (dtype == GBX_DTYPE_F32)
@@ -57,7 +47,7 @@ GBX_NESTED_FN GBX_INLINE float group_dot(const void *v, size_t off, const float 
         acc = _mm256_fmadd_ps(scale8(v, off + (size_t)g, dtype), _mm256_loadu_ps(w + g), acc);
     float y = hsum_avx2(acc);
     for (; g < ng; ++g)
-        y += scale1(v, off + (size_t)g, dtype) * w[g];
+        y += gbx_scale1_x86(v, off + (size_t)g, dtype) * w[g];
     return y;
 }
 
@@ -65,10 +55,10 @@ GBX_NESTED_FN GBX_INLINE float group_dot(const void *v, size_t off, const float 
  * one group unless groups are 32 wide. */
 GBX_NESTED_FN GBX_INLINE __m256 span_scales(const void *sc, size_t off, int s, int gshift, const int dtype)
 {
-    const float a = scale1(sc, off + (size_t)((2 * s) >> gshift), dtype);
+    const float a = gbx_scale1_x86(sc, off + (size_t)((2 * s) >> gshift), dtype);
     if (gshift > 0)
         return _mm256_set1_ps(a);
-    const float b = scale1(sc, off + (size_t)(2 * s + 1), dtype);
+    const float b = gbx_scale1_x86(sc, off + (size_t)(2 * s + 1), dtype);
     return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
 }
 
@@ -111,8 +101,8 @@ GBX_NESTED_FN GBX_INLINE float plane4_float(const gbx_nested_ctx *c, const gbx_p
         u4_unpack8(wp + 24, &lo, &hi);
         tb = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs->even + 24), tb);
         tb2 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs->odd + 24), tb2);
-        const float sa = scale1(p->scales, off + (size_t)((2 * s) >> p->gshift), dtype);
-        const float sb = p->gshift ? sa : scale1(p->scales, off + (size_t)(2 * s + 1), dtype);
+        const float sa = gbx_scale1_x86(p->scales, off + (size_t)((2 * s) >> p->gshift), dtype);
+        const float sb = p->gshift ? sa : gbx_scale1_x86(p->scales, off + (size_t)(2 * s + 1), dtype);
         acc0 = _mm256_fmadd_ps(_mm256_add_ps(ta, ta2), _mm256_set1_ps(sa), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_add_ps(tb, tb2), _mm256_set1_ps(sb), acc1);
     }
@@ -145,14 +135,14 @@ GBX_NESTED_FN GBX_INLINE float plane8_float(const gbx_nested_ctx *c, const gbx_p
         GBX_PREFETCH(w + (size_t)b * GBX_QK + GBX_PREFETCH_BYTES);
         const __m256 t0 = u8_block_float(w + (size_t)b * GBX_QK, x + (size_t)b * GBX_QK);
         const __m256 t1 = u8_block_float(w + (size_t)(b + 1) * GBX_QK, x + (size_t)(b + 1) * GBX_QK);
-        const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);
-        const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        const float s0 = gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float s1 = p->gshift ? s0 : gbx_scale1_x86(p->scales, off + (size_t)(b + 1), dtype);
         acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s0), acc0);
         acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s1), acc1);
     }
     if (b < nb)
         acc0 = _mm256_fmadd_ps(u8_block_float(w + (size_t)b * GBX_QK, x + (size_t)b * GBX_QK),
-                               _mm256_set1_ps(scale1(p->scales, off + (size_t)(b >> p->gshift), dtype)), acc0);
+                               _mm256_set1_ps(gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype)), acc0);
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
@@ -196,14 +186,14 @@ GBX_NESTED_FN GBX_INLINE float plane6_float(const gbx_nested_ctx *c, const gbx_p
         GBX_PREFETCH(w + (size_t)b * BB + GBX_PREFETCH_BYTES);
         const __m256 t0 = u6_block_float(w + (size_t)b * BB, x + (size_t)b * GBX_QK);
         const __m256 t1 = u6_block_float(w + (size_t)(b + 1) * BB, x + (size_t)(b + 1) * GBX_QK);
-        const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);
-        const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        const float s0 = gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float s1 = p->gshift ? s0 : gbx_scale1_x86(p->scales, off + (size_t)(b + 1), dtype);
         acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s0), acc0);
         acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s1), acc1);
     }
     if (b < nb)
         acc0 = _mm256_fmadd_ps(u6_block_float(w + (size_t)b * BB, x + (size_t)b * GBX_QK),
-                               _mm256_set1_ps(scale1(p->scales, off + (size_t)(b >> p->gshift), dtype)), acc0);
+                               _mm256_set1_ps(gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype)), acc0);
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
 }
 
@@ -246,14 +236,14 @@ GBX_NESTED_FN GBX_INLINE float plane6_intdot(const gbx_nested_ctx *c, const gbx_
         GBX_PREFETCH(w + (size_t)b * BB + GBX_PREFETCH_BYTES);
         const __m256 f0 = _mm256_cvtepi32_ps(u6_block_isum(w + (size_t)b * BB, a->qs + (size_t)b * GBX_QK));
         const __m256 f1 = _mm256_cvtepi32_ps(u6_block_isum(w + (size_t)(b + 1) * BB, a->qs + (size_t)(b + 1) * GBX_QK));
-        const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);
-        const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);
+        const float s0 = gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype);
+        const float s1 = p->gshift ? s0 : gbx_scale1_x86(p->scales, off + (size_t)(b + 1), dtype);
         acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);
         acc1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(a->d[b + 1] * s1), acc1);
     }
     if (b < nb) {
         const __m256 f0 = _mm256_cvtepi32_ps(u6_block_isum(w + (size_t)b * BB, a->qs + (size_t)b * GBX_QK));
-        acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * scale1(p->scales, off + (size_t)(b >> p->gshift), dtype)),
+        acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype)),
                                acc0);
     }
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);
@@ -337,14 +327,14 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
             const __m256 f0 = _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)b * GBX_QK, a->qs + (size_t)b * GBX_QK)); \
             const __m256 f1 =                                                                                    \
                 _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)(b + 1) * GBX_QK, a->qs + (size_t)(b + 1) * GBX_QK));  \
-            const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);                           \
-            const float s1 = p->gshift ? s0 : scale1(p->scales, off + (size_t)(b + 1), dtype);                   \
+            const float s0 = gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype);                           \
+            const float s1 = p->gshift ? s0 : gbx_scale1_x86(p->scales, off + (size_t)(b + 1), dtype);                   \
             acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);                                      \
             acc1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(a->d[b + 1] * s1), acc1);                                  \
         }                                                                                                        \
         if (b < nb) {                                                                                            \
             const __m256 f0 = _mm256_cvtepi32_ps(BLOCK_ISUM(w + (size_t)b * GBX_QK, a->qs + (size_t)b * GBX_QK)); \
-            const float s0 = scale1(p->scales, off + (size_t)(b >> p->gshift), dtype);                           \
+            const float s0 = gbx_scale1_x86(p->scales, off + (size_t)(b >> p->gshift), dtype);                           \
             acc0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(a->d[b] * s0), acc0);                                      \
         }                                                                                                        \
         float y = hsum_avx2(_mm256_add_ps(acc0, acc1));                                                          \

@@ -25,5 +25,17 @@ GBX_AVX2_FN GBX_INLINE float hsum_avx2(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+
+/* One scale or bias (float32, float16 or bfloat16 storage) as float32. */
+__attribute__((target("avx2,fma,f16c"))) GBX_INLINE float gbx_scale1_x86(const void *p, size_t i, const int dtype)
+{
+    if (dtype == GBX_DTYPE_F32)
+        return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    if (dtype == GBX_DTYPE_F16)
+        return _cvtsh_ss(h);
+    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)h << 16))));
+}
+
 #endif /* GBX_X86 */
 #endif /* GEARBX_CPU_X86_SIMD_H */

@@ -18,16 +18,6 @@
 
 #define GBX_SPARSE_FN __attribute__((target("avx2,fma,f16c")))
 
-GBX_SPARSE_FN GBX_INLINE float scale_f(const void *p, size_t i, const int dtype)
-{
-    if (dtype == GBX_DTYPE_F32)
-        return ((const float *)p)[i];
-    const uint16_t h = ((const uint16_t *)p)[i];
-    if (dtype == GBX_DTYPE_F16)
-        return _cvtsh_ss(h);
-    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)h << 16))));
-}
-
 /* 8 code bytes -> 8 low nibbles (elements 2k) and 8 high (2k+1) as floats */
 GBX_SPARSE_FN GBX_INLINE void unpack8(const uint8_t *p, __m256 *lo, __m256 *hi)
 {
@@ -87,18 +77,18 @@ GBX_SPARSE_FN GBX_INLINE __m256i span_isum(const uint8_t *w, const gbx_span_q8 *
                 t0 = _mm256_add_ps(t0, SPAN_TERM(row, g0 * spans + k));                                    \
                 t1 = _mm256_add_ps(t1, SPAN_TERM(row, g1 * spans + k));                                    \
             }                                                                                              \
-            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(scale_f(c->scales, off + (size_t)g0, dtype)), acc0); \
-            acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(scale_f(c->scales, off + (size_t)g1, dtype)), acc1); \
-            yb0 += scale_f(c->biases, off + (size_t)g0, dtype) * xsum[g0];                                 \
-            yb1 += scale_f(c->biases, off + (size_t)g1, dtype) * xsum[g1];                                 \
+            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(gbx_scale1_x86(c->scales, off + (size_t)g0, dtype)), acc0); \
+            acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(gbx_scale1_x86(c->scales, off + (size_t)g1, dtype)), acc1); \
+            yb0 += gbx_scale1_x86(c->biases, off + (size_t)g0, dtype) * xsum[g0];                                 \
+            yb1 += gbx_scale1_x86(c->biases, off + (size_t)g1, dtype) * xsum[g1];                                 \
         }                                                                                                  \
         if (i < n) {                                                                                       \
             const int g0 = blocks[i];                                                                      \
             __m256 t0 = SPAN_TERM(row, g0 * spans);                                                        \
             for (int k = 1; k < spans; ++k)                                                                \
                 t0 = _mm256_add_ps(t0, SPAN_TERM(row, g0 * spans + k));                                    \
-            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(scale_f(c->scales, off + (size_t)g0, dtype)), acc0); \
-            yb0 += scale_f(c->biases, off + (size_t)g0, dtype) * xsum[g0];                                 \
+            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(gbx_scale1_x86(c->scales, off + (size_t)g0, dtype)), acc0); \
+            yb0 += gbx_scale1_x86(c->biases, off + (size_t)g0, dtype) * xsum[g0];                                 \
         }                                                                                                  \
         return hsum_avx2(_mm256_add_ps(acc0, acc1)) + (yb0 + yb1);                                         \
     }
