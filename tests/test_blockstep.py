@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decode_steps
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -25,17 +26,7 @@ def tiny(kind="llama"):
 
 
 def logits_of(model, tokens, steps=6):
-    """Prompt, then ``steps`` one-token steps: the logits of each step (float32 numpy)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    y = mx.argmax(model(mx.array(tokens)[None], cache=cache)[:, -1, :], axis=-1)
-    out = []
-    for _ in range(steps):
-        logits = model(y[None], cache=cache)[:, -1, :]
-        out.append(np.array(logits.astype(mx.float32)))
-        y = mx.argmax(logits, axis=-1)
-    return out
+    return decode_steps.step_logits(model, tokens, steps)
 
 
 def quantized_plan(model, bits):

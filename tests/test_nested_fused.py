@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import decode_steps
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -121,17 +122,7 @@ def test_a_rescale_that_is_not_exact_refuses():
 
 
 def _steps(model, tokens=(3, 9, 4), steps=4):
-    """One-token decode logits after a prompt (float32 numpy), as a gear decodes."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    y = mx.argmax(model(mx.array(tokens)[None], cache=cache)[:, -1, :], axis=-1)
-    out = []
-    for _ in range(steps):
-        logits = model(y[None], cache=cache)[:, -1, :]
-        out.append(np.array(logits.astype(mx.float32)))
-        y = mx.argmax(logits, axis=-1)
-    return out
+    return decode_steps.step_logits(model, tokens, steps)
 
 
 @pytest.mark.parametrize("kernel", ["packed", "mlx"])
