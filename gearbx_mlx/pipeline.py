@@ -324,7 +324,8 @@ def _set_up_speculative(run: GenerationRun, spec: SpeculativeConfig, sampling: O
         ffn_layers(model)  # a model the sparse drafter cannot run: refused before any drafter is built
     gearbox.manager.shift("high")  # the verifier is the loaded model itself
     if draft is None and (spec.mode != "plain" or plan is not None):
-        draft = get_draft(model, gearbox, spec.draft_gear, spec.draft_scope, spec.draft_sparsity, run.tokenizer)
+        draft = get_draft(model, gearbox, spec.draft_gear, spec.draft_scope, spec.draft_sparsity, run.tokenizer,
+                          spec.sparse_options)
     elif draft is not None and draft.gear != spec.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {spec.draft_gear}")
     run.kv = open_kv(model, kv_options, kv_calibration, draft=None if draft is None else draft.module,

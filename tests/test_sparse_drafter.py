@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -249,3 +251,27 @@ def test_trace_header_and_summary_give_the_kept_fraction():
     assert drafter["path"] == "mlx" and drafter["kept_fraction"] == 0.5
     summary = last.run.summary(last)
     assert any("keep 50.0% of down_proj's 64-neuron blocks" in line for line in speculative_lines(summary))
+
+
+def test_greedy_output_is_the_high_gears_with_every_sparse_mechanism(default_model):
+    """TAM hot sets, the next-layer predictor and the balancer change what is drafted, never what is emitted."""
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.chat import encode_chat
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig, get_draft
+    from gearbx_mlx.speculative.kairox import KairoxOptions
+
+    model, tok, gearbox = default_model
+    options = KairoxOptions(hot="tam", refresh=2, min_hits=1, predictor=True, audit=True, balancer=True,
+                            window=2, target_acceptance=0.9)
+    ids = encode_chat(tok, "Write a haiku about a lighthouse.")
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=20), range(20))]
+    config = SpeculativeConfig(max_draft=3, draft_sparsity=0.5, sparse_options=options)
+    got = [r.token for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=20)]
+    assert got == want[: len(got)] and (len(got) == 20 or got[-1] in tok.eos_token_ids)
+    state = get_draft(model, gearbox, "low", "all", 0.5, tok, options).kairox
+    s = state.summary()
+    assert s["refreshes"] > 0 and s["hot_hit_rate"] is not None and 0 <= s["predictor_hit_rate"] <= 1
+    assert s["moves"] > 0  # a target of 0.9 is out of reach: the balancer added blocks
+    assert SpeculativeConfig(sparse_options=dataclasses.asdict(options)).sparse_options == options

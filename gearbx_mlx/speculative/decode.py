@@ -70,6 +70,7 @@ from ..kvcache.option import KVSession
 from .acceptance import read_verdict
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
+from .kairox import KairoxOptions, build_kairox_draft
 from .plan import MODES, SpeculativePlan
 from .sparse import build_sparse_draft, calibration_tokens, check_sparsity
 
@@ -105,6 +106,9 @@ class SpeculativeConfig:
         draft_sparsity: draft with the activation-sparse drafter, skipping
             this fraction of FFN neurons (in ``[0, 0.95]``); None: the dense
             drafter. The decision never turns it on by itself.
+        sparse_options: the sparse drafter's mechanisms (hot sets, the
+            next-layer predictor, the balancer:
+            :class:`~gearbx_mlx.speculative.kairox.KairoxOptions`); None: its defaults.
     """
 
     draft_gear: str = "low"
@@ -115,6 +119,7 @@ class SpeculativeConfig:
     prefill_step_size: int = PREFILL_STEP_SIZE
     mode: Optional[str] = None
     draft_sparsity: Optional[float] = None
+    sparse_options: Optional[KairoxOptions] = None
     plan_options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,6 +139,10 @@ class SpeculativeConfig:
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
         check_sparsity(self.draft_sparsity)
+        if isinstance(self.sparse_options, dict):  # a config read back from JSON
+            self.sparse_options = KairoxOptions(**self.sparse_options)
+        if self.sparse_options is not None and not isinstance(self.sparse_options, KairoxOptions):
+            raise ValueError(f"sparse_options must be a KairoxOptions or None, got {self.sparse_options!r}")
 
     @property
     def gated(self) -> bool:
@@ -425,12 +434,15 @@ _DRAFTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple, DraftModel]]" = weakref.Wea
 
 
 def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
-              sparsity: Optional[float] = None, tokenizer: Any = None) -> DraftModel:
+              sparsity: Optional[float] = None, tokenizer: Any = None,
+              options: Optional[KairoxOptions] = None) -> DraftModel:
     """The drafter of ``model`` in ``gear``, built once per gearbox and reused.
 
     ``sparsity``: the activation-sparse drafter at that target
     (:mod:`gearbx_mlx.speculative.sparse`), its kept fractions measured on the
-    evaluation corpus's opening through ``tokenizer``; None: the dense drafter.
+    evaluation corpus's opening through ``tokenizer``, with the mechanisms of
+    ``options`` (:mod:`gearbx_mlx.speculative.kairox`; None: the defaults);
+    None: the dense drafter.
     """
     per_box = _DRAFTS.setdefault(gearbox, {})
     key = (gear, scope or gearbox.config.scope)
@@ -441,9 +453,13 @@ def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
         return per_box[key]
     if tokenizer is None:
         raise ValueError("a sparse drafter needs the tokenizer: its kept fractions are measured on text")
-    if (*key, sparsity) not in per_box:
-        per_box[(*key, sparsity)] = build_sparse_draft(per_box[key], sparsity, calibration_tokens(tokenizer))
-    return per_box[(*key, sparsity)]
+    options = options or KairoxOptions()
+    skey = (*key, sparsity, options)
+    if skey not in per_box:
+        tokens = calibration_tokens(tokenizer)
+        per_box[skey] = (build_kairox_draft(per_box[key], sparsity, tokens, options) if options.active
+                         else build_sparse_draft(per_box[key], sparsity, tokens))
+    return per_box[skey]
 
 
 def single_token_drafts(config: Any) -> bool:
