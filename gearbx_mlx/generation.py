@@ -154,6 +154,10 @@ class GearboxResponse(GenerationResponse):
         drafted: drafts proposed in this token's block.
         verified_by: the gear that verified it (``"high"``).
         block: 0-based block number; stop: why that block ended.
+        kept_fraction, hot_hit_rate: with the activation-sparse drafter, the
+            share of FFN blocks its draft steps in this token's block kept,
+            and the share of its hot blocks a dense step would have kept
+            (None without a hot set); None with a dense drafter.
     In routed decoding these are NaN / False / None.
 
     ``run`` is the run's record (:class:`gearbx_mlx.record.RunRecord`): its
@@ -179,6 +183,8 @@ class GearboxResponse(GenerationResponse):
     verified_by: Optional[str] = None
     block: Optional[int] = None
     stop: Optional[str] = None
+    kept_fraction: Optional[float] = None
+    hot_hit_rate: Optional[float] = None
     run: Any = field(default=None, repr=False, compare=False)
 
     @property

@@ -168,8 +168,10 @@ def test_config_refuses_a_bad_sparsity():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative", "force", "--draft-sparsity", "1.2"], "argument --draft-sparsity: expected a fraction"),
-    (["--speculative", "force", "--draft-sparsity", "x"], "argument --draft-sparsity: expected a fraction"),
+    (["--speculative", "force", "--draft-sparsity", "1.2"], "argument --draft-sparsity: expected 'auto', a fraction"),
+    (["--speculative", "force", "--draft-sparsity", "x"], "argument --draft-sparsity: expected 'auto', a fraction"),
+    (["--draft-sparsity", "auto"], "error: --draft-sparsity sets the speculative drafter: add --speculative"),
+    (["--speculative", "--draft-gear", "mid", "--draft-sparsity", "auto"], "drop --draft-gear mid"),
     (["--draft-sparsity", "0.5"], "error: --draft-sparsity sets the speculative drafter: add --speculative"),
     (["--speculative", "force", "--draft-gear", "mid", "--draft-sparsity", "0.5"], "drop --draft-gear mid"),
 ])
@@ -242,13 +244,16 @@ def test_trace_header_and_summary_give_the_kept_fraction():
     tok = make_tiny_tokenizer(64)
     ids = [5, 9, 2, 7, 3]
     want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=12), range(12))]
-    got, last = [], None
+    got, last, responses = [], None, []
     for r in stream_speculative_generate(model, tok, ids, gb, max_draft=3, draft_sparsity=0.5, max_tokens=12):
         got.append(r.token)
+        responses.append(r)
         last = r
     assert got == want[: len(got)]
     drafter = last.run.header()["speculative"]["drafter"]
     assert drafter["path"] == "mlx" and drafter["kept_fraction"] == 0.5
+    assert {r.kept_fraction for r in responses if r.drafted} == {0.5}  # per token, for the trace
+    assert all(r.hot_hit_rate is None for r in responses)  # no hot set
     summary = last.run.summary(last)
     assert any("keep 50.0% of down_proj's 64-neuron blocks" in line for line in speculative_lines(summary))
 
@@ -275,3 +280,48 @@ def test_greedy_output_is_the_high_gears_with_every_sparse_mechanism(default_mod
     assert s["refreshes"] > 0 and s["hot_hit_rate"] is not None and 0 <= s["predictor_hit_rate"] <= 1
     assert s["moves"] > 0  # a target of 0.9 is out of reach: the balancer added blocks
     assert SpeculativeConfig(sparse_options=dataclasses.asdict(options)).sparse_options == options
+
+
+def test_auto_sparsity_is_decided_at_the_start_and_stays_exact():
+    """``auto``: the dense and the sparse drafters are all measured, the best modeled one drafts, the
+    candidates are in the plan, the output is the high gear's, and the per-token trace has the kept fraction."""
+    from conftest import make_tiny_tokenizer
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+    from gearbx_mlx.speculative.kairox import KairoxOptions
+    from gearbx_mlx.speculative.sparse_plan import AUTO_SPARSITIES
+    from gearbx_mlx.telemetry.trace import speculative_record
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=5)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    tok = make_tiny_tokenizer(64)
+    ids = [5, 9, 2, 7, 3, 8, 1, 4, 6, 2, 9, 3]
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=10), range(10))]
+    config = SpeculativeConfig(mode="force", max_draft=2, draft_sparsity="auto",
+                               sparse_options=KairoxOptions(hot="static"))
+    out = list(stream_speculative_generate(model, tok, ids, gb, config=config, mode="force", max_tokens=10))
+    assert [r.token for r in out] == want[: len(out)]
+    plan = out[-1].run.plan
+    cands = plan.extra["sparse_candidates"]
+    assert set(cands) == {"dense", *(f"{s:g}" for s in AUTO_SPARSITIES)}
+    best = max(cands.values(), key=lambda c: c["speedup"])
+    assert plan.best_speedup == best["speedup"]
+    chosen = plan.extra["draft_sparsity"]
+    drafted = [r for r in out if r.drafted]
+    if chosen is None:
+        assert all(r.kept_fraction is None for r in out)
+    else:
+        assert drafted and all(0 < r.kept_fraction < 1 for r in drafted)
+        assert "kept_fraction" in speculative_record(drafted[0]) and "hot_hit_rate" in speculative_record(drafted[0])
+
+
+def test_auto_sparsity_needs_the_decision():
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="draft_sparsity='auto' is chosen by the start-of-run decision"):
+        SpeculativeConfig(draft_sparsity="auto")
+    assert SpeculativeConfig(draft_sparsity="auto", mode="auto").draft_sparsity == "auto"

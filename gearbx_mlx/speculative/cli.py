@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from ..config import SCOPES
 from ..console import say
@@ -20,7 +20,8 @@ from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
 from .plan import MIN_MODELED_SPEEDUP, MODES
-from .sparse import MAX_SPARSITY, ffn_layers
+from .sparse import AUTO, MAX_SPARSITY, ffn_layers
+from .sparse_plan import AUTO_SPARSITIES
 
 
 def _positive_int(text: str) -> int:
@@ -51,9 +52,11 @@ def _stop_bits(text: str) -> Optional[float]:
     return _off_or_number(text, "bits (a number >= 0)", lambda v: v >= 0)
 
 
-def _sparsity(text: str) -> Optional[float]:
-    """``off`` -> None (the dense drafter); else a fraction in ``[0, MAX_SPARSITY]``."""
-    return _off_or_number(text, f"a fraction in [0, {MAX_SPARSITY}]", lambda v: 0 <= v <= MAX_SPARSITY)
+def _sparsity(text: str) -> Union[float, str, None]:
+    """``off`` -> None (the dense drafter); ``auto`` (the decision chooses); else a fraction in ``[0, MAX_SPARSITY]``."""
+    if text.lower() == AUTO:
+        return AUTO
+    return _off_or_number(text, f"'auto', a fraction in [0, {MAX_SPARSITY}]", lambda v: 0 <= v <= MAX_SPARSITY)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -87,12 +90,14 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         "threshold (default: no cap)")
     g.add_argument("--draft-scope", choices=SCOPES, default=d.draft_scope,
                    help=f"layers the drafter quantizes (default {d.draft_scope})")
-    g.add_argument("--draft-sparsity", type=_sparsity, default=d.draft_sparsity, metavar="S",
+    g.add_argument("--draft-sparsity", type=_sparsity, default=d.draft_sparsity, metavar="auto|S|off",
                    help="draft with activation-sparse FFNs: one-token draft steps skip the lightest 64-neuron "
                         "blocks of down_proj, S of them on average (kept fractions per layer measured on the "
                         "evaluation text at start); the output stays the high gear's, only acceptance can drop. "
-                        "SwiGLU models with the low gear's MLX-quantized down_proj; 'off' (the default): the "
-                        "dense drafter. The decision never turns it on by itself")
+                        "SwiGLU models with the low gear's MLX-quantized down_proj; 'auto': the start-of-run "
+                        "decision also measures sparse drafters (at "
+                        f"{', '.join(f'{x:g}' for x in AUTO_SPARSITIES)}) and drafts with the one of the best "
+                        "modeled speed-up; 'off' (the default): the dense drafter")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:

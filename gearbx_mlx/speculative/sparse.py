@@ -46,6 +46,8 @@ from .draft import DraftModel, graft
 SWIGLU_MODELS: Tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 #: The most a drafter may drop; above it a block of drafts is mostly rejected.
 MAX_SPARSITY = 0.95
+#: ``draft_sparsity`` that leaves the choice to the start-of-run decision (:mod:`.sparse_plan`).
+AUTO = "auto"
 #: Tokens of the calibration text the kept fractions are measured on.
 CALIBRATION_TOKENS = 128
 
@@ -325,7 +327,7 @@ def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]
 
 
 __all__ = [
-    "CALIBRATION_TOKENS", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
+    "AUTO", "CALIBRATION_TOKENS", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
     "block_mass", "build_sparse_draft", "calibrate_keep", "calibration_tokens", "check_sparsity", "expert_down",
     "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts", "sparse_down", "sparse_module",
     "top_blocks",
