@@ -54,11 +54,13 @@ from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
     add_speculative_args,
     calibrate_drafter,
+    calibrate_sparse,
     check_sparse_model,
     check_speculative_args,
     speculative_config,
     speculative_lines,
 )
+from .speculative.sparse import THRESHOLDS_KEY
 from .telemetry.trace import TraceWriter, token_record
 
 DEFAULT_MAX_TOKENS = 256
@@ -490,6 +492,8 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         cal.kv = calibrate_kv(model, tokenizer)
     if args.speculative and args.draft_gear not in (cal.extra.get(CALIBRATION_KEY) or {}):
         calibrate_drafter(args, model, tokenizer, gearbox)
+    if args.speculative and getattr(args, "draft_sparsity", None) is not None and THRESHOLDS_KEY not in cal.extra:
+        calibrate_sparse(args, model, tokenizer, gearbox)
     with stage(ranks, "saving the calibration"):
         target = args.calibration or cached
         if target is not None and getattr(args, "rank", 0) == 0:

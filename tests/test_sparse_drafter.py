@@ -325,3 +325,61 @@ def test_auto_sparsity_needs_the_decision():
     with pytest.raises(ValueError, match="draft_sparsity='auto' is chosen by the start-of-run decision"):
         SpeculativeConfig(draft_sparsity="auto")
     assert SpeculativeConfig(draft_sparsity="auto", mode="auto").draft_sparsity == "auto"
+
+
+# -- thresholds saved in the calibration file ------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), sparsity=st.sampled_from([0.25, 0.5, 0.7, 0.9]))
+def test_saved_thresholds_give_the_measured_kept_fractions(seed, sparsity):
+    """The curves saved in a calibration file solve a target sparsity as the masses themselves do."""
+    from gearbx_mlx.speculative.sparse import keep_from_curves, threshold_curves
+
+    rng = np.random.default_rng(seed)
+    masses = [mx.array(np.abs(rng.standard_normal((40, 24))) ** p) for p in (1, 2, 3)]
+    curves = threshold_curves(masses, 64)
+    got, want = keep_from_curves(curves, sparsity), calibrate_keep(masses, sparsity)
+    assert abs(np.mean(got) - (1 - sparsity)) <= 1 / 24 + 1e-6
+    np.testing.assert_allclose(got, want, atol=2 / 24)
+
+
+def test_saved_thresholds_of_another_model_are_refused():
+    from gearbx_mlx.speculative.sparse import check_curves, threshold_curves
+
+    curves = threshold_curves([mx.ones((4, 6)), mx.ones((4, 6))], 64)
+    check_curves(curves, [6, 6], 64)
+    with pytest.raises(ValueError, match="a calibration of another model"):
+        check_curves(curves, [6, 6, 6], 64)
+    with pytest.raises(ValueError, match="damaged"):
+        check_curves({**curves, "kept": [[0.5]]}, [6, 6], 64)
+
+
+def test_the_gearbox_drafter_uses_saved_thresholds():
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft
+    from gearbx_mlx.speculative.sparse import layer_masses, threshold_curves
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=2)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    draft = build_draft(model, gb, "low", "all", host=False)
+    tokens = list(range(1, 40))
+    curves = threshold_curves(layer_masses(draft.module, tokens, 64), 64)
+    a = build_sparse_draft(draft, 0.5, tokens)
+    b = build_sparse_draft(draft, 0.5, [1, 2], thresholds=curves)  # the tokens are not read
+    assert b.sparse["thresholds"] == "calibration" and a.sparse["thresholds"] == "measured at start"
+    assert abs(a.sparse["kept_fraction"] - b.sparse["kept_fraction"]) <= 1 / 8
+
+
+def test_a_calibration_file_without_sparse_thresholds_is_refused_before_loading(tmp_path, capsys):
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import main
+
+    path = Calibration(low=1.0, high=3.0, strategy="median", n_samples=4, vocab_size=64).save(tmp_path / "c.json")
+    code = main(["--prompt", "hi", "--model", "/nonexistent/model", "--calibration", str(path),
+                 "--speculative", "--draft-sparsity", "0.5"])
+    err = capsys.readouterr().err
+    assert code not in (0, None)
+    assert f"error: --calibration {path} has no sparse-drafter thresholds" in err
+    assert "Traceback" not in err and "nonexistent" not in err

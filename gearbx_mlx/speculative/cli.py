@@ -14,13 +14,23 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Union
 
+from ..calibration import Calibration
 from ..config import SCOPES
 from ..console import say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
 from .plan import MIN_MODELED_SPEEDUP, MODES
-from .sparse import AUTO, MAX_SPARSITY, ffn_layers
+from .sparse import (
+    AUTO,
+    MAX_SPARSITY,
+    THRESHOLDS_KEY,
+    calibration_tokens,
+    ffn_layers,
+    layer_masses,
+    quant_parts,
+    threshold_curves,
+)
 from .sparse_plan import AUTO_SPARSITIES
 
 
@@ -119,6 +129,7 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     if getattr(args, "draft_sparsity", None) is not None and args.draft_gear != "low":
         raise ValueError("--draft-sparsity drafts with the low gear (its 4-bit down_proj is gathered by block): "
                          "drop --draft-gear mid")
+    check_sparse_calibration(args)
     if hard is not None and (hard < 0 or (args.max_draft is not None and hard > args.max_draft)):
         raise ValueError(f"--hard-max-draft must be in [0, --max-draft], got {hard}")
     # MLX-CUDA reads this once, at the first attention call: set it before any
@@ -162,6 +173,27 @@ def check_sparse_model(args: argparse.Namespace, model: Any) -> None:
         ffn_layers(model)
     except ValueError as e:
         raise ValueError(f"--draft-sparsity: {e}") from None
+
+
+def check_sparse_calibration(args: argparse.Namespace) -> None:
+    """``--draft-sparsity`` with a ``--calibration`` file read as is: the file must hold the sparse drafter's
+    thresholds (one error naming both flags, before the model loads)."""
+    if getattr(args, "draft_sparsity", None) is None or not getattr(args, "calibration", None) or args.calibrate:
+        return
+    if THRESHOLDS_KEY not in Calibration.load(args.calibration).extra:
+        raise ValueError(f"--calibration {args.calibration} has no sparse-drafter thresholds for --draft-sparsity "
+                         "(each layer's kept fraction per mass share): add them with --calibrate --speculative "
+                         f"--draft-sparsity {args.draft_sparsity} --calibration {args.calibration}, or drop --calibration")
+
+
+def calibrate_sparse(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
+    """``--calibrate --speculative --draft-sparsity``: the sparse drafter's thresholds (median-based, on the
+    evaluation text's opening) into the gearbox's calibration (and its file)."""
+    draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
+    group = quant_parts(ffn_layers(draft.module)[0].mlp.down_proj).group_size
+    say(args, "calibrating the sparse drafter's thresholds ...")
+    masses = layer_masses(draft.module, calibration_tokens(tokenizer), group)
+    gearbox.calibration.extra[THRESHOLDS_KEY] = threshold_curves(masses, group)
 
 
 def calibrate_drafter(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:

@@ -72,7 +72,7 @@ from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
 from .kairox import KairoxOptions, build_kairox_draft
 from .plan import MODES, SpeculativePlan
-from .sparse import AUTO, build_sparse_draft, calibration_tokens, check_sparsity
+from .sparse import AUTO, THRESHOLDS_KEY, build_sparse_draft, calibration_tokens, check_sparsity
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -462,7 +462,9 @@ def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
     (:mod:`gearbx_mlx.speculative.sparse`), its kept fractions measured on the
     evaluation corpus's opening through ``tokenizer``, with the mechanisms of
     ``options`` (:mod:`gearbx_mlx.speculative.kairox`; None: the defaults);
-    None: the dense drafter.
+    None: the dense drafter. Where the gearbox's calibration holds the sparse
+    drafter's thresholds (``--calibrate --speculative --draft-sparsity``), the
+    kept fractions are solved from them instead.
     """
     per_box = _DRAFTS.setdefault(gearbox, {})
     key = (gear, scope or gearbox.config.scope)
@@ -477,8 +479,10 @@ def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
     skey = (*key, sparsity, options)
     if skey not in per_box:
         tokens = calibration_tokens(tokenizer)
-        per_box[skey] = (build_kairox_draft(per_box[key], sparsity, tokens, options) if options.active
-                         else build_sparse_draft(per_box[key], sparsity, tokens))
+        cal = getattr(gearbox, "calibration", None)
+        saved = cal.extra.get(THRESHOLDS_KEY) if cal is not None else None
+        per_box[skey] = (build_kairox_draft(per_box[key], sparsity, tokens, options, saved) if options.active
+                         else build_sparse_draft(per_box[key], sparsity, tokens, thresholds=saved))
     return per_box[skey]
 
 

@@ -471,14 +471,15 @@ def kairox_module(module: nn.Module, state: Kairox) -> nn.Module:
 
 
 def build_kairox_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int],
-                       options: KairoxOptions) -> DraftModel:
+                       options: KairoxOptions, thresholds: Optional[Dict[str, Any]] = None) -> DraftModel:
     """The sparse drafter of ``draft`` at ``sparsity`` with the mechanisms of ``options``.
 
     Its kept blocks start where :func:`~gearbx_mlx.speculative.sparse.build_sparse_draft`
-    puts them; ``kairox`` on the result is the shared :class:`Kairox` state
+    puts them (from ``thresholds`` where given); the hot sets' prior and the
+    predictor's table are measured on ``tokens``; ``kairox`` on the result is the shared :class:`Kairox` state
     (the drafter feeds it each block's acceptance, traces read it).
     """
-    base = build_sparse_draft(draft, sparsity, tokens, gather="take")  # the kept blocks, no layout copy
+    base = build_sparse_draft(draft, sparsity, tokens, "take", thresholds)  # the kept blocks, no layout copy
     info = dict(base.sparse)
     keep, blocks = info["kept_blocks"], info["blocks"]
     masses = layer_masses(draft.module, tokens, info["group_size"])
