@@ -206,3 +206,11 @@ def test_off_balancer_ignores_verdicts():
 def test_bad_options_are_refused(bad):
     with pytest.raises(ValueError, match="KairoxOptions"):
         KairoxOptions(**bad)
+
+
+def test_a_large_gap_moves_several_layers():
+    state = _state(KairoxOptions(balancer=True, target_acceptance=0.9, tolerance=0.05), keep=4, layers=6)
+    state.dropped = [0.6, 0.1, 0.5, 0.2, 0.4, 0.3]
+    assert state.balance(0.4) == [0, 2, 4]  # gap 0.5 x 6 layers: the three dropping the most
+    assert state.keep == [5, 4, 5, 4, 5, 4]
+    assert state.balance(0.9) == []  # within [target, target + tolerance]

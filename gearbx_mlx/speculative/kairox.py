@@ -30,9 +30,10 @@ there) for ablation:
   ``audit`` (which computes the dense activation as well).
 * **Adaptive Balancer** (``balancer``): every ``window`` drafts, the
   acceptance of the drafts since the last change is compared with
-  ``target_acceptance``: below it, the layer that dropped the largest share
-  of its mass keeps one more block; above it (by ``tolerance``), the one that
-  dropped the least keeps one fewer. Every block of a layer costs the same
+  ``target_acceptance``: below it, the layers that dropped the largest share
+  of their mass keep one more block each; above it (by ``tolerance``), those
+  that dropped the least keep one fewer (as many layers as the gap times the
+  layer count: a proportional step). Every block of a layer costs the same
   bytes, so this moves bytes to where they buy acceptance.
 
 Drafts stay proposals: the verifier's output is the high gear's whatever
@@ -212,7 +213,7 @@ class Kairox:
         self.predicted: Dict[int, mx.array] = {}
         self.steps = 0
         self.pending: List[Dict[str, mx.array]] = []  # per layer step: lazily computed statistics
-        self.totals = {"layer_steps": 0, "kept": 0.0, "blocks": 0, "hot_hits": 0.0, "hot": 0,
+        self.totals = {"layer_steps": 0, "kept": 0.0, "rows": 0.0, "blocks": 0, "hot_hits": 0.0, "hot": 0,
                        "pred_hits": 0.0, "pred_needed": 0, "dropped_mass": [0.0] * len(blocks),
                        "refreshes": 0, "repacked_bytes": 0, "moves": []}
         self.window = {"drafted": 0, "accepted": 0}
@@ -264,6 +265,7 @@ class Kairox:
             i = p["layer"]
             t["layer_steps"] += 1
             t["kept"] += float(p["kept"])
+            t["rows"] += float(p["rows"])
             t["blocks"] += self.blocks[i]
             t["hot"] += len(self.hot_sets[i])
             t["hot_hits"] += float(p["hot_hits"])
@@ -288,10 +290,12 @@ class Kairox:
                 "predictor_hit_rate": (t["pred_hits"] - before["pred_hits"]) / needed if needed else None}
 
     def summary(self) -> Dict[str, Any]:
-        """Totals over the run: kept fraction, hit rates, refreshes, repacked bytes, the balancer's moves."""
+        """Totals over the run: kept fraction (of down_proj's blocks), gate/up fraction (of their rows
+        computed), hit rates, refreshes, repacked bytes, the balancer's moves."""
         self.collect()
         t = self.totals
         return {"kept_fraction": t["kept"] / t["blocks"] if t["blocks"] else None,
+                "gate_up_fraction": t["rows"] / t["blocks"] if t["blocks"] else None,
                 "hot_hit_rate": t["hot_hits"] / t["hot"] if t["hot"] else None,
                 "predictor_hit_rate": t["pred_hits"] / t["pred_needed"] if t["pred_needed"] else None,
                 "layer_steps": t["layer_steps"], "refreshes": t["refreshes"],
@@ -313,24 +317,26 @@ class Kairox:
         w["drafted"] = w["accepted"] = 0
         self.balance(rate)
 
-    def balance(self, rate: float) -> Optional[int]:
-        """One move at acceptance ``rate``: a block more where the most mass is dropped, or one fewer where
-        the least is; returns the layer moved (None: none)."""
+    def balance(self, rate: float) -> List[int]:
+        """Moves at acceptance ``rate``: a block more in the layers that drop the most mass, or one fewer in
+        those that drop the least; as many layers as ``|gap| * layers`` (at least one), the gap measured
+        from the target (or the target plus the tolerance). Returns the layers moved."""
         o = self.options
+        n = len(self.keep)
         if rate < o.target_acceptance:
-            grow = [i for i in range(len(self.keep)) if self.keep[i] < self.blocks[i]]
-            layer = max(grow, key=lambda i: (self.dropped[i], -i)) if grow else None
-            step = 1
+            order = sorted((i for i in range(n) if self.keep[i] < self.blocks[i]), key=lambda i: (-self.dropped[i], i))
+            step, gap = 1, o.target_acceptance - rate
         elif rate > o.target_acceptance + o.tolerance:
-            shrink = [i for i in range(len(self.keep)) if self.keep[i] > max(1, len(self.hot_sets[i]))]
-            layer = min(shrink, key=lambda i: (self.dropped[i], i)) if shrink else None
-            step = -1
+            order = sorted((i for i in range(n) if self.keep[i] > max(1, len(self.hot_sets[i]))),
+                           key=lambda i: (self.dropped[i], i))
+            step, gap = -1, rate - o.target_acceptance - o.tolerance
         else:
-            return None
-        if layer is not None:
+            return []
+        moved = order[: max(1, round(gap * n))]
+        for layer in moved:
             self.keep[layer] += step
             self.totals["moves"].append((self.steps, layer, step, rate))
-        return layer
+        return moved
 
 
 class KairoxMLP(nn.Module):
@@ -414,7 +420,8 @@ class KairoxMLP(nn.Module):
         active = top_mask(mass, keep)
         kept_mask = hot_mask if cold is None else (hot_mask | index_mask(cold, nb))
         total = mx.maximum(mass.sum(), 1e-30)
-        stats.update(kept=mx.array(n_hot + n_cold), hot_hits=mx.sum(active & hot_mask),
+        stats.update(kept=mx.array(n_hot + n_cold), rows=mx.array(nb if cand is None else cand.size),
+                     hot_hits=mx.sum(active & hot_mask),
                      dropped=1 - mx.sum(mx.where(kept_mask, mass, 0)) / total)
         state.record(i, stats)
         self.update_scores(state, active)
