@@ -52,16 +52,18 @@ from .record import empty_summary
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
+    add_sparse_gear_arg,
     add_speculative_args,
     calibrate_drafter,
     calibrate_sparse,
+    check_sparse_gear_args,
     check_sparse_model,
     check_speculative_args,
     speculative_config,
     speculative_lines,
+    use_sparse_gear,
 )
-from .speculative.sparse import THRESHOLDS_KEY, calibration_tokens, check_sparsity, ffn_layers
-from .speculative.sparse_gear import install_sparse_gear
+from .speculative.sparse import THRESHOLDS_KEY
 from .telemetry.trace import TraceWriter, token_record
 
 DEFAULT_MAX_TOKENS = 256
@@ -135,11 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--telemetry-only", action="store_true",
                    help="track gears, swap nothing (automatic for pre-quantized models)")
     r.add_argument("--static-gear", choices=GEARS, help="stay in one gear (a baseline)")
-    r.add_argument("--sparse-gear", type=float, default=None, metavar="S",
-                   help="compute the low gear sparsely: on one-token steps in the low gear each FFN keeps its "
-                        "heaviest 64-neuron blocks, a fraction S of them skipped on average (kept fractions "
-                        "calibrated in the low gear at start, or from the --calibration file's sparse "
-                        "thresholds); changes the low gear's tokens (routed decoding only; opt-in)")
+    add_sparse_gear_arg(r)
     r.add_argument("--kv-rotation", choices=ROTATION_CHOICES, default="auto",
                    help="with --kv-bits: rotate keys and values before quantizing (srht: random-sign Hadamard, "
                         "srft: random-sign FFT, auto: srht where the head size allows), with per-channel "
@@ -509,32 +507,6 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
                 cached.parent.mkdir(parents=True, exist_ok=True)
             cal.save(target)
     return "prefill"
-
-
-def check_sparse_gear_args(args: argparse.Namespace) -> None:
-    """``--sparse-gear``: a sparsity in range, routed decoding, a gear that can be the low one."""
-    try:
-        check_sparsity(args.sparse_gear, "--sparse-gear")
-    except ValueError as e:
-        raise ValueError(str(e).replace(" or off", "").replace("the drafter skips", "skipped")) from None
-    if args.speculative:
-        raise ValueError("--sparse-gear computes the routed low gear sparsely; speculative decoding outputs the high "
-                         "gear's tokens: use --draft-sparsity for a sparse drafter")
-    if args.static_gear in ("mid", "high"):
-        raise ValueError(f"--sparse-gear changes the low gear only: --static-gear {args.static_gear} never uses it")
-
-
-def use_sparse_gear(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
-    """Install the sparse low gear (after loading: the model must have SwiGLU FFNs)."""
-    try:
-        ffn_layers(model)
-    except ValueError as e:
-        raise ValueError(f"--sparse-gear: {e}") from None
-    cal = gearbox.calibration
-    info = install_sparse_gear(model, gearbox, args.sparse_gear, calibration_tokens(tokenizer),
-                               cal.extra.get(THRESHOLDS_KEY) if cal is not None else None)
-    say(args, f"sparse low gear: one-token steps keep {100 * info['kept_fraction']:.1f}% of the FFN blocks "
-              f"(target sparsity {args.sparse_gear:g})")
 
 
 def _calibration_settings(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:

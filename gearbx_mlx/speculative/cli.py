@@ -26,11 +26,13 @@ from .sparse import (
     MAX_SPARSITY,
     THRESHOLDS_KEY,
     calibration_tokens,
+    check_sparsity,
     ffn_layers,
     layer_masses,
     quant_parts,
     threshold_curves,
 )
+from .sparse_gear import install_sparse_gear
 from .sparse_plan import AUTO_SPARSITIES
 
 
@@ -173,6 +175,41 @@ def check_sparse_model(args: argparse.Namespace, model: Any) -> None:
         ffn_layers(model)
     except ValueError as e:
         raise ValueError(f"--draft-sparsity: {e}") from None
+
+
+def add_sparse_gear_arg(group: Any) -> None:
+    """Add ``--sparse-gear`` (the routed low gear computed sparsely) to a group of the generate CLI."""
+    group.add_argument("--sparse-gear", type=float, default=None, metavar="S",
+                       help="compute the low gear sparsely: on one-token steps in the low gear each FFN keeps its "
+                            "heaviest 64-neuron blocks, a fraction S of them skipped on average (kept fractions "
+                            "calibrated in the low gear at start, or from the --calibration file's sparse "
+                            "thresholds); changes the low gear's tokens (routed decoding only; opt-in)")
+
+
+def check_sparse_gear_args(args: argparse.Namespace) -> None:
+    """``--sparse-gear``: a sparsity in range, routed decoding, a gear that can be the low one."""
+    try:
+        check_sparsity(args.sparse_gear, "--sparse-gear")
+    except ValueError as e:
+        raise ValueError(str(e).replace(" or off", "").replace("the drafter skips", "skipped")) from None
+    if args.speculative:
+        raise ValueError("--sparse-gear computes the routed low gear sparsely; speculative decoding outputs the high "
+                         "gear's tokens: use --draft-sparsity for a sparse drafter")
+    if args.static_gear in ("mid", "high"):
+        raise ValueError(f"--sparse-gear changes the low gear only: --static-gear {args.static_gear} never uses it")
+
+
+def use_sparse_gear(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
+    """Install the sparse low gear (after loading: the model must have SwiGLU FFNs)."""
+    try:
+        ffn_layers(model)
+    except ValueError as e:
+        raise ValueError(f"--sparse-gear: {e}") from None
+    cal = gearbox.calibration
+    info = install_sparse_gear(model, gearbox, args.sparse_gear, calibration_tokens(tokenizer),
+                               cal.extra.get(THRESHOLDS_KEY) if cal is not None else None)
+    say(args, f"sparse low gear: one-token steps keep {100 * info['kept_fraction']:.1f}% of the FFN blocks "
+              f"(target sparsity {args.sparse_gear:g})")
 
 
 def check_sparse_calibration(args: argparse.Namespace) -> None:
