@@ -383,3 +383,28 @@ def test_a_calibration_file_without_sparse_thresholds_is_refused_before_loading(
     assert code not in (0, None)
     assert f"error: --calibration {path} has no sparse-drafter thresholds" in err
     assert "Traceback" not in err and "nonexistent" not in err
+
+
+@pytest.mark.parametrize("flag, sparse", [("0.5", 0.5), ("auto", None)])
+def test_the_server_builds_the_drafter_asked_for(monkeypatch, flag, sparse):
+    """``--draft-sparsity`` reaches the server: S builds the sparse drafter at load, ``auto`` leaves the
+    choice to the first request's decision."""
+    from conftest import make_tiny_tokenizer
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.server import provider as provider_module
+    from gearbx_mlx.server.options import build_parser
+
+    model = make_tiny_llama(vocab=64, hidden=128, seed=6)
+    config = GearboxConfig(scope="all", kernel="mlx")
+    gb = Gearbox(model, config, vocab_size=64)
+    monkeypatch.setattr(provider_module, "load", lambda *a, **k: (model, make_tiny_tokenizer(64), gb))
+    args = build_parser().parse_args(["--speculative", "--draft-sparsity", flag])
+    p = provider_module.GearModelProvider(args, config)
+    p.load_default()
+    assert p.speculative.draft_sparsity == (sparse if sparse is not None else "auto")
+    if sparse is None:
+        assert p.draft is None
+    else:
+        assert p.draft.sparse["sparsity"] == 0.5
