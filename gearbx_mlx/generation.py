@@ -157,7 +157,8 @@ class GearboxResponse(GenerationResponse):
         kept_fraction, hot_hit_rate: with the activation-sparse drafter, the
             share of FFN blocks its draft steps in this token's block kept,
             and the share of its hot blocks a dense step would have kept
-            (None without a hot set); None with a dense drafter.
+            (None without a hot set); None with a dense drafter, or where the
+            block's drafts ran as several-row (dense) steps only.
     In routed decoding these are NaN / False / None.
 
     ``run`` is the run's record (:class:`gearbx_mlx.record.RunRecord`): its

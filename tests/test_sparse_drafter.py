@@ -315,8 +315,10 @@ def test_auto_sparsity_is_decided_at_the_start_and_stays_exact():
     if chosen is None:
         assert all(r.kept_fraction is None for r in out)
     else:
-        assert drafted and all(0 < r.kept_fraction < 1 for r in drafted)
-        assert "kept_fraction" in speculative_record(drafted[0]) and "hot_hit_rate" in speculative_record(drafted[0])
+        kept = [r.kept_fraction for r in drafted if r.kept_fraction is not None]  # None: no one-token step
+        assert kept and all(0 < k < 1 for k in kept)
+        record = speculative_record(next(r for r in drafted if r.kept_fraction is not None))
+        assert "kept_fraction" in record and "hot_hit_rate" in record
 
 
 def test_auto_sparsity_needs_the_decision():
@@ -408,3 +410,25 @@ def test_the_server_builds_the_drafter_asked_for(monkeypatch, flag, sparse):
         assert p.draft is None
     else:
         assert p.draft.sparse["sparsity"] == 0.5
+
+
+def test_auto_reads_a_sparse_drafters_alpha_off_one_token_steps():
+    """A sparse drafter's prefill is dense: its α for the decision comes from one-token steps over the
+    prompt's last positions; keeping every block, those are the dense drafter's statistics."""
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft
+    from gearbx_mlx.speculative.sparse_plan import STEPPED_POSITIONS, stepped_measurement
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=7)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    draft = build_draft(model, gb, "low", "all", host=False)
+    ids = [int(t) for t in np.random.default_rng(0).integers(1, 64, 50)]
+    dense = stepped_measurement(model, draft, ids, 2)
+    every = stepped_measurement(model, build_sparse_draft(draft, 0.0, ids), ids, 2)
+    assert dense.positions == every.positions == STEPPED_POSITIONS
+    assert dense.stats.agree == every.stats.agree
+    np.testing.assert_allclose(dense.stats.draft_entropy, every.stats.draft_entropy, rtol=1e-3, atol=1e-3)
+    sparse = stepped_measurement(model, build_sparse_draft(draft, 0.75, ids), ids, 2)
+    assert sparse.positions == STEPPED_POSITIONS
+    assert sparse.stats.draft_entropy != dense.stats.draft_entropy  # its own one-token steps, not the prefill's

@@ -290,6 +290,12 @@ def speculative_lines(summary: Dict[str, Any]) -> List[str]:
             + " -> " + {"plain": plain,
                         "fixed": f"fixed blocks of {plan['best_k']}",
                         "gated": f"gated blocks of up to {plan['best_k']}"}[plan["choice"]])
+        cands = (plan.get("extra") or {}).get("sparse_candidates")
+        if cands:
+            chosen = plan["extra"].get("draft_sparsity")
+            lines.append("Draft sparsity (auto): " + ", ".join(
+                f"{name} {c['speedup']:.2f}x (alpha {c['alpha']:.2f}, step {c['draft_ms']:.1f} ms)"
+                for name, c in cands.items()) + f" -> {'dense' if chosen is None else f'{chosen:g}'}")
     return lines
 
 
