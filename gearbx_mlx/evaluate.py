@@ -27,6 +27,7 @@ from .evaluation import report
 from .evaluation.harness import DEFAULT_SPEED_PROMPT, DEFAULT_WINDOW, PLOT_PREFIX, evaluate, read_text
 from .evaluation.machine import blas, load_average
 from .evaluation.plots import make_all
+from .evaluation.sparse_gear import sparse_gear_table
 from .evaluation.study import DEFAULT_STUDY, FULL_STUDY, Eta, Study, expected_seconds, minutes, wall_factor
 from .evaluation.teacher import stderr_progress
 from .evaluation.text import check_encoding
@@ -325,6 +326,8 @@ def render(results: Dict[str, Any], args: argparse.Namespace) -> str:
     out = [report.table(results["policies"])]
     if results.get("speculative"):  # absent from runs saved by earlier versions
         out += ["", report.speculative_table(results["speculative"])]
+    if results.get("sparse_gear"):
+        out += ["", sparse_gear_table(results["sparse_gear"])]
     note = report.kv_note(results.get("kv_cache"))
     out += ["", note] if note else []
     out += ["", results["routing"]["lag_note"],

@@ -120,3 +120,13 @@ def test_cli_refuses_bad_sparse_gear_before_loading(argv, message, capsys):
     code = main(["--prompt", "hi", "--model", "/nonexistent/model", *argv])
     err = capsys.readouterr().err
     assert code not in (0, None) and message in err and "Traceback" not in err and "nonexistent" not in err
+
+
+def test_the_sparse_gear_table_renders_every_row():
+    from gearbx_mlx.evaluation.sparse_gear import sparse_gear_table
+
+    rows = [{"name": "static-high", "kl": 0.0, "agreement": 1.0, "perplexity": 9.5, "bytes_per_token": 2e6},
+            {"name": "static-low-sparse-0.5", "kl": 0.31, "agreement": 0.6, "perplexity": 12.0,
+             "bytes_per_token": 1e6, "kept_fraction": 0.5}]
+    text = sparse_gear_table({"rows": rows})
+    assert "static-low-sparse-0.5" in text and "0.3100" in text and " 0.50 " in text

@@ -80,4 +80,13 @@ def sparse_gear_rows(model: Any, tokenizer: Any, windows: Sequence[Sequence[int]
                       "lightest FFN blocks in the low gear; KL(high || row) in nats per position"}
 
 
-__all__ = ["sparse_gear_rows"]
+def sparse_gear_table(section: Dict[str, Any]) -> str:
+    """The rows of :func:`sparse_gear_rows` as a text table."""
+    lines = [f"{'sparse low gear':<26} {'kept':>5} {'KL':>8} {'agree':>6} {'ppl':>8} {'MB/step':>8}"]
+    for r in section["rows"]:
+        lines.append(f"{r['name']:<26} {r.get('kept_fraction', 1.0):5.2f} {r['kl']:8.4f} {r['agreement']:6.3f} "
+                     f"{r['perplexity']:8.2f} {r['bytes_per_token'] / 1e6:8.2f}")
+    return "\n".join(lines)
+
+
+__all__ = ["sparse_gear_rows", "sparse_gear_table"]
