@@ -242,6 +242,7 @@ class Kairox:
 
     def refresh(self) -> None:
         """Re-choose every layer's TAM hot set and repack the layers whose set changed."""
+        self.collect()  # the steps so far are counted against the hot sets they ran with
         mx.eval(self.score, self.hits)
         self.totals["refreshes"] += 1
         for i, layer in enumerate(self.layers):
