@@ -2,7 +2,8 @@
 
 Each row teacher-forces the evaluation windows through the model in one
 static gear of a :class:`~gearbx_mlx.gearbox.Gearbox` of scope ``all``
-(MLX kernels): the high gear (the reference), the dense low gear, and the
+(MLX kernels, separate copies: the low gear is MLX's 4-bit affine format, as
+in the harness's static-low rows, and builds in seconds): the high gear (the reference), the dense low gear, and the
 low gear keeping each layer's heaviest FFN blocks per position at each
 target sparsity (:mod:`gearbx_mlx.speculative.sparse_gear`; every position
 masked by its own blocks, as a one-token step is). Per row: the mean
@@ -52,7 +53,7 @@ def sparse_gear_rows(model: Any, tokenizer: Any, windows: Sequence[Sequence[int]
                      vocab: int) -> Dict[str, Any]:
     """The rows (see the module doc) for each of ``sparsities``; the model is left as it was."""
     ffn_layers(model)  # a model without a SwiGLU FFN: refused before anything slow
-    gearbox = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=vocab)
+    gearbox = Gearbox(model, GearboxConfig(scope="all", kernel="mlx", store="separate"), vocab_size=vocab)
     tokens = calibration_tokens(tokenizer)
     rows = []
     try:
@@ -75,7 +76,7 @@ def sparse_gear_rows(model: Any, tokenizer: Any, windows: Sequence[Sequence[int]
     finally:
         remove_sparse_gear(model)
         gearbox.manager.shift("high")  # the loaded modules back
-    return {"rows": rows, "scope": "all", "kernel": "mlx", "positions": sum(len(w) for w in windows),
+    return {"rows": rows, "scope": "all", "kernel": "mlx", "store": "separate", "positions": sum(len(w) for w in windows),
             "method": "teacher-forced static gears of a scope-all gearbox; sparse rows mask each position's "
                       "lightest FFN blocks in the low gear; KL(high || row) in nats per position"}
 
