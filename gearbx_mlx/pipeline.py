@@ -59,7 +59,7 @@ from .speculative.decode import (
 from .speculative.draft import DraftModel
 from .speculative.plan import CHOOSE, MODES as PLAN_MODES, SpeculativePlan, plan_speculative
 from .speculative.sparse import AUTO as SPARSE_AUTO, ffn_layers
-from .speculative.sparse_plan import chosen_sparsity, plan_sparsity
+from .speculative.sparse_plan import chosen_sparsity, plan_sparsity, stepped_measurement
 
 #: What ``speculative=`` takes as a string: a decision mode, or ``"plain"`` (draft nothing).
 SPECULATIVE_MODES = (*PLAN_MODES, "plain")
@@ -375,12 +375,18 @@ def _auto_sparsity(run: GenerationRun, spec: SpeculativeConfig, draft: Optional[
 
 
 def _decide(run: GenerationRun, spec: SpeculativeConfig, draft: DraftModel, greedy: bool) -> SpeculativePlan:
-    """The start-of-run decision: measure a draft step and the verifies on the prompt."""
+    """The start-of-run decision: measure a draft step and the verifies on the prompt.
+
+    A sparse drafter's α comes from its own one-token steps on the prompt (its prefill is dense, and a saved
+    calibration measured the dense drafter)."""
     gearbox = run.gearbox
+    ids = run.ids.tolist()
+    own = ({"calibration": None, "measured": stepped_measurement(run.model, draft, ids, spec.max_draft)}
+           if draft.sparse else {"calibration": calibrated_stop(gearbox, spec.draft_gear)})
     plan = plan_speculative(
-        run.model, draft, run.ids.tolist(), spec.max_draft, greedy=greedy, mode=spec.mode,
-        **{"calibration": calibrated_stop(gearbox, spec.draft_gear),
-           "stop": CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop, **spec.plan_options},
+        run.model, draft, ids, spec.max_draft, greedy=greedy, mode=spec.mode,
+        **{**own, "stop": CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop,
+           **spec.plan_options},
     )
     if gearbox.ranks is not None:  # timings differ between ranks: rank 0's decision to draft holds for all
         plan = SpeculativePlan(**gearbox.ranks.first(plan.to_dict()))

@@ -432,3 +432,26 @@ def test_auto_reads_a_sparse_drafters_alpha_off_one_token_steps():
     sparse = stepped_measurement(model, build_sparse_draft(draft, 0.75, ids), ids, 2)
     assert sparse.positions == STEPPED_POSITIONS
     assert sparse.stats.draft_entropy != dense.stats.draft_entropy  # its own one-token steps, not the prefill's
+
+
+def test_a_fixed_sparsity_decision_measures_the_sparse_drafter_itself():
+    """``--draft-sparsity S`` with the decision: α from the sparse drafter's own one-token steps, not a
+    saved calibration of the dense drafter."""
+    from conftest import make_tiny_tokenizer
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.calibration import CALIBRATION_KEY
+    from gearbx_mlx.speculative.sparse_plan import STEPPED_POSITIONS
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=8)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    gb.calibrate(make_tiny_tokenizer(64), "median", prompts=["t1 t2 t3 t4", "t5 t6 t7"])
+    gb.calibration.extra[CALIBRATION_KEY] = {"low": {"alpha_greedy": 0.99, "alpha_sampled": 0.99, "n_samples": 9,
+                                                      "stop_bits": 1.0, "max_draft": 2}}
+    ids = [int(t) for t in np.random.default_rng(1).integers(1, 64, 45)]
+    out = list(stream_speculative_generate(model, make_tiny_tokenizer(64), ids, gb, draft_sparsity=0.5,
+                                           mode="force", max_draft=2, max_tokens=4))
+    plan = out[-1].run.plan
+    assert plan.alpha_source == f"measured on {STEPPED_POSITIONS} prompt positions" and plan.alpha != 0.99
