@@ -27,6 +27,7 @@ from .evaluation import report
 from .evaluation.harness import DEFAULT_SPEED_PROMPT, DEFAULT_WINDOW, PLOT_PREFIX, evaluate, read_text
 from .evaluation.machine import blas, load_average
 from .evaluation.plots import make_all
+from .evaluation.sparse_gear import sparse_gear_table
 from .evaluation.study import DEFAULT_STUDY, FULL_STUDY, Eta, Study, expected_seconds, minutes, wall_factor
 from .evaluation.teacher import stderr_progress
 from .evaluation.text import check_encoding
@@ -34,6 +35,7 @@ from .generation import load
 from .kvcache.option import ROTATION_CHOICES, KVOptions
 from .plotting import require_matplotlib
 from .sources.registry import MODEL_HELP
+from .speculative.sparse import MAX_SPARSITY, ffn_layers
 from .telemetry.trace import versions
 
 # -- CLI ----------------------------------------------------------------------
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="add the speculative rows (low/mid gear drafts, high gear verifies; on with --full)")
     spec.add_argument("--no-speculative", dest="speculative", action="store_false",
                       help="leave out the speculative rows")
+    p.add_argument("--sparse-gear", type=_sparsities, default=(), metavar="S[,S...]",
+                   help="add rows of the low gear computed sparsely (each position keeps its heaviest FFN blocks, "
+                        "a fraction S of them skipped on average), with their KL and bytes beside the dense gears'")
     p.add_argument("--draft-calibration-tokens", type=int, metavar="N",
                    help="high-gear tokens per calibration prompt when choosing each drafter's block cap "
                    "and entropy stop (default: the calibration's own, as gearbx-generate --speculative --calibrate)")
@@ -226,6 +231,17 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
     return results
 
 
+def _sparsities(text: str) -> Tuple[float, ...]:
+    """``S[,S...]``: target sparsities of the sparse low gear's rows, each in ``[0, MAX_SPARSITY]``."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fractions in [0, {MAX_SPARSITY}], comma-separated, got {text!r}") from None
+    if not all(0 <= v <= MAX_SPARSITY for v in values):
+        raise argparse.ArgumentTypeError(f"expected fractions in [0, {MAX_SPARSITY}], comma-separated, got {text!r}")
+    return values
+
+
 def expectation(args: argparse.Namespace, study: Study) -> Tuple[Dict[str, float], float, str]:
     """The cost model's one-core seconds per phase, the wall factor of this machine now, and the line
     printed before a run (the default model's size: another model scales it)."""
@@ -256,13 +272,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Dict[str, Any]:
     tic = time.perf_counter()
     say(f"loading {args.model or 'the default model'} ...")
     model, tokenizer, gearbox = load(args.model, dtype=args.dtype)
+    if args.sparse_gear:
+        try:
+            ffn_layers(model)  # before the long passes
+        except ValueError as e:
+            raise ValueError(f"--sparse-gear: {e}") from None
     results = evaluate(
         model, tokenizer, text, tokens=args.tokens, window=args.window, seed=args.seed,
         speed_tokens=args.speed_tokens, speed_prompt=args.speed_prompt, workload_tokens=args.workload_tokens,
         speculative=args.speculative, draft_calibration_tokens=args.draft_calibration_tokens,
         max_positions=args.max_positions, progress=say, kv=_kv(args),
         kv_calibration=gearbox.calibration.kv if gearbox.calibration is not None else None,
-        scopes=study.scopes or (GearboxConfig().scope,), model_dir=gearbox.model_dir,
+        scopes=study.scopes or (GearboxConfig().scope,), model_dir=gearbox.model_dir, sparse_gear=args.sparse_gear,
     )
     results["study"] = {"name": study.name, "scopes": list(study.scopes or (GearboxConfig().scope,)),
                         "expected_one_core_s": cost, "expected_wall_s": cost["total"] * factor,
@@ -305,6 +326,8 @@ def render(results: Dict[str, Any], args: argparse.Namespace) -> str:
     out = [report.table(results["policies"])]
     if results.get("speculative"):  # absent from runs saved by earlier versions
         out += ["", report.speculative_table(results["speculative"])]
+    if results.get("sparse_gear"):
+        out += ["", sparse_gear_table(results["sparse_gear"])]
     note = report.kv_note(results.get("kv_cache"))
     out += ["", note] if note else []
     out += ["", results["routing"]["lag_note"],

@@ -52,13 +52,18 @@ from .record import empty_summary
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
+    add_sparse_gear_arg,
     add_speculative_args,
     calibrate_drafter,
+    calibrate_sparse,
+    check_sparse_gear_args,
     check_sparse_model,
     check_speculative_args,
     speculative_config,
     speculative_lines,
+    use_sparse_gear,
 )
+from .speculative.sparse import THRESHOLDS_KEY
 from .telemetry.trace import TraceWriter, token_record
 
 DEFAULT_MAX_TOKENS = 256
@@ -132,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--telemetry-only", action="store_true",
                    help="track gears, swap nothing (automatic for pre-quantized models)")
     r.add_argument("--static-gear", choices=GEARS, help="stay in one gear (a baseline)")
+    add_sparse_gear_arg(r)
     r.add_argument("--kv-rotation", choices=ROTATION_CHOICES, default="auto",
                    help="with --kv-bits: rotate keys and values before quantizing (srht: random-sign Hadamard, "
                         "srft: random-sign FFT, auto: srht where the head size allows), with per-channel "
@@ -181,6 +187,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_flag(args.window >= 1, "--window", args.window, "an integer >= 1")
     check_flag(finite(args.hysteresis) and args.hysteresis >= 0, "--hysteresis", args.hysteresis, "a number >= 0")
     check_flag(args.min_gear_duration >= 1, "--min-gear-duration", args.min_gear_duration, "an integer >= 1")
+    if args.sparse_gear is not None:
+        check_sparse_gear_args(args)
     if args.low_quant != "rtn" and (args.store == "separate" or args.telemetry_only):
         raise ValueError(f"--low-quant {args.low_quant} builds the nested store's low gear: it needs the nested "
                          f"store, not {'--telemetry-only' if args.telemetry_only else '--store separate'}")
@@ -491,6 +499,8 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         cal.kv = calibrate_kv(model, tokenizer)
     if args.speculative and args.draft_gear not in (cal.extra.get(CALIBRATION_KEY) or {}):
         calibrate_drafter(args, model, tokenizer, gearbox)
+    if args.speculative and getattr(args, "draft_sparsity", None) is not None and THRESHOLDS_KEY not in cal.extra:
+        calibrate_sparse(args, model, tokenizer, gearbox)
     with stage(ranks, "saving the calibration"):
         target = args.calibration or cached
         if target is not None and getattr(args, "rank", 0) == 0:
@@ -509,6 +519,8 @@ def _calibration_settings(args: argparse.Namespace, gearbox: Any) -> Dict[str, A
 def _prepare(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any, templated: Any) -> Any:
     """Set the run up through the one pipeline, saying what the user should know first."""
     spec = None
+    if getattr(args, "sparse_gear", None) is not None:
+        use_sparse_gear(args, model, tokenizer, gearbox)
     if args.speculative:
         spec = speculative_config(args, gearbox)
         say(args, "timing the drafter against the high gear on the prompt ...")

@@ -155,6 +155,11 @@ class GearboxResponse(GenerationResponse):
         drafted: drafts proposed in this token's block.
         verified_by: the gear that verified it (``"high"``).
         block: 0-based block number; stop: why that block ended.
+        kept_fraction, hot_hit_rate: with the activation-sparse drafter, the
+            share of FFN blocks its draft steps in this token's block kept,
+            and the share of its hot blocks a dense step would have kept
+            (None without a hot set); None with a dense drafter, or where the
+            block's drafts ran as several-row (dense) steps only.
     In routed decoding these are NaN / False / None.
 
     ``run`` is the run's record (:class:`gearbx_mlx.record.RunRecord`): its
@@ -180,6 +185,8 @@ class GearboxResponse(GenerationResponse):
     verified_by: Optional[str] = None
     block: Optional[int] = None
     stop: Optional[str] = None
+    kept_fraction: Optional[float] = None
+    hot_hit_rate: Optional[float] = None
     run: Any = field(default=None, repr=False, compare=False)
 
     @property

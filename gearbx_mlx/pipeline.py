@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, Generator, Iterator, List, Optional, Union
+from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,7 +58,8 @@ from .speculative.decode import (
 )
 from .speculative.draft import DraftModel
 from .speculative.plan import CHOOSE, MODES as PLAN_MODES, SpeculativePlan, plan_speculative
-from .speculative.sparse import ffn_layers
+from .speculative.sparse import AUTO as SPARSE_AUTO, ffn_layers
+from .speculative.sparse_plan import chosen_sparsity, plan_sparsity, stepped_measurement
 
 #: What ``speculative=`` takes as a string: a decision mode, or ``"plain"`` (draft nothing).
 SPECULATIVE_MODES = (*PLAN_MODES, "plain")
@@ -198,7 +199,7 @@ class GenerationRun:
             entropy=info.entropy, draft_entropy=info.draft_entropy, smoothed_entropy=info.smoothed,
             predicted_entropy=info.predicted, gear=info.gear, accepted=info.accepted, drafted=info.drafted,
             verified_by="high", block=info.block, stop=info.stop, step_seconds=step, index=info.index,
-            run=self.record,
+            run=self.record, **{k: (info.sparse or {}).get(k) for k in ("kept_fraction", "hot_hit_rate")},
         )
 
 
@@ -323,8 +324,11 @@ def _set_up_speculative(run: GenerationRun, spec: SpeculativeConfig, sampling: O
     if spec.draft_sparsity is not None:
         ffn_layers(model)  # a model the sparse drafter cannot run: refused before any drafter is built
     gearbox.manager.shift("high")  # the verifier is the loaded model itself
+    if spec.draft_sparsity == SPARSE_AUTO:
+        spec, draft, plan = _auto_sparsity(run, spec, draft, plan, sampling.greedy)
     if draft is None and (spec.mode != "plain" or plan is not None):
-        draft = get_draft(model, gearbox, spec.draft_gear, spec.draft_scope, spec.draft_sparsity, run.tokenizer)
+        draft = get_draft(model, gearbox, spec.draft_gear, spec.draft_scope, spec.draft_sparsity, run.tokenizer,
+                          spec.sparse_options)
     elif draft is not None and draft.gear != spec.draft_gear:
         raise ValueError(f"the draft given is in the {draft.gear} gear, config says {spec.draft_gear}")
     run.kv = open_kv(model, kv_options, kv_calibration, draft=None if draft is None else draft.module,
@@ -354,13 +358,35 @@ def _set_up_speculative(run: GenerationRun, spec: SpeculativeConfig, sampling: O
         raise
 
 
+def _auto_sparsity(run: GenerationRun, spec: SpeculativeConfig, draft: Optional[DraftModel],
+                   plan: Optional[SpeculativePlan], greedy: bool) -> Tuple[SpeculativeConfig, Optional[DraftModel],
+                                                                           Optional[SpeculativePlan]]:
+    """``draft_sparsity="auto"``: the drafter given, a reused decision's choice, or the decision between the
+    dense and sparse drafters made here (:mod:`gearbx_mlx.speculative.sparse_plan`)."""
+    if draft is not None:
+        return dataclasses.replace(spec, draft_sparsity=(draft.sparse or {}).get("sparsity")), draft, plan
+    if plan is None:
+        stop = CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop
+        _, draft, plan = plan_sparsity(run.model, run.gearbox, run.tokenizer, spec, run.ids.tolist(), greedy,
+                                       **{"stop": stop, **spec.plan_options})
+        if run.gearbox.ranks is not None:  # rank 0's choice holds for all
+            plan, draft = SpeculativePlan(**run.gearbox.ranks.first(plan.to_dict())), None
+    return dataclasses.replace(spec, draft_sparsity=chosen_sparsity(plan)), draft, plan
+
+
 def _decide(run: GenerationRun, spec: SpeculativeConfig, draft: DraftModel, greedy: bool) -> SpeculativePlan:
-    """The start-of-run decision: measure a draft step and the verifies on the prompt."""
+    """The start-of-run decision: measure a draft step and the verifies on the prompt.
+
+    A sparse drafter's α comes from its own one-token steps on the prompt (its prefill is dense, and a saved
+    calibration measured the dense drafter)."""
     gearbox = run.gearbox
+    ids = run.ids.tolist()
+    own = ({"calibration": None, "measured": stepped_measurement(run.model, draft, ids, spec.max_draft)}
+           if draft.sparse else {"calibration": calibrated_stop(gearbox, spec.draft_gear)})
     plan = plan_speculative(
-        run.model, draft, run.ids.tolist(), spec.max_draft, greedy=greedy, mode=spec.mode,
-        **{"calibration": calibrated_stop(gearbox, spec.draft_gear),
-           "stop": CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop, **spec.plan_options},
+        run.model, draft, ids, spec.max_draft, greedy=greedy, mode=spec.mode,
+        **{**own, "stop": CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop,
+           **spec.plan_options},
     )
     if gearbox.ranks is not None:  # timings differ between ranks: rank 0's decision to draft holds for all
         plan = SpeculativePlan(**gearbox.ranks.first(plan.to_dict()))

@@ -1,4 +1,4 @@
-"""Activation sparsity of the low-gear drafter's FFNs on the default model.
+"""Activation sparsity of the low-gear drafter's FFNs (the default model, or ``--model``).
 
 Teacher-forces the first ``--tokens`` tokens of the evaluation text through
 the drafter (the model's managed layers in the 4-bit low gear, MLX tree) and
@@ -13,7 +13,7 @@ measures, over every layer's hidden activation ``h = silu(gate(x)) * up(x)``:
 * temporal locality: the Jaccard index of consecutive tokens' top-10% and
   top-35% neuron sets.
 
-Usage: python scripts/kairox_stats.py [--tokens 256] [--out benchmarks/results/kairox_stats_default.json]
+Usage: python scripts/kairox_stats.py [--model NAME] [--tokens 256] [--out benchmarks/results/kairox_stats_default.json]
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def jaccard(hs: List[np.ndarray], top: float) -> float:
     return float(np.mean(vals))
 
 
-def measure(tokens: int) -> Dict:
-    model, tokenizer, gearbox = load()
+def measure(tokens: int, model_name: Optional[str] = None) -> Dict:
+    model, tokenizer, gearbox = load(model_name)
     draft = build_draft(model, gearbox, "low", "all", host=False)
     text, about = read_text(None)
     ids = text_tokens(tokenizer, text, tokens + 1)
@@ -133,12 +133,13 @@ def table(r: Dict) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--model", default=None, help="a model name or folder (default: the default model)")
     p.add_argument("--out", default="benchmarks/results/kairox_stats_default.json")
     a = p.parse_args(argv)
     load_before = load_average()
-    r = measure(a.tokens)
+    r = measure(a.tokens, a.model)
     print(table(r))
-    r.update(model="SmolLM2-135M-Instruct (default)", drafter="low gear (4-bit g64), scope all, MLX tree")
+    r.update(model=a.model or "SmolLM2-135M-Instruct (default)", drafter="low gear (4-bit g64), scope all, MLX tree")
     write_result(a.out, r, "python scripts/kairox_stats.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  load_before)
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -166,8 +168,10 @@ def test_config_refuses_a_bad_sparsity():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative", "force", "--draft-sparsity", "1.2"], "argument --draft-sparsity: expected a fraction"),
-    (["--speculative", "force", "--draft-sparsity", "x"], "argument --draft-sparsity: expected a fraction"),
+    (["--speculative", "force", "--draft-sparsity", "1.2"], "argument --draft-sparsity: expected 'auto', a fraction"),
+    (["--speculative", "force", "--draft-sparsity", "x"], "argument --draft-sparsity: expected 'auto', a fraction"),
+    (["--draft-sparsity", "auto"], "error: --draft-sparsity sets the speculative drafter: add --speculative"),
+    (["--speculative", "--draft-gear", "mid", "--draft-sparsity", "auto"], "drop --draft-gear mid"),
     (["--draft-sparsity", "0.5"], "error: --draft-sparsity sets the speculative drafter: add --speculative"),
     (["--speculative", "force", "--draft-gear", "mid", "--draft-sparsity", "0.5"], "drop --draft-gear mid"),
 ])
@@ -240,12 +244,214 @@ def test_trace_header_and_summary_give_the_kept_fraction():
     tok = make_tiny_tokenizer(64)
     ids = [5, 9, 2, 7, 3]
     want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=12), range(12))]
-    got, last = [], None
+    got, last, responses = [], None, []
     for r in stream_speculative_generate(model, tok, ids, gb, max_draft=3, draft_sparsity=0.5, max_tokens=12):
         got.append(r.token)
+        responses.append(r)
         last = r
     assert got == want[: len(got)]
     drafter = last.run.header()["speculative"]["drafter"]
     assert drafter["path"] == "mlx" and drafter["kept_fraction"] == 0.5
+    assert {r.kept_fraction for r in responses if r.drafted} == {0.5}  # per token, for the trace
+    assert all(r.hot_hit_rate is None for r in responses)  # no hot set
     summary = last.run.summary(last)
     assert any("keep 50.0% of down_proj's 64-neuron blocks" in line for line in speculative_lines(summary))
+
+
+def test_greedy_output_is_the_high_gears_with_every_sparse_mechanism(default_model):
+    """TAM hot sets, the next-layer predictor and the balancer change what is drafted, never what is emitted."""
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.chat import encode_chat
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig, get_draft
+    from gearbx_mlx.speculative.kairox import KairoxOptions
+
+    model, tok, gearbox = default_model
+    options = KairoxOptions(hot="tam", refresh=2, min_hits=1, predictor=True, audit=True, balancer=True,
+                            window=2, target_acceptance=0.9)
+    ids = encode_chat(tok, "Write a haiku about a lighthouse.")
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=20), range(20))]
+    config = SpeculativeConfig(max_draft=3, draft_sparsity=0.5, sparse_options=options)
+    got = [r.token for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=20)]
+    assert got == want[: len(got)] and (len(got) == 20 or got[-1] in tok.eos_token_ids)
+    state = get_draft(model, gearbox, "low", "all", 0.5, tok, options).kairox
+    s = state.summary()
+    assert s["refreshes"] > 0 and s["hot_hit_rate"] is not None and 0 <= s["predictor_hit_rate"] <= 1
+    assert s["moves"] > 0  # a target of 0.9 is out of reach: the balancer added blocks
+    assert SpeculativeConfig(sparse_options=dataclasses.asdict(options)).sparse_options == options
+
+
+def test_auto_sparsity_is_decided_at_the_start_and_stays_exact():
+    """``auto``: the dense and the sparse drafters are all measured, the best modeled one drafts, the
+    candidates are in the plan, the output is the high gear's, and the per-token trace has the kept fraction."""
+    from conftest import make_tiny_tokenizer
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+    from gearbx_mlx.speculative.kairox import KairoxOptions
+    from gearbx_mlx.speculative.sparse_plan import AUTO_SPARSITIES
+    from gearbx_mlx.telemetry.trace import speculative_record
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=5)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    tok = make_tiny_tokenizer(64)
+    ids = [5, 9, 2, 7, 3, 8, 1, 4, 6, 2, 9, 3]
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=10), range(10))]
+    config = SpeculativeConfig(mode="force", max_draft=2, draft_sparsity="auto",
+                               sparse_options=KairoxOptions(hot="static"))
+    out = list(stream_speculative_generate(model, tok, ids, gb, config=config, mode="force", max_tokens=10))
+    assert [r.token for r in out] == want[: len(out)]
+    plan = out[-1].run.plan
+    cands = plan.extra["sparse_candidates"]
+    assert set(cands) == {"dense", *(f"{s:g}" for s in AUTO_SPARSITIES)}
+    best = max(cands.values(), key=lambda c: c["speedup"])
+    assert plan.best_speedup == best["speedup"]
+    chosen = plan.extra["draft_sparsity"]
+    drafted = [r for r in out if r.drafted]
+    if chosen is None:
+        assert all(r.kept_fraction is None for r in out)
+    else:
+        kept = [r.kept_fraction for r in drafted if r.kept_fraction is not None]  # None: no one-token step
+        assert kept and all(0 < k < 1 for k in kept)
+        record = speculative_record(next(r for r in drafted if r.kept_fraction is not None))
+        assert "kept_fraction" in record and "hot_hit_rate" in record
+
+
+def test_auto_sparsity_needs_the_decision():
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="draft_sparsity='auto' is chosen by the start-of-run decision"):
+        SpeculativeConfig(draft_sparsity="auto")
+    assert SpeculativeConfig(draft_sparsity="auto", mode="auto").draft_sparsity == "auto"
+
+
+# -- thresholds saved in the calibration file ------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), sparsity=st.sampled_from([0.25, 0.5, 0.7, 0.9]))
+def test_saved_thresholds_give_the_measured_kept_fractions(seed, sparsity):
+    """The curves saved in a calibration file solve a target sparsity as the masses themselves do."""
+    from gearbx_mlx.speculative.sparse import keep_from_curves, threshold_curves
+
+    rng = np.random.default_rng(seed)
+    masses = [mx.array(np.abs(rng.standard_normal((40, 24))) ** p) for p in (1, 2, 3)]
+    curves = threshold_curves(masses, 64)
+    got, want = keep_from_curves(curves, sparsity), calibrate_keep(masses, sparsity)
+    assert abs(np.mean(got) - (1 - sparsity)) <= 1 / 24 + 1e-6
+    np.testing.assert_allclose(got, want, atol=2 / 24)
+
+
+def test_saved_thresholds_of_another_model_are_refused():
+    from gearbx_mlx.speculative.sparse import check_curves, threshold_curves
+
+    curves = threshold_curves([mx.ones((4, 6)), mx.ones((4, 6))], 64)
+    check_curves(curves, [6, 6], 64)
+    with pytest.raises(ValueError, match="a calibration of another model"):
+        check_curves(curves, [6, 6, 6], 64)
+    with pytest.raises(ValueError, match="damaged"):
+        check_curves({**curves, "kept": [[0.5]]}, [6, 6], 64)
+
+
+def test_the_gearbox_drafter_uses_saved_thresholds():
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft
+    from gearbx_mlx.speculative.sparse import layer_masses, threshold_curves
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=2)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    draft = build_draft(model, gb, "low", "all", host=False)
+    tokens = list(range(1, 40))
+    curves = threshold_curves(layer_masses(draft.module, tokens, 64), 64)
+    a = build_sparse_draft(draft, 0.5, tokens)
+    b = build_sparse_draft(draft, 0.5, [1, 2], thresholds=curves)  # the tokens are not read
+    assert b.sparse["thresholds"] == "calibration" and a.sparse["thresholds"] == "measured at start"
+    assert abs(a.sparse["kept_fraction"] - b.sparse["kept_fraction"]) <= 1 / 8
+
+
+def test_a_calibration_file_without_sparse_thresholds_is_refused_before_loading(tmp_path, capsys):
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import main
+
+    path = Calibration(low=1.0, high=3.0, strategy="median", n_samples=4, vocab_size=64).save(tmp_path / "c.json")
+    code = main(["--prompt", "hi", "--model", "/nonexistent/model", "--calibration", str(path),
+                 "--speculative", "--draft-sparsity", "0.5"])
+    err = capsys.readouterr().err
+    assert code not in (0, None)
+    assert f"error: --calibration {path} has no sparse-drafter thresholds" in err
+    assert "Traceback" not in err and "nonexistent" not in err
+
+
+@pytest.mark.parametrize("flag, sparse", [("0.5", 0.5), ("auto", None)])
+def test_the_server_builds_the_drafter_asked_for(monkeypatch, flag, sparse):
+    """``--draft-sparsity`` reaches the server: S builds the sparse drafter at load, ``auto`` leaves the
+    choice to the first request's decision."""
+    from conftest import make_tiny_tokenizer
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.server import provider as provider_module
+    from gearbx_mlx.server.options import build_parser
+
+    model = make_tiny_llama(vocab=64, hidden=128, seed=6)
+    config = GearboxConfig(scope="all", kernel="mlx")
+    gb = Gearbox(model, config, vocab_size=64)
+    monkeypatch.setattr(provider_module, "load", lambda *a, **k: (model, make_tiny_tokenizer(64), gb))
+    args = build_parser().parse_args(["--speculative", "--draft-sparsity", flag])
+    p = provider_module.GearModelProvider(args, config)
+    p.load_default()
+    assert p.speculative.draft_sparsity == (sparse if sparse is not None else "auto")
+    if sparse is None:
+        assert p.draft is None
+    else:
+        assert p.draft.sparse["sparsity"] == 0.5
+
+
+def test_auto_reads_a_sparse_drafters_alpha_off_one_token_steps():
+    """A sparse drafter's prefill is dense: its α for the decision comes from one-token steps over the
+    prompt's last positions; keeping every block, those are the dense drafter's statistics."""
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.speculative.draft import build_draft
+    from gearbx_mlx.speculative.sparse_plan import STEPPED_POSITIONS, stepped_measurement
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=7)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    draft = build_draft(model, gb, "low", "all", host=False)
+    ids = [int(t) for t in np.random.default_rng(0).integers(1, 64, 50)]
+    dense = stepped_measurement(model, draft, ids, 2)
+    every = stepped_measurement(model, build_sparse_draft(draft, 0.0, ids), ids, 2)
+    assert dense.positions == every.positions == STEPPED_POSITIONS
+    assert dense.stats.agree == every.stats.agree
+    np.testing.assert_allclose(dense.stats.draft_entropy, every.stats.draft_entropy, rtol=1e-3, atol=1e-3)
+    sparse = stepped_measurement(model, build_sparse_draft(draft, 0.75, ids), ids, 2)
+    assert sparse.positions == STEPPED_POSITIONS
+    assert sparse.stats.draft_entropy != dense.stats.draft_entropy  # its own one-token steps, not the prefill's
+
+
+def test_a_fixed_sparsity_decision_measures_the_sparse_drafter_itself():
+    """``--draft-sparsity S`` with the decision: α from the sparse drafter's own one-token steps, not a
+    saved calibration of the dense drafter."""
+    from conftest import make_tiny_tokenizer
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.calibration import CALIBRATION_KEY
+    from gearbx_mlx.speculative.sparse_plan import STEPPED_POSITIONS
+
+    model = make_tiny_llama(vocab=64, hidden=256, seed=8)
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    gb.calibrate(make_tiny_tokenizer(64), "median", prompts=["t1 t2 t3 t4", "t5 t6 t7"])
+    gb.calibration.extra[CALIBRATION_KEY] = {"low": {"alpha_greedy": 0.99, "alpha_sampled": 0.99, "n_samples": 9,
+                                                      "stop_bits": 1.0, "max_draft": 2}}
+    ids = [int(t) for t in np.random.default_rng(1).integers(1, 64, 45)]
+    out = list(stream_speculative_generate(model, make_tiny_tokenizer(64), ids, gb, draft_sparsity=0.5,
+                                           mode="force", max_draft=2, max_tokens=4))
+    plan = out[-1].run.plan
+    assert plan.alpha_source == f"measured on {STEPPED_POSITIONS} prompt positions" and plan.alpha != 0.99

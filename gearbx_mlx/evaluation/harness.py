@@ -42,6 +42,7 @@ from ..precision import is_prequantized
 from . import permutation, report
 from .permutation import gear_rows, random_distribution
 from .significance import BOOTSTRAP
+from .sparse_gear import sparse_gear_rows
 from .specs import ModelLayout, PolicySpec, base_specs, matched_specs
 from .speculative import DraftSubject, evaluate_speculative
 from .speed import SpeedBench, measure_speed
@@ -160,6 +161,8 @@ class EvalOptions:
         scopes: the scopes of the default set's rows (policies None): None =
             both scopes and the nested store's rows; a list without ``all``
             leaves the nested store's rows out (they manage every layer).
+        sparse_gear: target sparsities of the sparse low gear's rows
+            (:mod:`.sparse_gear`, in ``"sparse_gear"`` of the results); empty: none.
         model_dir: the loaded model's folder: the thresholds' calibration and
             the nested store's planes of the speed and workload runs are
             cached by its weights and read back by a later run (None: built
@@ -178,6 +181,7 @@ class EvalOptions:
     max_positions: Optional[int] = None
     scopes: Optional[Sequence[str]] = None
     model_dir: Optional[Path] = None
+    sparse_gear: Sequence[float] = ()
 
 
 def evaluate(
@@ -275,6 +279,10 @@ class _Study:
         for row in out["policies"]:
             kv_columns(row, kv_info["bytes_per_step"])
         out["kv_cache"] = kv_info
+        if o.sparse_gear:
+            with _timed(timings, "sparse_gear_s"):
+                out["sparse_gear"] = sparse_gear_rows(self.model, self.tokenizer, self.windows, o.sparse_gear,
+                                                      self.vocab)
         return out
 
 

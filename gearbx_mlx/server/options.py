@@ -19,7 +19,7 @@ from ..generate import build_parser as generate_parser
 from ..speculative.plan import MODES
 
 #: Generate flags with no meaning for a server: prompts and their output come with each request.
-CLI_ONLY = ("--prompt", "--system-prompt", "--trace", "--color", "--quiet", "--ignore-chat-template")
+CLI_ONLY = ("--prompt", "--system-prompt", "--trace", "--color", "--quiet", "--ignore-chat-template", "--sparse-gear")
 #: ``gearbx.gear`` values: entropy routing, or one static gear.
 GEAR_CHOICES: Tuple[str, ...] = ("dynamic",) + GEARS
 #: ``gearbx.speculative`` values.

@@ -21,9 +21,10 @@ from ..config import GearboxConfig
 from ..generate import check_thresholds, set_thresholds
 from ..generation import GearboxResponse, load
 from ..pipeline import stream_generate
-from ..speculative.cli import speculative_config
+from ..speculative.cli import check_sparse_model, speculative_config
 from ..speculative.decode import SpeculativeConfig, get_draft
 from ..speculative.plan import SpeculativePlan
+from ..speculative.sparse import AUTO
 
 #: The model name every mlx-lm client may send for "the server's model".
 DEFAULT_MODEL = "default_model"
@@ -122,8 +123,11 @@ class GearModelProvider(ModelProvider):
         if args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         if args.speculative:
-            self.draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
-            self.speculative = speculative_config(args, gearbox)
+            check_sparse_model(args, model)
+            self.speculative = spec = speculative_config(args, gearbox)
+            # draft_sparsity "auto": the first request's decision builds the drafter it chooses
+            self.draft = None if spec.draft_sparsity == AUTO else get_draft(
+                model, gearbox, args.draft_gear, args.draft_scope, spec.draft_sparsity, tokenizer, spec.sparse_options)
         self.model_key = ("gearbx", str(args.model), str(Path(gearbox.model_name)))
         self.model, self.tokenizer, self.gearbox = model, tokenizer, gearbox
         self.processor = None

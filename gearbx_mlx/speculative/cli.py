@@ -12,15 +12,28 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
+from ..calibration import Calibration
 from ..config import SCOPES
 from ..console import say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
 from .plan import MIN_MODELED_SPEEDUP, MODES
-from .sparse import MAX_SPARSITY, ffn_layers
+from .sparse import (
+    AUTO,
+    MAX_SPARSITY,
+    THRESHOLDS_KEY,
+    calibration_tokens,
+    check_sparsity,
+    ffn_layers,
+    layer_masses,
+    quant_parts,
+    threshold_curves,
+)
+from .sparse_gear import install_sparse_gear
+from .sparse_plan import AUTO_SPARSITIES
 
 
 def _positive_int(text: str) -> int:
@@ -51,9 +64,11 @@ def _stop_bits(text: str) -> Optional[float]:
     return _off_or_number(text, "bits (a number >= 0)", lambda v: v >= 0)
 
 
-def _sparsity(text: str) -> Optional[float]:
-    """``off`` -> None (the dense drafter); else a fraction in ``[0, MAX_SPARSITY]``."""
-    return _off_or_number(text, f"a fraction in [0, {MAX_SPARSITY}]", lambda v: 0 <= v <= MAX_SPARSITY)
+def _sparsity(text: str) -> Union[float, str, None]:
+    """``off`` -> None (the dense drafter); ``auto`` (the decision chooses); else a fraction in ``[0, MAX_SPARSITY]``."""
+    if text.lower() == AUTO:
+        return AUTO
+    return _off_or_number(text, f"'auto', a fraction in [0, {MAX_SPARSITY}]", lambda v: 0 <= v <= MAX_SPARSITY)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -87,12 +102,14 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         "threshold (default: no cap)")
     g.add_argument("--draft-scope", choices=SCOPES, default=d.draft_scope,
                    help=f"layers the drafter quantizes (default {d.draft_scope})")
-    g.add_argument("--draft-sparsity", type=_sparsity, default=d.draft_sparsity, metavar="S",
+    g.add_argument("--draft-sparsity", type=_sparsity, default=d.draft_sparsity, metavar="auto|S|off",
                    help="draft with activation-sparse FFNs: one-token draft steps skip the lightest 64-neuron "
                         "blocks of down_proj, S of them on average (kept fractions per layer measured on the "
                         "evaluation text at start); the output stays the high gear's, only acceptance can drop. "
-                        "SwiGLU models with the low gear's MLX-quantized down_proj; 'off' (the default): the "
-                        "dense drafter. The decision never turns it on by itself")
+                        "SwiGLU models with the low gear's MLX-quantized down_proj; 'auto': the start-of-run "
+                        "decision also measures sparse drafters (at "
+                        f"{', '.join(f'{x:g}' for x in AUTO_SPARSITIES)}) and drafts with the one of the best "
+                        "modeled speed-up; 'off' (the default): the dense drafter")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
@@ -114,6 +131,7 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     if getattr(args, "draft_sparsity", None) is not None and args.draft_gear != "low":
         raise ValueError("--draft-sparsity drafts with the low gear (its 4-bit down_proj is gathered by block): "
                          "drop --draft-gear mid")
+    check_sparse_calibration(args)
     if hard is not None and (hard < 0 or (args.max_draft is not None and hard > args.max_draft)):
         raise ValueError(f"--hard-max-draft must be in [0, --max-draft], got {hard}")
     # MLX-CUDA reads this once, at the first attention call: set it before any
@@ -157,6 +175,62 @@ def check_sparse_model(args: argparse.Namespace, model: Any) -> None:
         ffn_layers(model)
     except ValueError as e:
         raise ValueError(f"--draft-sparsity: {e}") from None
+
+
+def add_sparse_gear_arg(group: Any) -> None:
+    """Add ``--sparse-gear`` (the routed low gear computed sparsely) to a group of the generate CLI."""
+    group.add_argument("--sparse-gear", type=float, default=None, metavar="S",
+                       help="compute the low gear sparsely: on one-token steps in the low gear each FFN keeps its "
+                            "heaviest 64-neuron blocks, a fraction S of them skipped on average (kept fractions "
+                            "calibrated in the low gear at start, or from the --calibration file's sparse "
+                            "thresholds); changes the low gear's tokens (routed decoding only; opt-in)")
+
+
+def check_sparse_gear_args(args: argparse.Namespace) -> None:
+    """``--sparse-gear``: a sparsity in range, routed decoding, a gear that can be the low one."""
+    try:
+        check_sparsity(args.sparse_gear, "--sparse-gear")
+    except ValueError as e:
+        raise ValueError(str(e).replace(" or off", "").replace("the drafter skips", "skipped")) from None
+    if args.speculative:
+        raise ValueError("--sparse-gear computes the routed low gear sparsely; speculative decoding outputs the high "
+                         "gear's tokens: use --draft-sparsity for a sparse drafter")
+    if args.static_gear in ("mid", "high"):
+        raise ValueError(f"--sparse-gear changes the low gear only: --static-gear {args.static_gear} never uses it")
+
+
+def use_sparse_gear(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
+    """Install the sparse low gear (after loading: the model must have SwiGLU FFNs)."""
+    try:
+        ffn_layers(model)
+    except ValueError as e:
+        raise ValueError(f"--sparse-gear: {e}") from None
+    cal = gearbox.calibration
+    info = install_sparse_gear(model, gearbox, args.sparse_gear, calibration_tokens(tokenizer),
+                               cal.extra.get(THRESHOLDS_KEY) if cal is not None else None)
+    say(args, f"sparse low gear: one-token steps keep {100 * info['kept_fraction']:.1f}% of the FFN blocks "
+              f"(target sparsity {args.sparse_gear:g})")
+
+
+def check_sparse_calibration(args: argparse.Namespace) -> None:
+    """``--draft-sparsity`` with a ``--calibration`` file read as is: the file must hold the sparse drafter's
+    thresholds (one error naming both flags, before the model loads)."""
+    if getattr(args, "draft_sparsity", None) is None or not getattr(args, "calibration", None) or args.calibrate:
+        return
+    if THRESHOLDS_KEY not in Calibration.load(args.calibration).extra:
+        raise ValueError(f"--calibration {args.calibration} has no sparse-drafter thresholds for --draft-sparsity "
+                         "(each layer's kept fraction per mass share): add them with --calibrate --speculative "
+                         f"--draft-sparsity {args.draft_sparsity} --calibration {args.calibration}, or drop --calibration")
+
+
+def calibrate_sparse(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
+    """``--calibrate --speculative --draft-sparsity``: the sparse drafter's thresholds (median-based, on the
+    evaluation text's opening) into the gearbox's calibration (and its file)."""
+    draft = get_draft(model, gearbox, args.draft_gear, args.draft_scope)
+    group = quant_parts(ffn_layers(draft.module)[0].mlp.down_proj).group_size
+    say(args, "calibrating the sparse drafter's thresholds ...")
+    masses = layer_masses(draft.module, calibration_tokens(tokenizer), group)
+    gearbox.calibration.extra[THRESHOLDS_KEY] = threshold_curves(masses, group)
 
 
 def calibrate_drafter(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
@@ -216,6 +290,12 @@ def speculative_lines(summary: Dict[str, Any]) -> List[str]:
             + " -> " + {"plain": plain,
                         "fixed": f"fixed blocks of {plan['best_k']}",
                         "gated": f"gated blocks of up to {plan['best_k']}"}[plan["choice"]])
+        cands = (plan.get("extra") or {}).get("sparse_candidates")
+        if cands:
+            chosen = plan["extra"].get("draft_sparsity")
+            lines.append("Draft sparsity (auto): " + ", ".join(
+                f"{name} {c['speedup']:.2f}x (alpha {c['alpha']:.2f}, step {c['draft_ms']:.1f} ms)"
+                for name, c in cands.items()) + f" -> {'dense' if chosen is None else f'{chosen:g}'}")
     return lines
 
 

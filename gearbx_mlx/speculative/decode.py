@@ -55,7 +55,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,8 +70,9 @@ from ..kvcache.option import KVSession
 from .acceptance import read_verdict
 from .draft import DraftModel, build_draft, check_draft_gear
 from .drafter import make_drafter, prefill
+from .kairox import KairoxOptions, build_kairox_draft
 from .plan import MODES, SpeculativePlan
-from .sparse import build_sparse_draft, calibration_tokens, check_sparsity
+from .sparse import AUTO, THRESHOLDS_KEY, build_sparse_draft, calibration_tokens, check_sparsity
 
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
@@ -104,7 +105,12 @@ class SpeculativeConfig:
             ``exact_k``, ``measured``); ``{"stop": None}`` allows fixed blocks only.
         draft_sparsity: draft with the activation-sparse drafter, skipping
             this fraction of FFN neurons (in ``[0, 0.95]``); None: the dense
-            drafter. The decision never turns it on by itself.
+            drafter; ``"auto"``: the decision measures the dense drafter and
+            sparse ones and drafts with the best
+            (:mod:`gearbx_mlx.speculative.sparse_plan`).
+        sparse_options: the sparse drafter's mechanisms (hot sets, the
+            next-layer predictor, the balancer:
+            :class:`~gearbx_mlx.speculative.kairox.KairoxOptions`); None: its defaults.
     """
 
     draft_gear: str = "low"
@@ -114,7 +120,8 @@ class SpeculativeConfig:
     draft_scope: Optional[str] = "all"
     prefill_step_size: int = PREFILL_STEP_SIZE
     mode: Optional[str] = None
-    draft_sparsity: Optional[float] = None
+    draft_sparsity: Union[float, str, None] = None
+    sparse_options: Optional[KairoxOptions] = None
     plan_options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -133,7 +140,15 @@ class SpeculativeConfig:
             raise ValueError(f"draft_scope must be one of {SCOPES} or None, got {self.draft_scope!r}")
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
-        check_sparsity(self.draft_sparsity)
+        if self.draft_sparsity != AUTO:
+            check_sparsity(self.draft_sparsity)
+        elif self.mode not in MODES:
+            raise ValueError(f"draft_sparsity={AUTO!r} is chosen by the start-of-run decision: mode must be one of "
+                             f"{MODES}, got {self.mode!r}")
+        if isinstance(self.sparse_options, dict):  # a config read back from JSON
+            self.sparse_options = KairoxOptions(**self.sparse_options)
+        if self.sparse_options is not None and not isinstance(self.sparse_options, KairoxOptions):
+            raise ValueError(f"sparse_options must be a KairoxOptions or None, got {self.sparse_options!r}")
 
     @property
     def gated(self) -> bool:
@@ -156,6 +171,8 @@ class SpeculativeToken:
     predicted: float
     stop: str  # why the block ended (see STOPS)
     logprobs: mx.array  # (V,) the high gear's log-probabilities
+    #: the sparse drafter's block: kept fraction, hot-set and predictor hit rates of its draft steps
+    sparse: Optional[Dict[str, Optional[float]]] = None
 
 
 @dataclass
@@ -213,6 +230,17 @@ class SpeculativeStats:
             }} if self.ranks > 1 else {}),
             "kv_cache": self.kv_cache,
         }
+
+
+def sparse_step_stats(draft: Optional[DraftModel]) -> Optional[Dict[str, Optional[float]]]:
+    """The sparse drafter's statistics of the draft steps since the last call (None for a dense drafter):
+    ``kept_fraction`` of the FFN blocks, ``hot_hit_rate`` (hot blocks a dense step would have kept),
+    ``predictor_hit_rate`` (where audited)."""
+    if draft is None or not draft.sparse:
+        return None
+    if draft.kairox is not None:
+        return draft.kairox.read()
+    return {"kept_fraction": draft.sparse["kept_fraction"], "hot_hit_rate": None, "predictor_hit_rate": None}
 
 
 def block_cap(config: SpeculativeConfig, monitor: Optional[EntropyMonitor], seen: Optional[MonitorStep],
@@ -335,6 +363,7 @@ class _BlockLoop:
         stats.exchanges = exchange.count - self.before if exchange is not None else 0
         drafts, dh = block.tokens.tolist(), block.entropies.tolist()
         emitted = drafts[:n] + [tok]
+        sparse = sparse_step_stats(self.drafter.model) if k else None
         stats.blocks.append(BlockRecord(k, n, stop, time.perf_counter() - tic))
         j = 0
         try:
@@ -347,7 +376,7 @@ class _BlockLoop:
                     gear=self.draft_gear if j <= n else "high", entropy=hh[j - 1],
                     draft_entropy=dh[j - 1] if j <= k else math.nan,
                     smoothed=seen.smoothed if seen else math.nan, predicted=seen.predicted if seen else math.nan,
-                    stop=stop, logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]),
+                    stop=stop, logprobs=logits[j - 1] - mx.logsumexp(logits[j - 1]), sparse=sparse,
                 )
                 if self.ntoks == max_tokens:
                     break
@@ -425,12 +454,17 @@ _DRAFTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple, DraftModel]]" = weakref.Wea
 
 
 def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
-              sparsity: Optional[float] = None, tokenizer: Any = None) -> DraftModel:
+              sparsity: Optional[float] = None, tokenizer: Any = None,
+              options: Optional[KairoxOptions] = None) -> DraftModel:
     """The drafter of ``model`` in ``gear``, built once per gearbox and reused.
 
     ``sparsity``: the activation-sparse drafter at that target
     (:mod:`gearbx_mlx.speculative.sparse`), its kept fractions measured on the
-    evaluation corpus's opening through ``tokenizer``; None: the dense drafter.
+    evaluation corpus's opening through ``tokenizer``, with the mechanisms of
+    ``options`` (:mod:`gearbx_mlx.speculative.kairox`; None: the defaults);
+    None: the dense drafter. Where the gearbox's calibration holds the sparse
+    drafter's thresholds (``--calibrate --speculative --draft-sparsity``), the
+    kept fractions are solved from them instead.
     """
     per_box = _DRAFTS.setdefault(gearbox, {})
     key = (gear, scope or gearbox.config.scope)
@@ -441,9 +475,15 @@ def get_draft(model: nn.Module, gearbox: Any, gear: str, scope: Optional[str],
         return per_box[key]
     if tokenizer is None:
         raise ValueError("a sparse drafter needs the tokenizer: its kept fractions are measured on text")
-    if (*key, sparsity) not in per_box:
-        per_box[(*key, sparsity)] = build_sparse_draft(per_box[key], sparsity, calibration_tokens(tokenizer))
-    return per_box[(*key, sparsity)]
+    options = options or KairoxOptions()
+    skey = (*key, sparsity, options)
+    if skey not in per_box:
+        tokens = calibration_tokens(tokenizer)
+        cal = getattr(gearbox, "calibration", None)
+        saved = cal.extra.get(THRESHOLDS_KEY) if cal is not None else None
+        per_box[skey] = (build_kairox_draft(per_box[key], sparsity, tokens, options, saved) if options.active
+                         else build_sparse_draft(per_box[key], sparsity, tokens, thresholds=saved))
+    return per_box[skey]
 
 
 def single_token_drafts(config: Any) -> bool:

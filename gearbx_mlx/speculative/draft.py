@@ -61,6 +61,9 @@ class DraftModel:
             where it applies; ``host_reason`` says why not where it does not.
         sparse: what an activation-sparse drafter keeps of its FFNs
             (:func:`~gearbx_mlx.speculative.sparse.build_sparse_draft`); None: dense.
+        kairox: the sparse drafter's online state (hot sets, predictor,
+            balancer: :class:`~gearbx_mlx.speculative.kairox.Kairox`), fed
+            each verified block's acceptance; None without one.
     """
 
     module: nn.Module
@@ -74,6 +77,7 @@ class DraftModel:
     host: Optional["HostForward"] = field(default=None, repr=False)
     host_reason: Optional[str] = None
     sparse: Optional[Dict[str, Any]] = None
+    kairox: Optional[Any] = field(default=None, repr=False)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, **kwargs: Any) -> mx.array:
         """``(1, T)`` ids -> ``(1, T, V)`` logits, through the host forward when

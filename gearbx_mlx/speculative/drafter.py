@@ -122,6 +122,9 @@ class Drafter(ABC):
         if k == 0:
             self.pending = self.pending + list(emitted)
             return
+        state = getattr(self.model, "kairox", None)
+        if state is not None:  # the sparse drafter's balancer learns from each verdict
+            state.observe(k, next((n for n, (d, e) in enumerate(zip(drafts, emitted)) if d != e), min(k, j)))
         trim_prompt_cache(self.cache, max(k - j, 0))
         self.pending = list(emitted[max(min(j, k) - 1, 0):])
 

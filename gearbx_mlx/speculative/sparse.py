@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from ..bindings import sparse_cpu
@@ -53,8 +54,14 @@ from .sparse_host import sparse_host
 SWIGLU_MODELS: Tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 #: The most a drafter may drop; above it a block of drafts is mostly rejected.
 MAX_SPARSITY = 0.95
+#: ``draft_sparsity`` that leaves the choice to the start-of-run decision (:mod:`.sparse_plan`).
+AUTO = "auto"
 #: Tokens of the calibration text the kept fractions are measured on.
 CALIBRATION_TOKENS = 128
+#: Where a calibration file keeps the sparse drafter's thresholds (``Calibration.extra``).
+THRESHOLDS_KEY = "sparse_drafter"
+#: Mass shares at which the thresholds are saved (each layer's median kept fraction at each).
+SHARE_GRID: Tuple[float, ...] = tuple(i / 100 for i in range(101))
 
 
 def check_sparsity(value: Optional[float], flag: str = "draft_sparsity") -> None:
@@ -290,6 +297,48 @@ def calibrate_keep(masses: Sequence[mx.array], sparsity: float, iters: int = 30)
     return kept(hi)
 
 
+def threshold_curves(masses: Sequence[mx.array], group_size: int) -> Dict[str, Any]:
+    """The sparse drafter's thresholds of a calibration file: each layer's median (over the tokens of
+    ``masses``) kept fraction at every share of :data:`SHARE_GRID` (JSON-ready); any target sparsity
+    is then solved from them as :func:`calibrate_keep` does from the masses."""
+    return {"shares": list(SHARE_GRID), "group_size": group_size, "tokens": int(masses[0].shape[0]),
+            "blocks": [int(m.shape[1]) for m in masses],
+            "kept": [[float(mx.median(_needed_fraction(m, share))) for share in SHARE_GRID] for m in masses]}
+
+
+def check_curves(curves: Any, blocks: Sequence[int], group_size: int) -> None:
+    """``ValueError`` unless ``curves`` (a calibration file's thresholds) fit a model of these FFN blocks."""
+    ok = (isinstance(curves, dict) and isinstance(curves.get("kept"), list) and isinstance(curves.get("shares"), list)
+          and isinstance(curves.get("blocks"), list) and len(curves["kept"]) == len(curves["blocks"]) > 0
+          and all(isinstance(k, list) and len(k) == len(curves["shares"]) for k in curves["kept"]))
+    if not ok:
+        raise ValueError(f"the calibration's {THRESHOLDS_KEY} thresholds are damaged: recalibrate "
+                         "(--calibrate --speculative --draft-sparsity S)")
+    if list(curves["blocks"]) != list(blocks) or curves.get("group_size") != group_size:
+        raise ValueError(f"the calibration's sparse-drafter thresholds are for {len(curves['blocks'])} FFN layers of "
+                         f"{curves['blocks'][0] if curves['blocks'] else 0} blocks of {curves.get('group_size')}, this "
+                         f"model has {len(blocks)} of {blocks[0]} of {group_size}: a calibration of another model")
+
+
+def keep_from_curves(curves: Dict[str, Any], sparsity: float, iters: int = 30) -> List[float]:
+    """:func:`calibrate_keep` from saved thresholds (each layer's curve interpolated between the saved shares)."""
+    check_sparsity(sparsity)
+    shares = np.array(curves["shares"])
+    table = [np.array(k) for k in curves["kept"]]
+
+    def kept(share: float) -> List[float]:
+        return [float(np.interp(share, shares, k)) for k in table]
+
+    lo, hi = 0.0, 1.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if sum(kept(mid)) / len(table) < 1.0 - sparsity:
+            lo = mid
+        else:
+            hi = mid
+    return kept(hi)
+
+
 def sparse_module(module: nn.Module, keep: Sequence[int], gather: str = "auto") -> nn.Module:
     """A copy of the drafter's tree whose FFNs are :class:`SparseMLP` keeping ``keep[i]`` blocks."""
     layers = ffn_layers(module)
@@ -305,8 +354,9 @@ def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS) -> List[int]
 
 
 def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int],
-                       gather: str = "auto") -> DraftModel:
-    """The sparse drafter of ``draft`` at the target ``sparsity``, its kept fractions measured on ``tokens``.
+                       gather: str = "auto", thresholds: Optional[Dict[str, Any]] = None) -> DraftModel:
+    """The sparse drafter of ``draft`` at the target ``sparsity``, its kept fractions measured on ``tokens``
+    (or solved from a calibration file's ``thresholds``, :func:`threshold_curves`).
 
     It shares every array with ``draft``. Where ``draft`` has the host step
     and ``gather`` is ``auto`` or ``c``, so does the result (its ``down_proj``
@@ -321,15 +371,21 @@ def build_sparse_draft(draft: DraftModel, sparsity: float, tokens: Sequence[int]
     layers = ffn_layers(draft.module)
     parts = [quant_parts(layer.mlp.down_proj) for layer in layers]
     blocks = [p.scales.shape[1] for p in parts]
+    if thresholds is not None:
+        check_curves(thresholds, blocks, parts[0].group_size)
     if sparsity == 0:
         fractions = [1.0] * len(layers)
+    elif thresholds is not None:
+        fractions = keep_from_curves(thresholds, sparsity)
     else:
         fractions = calibrate_keep(layer_masses(draft.module, tokens, parts[0].group_size), sparsity)
     keep = [max(1, min(n, round(f * n))) for f, n in zip(fractions, blocks)]
     down = [p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in parts]
     info = {
         "sparsity": float(sparsity), "kept_fraction": sum(keep) / sum(blocks), "kept_blocks": keep,
-        "blocks": blocks, "group_size": parts[0].group_size, "calibration_tokens": len(tokens),
+        "blocks": blocks, "group_size": parts[0].group_size,
+        "calibration_tokens": thresholds["tokens"] if thresholds is not None else len(tokens),
+        "thresholds": "calibration" if thresholds is not None else "measured at start",
         "down_bytes": sum(down), "kept_down_bytes": int(sum(d * k / n for d, k, n in zip(down, keep, blocks))),
     }
     module = sparse_module(draft.module, keep, gather)
@@ -355,7 +411,8 @@ def sparse_path(down: nn.Module) -> str:
 
 
 __all__ = [
-    "CALIBRATION_TOKENS", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
+    "AUTO", "CALIBRATION_TOKENS", "SHARE_GRID", "THRESHOLDS_KEY", "check_curves", "keep_from_curves",
+    "threshold_curves", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
     "block_mass", "build_sparse_draft", "calibrate_keep", "calibration_tokens", "check_sparsity", "expert_down",
     "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts", "sparse_down", "sparse_module", "sparse_path",
     "top_blocks",

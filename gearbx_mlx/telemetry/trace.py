@@ -174,8 +174,10 @@ def speculative_record(resp: Any) -> Dict[str, Any]:
     """A speculative run's fields of one token (none in routed decoding)."""
     if getattr(resp, "drafted", None) is None:
         return {}
+    sparse = {k: getattr(resp, k, None) for k in ("kept_fraction", "hot_hit_rate")}
     return {"drafted": resp.drafted, "accepted": bool(resp.accepted), "verified_by": resp.verified_by,
-            "draft_entropy": resp.draft_entropy, "block": resp.block, "stop": resp.stop}
+            "draft_entropy": resp.draft_entropy, "block": resp.block, "stop": resp.stop,
+            **{k: v for k, v in sparse.items() if v is not None}}
 
 
 def ranks_record(resp: Any) -> Dict[str, Any]:
