@@ -453,7 +453,8 @@ def stream_speculative_generate(model: nn.Module, tokenizer: Any, prompt: Union[
     ``plain`` (draft nothing) make the :class:`SpeculativeConfig`."""
     fields = {k: kwargs.pop(k) for k in list(kwargs) if k in SpeculativeConfig.__dataclass_fields__}
     spec = dataclasses.replace(config or SpeculativeConfig(), **fields)
-    spec = dataclasses.replace(spec, mode="plain" if plain and mode is None else mode)
+    if plain or mode is not None:  # else the config's own mode stands
+        spec = dataclasses.replace(spec, mode="plain" if plain and mode is None else mode)
     if "plan_options" in kwargs:
         spec = dataclasses.replace(spec, plan_options=dict(kwargs.pop("plan_options") or {}))
     return stream_generate(model, tokenizer, prompt, gearbox, speculative=spec, **kwargs)

@@ -455,3 +455,19 @@ def test_a_fixed_sparsity_decision_measures_the_sparse_drafter_itself():
                                            mode="force", max_draft=2, max_tokens=4))
     plan = out[-1].run.plan
     assert plan.alpha_source == f"measured on {STEPPED_POSITIONS} prompt positions" and plan.alpha != 0.99
+
+
+def test_the_configs_mode_stands_unless_a_keyword_overrides_it(monkeypatch):
+    """``stream_speculative_generate(config=SpeculativeConfig(mode="force"))`` decodes in
+    ``force``: a ``mode`` keyword left out does not reset the config's mode."""
+    from gearbx_mlx import pipeline
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    seen = []
+    monkeypatch.setattr(pipeline, "stream_generate", lambda *a, speculative, **kw: seen.append(speculative.mode))
+    for call, want in (({"config": SpeculativeConfig(mode="force")}, "force"),
+                       ({"config": SpeculativeConfig(mode="force"), "mode": "auto"}, "auto"),
+                       ({"config": SpeculativeConfig(mode="auto"), "plain": True}, "plain"),
+                       ({}, None)):
+        pipeline.stream_speculative_generate(None, None, [1], **call)
+        assert seen[-1] == want, call
