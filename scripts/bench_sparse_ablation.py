@@ -35,10 +35,10 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
+from bench_sparse_drafter import time_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from gearbx_mlx.chat import encode_chat
@@ -93,22 +93,6 @@ def step_bytes(draft: Any, summary: Optional[Dict[str, Any]], tokens: int) -> in
     if summary and tokens:
         total += summary["repacked_bytes"] / tokens
     return int(total)
-
-
-def time_step(draft: Any, ids: List[int], steps: int) -> float:
-    """Median seconds of a one-token draft step after the prompt."""
-    cache = draft.make_cache() if draft.host is not None else make_prompt_cache(draft.module)
-    out = draft(mx.array(ids)[None], cache=cache)
-    mx.eval(out)
-    tok = int(mx.argmax(out[0, -1]))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = draft(mx.array([[tok]]), cache=cache)
-        mx.eval(out)
-        times.append(time.perf_counter() - t0)
-        tok = int(mx.argmax(out[0, -1]))
-    return statistics.median(times)
 
 
 def agreement(draft: Any, ids: List[int], high: List[int], start: int) -> float:

@@ -45,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-from ..bindings import sparse_cpu
+from ..bindings import sparse_cpu, sparse_gpu
 from ..sources.models import corpus_path
 from .draft import DraftModel, graft
 from .sparse_host import sparse_host
@@ -148,15 +148,7 @@ def sparse_down(h: mx.array, parts: QuantParts, blocks: mx.array) -> mx.array:
     Gathers the blocks' columns of the packed weight (``group_size * bits / 32``
     words each), scales and biases, and multiplies the kept activations by them.
     """
-    out = parts.weight.shape[0]
-    nb = parts.scales.shape[1]
-    g = parts.group_size
-    w = mx.take(parts.weight.reshape(out, nb, -1), blocks, axis=1).reshape(out, -1)
-    s = mx.take(parts.scales, blocks, axis=1)
-    b = mx.take(parts.biases, blocks, axis=1)
-    x = mx.take(h.reshape(nb, g), blocks, axis=0).reshape(1, -1)
-    y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=g, bits=parts.bits)
-    return y + parts.bias if parts.bias is not None else y
+    return sparse_gpu.reference(h, parts, blocks)  # the pure-MLX product every kernel is checked against
 
 
 def block_major(parts: QuantParts) -> Tuple[mx.array, mx.array, mx.array]:
