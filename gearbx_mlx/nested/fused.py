@@ -33,11 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..bindings import gpu
+from ..packed.fused import FUSE_SETS, sibling_sets
 from .layers import NestedLinear, NestedWeights
 from .planes import Plane
-
-#: Sibling projections fused per parent module (as :data:`gearbx_mlx.packed.fused.FUSE_SETS`).
-FUSE_SETS: Tuple[Tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _at_exponent(p: Plane, exponent: int) -> Optional[Plane]:
@@ -160,26 +158,22 @@ def fuse_nested_views(modules: Dict[str, nn.Module],
     """
     groups = {} if groups is None else groups
     out = dict(modules)
-    parents = {p.rsplit(".", 1)[0] if "." in p else "" for p in modules}
-    for parent in sorted(parents):
-        prefix = f"{parent}." if parent else ""
-        for names in FUSE_SETS:
-            paths = [prefix + n for n in names]
-            views = [modules.get(p) for p in paths]
-            if any(type(v) is not NestedLinear for v in views) or len({(v.n, v.fused) for v in views}) != 1:
-                continue
-            if not views[0].fused and not all(v.through_mlx for v in views):
-                continue  # the oracle asked for: each view keeps its own
-            members = [v["nested"] for v in views]
-            key = tuple(id(m) for m in members)
-            if key not in groups:  # (members, group): the members kept alive, so their ids stay theirs
-                planes = stack_planes(members)
-                groups[key] = (members, None if planes is None else NestedGroup(members, planes))
-            group = groups[key][1]
-            if group is None:
-                continue
-            for i, path in enumerate(paths):
-                out[path] = FusedNestedLinear(group, i, views[i].n, views[i].fused)
+    for paths in sibling_sets(modules):
+        views = [modules.get(p) for p in paths]
+        if any(type(v) is not NestedLinear for v in views) or len({(v.n, v.fused) for v in views}) != 1:
+            continue
+        if not views[0].fused and not all(v.through_mlx for v in views):
+            continue  # the oracle asked for: each view keeps its own
+        members = [v["nested"] for v in views]
+        key = tuple(id(m) for m in members)
+        if key not in groups:  # (members, group): the members kept alive, so their ids stay theirs
+            planes = stack_planes(members)
+            groups[key] = (members, None if planes is None else NestedGroup(members, planes))
+        group = groups[key][1]
+        if group is None:
+            continue
+        for i, path in enumerate(paths):
+            out[path] = FusedNestedLinear(group, i, views[i].n, views[i].fused)
     return out
 
 

@@ -22,7 +22,7 @@ slices of the group's matrices (views, not copies), so
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,18 +121,24 @@ def fuse_modules(modules: Dict[str, nn.Module]) -> Dict[str, nn.Module]:
     gear's layers.
     """
     out = dict(modules)
+    for paths in sibling_sets(modules):
+        layers = [modules.get(p) for p in paths]
+        if any(m is None for m in layers) or not fusable(layers):
+            continue
+        group = _Group(layers)
+        for i, path in enumerate(paths):
+            out[path] = FusedPackedLinear(group, i)
+    return out
+
+
+def sibling_sets(modules: Dict[str, Any]) -> Iterator[List[str]]:
+    """The paths ``parent.q_proj``, ``parent.k_proj``, ... of every :data:`FUSE_SETS` entry under
+    every parent of ``modules``' paths (present or not), parents in sorted order."""
     parents = {p.rsplit(".", 1)[0] if "." in p else "" for p in modules}
     for parent in sorted(parents):
         prefix = f"{parent}." if parent else ""
         for names in FUSE_SETS:
-            paths = [prefix + n for n in names]
-            layers = [modules.get(p) for p in paths]
-            if any(m is None for m in layers) or not fusable(layers):
-                continue
-            group = _Group(layers)
-            for i, path in enumerate(paths):
-                out[path] = FusedPackedLinear(group, i)
-    return out
+            yield [prefix + n for n in names]
 
 
 def fuse_plan(model: nn.Module) -> List[Tuple[str, nn.Module]]:
