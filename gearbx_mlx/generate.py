@@ -187,7 +187,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_flag(args.window >= 1, "--window", args.window, "an integer >= 1")
     check_flag(finite(args.hysteresis) and args.hysteresis >= 0, "--hysteresis", args.hysteresis, "a number >= 0")
     check_flag(args.min_gear_duration >= 1, "--min-gear-duration", args.min_gear_duration, "an integer >= 1")
-    if args.sparse_gear is not None:
+    if getattr(args, "sparse_gear", None) is not None:  # the server takes no --sparse-gear
         check_sparse_gear_args(args)
     if args.low_quant != "rtn" and (args.store == "separate" or args.telemetry_only):
         raise ValueError(f"--low-quant {args.low_quant} builds the nested store's low gear: it needs the nested "

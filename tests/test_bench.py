@@ -278,7 +278,7 @@ def test_a_spent_budget_skips_the_later_rounds_not_the_decision(tmp_path, capsys
     rc, _, err = run(["--shape", "tiny", "--quick", "--rounds", "3", "--budget", "0.5", "--kernels", "packed",
                       "--no-nested", "--out", str(out)], capsys)
     r = json.loads(out.read_text())
-    assert rc == 0 and r["rounds_run"] == 1 and "leaves no room for round" in err
+    assert rc == 0 and r["rounds_run"] == 1 and "leaves no room for repeat" in err
     auto = [row for row in r["rows"] if row.get("policy") == "speculative-auto"]
     assert auto and all(len(row["paired_x_plain"]) == 4 for row in auto) and r["checks"]
     assert all(len(row["runs_tokens_per_s"]) == 1 for row in r["rows"] if row["section"] in ("static", "dynamic"))
