@@ -161,6 +161,39 @@ def contiguous_numpy(a: mx.array) -> np.ndarray:
     return v
 
 
+def dtype_code(lib: Any, dtype: mx.Dtype) -> Optional[int]:
+    """The C ``GBX_DTYPE_*`` code of a scale dtype (float32, float16, bfloat16), or None."""
+    return {mx.float32: lib.GBX_DTYPE_F32, mx.float16: lib.GBX_DTYPE_F16, mx.bfloat16: lib.GBX_DTYPE_BF16}.get(dtype)
+
+
+def raw_view(a: mx.array, name: str) -> np.ndarray:
+    """A C-contiguous numpy view of an MLX array's bytes (bfloat16 as uint16), no copy."""
+    if not isinstance(a, mx.array):
+        raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)  # numpy has no bfloat16; the kernels read the bits
+    return contiguous_numpy(a)
+
+
+def float_rows(x: Any, in_features: int) -> Tuple[np.ndarray, Tuple[int, ...]]:
+    """``x`` as a C-contiguous float32 ``(m, in_features)`` buffer, and its leading shape."""
+    if not isinstance(x, (mx.array, np.ndarray)):
+        raise TypeError(f"x must be an mlx.core.array or numpy.ndarray, got {type(x).__name__}")
+    if not x.shape or x.shape[-1] != in_features or x.size == 0:
+        raise ValueError(f"x must have shape (..., {in_features}), got {tuple(x.shape)}")
+    lead = tuple(x.shape[:-1])
+    m = x.size // in_features
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"x must be floating point, got {x.dtype}")
+        return np.ascontiguousarray(x.reshape(m, in_features), dtype=np.float32), lead
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    x = mx.contiguous(x.astype(mx.float32).reshape(m, in_features))
+    mx.eval(x)
+    return np.asarray(x), lead
+
+
 def _host_view(a: ArrayLike, dtype: type, name: str) -> np.ndarray:
     """A C-contiguous numpy view of ``a`` in ``dtype``, without a copy when possible.
 

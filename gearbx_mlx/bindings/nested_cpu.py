@@ -49,19 +49,6 @@ class PlaneLike(Protocol):
     exponent: int
 
 
-def _dtype_code(lib: Any, dtype: mx.Dtype) -> Optional[int]:
-    return {mx.float32: lib.GBX_DTYPE_F32, mx.float16: lib.GBX_DTYPE_F16, mx.bfloat16: lib.GBX_DTYPE_BF16}.get(dtype)
-
-
-def _raw_view(a: mx.array, name: str) -> np.ndarray:
-    """A C-contiguous numpy view of an MLX array's bytes (bfloat16 as uint16), no copy."""
-    if not isinstance(a, mx.array):
-        raise TypeError(f"{name} must be an mlx.core.array, got {type(a).__name__}")
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)  # numpy has no bfloat16; the kernels read the bits
-    return cpu.contiguous_numpy(a)
-
-
 class PreparedNested:
     """A matrix's planes checked once, with host views and the C plane table.
 
@@ -97,15 +84,15 @@ class PreparedNested:
                     or p.weight.shape[1] * 32 != i * p.bits:
                 raise ValueError(f"plane {k}: codes must be uint32 ({o}, {i * p.bits // 32}) for {p.bits} bits, "
                                  f"got {p.weight.dtype} {tuple(p.weight.shape)}")
-            code = _dtype_code(lib, p.scales.dtype)
+            code = cpu.dtype_code(lib, p.scales.dtype)
             if code is None or p.biases.dtype != p.scales.dtype:
                 raise TypeError(f"plane {k}: scales and biases must share float32, float16 or bfloat16, "
                                 f"got {p.scales.dtype} and {p.biases.dtype}")
             if i % gs or tuple(p.scales.shape) != (o, i // gs) or tuple(p.biases.shape) != (o, i // gs):
                 raise ValueError(f"plane {k}: scales and biases must have shape ({o}, {i // gs}), "
                                  f"got {tuple(p.scales.shape)} and {tuple(p.biases.shape)}")
-            views = [_raw_view(p.weight, f"plane {k} codes"), _raw_view(p.scales, f"plane {k} scales"),
-                     _raw_view(p.biases, f"plane {k} biases")]
+            views = [cpu.raw_view(p.weight, f"plane {k} codes"), cpu.raw_view(p.scales, f"plane {k} scales"),
+                     cpu.raw_view(p.biases, f"plane {k} biases")]
             bufs = [ffi.from_buffer(v) for v in views]
             self._keep += views + bufs
             t = self.table[k]
@@ -143,7 +130,7 @@ class PreparedNested:
         if path not in PATHS:
             raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
         cpu.check_threads(threads)
-        xv, lead = _rows(x, self.in_features)
+        xv, lead = cpu.float_rows(x, self.in_features)
         m = xv.shape[0]
         shape = lead + (self.out_features,)
         yv = cpu.writable_view(out, shape)
@@ -204,25 +191,6 @@ class PreparedNested:
         if rc != 0:
             cpu.raise_for(ext, rc, "gearbx_mlx.bindings.nested_cpu.unpack")
         return out
-
-
-def _rows(x: ArrayLike, in_features: int):
-    """``x`` as a C-contiguous float32 ``(m, in_features)`` buffer, and its leading shape."""
-    if not isinstance(x, (mx.array, np.ndarray)):
-        raise TypeError(f"x must be an mlx.core.array or numpy.ndarray, got {type(x).__name__}")
-    if not x.shape or x.shape[-1] != in_features or x.size == 0:
-        raise ValueError(f"x must have shape (..., {in_features}), got {tuple(x.shape)}")
-    lead = tuple(x.shape[:-1])
-    m = x.size // in_features
-    if isinstance(x, np.ndarray):
-        if not np.issubdtype(x.dtype, np.floating):
-            raise TypeError(f"x must be floating point, got {x.dtype}")
-        return np.ascontiguousarray(x.reshape(m, in_features), dtype=np.float32), lead
-    if not mx.issubdtype(x.dtype, mx.floating):
-        raise TypeError(f"x must be floating point, got {x.dtype}")
-    x = mx.contiguous(x.astype(mx.float32).reshape(m, in_features))
-    mx.eval(x)
-    return np.asarray(x), lead
 
 
 def prepare_nested(planes: Sequence[PlaneLike]) -> PreparedNested:

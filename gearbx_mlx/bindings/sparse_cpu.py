@@ -65,11 +65,6 @@ def unsupported(parts: Any) -> Optional[str]:
     return None
 
 
-def _raw(a: mx.array) -> np.ndarray:
-    """A C-contiguous numpy view of an MLX array's bytes (bfloat16 as uint16), no copy."""
-    return cpu.contiguous_numpy(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-
-
 class PreparedSparse:
     """One weight checked once, with host views of its arrays and the C plane that points into them.
 
@@ -92,7 +87,7 @@ class PreparedSparse:
         self.blocks = self.in_features // self.group_size
         bias = getattr(parts, "bias", None)
         self.bias = None if bias is None else np.array(bias.astype(mx.float32))
-        views = [_raw(parts.weight), _raw(parts.scales), _raw(parts.biases)]
+        views = [cpu.raw_view(parts.weight, "codes"), cpu.raw_view(parts.scales, "scales"), cpu.raw_view(parts.biases, "biases")]
         bufs = [self.ffi.from_buffer(v) for v in views]
         self._keep = views + bufs  # what the plane points into
         self.plane = self.ffi.new("gbx_plane *")
@@ -100,8 +95,7 @@ class PreparedSparse:
         p.codes = self.ffi.cast("const uint32_t *", bufs[0])
         p.scales, p.biases = bufs[1], bufs[2]
         p.bits, p.group_size, p.factor = SPARSE_BITS, self.group_size, 1.0
-        p.dtype = {mx.float32: self.lib.GBX_DTYPE_F32, mx.float16: self.lib.GBX_DTYPE_F16,
-                   mx.bfloat16: self.lib.GBX_DTYPE_BF16}[parts.scales.dtype]
+        p.dtype = cpu.dtype_code(self.lib, parts.scales.dtype)
         self._check(self.lib.gbx_check_sparse(self.plane, self.out_features, self.in_features, 0), "prepare")
 
     def _check(self, rc: int, what: str) -> None:
@@ -140,15 +134,9 @@ class PreparedSparse:
 
 def _row(x: ArrayLike, n: int) -> np.ndarray:
     """``x`` as a C-contiguous float32 ``(n,)`` buffer (leading dims must be 1)."""
-    if not isinstance(x, (mx.array, np.ndarray)):
-        raise TypeError(f"x must be an mlx.core.array or numpy.ndarray, got {type(x).__name__}")
-    if x.size != n or not x.shape or x.shape[-1] != n:
+    if isinstance(x, (mx.array, np.ndarray)) and (x.size != n or not x.shape or x.shape[-1] != n):
         raise ValueError(f"x must hold one row of {n} features, got shape {tuple(x.shape)}")
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x.reshape(n), dtype=np.float32)
-    x = mx.contiguous(x.astype(mx.float32).reshape(n))
-    mx.eval(x)
-    return np.asarray(x)
+    return cpu.float_rows(x, n)[0].reshape(n)
 
 
 class TopBlocksProduct:
