@@ -110,8 +110,8 @@ def test_the_table_and_compare_read_the_json_back(quick_result, capsys, tmp_path
         row["tokens_per_s"] *= 2  # a machine twice as fast
     other["rows"].append({**other["rows"][1], "label": "only in B"})
     for row in other["rows"]:  # B decided otherwise: its automatic rows still face A's
-        if row.get("policy") == "speculative-auto":
-            row["label"] = row["key"] + ": gated k=3"
+        if row.get("policy") == "speculative-auto":  # a decision A did not make, whatever A's was
+            row["label"] = row["key"] + (": gated k=4" if row["label"].endswith(": gated k=3") else ": gated k=3")
     b = tmp_path / "b.json"
     b.write_text(json.dumps(other))
     rc, out, _ = run(["--compare", str(path), str(b)], capsys)
