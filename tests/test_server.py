@@ -51,7 +51,10 @@ def free_port() -> int:
 
 
 def start_server(port: int, *flags: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           # the server on the BLAS of this process: its outputs are compared with the package's
+           # here, and another BLAS sums in another order (a near-tie of the argmax can flip)
+           "GEARBX_NO_BLAS_PRELOAD": "1"}
     # stderr to a file: a pipe nobody reads would block the server once full
     err = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "gearbx_mlx.server", "--port", str(port), *flags],
