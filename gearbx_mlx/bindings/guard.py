@@ -95,7 +95,7 @@ def guarded(spec: KernelSpec, build: Callable[[], Callable[..., Any]],
     try:
         run = build()
     except Exception as e:  # noqa: BLE001  (any build failure means: use MLX)
-        _fail(spec, spec.family, f"it failed to build ({_short(e)})")
+        _fail(spec.family, spec.family, f"it failed to build ({_short(e)})")
         return False
     name = getattr(run, "kernel_name", spec.family)
     shape = (name, spec.out_features, spec.in_features)
@@ -112,7 +112,7 @@ def guarded(spec: KernelSpec, build: Callable[[], Callable[..., Any]],
                 _trusted.add(shape)
             settle(run)
             return out
-        _fail(spec, name, why)
+        _fail(spec.family, name, why)
         settle(False)
         return reference(spec, x, *arrays)
 
@@ -166,15 +166,22 @@ def reference(spec: KernelSpec, x: mx.array, *arrays: Optional[mx.array]) -> Any
     return [y[..., a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def _fail(spec: KernelSpec, name: str, why: str) -> None:
+def _fail(family: str, name: str, why: str) -> None:
     with _lock:
         _failed[name] = why
-        first = spec.family not in _warned
-        _warned.add(spec.family)
+        first = family not in _warned
+        _warned.add(family)
     if first:
-        kernel = spec.family if name == spec.family else f"{spec.family} kernel {name}"
+        kernel = family if name == family else f"{family} kernel {name}"
         warnings.warn(f"gearbx_mlx: the {kernel} failed its first-use check on this machine: {why}; {ASK}",
                       RuntimeWarning, stacklevel=4)
+
+
+def record_failure(family: str, name: str, why: str) -> None:
+    """Record that kernel ``name`` of ``family`` failed a first-use check made by its caller (a kernel
+    checked outside :func:`guarded`, e.g. against a scalar C oracle): listed by :func:`failed` and
+    :func:`status`, and one warning per family, as for the guarded kernels."""
+    _fail(family, name, why)
 
 
 def _short(e: BaseException) -> str:

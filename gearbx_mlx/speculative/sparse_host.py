@@ -21,11 +21,13 @@ from typing import Any, Optional, Sequence, Tuple
 import mlx.nn as nn
 import numpy as np
 
-from ..bindings import cpu as cpu_kernels, sparse_cpu
+from ..bindings import cpu as cpu_kernels, guard, sparse_cpu
 from .host import HostForward, host_support
 
 #: Index of ``down_proj`` in a layer's tuple of :attr:`HostForward.layers`.
 DOWN_SLOT = 8
+#: The kernel's name in the first-use warning and :func:`~gearbx_mlx.bindings.guard.status`.
+FAMILY = "C block-sparse GEMV"
 #: First-use check: the fast kernel against its scalar C oracle, relative to ``max |y|``.
 FIRST_USE_RTOL = 1e-4
 
@@ -53,8 +55,12 @@ def sparse_host(module: nn.Module, parts: Sequence[Any], keep: Sequence[int],
     reason = host_support(module)
     if reason is None:
         reason = next((r for r in map(sparse_cpu.unsupported, parts) if r is not None), None)
-    if reason is None and not all(first_use_ok(sparse_cpu.prepared_sparse(parts[0]), p) for p in set(paths)):
-        reason = "the C block-sparse kernel failed its first-use check against its scalar oracle"
+    if reason is None:
+        bad = sorted(p for p in set(paths) if not first_use_ok(sparse_cpu.prepared_sparse(parts[0]), p))
+        if bad:
+            reason = "the C block-sparse kernel failed its first-use check against its scalar oracle"
+            for path in bad:
+                guard.record_failure(FAMILY, f"{FAMILY} ({path})", "it disagrees with its scalar C oracle")
     if reason is not None:
         return None, reason
     host = HostForward(module, cpu_kernels.require())
@@ -66,4 +72,4 @@ def sparse_host(module: nn.Module, parts: Sequence[Any], keep: Sequence[int],
     return host, None
 
 
-__all__ = ["DOWN_SLOT", "FIRST_USE_RTOL", "first_use_ok", "sparse_host"]
+__all__ = ["DOWN_SLOT", "FAMILY", "FIRST_USE_RTOL", "first_use_ok", "sparse_host"]
