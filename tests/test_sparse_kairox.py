@@ -10,15 +10,8 @@ from conftest import make_tiny_llama
 from hypothesis import given, settings, strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from gearbx_mlx.speculative.kairox import (
-    Kairox,
-    KairoxOptions,
-    choose_hot,
-    kairox_module,
-    kept_masks,
-    tam_update,
-    transitions,
-)
+from gearbx_mlx.speculative.kairox import Kairox, KairoxOptions, kairox_module
+from gearbx_mlx.speculative.kairox_blocks import choose_hot, kept_masks, tam_update, transitions
 from gearbx_mlx.speculative.sparse import block_mass, ffn_layers, hidden, masked_down
 
 NB = 8  # tiny llama of hidden 256: an FFN of 512 neurons, 8 blocks of 64
