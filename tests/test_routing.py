@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from switch_policy import SwitchAt
 
 import gearbx_mlx
 from gearbx_mlx.policies import StaticPolicy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
-
-
-class SwitchAt:
-    """High until step ``k`` has been seen, then low."""
-
-    name = "switch"
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-
-    def initial(self, suggested: str) -> str:
-        return "high"
-
-    def next_gear(self, step, seen) -> str:
-        return "low" if step >= self.k else "high"
 
 
 def run(model, tok, gearbox, policy, lag, n=10):

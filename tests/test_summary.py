@@ -10,6 +10,7 @@ import time
 import mlx.nn as nn
 import pytest
 from conftest import make_tiny_llama, make_tiny_tokenizer
+from switch_policy import SwitchAt
 
 import gearbx_mlx
 from gearbx_mlx.config import GearboxConfig
@@ -21,21 +22,6 @@ cli = importlib.import_module("gearbx_mlx.generate")  # the module, not the pack
 PROMPT = "t5 t6 t7"
 #: A "large vocabulary" in miniature: the tied 8192 x 64 embedding is most of each step.
 BIG_VOCAB, HIDDEN = 8192, 64
-
-
-class SwitchAt:
-    """High until step ``k`` has been seen, then low (a first entry mid-generation)."""
-
-    name = "switch"
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-
-    def initial(self, suggested: str) -> str:
-        return "high"
-
-    def next_gear(self, step, seen) -> str:
-        return "low" if step >= self.k else "high"
 
 
 def summarise(model, gearbox, n=8, policy=None, vocab=BIG_VOCAB):

@@ -152,7 +152,29 @@ class RowRouter:
         return self._flat_of[1]
 
 
-class VariantLinear(nn.Module):
+class WeightVariants(nn.Module):
+    """A layer's weight (variant 0) and its fake-quantized copies, chosen per batch row by ``router``.
+
+    The copies are kept outside the module's parameter tree: nothing here is
+    trained, saved or swapped, and int keys have no place in a parameter path.
+    """
+
+    def __init__(self, weight: mx.array, bits: Iterable[int], group_size: int, router: RowRouter, path: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_variants", {ORIGINAL: weight})
+        self._router = router
+        self._path = path
+        self.add(bits, group_size)
+
+    def add(self, bits: Iterable[int], group_size: int) -> None:
+        """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
+        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size))
+
+    def weights(self) -> List[mx.array]:
+        return list(self._variants.values())
+
+
+class VariantLinear(WeightVariants):
     """An ``nn.Linear`` with several weight variants, chosen per batch row.
 
     Args:
@@ -166,21 +188,8 @@ class VariantLinear(nn.Module):
     def __init__(
         self, linear: nn.Linear, bits: Iterable[int], group_size: int, router: RowRouter, path: str
     ) -> None:
-        super().__init__()
-        # Kept outside the module's parameter tree: nothing here is trained,
-        # saved or swapped, and int keys have no place in a parameter path.
-        object.__setattr__(self, "_variants", {ORIGINAL: linear.weight})
+        super().__init__(linear.weight, bits, group_size, router, path)
         object.__setattr__(self, "_bias", linear.bias if "bias" in linear else None)
-        self._router = router
-        self._path = path
-        self.add(bits, group_size)
-
-    def add(self, bits: Iterable[int], group_size: int) -> None:
-        """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
-        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size))
-
-    def weights(self) -> List[mx.array]:
-        return list(self._variants.values())
 
     def __call__(self, x: mx.array) -> mx.array:
         """``(R, L, in) -> (R, L, out)``, each row or position through its own variant."""
@@ -192,24 +201,13 @@ class VariantLinear(nn.Module):
         return y if self._bias is None else y + self._bias
 
 
-class VariantEmbedding(nn.Module):
+class VariantEmbedding(WeightVariants):
     """A tied ``nn.Embedding`` with weight variants (lookup and output projection)."""
 
     def __init__(
         self, embedding: nn.Embedding, bits: Iterable[int], group_size: int, router: RowRouter, path: str
     ) -> None:
-        super().__init__()
-        object.__setattr__(self, "_variants", {ORIGINAL: embedding.weight})
-        self._router = router
-        self._path = path
-        self.add(bits, group_size)
-
-    def add(self, bits: Iterable[int], group_size: int) -> None:
-        """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
-        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size))
-
-    def weights(self) -> List[mx.array]:
-        return list(self._variants.values())
+        super().__init__(embedding.weight, bits, group_size, router, path)
 
     def __call__(self, ids: mx.array) -> mx.array:
         """``(R, L)`` token ids -> ``(R, L, dims)``."""
