@@ -23,6 +23,30 @@ from .jsonsafe import dumps
 TMP_PREFIX = "."
 
 
+def check_target(path: "str | os.PathLike", what: str, example: str = "") -> Path:
+    """``path`` (user-expanded) if a file can be written there, else one clear error naming ``what``
+    (a flag such as ``"--trace"``): its folder missing (``FileNotFoundError``), the path a
+    directory (``IsADirectoryError``; ``example`` names a file to give instead), an existing file
+    that is read-only, or the folder refusing a new file (``PermissionError`` or another
+    ``OSError``: read-only, full, a pseudo-filesystem). Checked by creating and removing a
+    temporary file there, before anything slow runs."""
+    path = Path(path).expanduser()
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{what} {path}: directory {path.parent} does not exist (create it first)")
+    if path.is_dir():
+        hint = f", e.g. {path / example}" if example else ""
+        raise IsADirectoryError(f"{what} {path} is a directory: give a file name{hint}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise PermissionError(f"{what} {path} is not writable")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise type(e)(f"{what} {path}: cannot write in {path.parent} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+    return path
+
+
 def write_text(path: "str | os.PathLike", text: str, prefix: str = TMP_PREFIX) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically; ``FileNotFoundError`` naming the folder
     if it does not exist. ``prefix`` starts the temporary file's name."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 from . import launch
+from .atomicfile import check_target
 from .blas import ensure_fast_blas
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.bench import (
@@ -99,14 +100,7 @@ def check_args(args: argparse.Namespace) -> Tuple[BenchSettings, Path]:
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
     settings = settings_from(args)
-    out = Path(args.out).expanduser()
-    if out.is_dir():
-        raise ValueError(f"--out {args.out} is a directory: give a file name, e.g. {out / DEFAULT_OUT}")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"--out directory does not exist: {out.parent}")
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"--out {args.out} is not writable")
-    return settings, out
+    return settings, check_target(args.out, "--out", example=DEFAULT_OUT)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from mlx.utils import tree_flatten
 
 from . import launch
+from .atomicfile import check_target
 from .blas import ensure_fast_blas
 from .config import GearboxConfig
 from .console import error_line
@@ -192,12 +193,7 @@ def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
 
 def _check_out(out: Path) -> None:
     """``--out`` must be writable before the run starts, not found unwritable after it."""
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"directory of --out does not exist: {out.parent} (create it first)")
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a directory: give a file name, e.g. {out / 'eval.json'}")
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"--out {out} is not writable")
+    check_target(out, "--out", example="eval.json")
 
 
 def replot(args: argparse.Namespace) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import launch
+from .atomicfile import check_target
 from .blas import ensure_fast_blas
 from .calibration import Calibration, cached_calibration_path, calibrate_kv
 from .chat import apply_chat_template
@@ -202,16 +203,14 @@ def check_args(args: argparse.Namespace) -> None:
     if args.thresholds and (args.calibrate or args.calibration):
         raise ValueError("give --thresholds or --calibrate/--calibration, not both")
     writes = getattr(args, "rank", 0) == 0  # a sharded run: rank 0 alone writes the trace and a calibration
-    if args.trace and writes and not Path(args.trace).expanduser().parent.is_dir():
-        raise FileNotFoundError(f"trace directory does not exist: {Path(args.trace).parent}")
-    if args.trace and writes and Path(args.trace).expanduser().is_dir():
-        raise ValueError(f"--trace {args.trace} is a directory: give a file name")
+    if args.trace and writes:
+        check_target(args.trace, "--trace")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")
     if args.calibration and not args.calibrate:
         Calibration.load(args.calibration)  # a damaged or ill-shaped file: one error before the model loads
-    if args.calibrate and args.calibration and writes and not Path(args.calibration).expanduser().parent.is_dir():
-        raise FileNotFoundError(f"calibration directory does not exist: {Path(args.calibration).parent}")
+    if args.calibrate and args.calibration and writes:
+        check_target(args.calibration, "--calibration")
 
 
 def kv_options(args: argparse.Namespace) -> KVOptions:

@@ -81,3 +81,33 @@ def test_package_writers_go_through_it(tmp_path, monkeypatch):
     Calibration(low=1.0, high=2.0, strategy="median", n_samples=3, vocab_size=10).save(tmp_path / "cal.json")
     write_results({"rows": []}, tmp_path / "eval.json")
     assert [os.path.basename(p) for p in seen] == ["cal.json", "eval.json"]
+
+
+@pytest.mark.parametrize("case", ["missing folder", "directory", "pseudo-filesystem", "full disk"])
+def test_check_target_refuses_a_path_no_file_can_be_written_to(tmp_path, monkeypatch, case):
+    """Each way a target can refuse a file is one error naming the flag and the path, and no
+    temporary file is left where the check could create one."""
+    path = {"missing folder": tmp_path / "no" / "t.jsonl", "directory": tmp_path,
+            "pseudo-filesystem": "/proc/t.jsonl", "full disk": tmp_path / "t.jsonl"}[case]
+    if case == "pseudo-filesystem" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    if case == "full disk":
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(atomicfile.tempfile, "mkstemp", full)
+    with pytest.raises(OSError) as info:
+        atomicfile.check_target(path, "--trace", example="t.jsonl")
+    message = str(info.value)
+    assert message.startswith(f"--trace {path}") and "\n" not in message
+    assert {"missing folder": "does not exist", "directory": f"e.g. {tmp_path / 't.jsonl'}",
+            "pseudo-filesystem": "cannot write in /proc", "full disk": "No space left"}[case] in message
+    assert os.listdir(tmp_path) == []
+
+
+def test_check_target_leaves_a_writable_target_untouched(tmp_path):
+    old = tmp_path / "t.jsonl"
+    old.write_text("kept")
+    assert atomicfile.check_target(old, "--trace") == old
+    assert old.read_text() == "kept" and os.listdir(tmp_path) == ["t.jsonl"]
+    new = tmp_path / "new.json"
+    assert atomicfile.check_target(new, "--out") == new and not new.exists()

@@ -633,7 +633,7 @@ def test_plots_creates_a_missing_directory_before_the_run(tmp_path, capsys, monk
         (["--tokens", "1"], "--tokens must be >= 2"),
         (["--window", "1"], "--window must be >= 2"),
         (["--draft-calibration-tokens", "0"], "--draft-calibration-tokens must be >= 1"),
-        (["--out", "/no/such/dir/r.json"], "directory of --out does not exist"),
+        (["--out", "/no/such/dir/r.json"], "--out /no/such/dir/r.json: directory /no/such/dir does not exist"),
         (["--from-json", "/no/such/r.json"], "results file not found"),
     ],
 )

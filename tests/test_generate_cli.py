@@ -61,7 +61,8 @@ def test_static_high_matches_plain_mlx_lm(default_model):
     [
         (("--no-such-flag",), "unrecognized arguments"),
         (("--model", "/nonexistent/model", "--prompt", "hi"), "model path not found"),
-        (("--prompt", "hi", "--trace", "/nonexistent/dir/t.jsonl"), "trace directory does not exist"),
+        (("--prompt", "hi", "--trace", "/nonexistent/dir/t.jsonl"), "directory /nonexistent/dir does not exist"),
+        (("--prompt", "hi", "--trace", "/proc/t.jsonl"), "--trace /proc/t.jsonl: cannot write in /proc"),
         (("--prompt", "hi", "--thresholds", "3", "1"), "wrong order"),
         (("--prompt", "   "), "prompt is empty"),
         (("--prompt", "hi", "--calibration", "/nonexistent/cal.json"), "calibration file not found"),

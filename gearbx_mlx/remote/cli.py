@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import launch
+from ..atomicfile import check_target
 from ..config import ANSI_RESET, GEAR_ANSI, GearboxConfig
 from ..console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
 from ..telemetry.trace import TraceWriter
@@ -91,8 +92,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.api_key:
         check_flag(args.api_key.strip() == args.api_key and "\n" not in args.api_key, "--api-key", "...",
                    "one line without surrounding spaces")
-    if args.trace and not Path(args.trace).expanduser().parent.is_dir():
-        raise FileNotFoundError(f"trace directory does not exist: {Path(args.trace).expanduser().parent}")
+    if args.trace:
+        check_target(args.trace, "--trace")
 
 
 def _check_thresholds(thresholds: Optional[Sequence[float]], vocab: int) -> None:

@@ -25,6 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Any, Dict, Iterable, Iterator, List, Optional
 
+from ..atomicfile import check_target
 from ..config import GEARS
 from ..jsonsafe import dumps
 
@@ -68,16 +69,12 @@ class TraceWriter:
     leaves is a valid trace.
 
     Args:
-        path: the ``.jsonl`` file; its directory must exist.
+        path: the ``.jsonl`` file; its directory must exist and accept a new file
+            (checked here: :func:`~gearbx_mlx.atomicfile.check_target`).
     """
 
     def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        if not path.parent.is_dir():
-            raise FileNotFoundError(f"trace directory does not exist: {path.parent}")
-        if path.is_dir():
-            raise ValueError(f"trace path {path} is a directory: give a file name")
-        self.path = path
+        self.path = check_target(path, "trace")
         self._f: Optional[IO[str]] = None
         self._fields: Dict[str, Any] = {}
         self._start: Optional[str] = None
