@@ -17,10 +17,10 @@ import argparse
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import launch
+from .atomicfile import check_target, write_text
 from .bindings import guard
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
@@ -121,11 +121,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = show_warning
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
+        path = check_target(args.json, "--json") if args.json else None  # before the checks, not after
         report = selftest(args.plant, args.only, progress)
         print(format_report(report))
-        if args.json:
-            path = Path(args.json).expanduser()
-            path.write_text(dumps(report, indent=1, default=str) + "\n")
+        if path is not None:
+            write_text(path, dumps(report, indent=1, default=str) + "\n")
             print(f"wrote {path}", file=sys.stderr)
     except USER_ERRORS as e:
         return exit_status(e)

@@ -177,6 +177,14 @@ def test_selftest_passes_here_and_writes_json(tmp_path):
         assert {s["name"] for s in report["skipped"]} >= {"packed GEMV int4 SIMT", "packed GEMV int8 SIMT"}
 
 
+def test_an_unwritable_json_path_is_refused_before_the_checks(tmp_path, capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(selftest, "selftest", lambda *a, **k: ran.append(1))
+    rc = selftest.main(["--quiet", "--json", str(tmp_path / "no" / "s.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and not ran and err.startswith("error: --json ") and "does not exist" in err
+
+
 def test_a_planted_nibble_order_fails_every_row(capsys):
     rc = selftest.main(["--quiet", "--plant", "nibble-order"])
     text = capsys.readouterr().out

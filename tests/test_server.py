@@ -366,11 +366,24 @@ def test_request_while_loading_then_sigint() -> None:
 
 def test_bad_flag_is_one_error_line() -> None:
     for flags, line in [(["--window", "0"], "error: --window must be an integer >= 1, got 0"),
-                        (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window")]:
+                        (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window"),
+                        (["--host", "256.1.1.1"], "error: --host 256.1.1.1: no such address")]:
         proc = start_server(free_port(), *flags)
         rc = proc.wait(timeout=120)
         err = stderr_of(proc).strip().splitlines()
         assert rc == 1 and len(err) == 1 and err[0].startswith(line), err
+
+
+def test_a_taken_port_is_one_error_line_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = start_server(port, "--host", "127.0.0.1")
+        rc = proc.wait(timeout=120)
+    err = stderr_of(proc).strip().splitlines()
+    assert rc == 1 and err[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}: "), err
+    assert "Traceback" not in "\n".join(err)
 
 
 def test_model_that_fails_to_load_stops_the_server() -> None:

@@ -76,8 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return serve(args)
     except KeyboardInterrupt:
         return 130
-    except OSError as e:  # the port is taken, the host unknown
-        print(error_line(e), file=sys.stderr)
+    except OSError as e:  # the port is taken, the address not this machine's
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
 
 

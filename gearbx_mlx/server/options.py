@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -90,6 +91,10 @@ def check_server_args(args: argparse.Namespace) -> None:
     """The server's own flags (the generate flags are checked by the generate CLI's checks)."""
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {args.host}: no such address ({getattr(e, 'strerror', None) or e})") from None
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1 for the server (it caps each request), got {args.max_tokens}")
     if args.prompt_cache_size < 0:
