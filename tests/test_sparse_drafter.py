@@ -8,8 +8,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, make_tiny_tokenizer
 from hypothesis import given, settings, strategies as st
+from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 from gearbx_mlx.speculative.sparse import (
@@ -120,8 +121,8 @@ def test_bad_sparsity_is_refused(bad):
 
 def test_a_model_without_gate_up_down_is_refused():
     model = make_tiny_llama(vocab=64, hidden=64)
-    model.args.model_type = "gemma3_text"
-    with pytest.raises(ValueError, match="SwiGLU"):
+    model.args.model_type = "gpt2"
+    with pytest.raises(ValueError, match="needs a gated FFN .* this model is 'gpt2'"):
         ffn_layers(model)
     model.args.model_type = "llama"
     del model.model.layers[1].mlp["up_proj"]
@@ -156,6 +157,59 @@ def test_sparse_drafter_of_the_gearbox_drafter():
     assert half.memory["extra_bytes"] == draft.memory["extra_bytes"] + half.sparse["layout_bytes"] > 0
 
 
+def tiny_gemma3(seed: int = 0):
+    """A tiny mlx-lm ``gemma3_text`` model: a GeGLU FFN of 256 neurons (4 blocks of 64), tied embedding."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=128, num_hidden_layers=2,
+                                 intermediate_size=256, num_attention_heads=2, head_dim=64,
+                                 num_key_value_heads=1, vocab_size=64, sliding_window=16,
+                                 sliding_window_pattern=2)
+    model = gemma3_text.Model(args)
+    model.update(tree_map(lambda a: mx.random.normal(a.shape) * 0.2 if a.ndim > 1 else a, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_gemma3_drafter_uses_its_own_activation_and_stays_exact():
+    """Gemma 3's FFN is GeGLU: the sparse drafter's hidden activation is ``gelu_approx(gate) * up`` (a
+    SwiGLU one would differ), every block kept gives the dense drafter's logits, and greedy speculative
+    decoding with a sparse drafter gives the high gear's tokens."""
+    from mlx_lm.generate import generate_step
+
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.pipeline import stream_speculative_generate
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+    from gearbx_mlx.speculative.draft import build_draft
+    from gearbx_mlx.speculative.sparse import geglu, glu_of
+
+    model = tiny_gemma3(seed=4)
+    mlp = ffn_layers(model)[0].mlp
+    x = mx.random.normal((1, 3, 128))
+    assert glu_of(mlp) is geglu
+    want = nn.gelu_approx(mlp.gate_proj(x)) * mlp.up_proj(x)
+    np.testing.assert_allclose(np.array(hidden(mlp, x)), np.array(want), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.array(nn.silu(mlp.gate_proj(x)) * mlp.up_proj(x)), np.array(want), atol=1e-3)
+
+    gb = Gearbox(model, GearboxConfig(scope="all", kernel="mlx"), vocab_size=64)
+    draft = build_draft(model, gb, "low", "all", host=False)
+    tokens = list(range(1, 40))
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    dense = build_sparse_draft(draft, 0.0, tokens)
+    np.testing.assert_allclose(np.array(draft.module(ids)), np.array(dense.module(ids)), rtol=1e-5, atol=1e-5)
+    prompt = [5, 9, 2, 6, 5, 3]
+    plain = [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=12), range(12))]
+    got = [r.token for r in stream_speculative_generate(model, make_tiny_tokenizer(64), prompt, gb, max_tokens=12,
+                                                        config=SpeculativeConfig(max_draft=3, draft_sparsity=0.5))]
+    assert got == plain[: len(got)] and len(got) == 12
+    from gearbx_mlx.speculative.decode import get_draft
+
+    drafter = get_draft(model, gb, "low", "all", 0.5, make_tiny_tokenizer(64))
+    assert drafter.sparse["kept_fraction"] < 1  # it drafted sparsely, not densely
+
+
 # -- plumbing: the config, the CLI, the default model ------------------------------------
 
 
@@ -188,14 +242,14 @@ def test_cli_refuses_bad_sparsity_before_loading(argv, message, capsys):
     assert message in err and "Traceback" not in err and "nonexistent" not in err
 
 
-def test_cli_refuses_a_model_without_a_swiglu_ffn():
+def test_cli_refuses_a_model_without_a_gated_ffn():
     import argparse
 
     from gearbx_mlx.speculative.cli import check_sparse_model
 
     model = make_tiny_llama(vocab=64, hidden=64)
-    model.args.model_type = "gemma3_text"
-    with pytest.raises(ValueError, match="^--draft-sparsity: the sparse drafter needs a SwiGLU FFN"):
+    model.args.model_type = "gpt2"
+    with pytest.raises(ValueError, match="^--draft-sparsity: the sparse drafter needs a gated FFN"):
         check_sparse_model(argparse.Namespace(draft_sparsity=0.5), model)
     check_sparse_model(argparse.Namespace(draft_sparsity=None), model)  # off: no check
 

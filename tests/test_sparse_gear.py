@@ -100,12 +100,12 @@ def test_evaluation_rows_of_the_sparse_gear():
     np.testing.assert_array_equal(np.array(model(mx.array([windows[0]]))), before)  # the model as it was
 
 
-def test_a_model_without_a_swiglu_ffn_is_refused():
+def test_a_model_without_a_gated_ffn_is_refused():
     from gearbx_mlx.evaluation.sparse_gear import sparse_gear_rows
 
     model = make_tiny_llama(vocab=64, hidden=64)
-    model.args.model_type = "gemma3_text"
-    with pytest.raises(ValueError, match="SwiGLU"):
+    model.args.model_type = "gpt2"
+    with pytest.raises(ValueError, match="gated FFN"):
         sparse_gear_rows(model, make_tiny_tokenizer(64), [[1, 2, 3]], [0.5], 64)
 
 

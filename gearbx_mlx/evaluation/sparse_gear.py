@@ -52,7 +52,7 @@ def _row(name: str, ref: List[mx.array], got: List[mx.array], windows: Sequence[
 def sparse_gear_rows(model: Any, tokenizer: Any, windows: Sequence[Sequence[int]], sparsities: Sequence[float],
                      vocab: int) -> Dict[str, Any]:
     """The rows (see the module doc) for each of ``sparsities``; the model is left as it was."""
-    ffn_layers(model)  # a model without a SwiGLU FFN: refused before anything slow
+    ffn_layers(model)  # a model without a gated FFN: refused before anything slow
     gearbox = Gearbox(model, GearboxConfig(scope="all", kernel="mlx", store="separate"), vocab_size=vocab)
     tokens = calibration_tokens(tokenizer)
     rows = []

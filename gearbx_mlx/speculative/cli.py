@@ -106,7 +106,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    help="draft with activation-sparse FFNs: one-token draft steps skip the lightest 64-neuron "
                         "blocks of down_proj, S of them on average (kept fractions per layer measured on the "
                         "evaluation text at start); the output stays the high gear's, only acceptance can drop. "
-                        "SwiGLU models with the low gear's MLX-quantized down_proj; 'auto': the start-of-run "
+                        "gated-FFN models (SwiGLU or Gemma 3's GeGLU) with the low gear's MLX-quantized down_proj; 'auto': the start-of-run "
                         "decision also measures sparse drafters (at "
                         f"{', '.join(f'{x:g}' for x in AUTO_SPARSITIES)}) and drafts with the one of the best "
                         "modeled speed-up; 'off' (the default): the dense drafter")
@@ -200,7 +200,7 @@ def check_sparse_gear_args(args: argparse.Namespace) -> None:
 
 
 def use_sparse_gear(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any) -> None:
-    """Install the sparse low gear (after loading: the model must have SwiGLU FFNs)."""
+    """Install the sparse low gear (after loading: the model must have gated FFNs)."""
     try:
         ffn_layers(model)
     except ValueError as e:

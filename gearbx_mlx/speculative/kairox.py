@@ -49,7 +49,6 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.activations import swiglu
 
 from .draft import DraftModel, graft
 from .kairox_blocks import (
@@ -69,6 +68,7 @@ from .sparse import (
     build_sparse_draft,
     expert_down,
     ffn_layers,
+    glu_of,
     hidden,
     layer_masses,
     quant_parts,
@@ -289,6 +289,7 @@ class KairoxMLP(nn.Module):
     def __init__(self, mlp: nn.Module, index: int, state: Kairox) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.__dict__["_glu"] = glu_of(mlp)
         self.index = index
         self.parts = quant_parts(mlp.down_proj)
         g = self.parts.group_size
@@ -376,7 +377,7 @@ class KairoxMLP(nn.Module):
     def candidate_hidden(self, x: mx.array, cand: mx.array, nb: int) -> mx.array:
         """``(1, D) -> (nb, group)``: the hidden activation of the candidate blocks, zero elsewhere."""
         gp, grows, up, urows = self.__dict__["_rows"]
-        hc = swiglu(rows_product(x, grows, gp, cand), rows_product(x, urows, up, cand))
+        hc = self.__dict__["_glu"](rows_product(x, grows, gp, cand), rows_product(x, urows, up, cand))
         return mx.zeros((nb, hc.shape[-1]), dtype=hc.dtype).at[cand].add(hc)
 
     def update_scores(self, state: Kairox, active: mx.array) -> None:

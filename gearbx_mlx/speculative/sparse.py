@@ -1,8 +1,8 @@
 """An activation-sparse drafter: the low gear computing only the FFN blocks a token activates.
 
 The verifier restores the high gear's output whatever the drafter computed,
-so a drafter may skip work freely: only acceptance can drop. In a SwiGLU FFN
-``down(silu(gate(x)) * up(x))`` most of the hidden activation's mass sits on
+so a drafter may skip work freely: only acceptance can drop. In a gated FFN
+``down(act(gate(x)) * up(x))`` (SwiGLU, or Gemma 3's GeGLU: :data:`GATED_FFN`) most of the hidden activation's mass sits on
 few neurons for any one token, and ``down_proj``'s weight is quantized along
 its input (neuron) dimension in groups of ``group_size``: a block of
 ``group_size`` consecutive neurons is exactly one quantization group, so the
@@ -38,7 +38,7 @@ This is the pure-MLX reference path; the gather costs what it costs in MLX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,8 +50,18 @@ from ..sources.models import corpus_path
 from .draft import DraftModel, graft
 from .sparse_host import sparse_host
 
-#: Model types whose FFN is ``down(silu(gate(x)) * up(x))`` (mlx-lm's llama MLP and kin).
-SWIGLU_MODELS: Tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_approx(gate) * up``: the gated FFN of Gemma 3 (mlx-lm's ``gemma3_text.MLP``)."""
+    return nn.gelu_approx(gate) * up
+
+
+#: Model types (and mlx-lm model modules) whose FFN is ``down(act(gate(x)) * up(x))``, with the
+#: function of ``(gate(x), up(x))`` that gives the hidden activation: SwiGLU (mlx-lm's llama MLP and
+#: kin) or GeGLU (Gemma 3).
+GATED_FFN: Dict[str, Callable[[mx.array, mx.array], mx.array]] = {
+    "llama": swiglu, "mistral": swiglu, "qwen2": swiglu, "qwen3": swiglu, "gemma3_text": geglu,
+}
 #: The most a drafter may drop; above it a block of drafts is mostly rejected.
 MAX_SPARSITY = 0.95
 #: ``draft_sparsity`` that leaves the choice to the start-of-run decision (:mod:`.sparse_plan`).
@@ -74,12 +84,13 @@ def check_sparsity(value: Optional[float], flag: str = "draft_sparsity") -> None
 
 
 def ffn_layers(model: nn.Module) -> List[nn.Module]:
-    """The decoder layers of a SwiGLU model; ``ValueError`` naming what is missing otherwise."""
+    """The decoder layers of a model with a gated FFN (:data:`GATED_FFN`); ``ValueError`` naming what is
+    missing otherwise."""
     args = getattr(model, "args", None)
     kind = getattr(args, "model_type", None) or getattr(model, "model_type", None)
-    if kind not in SWIGLU_MODELS:
-        raise ValueError(f"the sparse drafter needs a SwiGLU FFN (gate_proj, up_proj, down_proj; model types "
-                         f"{', '.join(SWIGLU_MODELS)}); this model is {kind!r}")
+    if kind not in GATED_FFN:
+        raise ValueError(f"the sparse drafter needs a gated FFN (gate_proj, up_proj, down_proj; model types "
+                         f"{', '.join(GATED_FFN)}); this model is {kind!r}")
     layers = list(getattr(getattr(model, "model", model), "layers", []))
     for i, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
@@ -91,9 +102,16 @@ def ffn_layers(model: nn.Module) -> List[nn.Module]:
     return layers
 
 
+def glu_of(mlp: nn.Module) -> Callable[[mx.array, mx.array], mx.array]:
+    """The gated activation of ``mlp``: the one a wrapper of this module keeps (``_glu``), else the one of
+    its mlx-lm model module (:data:`GATED_FFN`), else SwiGLU."""
+    glu = mlp.__dict__.get("_glu")
+    return glu if glu is not None else GATED_FFN.get(type(mlp).__module__.rsplit(".", 1)[-1], swiglu)
+
+
 def hidden(mlp: nn.Module, x: mx.array) -> mx.array:
-    """``(..., D) -> (..., I)``: the FFN's hidden activation ``silu(gate(x)) * up(x)``."""
-    return swiglu(mlp.gate_proj(x), mlp.up_proj(x))
+    """``(..., D) -> (..., I)``: the FFN's hidden activation ``act(gate(x)) * up(x)`` (:func:`glu_of`)."""
+    return glu_of(mlp)(mlp.gate_proj(x), mlp.up_proj(x))
 
 
 @dataclasses.dataclass
@@ -203,6 +221,7 @@ class SparseMLP(nn.Module):
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.__dict__["_glu"] = glu_of(mlp)
         self.parts = quant_parts(mlp.down_proj)
         self.blocks = self.parts.scales.shape[1]
         self.keep = max(1, min(int(keep), self.blocks))
@@ -404,7 +423,7 @@ def sparse_path(down: nn.Module) -> str:
 
 __all__ = [
     "AUTO", "CALIBRATION_TOKENS", "SHARE_GRID", "THRESHOLDS_KEY", "check_curves", "keep_from_curves",
-    "threshold_curves", "GATHERS", "MAX_SPARSITY", "QuantParts", "SWIGLU_MODELS", "SparseMLP", "block_major",
+    "threshold_curves", "GATHERS", "MAX_SPARSITY", "QuantParts", "GATED_FFN", "geglu", "glu_of", "SparseMLP", "block_major",
     "block_mass", "build_sparse_draft", "calibrate_keep", "calibration_tokens", "check_sparsity", "expert_down",
     "ffn_layers", "hidden", "layer_masses", "masked_down", "quant_parts", "sparse_down", "sparse_module", "sparse_path",
     "top_blocks",

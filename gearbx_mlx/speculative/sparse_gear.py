@@ -29,6 +29,7 @@ from .sparse import (
     calibrate_keep,
     check_sparsity,
     ffn_layers,
+    glu_of,
     hidden,
     keep_from_curves,
     layer_masses,
@@ -54,6 +55,7 @@ class SparseGearMLP(nn.Module):
     def __init__(self, mlp: nn.Module, keep: int, group_size: int, gearbox: Any) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.__dict__["_glu"] = glu_of(mlp)
         self.keep, self.group_size = int(keep), group_size
         self.__dict__["_gearbox"] = gearbox
         self.__dict__["_original"] = mlp
