@@ -205,6 +205,39 @@ def test_every_family_catches_a_planted_nibble_order(check, emulated_gpu):
     assert planted.cases and not any(c.result.passed for c in planted.cases)
 
 
+@pytest.mark.parametrize("check", [c for c in selftest.all_checks() if c.shards > 1], ids=lambda c: c.name)
+def test_a_sharded_check_runs_every_case_once_over_its_parts(check, emulated_gpu):
+    """The parts of a check a parallel selftest runs in separate processes hold its
+    cases between them, each once: the plain run's, in any order."""
+    whole = check.check()
+    parts = []
+    for k in range(check.shards):
+        emulated_gpu.setattr(kernelcheck, "_SHARD", [k, check.shards])
+        part = check.check()
+        assert part.error is None and part.cases, f"part {k} of {check.name} ran nothing"
+        parts += part.cases
+    assert sorted(parts, key=repr) == sorted(whole.cases, key=repr)
+
+
+def test_parallel_selftest_matches_the_plain_run_and_still_fails_a_plant():
+    """--jobs N runs the checks in N spawned processes: the same rows as one process,
+    and a planted fault still fails every row."""
+    if not c_kernels():
+        pytest.skip("the C kernels are not built here")
+    only = "C packed GEMV ref"
+    plain = selftest.selftest(only=only, jobs=1)
+    parallel = selftest.selftest(only="C packed GEMV", jobs=2)
+    assert parallel["jobs"] == 2 and parallel["passed"] and parallel["ran"] == len(checks.C_PATHS)
+    assert [r for r in parallel["rows"] if r["kernel"] == "C packed GEMV ref"] == plain["rows"]
+    planted = selftest.selftest(plant="nibble-order", only=only, jobs=2)
+    assert not planted["passed"] and not any(r["passed"] for r in planted["rows"])
+
+
+def test_jobs_below_one_is_one_clear_error(capsys):
+    assert selftest.main(["--jobs", "0"]) == 2
+    assert "--jobs must be 1 or more" in capsys.readouterr().err
+
+
 def test_a_kernel_that_raises_fails_its_check(emulated_gpu):
     def broken(*a, **k):
         raise RuntimeError("[metal::Device] Unable to build metal library from source")
