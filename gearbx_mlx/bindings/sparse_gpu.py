@@ -110,8 +110,11 @@ def sparse_gemv(h: mx.array, parts: Any, blocks: mx.array, rows: int = ROWS) -> 
     if backend is None or unsupported(parts, h.dtype) is not None or h.size != parts.weight.shape[1] * 8:
         return None
     bias = getattr(parts, "bias", None)
-    kernel = _kernel(backend, parts.group_size, rows, h.dtype, parts.scales.dtype, bias is not None)
     out = parts.weight.shape[0]
+    if blocks.size == 0:  # nothing kept: no launch over an empty buffer
+        y = mx.zeros((out,), h.dtype) if bias is None else bias.astype(h.dtype)
+        return y.reshape(1, out)
+    kernel = _kernel(backend, parts.group_size, rows, h.dtype, parts.scales.dtype, bias is not None)
     inputs = [h.reshape(-1), parts.weight, parts.scales, parts.biases, blocks.astype(mx.uint32)]
     if bias is not None:
         inputs.append(bias.astype(h.dtype))
