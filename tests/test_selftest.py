@@ -233,6 +233,20 @@ def test_parallel_selftest_matches_the_plain_run_and_still_fails_a_plant():
     assert not planted["passed"] and not any(r["passed"] for r in planted["rows"])
 
 
+def test_the_selftest_imports_no_mlx_lm_and_the_public_names_still_resolve():
+    """The package's public names load on first use: the selftest (and each of its
+    worker processes) starts without mlx-lm and what it imports."""
+    code = ("import sys, gearbx_mlx.selftest; assert 'mlx_lm' not in sys.modules, 'mlx_lm imported'; "
+            "import gearbx_mlx; assert gearbx_mlx.GEARS == ('low', 'mid', 'high') and callable(gearbx_mlx.load); "
+            "assert set(gearbx_mlx.__all__) <= set(dir(gearbx_mlx)); from gearbx_mlx import Gearbox, stream_generate")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import gearbx_mlx
+
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        gearbx_mlx.no_such_name
+
+
 def test_jobs_below_one_is_one_clear_error(capsys):
     assert selftest.main(["--jobs", "0"]) == 2
     assert "--jobs must be 1 or more" in capsys.readouterr().err
