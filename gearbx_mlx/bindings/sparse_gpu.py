@@ -13,9 +13,10 @@ source hash) is in the kernel's name.
 does not apply (no GPU, unsupported bits, group size or dtypes), so a caller
 falls back to :func:`reference`, the pure-MLX product (gather the kept
 columns, then ``mx.quantized_matmul``). The body is syntax-checked for both
-back ends (``scripts/check_metal_syntax.py --cuda``) and run on the host
-through ``metal_kernels/check/host_emulation.h`` by the tests; it has not
-run on a GPU.
+back ends (``scripts/check_metal_syntax.py --cuda``), run on the host
+through ``metal_kernels/check/host_emulation.h`` by the tests, and on CUDA
+GPUs by their CUDA tests (``tests/test_sparse_gpu.py``); it has not run on
+Metal.
 """
 
 from __future__ import annotations
