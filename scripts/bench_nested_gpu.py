@@ -488,7 +488,7 @@ def decode_targets(rows: List[Dict[str, object]]) -> List[str]:
                 verdict = ("met in every round" if lo >= factor else "met at the median, not in every round"
                            if mid >= factor else "MISSED")
                 lines.append(f"target {model} {variant} >= {factor:g}x {ref}: {a:.1f} vs {b:.1f} tok/s = "
-                             f"{a / b:.2f}x; round by round {mid:.2f}x ({lo:.2f}-{hi:.2f}) [{verdict}]")
+                             f"{a / b:.2f}x; by repeat {mid:.2f}x ({lo:.2f}-{hi:.2f}) [{verdict}]")
     return lines
 
 
