@@ -36,9 +36,12 @@ Named tolerances (per output element, relative to the products' magnitudes):
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -248,6 +251,7 @@ class KernelCheck:
     unavailable: Callable[[], Optional[str]]
     device: Callable[[], str]
     run: Callable[[Optional[Plant]], List[Case]]
+    shards: int = 1  # parts a parallel run may split it into (its run takes :func:`shard_of` of its cases)
 
     def check(self, plant: Optional[Plant] = None) -> CheckResult:
         """Run the check; an exception from the kernel fails it with the message kept."""
@@ -283,6 +287,98 @@ def run_checks(
             progress(f"[{i}/{len(checks)}] {c.name} ...")
         results.append(c.check(plant))
     return results, skipped
+
+
+# -- running checks in several processes ---------------------------------------------------
+
+_T = TypeVar("_T")
+#: (k, n): this process runs shard k of n of a sharded check (:func:`shard_of`).
+_SHARD: List[int] = [0, 1]
+
+
+def shard_of(items: Sequence[_T]) -> List[Tuple[int, _T]]:
+    """``(index, item)`` of the items this process's shard of a check takes:
+    every one in a plain run, every n-th from k in shard k of n."""
+    k, n = _SHARD
+    return [(i, item) for i, item in enumerate(items) if i % n == k]
+
+
+def _resolve(ref: str) -> Any:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _run_shard(suite: str, index: int, shard: Tuple[int, int], plant: Optional[str],
+               status: str) -> Tuple[CheckResult, Dict[str, Any]]:
+    """In a worker process: shard ``shard`` of check ``index`` of ``suite()``, and the
+    first-use state (``status()``) of the worker afterwards."""
+    check = _resolve(suite)()[index]
+    _SHARD[:] = shard
+    try:
+        result = check.check(PLANTS[plant] if plant else None)
+    finally:
+        _SHARD[:] = [0, 1]
+    return result, _resolve(status)()
+
+
+def _merge(parts: List[Tuple[int, CheckResult]]) -> CheckResult:
+    """One check's result from its shards' (in shard order; its time the slowest shard's)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    out = CheckResult(parts[0][1].name, parts[0][1].device)
+    for _, r in parts:
+        out.cases += r.cases
+        out.error = out.error or r.error
+        out.seconds = max(out.seconds, r.seconds)
+    return out
+
+
+def run_checks_parallel(
+    suite: str,
+    indices: Sequence[int],
+    plant: Optional[str],
+    jobs: int,
+    status: str,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Tuple[List[CheckResult], List[Tuple[KernelCheck, str]], List[Dict[str, Any]]]:
+    """:func:`run_checks` over ``jobs`` worker processes: each check's shards at once.
+
+    A GPU kernel compiles on its first run in each process (CUDA's run-time
+    compiler takes seconds per variant, on one CPU core): spread over
+    processes, the compiles overlap. ``suite`` and ``status`` name
+    ``"module:function"`` (every check, in order; the first-use state), so a
+    worker imports them; ``plant`` is a key of :data:`PLANTS`.
+
+    Returns:
+        ``(results, skipped, statuses)``: as :func:`run_checks`, and each
+        worker task's first-use state.
+    """
+    checks = _resolve(suite)()
+    tasks, skipped = [], []
+    for i in indices:
+        why = checks[i].unavailable()
+        if why is not None:
+            skipped.append((checks[i], why))
+        else:
+            tasks += [(i, (k, checks[i].shards)) for k in range(checks[i].shards)]
+    # The sharded (slowest) checks first, then in order.
+    tasks.sort(key=lambda t: (-checks[t[0]].shards, t[0], t[1][0]))
+    parts: Dict[int, List[Tuple[int, CheckResult]]] = {}
+    statuses: List[Dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks))),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_shard, suite, i, shard, plant, status): (i, shard) for i, shard in tasks}
+        for done, future in enumerate(as_completed(futures), 1):
+            i, (k, n) = futures[future]
+            try:
+                result, state = future.result()
+                statuses.append(state)
+            except Exception as e:  # noqa: BLE001  (a worker that died fails its check)
+                result = CheckResult(checks[i].name, "-", error=f"worker process failed: {type(e).__name__}: {e}"[:300])
+            parts.setdefault(i, []).append((k, result))
+            if progress:
+                part = f" (part {k + 1}/{n})" if n > 1 else ""
+                progress(f"[{done}/{len(tasks)}] {checks[i].name}{part}: {result.seconds:.1f} s")
+    return [_merge(parts[i]) for i in indices if i in parts], skipped, statuses
 
 
 def table_rows(results: Sequence[CheckResult]) -> List[Dict[str, object]]:
@@ -345,5 +441,5 @@ def sample_rows(out_features: int, bounds: Tuple[int, ...] = (), width: int = 32
 __all__ = [
     "ABS_FLOOR", "ACCUM_TOL", "ACT_BLOCK", "Case", "CheckResult", "Comparison", "FLOAT_RTOL", "KernelCheck",
     "OUTPUT_RTOL", "PLANTS", "Plant", "activation_steps", "compare", "dtype_name", "format_table", "gemv_bound",
-    "run_checks", "sample_rows", "shape_label", "swap_nibbles", "table_rows",
+    "run_checks", "run_checks_parallel", "sample_rows", "shape_label", "shard_of", "swap_nibbles", "table_rows",
 ]

@@ -14,6 +14,7 @@ This is the output to share when something looks wrong on a new machine:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -21,11 +22,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import launch
 from .atomicfile import check_target, write_text
-from .bindings import guard
+from .bindings import gpu, guard
 from .console import USER_ERRORS, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
 from .jsonsafe import dumps
-from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, table_rows
+from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, run_checks_parallel, table_rows
 from .nested import checks as nested_checks
 from .packed import checks as packed_checks
 
@@ -33,13 +34,34 @@ from .packed import checks as packed_checks
 SUITES: Sequence[Sequence[KernelCheck]] = (packed_checks.CHECKS, nested_checks.CHECKS)
 #: Version of the ``--json`` layout.
 FORMAT_VERSION = 1
+#: Most worker processes of a parallel run (``--jobs``; each holds a GPU context).
+MAX_JOBS = 8
 
 
 def all_checks() -> List[KernelCheck]:
     return [c for suite in SUITES for c in suite]
 
 
-def selftest(plant: Optional[str] = None, only: Optional[str] = None, progress: Any = None) -> Dict[str, Any]:
+def default_jobs() -> int:
+    """Worker processes by default: on CUDA, whose run-time compiler takes seconds per
+    kernel variant on one CPU core, up to :data:`MAX_JOBS` (half the CPUs); else 1."""
+    if gpu.gpu_backend() != "cuda":
+        return 1
+    return max(1, min(MAX_JOBS, (os.cpu_count() or 2) // 2))
+
+
+def _merged_status(statuses: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The first-use guard's state of this process and every worker's, as one."""
+    out = guard.status()
+    for s in statuses:
+        out["trusted"] = sorted(set(out["trusted"]) | set(s["trusted"]))
+        out["failed"].update(s["failed"])
+        out["warned"] = sorted(set(out["warned"]) | set(s["warned"]))
+    return out
+
+
+def selftest(plant: Optional[str] = None, only: Optional[str] = None, progress: Any = None,
+             jobs: Optional[int] = None) -> Dict[str, Any]:
     """Run the checks; the JSON-ready report (``passed``, ``rows``, ``checks``, ``skipped``, ``machine``).
 
     Args:
@@ -47,20 +69,30 @@ def selftest(plant: Optional[str] = None, only: Optional[str] = None, progress: 
             every kernel's input (the run must then fail: it shows the checks
             can fail).
         only: run only the checks whose name contains this text.
-        progress: called with a line before each check.
+        progress: called with a line before each check (after each, in a parallel run).
+        jobs: worker processes (1: every check in this one); default :func:`default_jobs`.
 
     Raises:
-        ValueError: an unknown plant, or ``only`` matching no check.
+        ValueError: an unknown plant, ``only`` matching no check, or ``jobs`` below 1.
     """
     if plant is not None and plant not in PLANTS:
         raise ValueError(f"--plant must be one of {sorted(PLANTS)}, got {plant!r}")
-    chosen = [c for c in all_checks() if only is None or only.lower() in c.name.lower()]
-    if not chosen:
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be 1 or more, got {jobs}")
+    indices = [i for i, c in enumerate(all_checks()) if only is None or only.lower() in c.name.lower()]
+    if not indices:
         raise ValueError(f"--only {only!r} matches no check; the checks are: "
                          + ", ".join(c.name for c in all_checks()))
+    jobs = default_jobs() if jobs is None else jobs
     tic = time.perf_counter()
-    results, skipped = run_checks(chosen, PLANTS[plant] if plant else None, progress)
-    first_use = guard.status()
+    if jobs > 1:
+        results, skipped, statuses = run_checks_parallel("gearbx_mlx.selftest:all_checks", indices, plant, jobs,
+                                                         f"{guard.__name__}:status", progress)
+    else:
+        chosen = [all_checks()[i] for i in indices]
+        results, skipped = run_checks(chosen, PLANTS[plant] if plant else None, progress)
+        statuses = []
+    first_use = _merged_status(statuses)
     rows = table_rows(results)
     passed = all(r.passed for r in results) and not first_use["failed"]
     return {
@@ -68,6 +100,7 @@ def selftest(plant: Optional[str] = None, only: Optional[str] = None, progress: 
         "passed": passed,
         "ran": len(results),
         "seconds": time.perf_counter() - tic,
+        "jobs": jobs,
         "plant": plant,
         "machine": {"hardware": hardware(), "software": software()},
         "rows": rows,
@@ -111,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plant", choices=sorted(PLANTS),
                    help="corrupt every kernel's packed weights (not the reference's): the run must FAIL, "
                         "which shows that the checks can fail")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="worker processes that run the checks at once (default: on CUDA, whose run-time "
+                        f"compiles take seconds per kernel, half the CPUs up to {MAX_JOBS}; else 1)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -122,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         path = check_target(args.json, "--json") if args.json else None  # before the checks, not after
-        report = selftest(args.plant, args.only, progress)
+        report = selftest(args.plant, args.only, progress, args.jobs)
         print(format_report(report))
         if path is not None:
             write_text(path, dumps(report, indent=1, default=str) + "\n")

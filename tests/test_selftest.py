@@ -213,6 +213,53 @@ def test_every_family_catches_a_planted_nibble_order(check, emulated_gpu):
     assert planted.cases and not any(c.result.passed for c in planted.cases)
 
 
+@pytest.mark.parametrize("check", [c for c in selftest.all_checks() if c.shards > 1], ids=lambda c: c.name)
+def test_a_sharded_check_runs_every_case_once_over_its_parts(check, emulated_gpu):
+    """The parts of a check a parallel selftest runs in separate processes hold its
+    cases between them, each once: the plain run's, in any order."""
+    whole = check.check()
+    parts = []
+    for k in range(check.shards):
+        emulated_gpu.setattr(kernelcheck, "_SHARD", [k, check.shards])
+        part = check.check()
+        assert part.error is None and part.cases, f"part {k} of {check.name} ran nothing"
+        parts += part.cases
+    assert sorted(parts, key=repr) == sorted(whole.cases, key=repr)
+
+
+def test_parallel_selftest_matches_the_plain_run_and_still_fails_a_plant():
+    """--jobs N runs the checks in N spawned processes: the same rows as one process,
+    and a planted fault still fails every row."""
+    if not c_kernels():
+        pytest.skip("the C kernels are not built here")
+    only = "C packed GEMV ref"
+    plain = selftest.selftest(only=only, jobs=1)
+    parallel = selftest.selftest(only="C packed GEMV", jobs=2)
+    assert parallel["jobs"] == 2 and parallel["passed"] and parallel["ran"] == len(checks.C_PATHS)
+    assert [r for r in parallel["rows"] if r["kernel"] == "C packed GEMV ref"] == plain["rows"]
+    planted = selftest.selftest(plant="nibble-order", only=only, jobs=2)
+    assert not planted["passed"] and not any(r["passed"] for r in planted["rows"])
+
+
+def test_the_selftest_imports_no_mlx_lm_and_the_public_names_still_resolve():
+    """The package's public names load on first use: the selftest (and each of its
+    worker processes) starts without mlx-lm and what it imports."""
+    code = ("import sys, gearbx_mlx.selftest; assert 'mlx_lm' not in sys.modules, 'mlx_lm imported'; "
+            "import gearbx_mlx; assert gearbx_mlx.GEARS == ('low', 'mid', 'high') and callable(gearbx_mlx.load); "
+            "assert set(gearbx_mlx.__all__) <= set(dir(gearbx_mlx)); from gearbx_mlx import Gearbox, stream_generate")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import gearbx_mlx
+
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        gearbx_mlx.no_such_name
+
+
+def test_jobs_below_one_is_one_clear_error(capsys):
+    assert selftest.main(["--jobs", "0"]) == 2
+    assert "--jobs must be 1 or more" in capsys.readouterr().err
+
+
 def test_a_kernel_that_raises_fails_its_check(emulated_gpu):
     def broken(*a, **k):
         raise RuntimeError("[metal::Device] Unable to build metal library from source")

@@ -13,9 +13,10 @@ source hash) is in the kernel's name.
 does not apply (no GPU, unsupported bits, group size or dtypes), so a caller
 falls back to :func:`reference`, the pure-MLX product (gather the kept
 columns, then ``mx.quantized_matmul``). The body is syntax-checked for both
-back ends (``scripts/check_metal_syntax.py --cuda``) and run on the host
-through ``metal_kernels/check/host_emulation.h`` by the tests; it has not
-run on a GPU.
+back ends (``scripts/check_metal_syntax.py --cuda``), run on the host
+through ``metal_kernels/check/host_emulation.h`` by the tests, and on CUDA
+GPUs by their CUDA tests (``tests/test_sparse_gpu.py``); it has not run on
+Metal.
 """
 
 from __future__ import annotations
@@ -110,8 +111,11 @@ def sparse_gemv(h: mx.array, parts: Any, blocks: mx.array, rows: int = ROWS) -> 
     if backend is None or unsupported(parts, h.dtype) is not None or h.size != parts.weight.shape[1] * 8:
         return None
     bias = getattr(parts, "bias", None)
-    kernel = _kernel(backend, parts.group_size, rows, h.dtype, parts.scales.dtype, bias is not None)
     out = parts.weight.shape[0]
+    if blocks.size == 0:  # nothing kept: no launch over an empty buffer
+        y = mx.zeros((out,), h.dtype) if bias is None else bias.astype(h.dtype)
+        return y.reshape(1, out)
+    kernel = _kernel(backend, parts.group_size, rows, h.dtype, parts.scales.dtype, bias is not None)
     inputs = [h.reshape(-1), parts.weight, parts.scales, parts.biases, blocks.astype(mx.uint32)]
     if bias is not None:
         inputs.append(bias.astype(h.dtype))

@@ -29,7 +29,17 @@ import mlx.core as mx
 import numpy as np
 
 from ..bindings import cpu, gpu, nested_cpu, nested_gpu
-from ..kernelcheck import FLOAT_RTOL, Case, KernelCheck, Plant, compare, dtype_name, gemv_bound, gpu_case_dtypes
+from ..kernelcheck import (
+    FLOAT_RTOL,
+    Case,
+    KernelCheck,
+    Plant,
+    compare,
+    dtype_name,
+    gemv_bound,
+    gpu_case_dtypes,
+    shard_of,
+)
 from .matmul import NestedProduct, gear_rows
 from .planes import DEFAULT_PLAN, Plane, build_planes
 
@@ -120,7 +130,9 @@ def _case(x: mx.array, y: mx.array, gear: Tuple[Sequence[Plane], int, Sequence[T
 
 def _gpu(plant: Optional[Plant]) -> List[Case]:
     cases = []
-    for (i, (o, k, plan)), dtype in zip(enumerate(CASES), gpu_case_dtypes(len(CASES), DTYPES)):
+    dtypes = gpu_case_dtypes(len(CASES), DTYPES)
+    for i, (o, k, plan) in shard_of(CASES):  # all of them, or one part's in a parallel run
+        dtype = dtypes[i]
         planes = make_planes(o, k, plan, dtype, seed=i)
         x = make_x((k,), dtype, seed=i)
         bias = make_x((o,), dtype, seed=i + 7) if i % 2 == 0 else None
@@ -194,7 +206,8 @@ def _dispatch_device() -> str:
 
 def checks() -> List[KernelCheck]:
     """The nested kernels' checks, in the order the table prints them."""
-    out = [KernelCheck("nested GEMV 1-3 planes", "a GPU (Metal or CUDA)", gpu.unavailable, gpu.device_label, _gpu)]
+    out = [KernelCheck("nested GEMV 1-3 planes", "a GPU (Metal or CUDA)", gpu.unavailable, gpu.device_label, _gpu,
+                       shards=len(CASES))]
     out += [KernelCheck(f"C nested GEMV {path}", "the C kernels (built at install)", cpu.unavailable,
                         lambda p=path: _c_device(p), _c_path(path)) for path in C_PATHS]
     out.append(KernelCheck("NestedProduct dispatch", "any device", lambda: None, _dispatch_device, _dispatch))

@@ -38,6 +38,7 @@ from ..kernelcheck import (
     gemv_bound,
     gpu_case_dtypes,
     shape_label,
+    shard_of,
 )
 from . import formats, layers
 from .layers import PackedLinear, backend_for
@@ -115,14 +116,14 @@ def _simt(bits: int):
     def run(plant: Optional[Plant]) -> List[Case]:
         dtypes = gpu_case_dtypes(len(SIMT_CASES), DTYPES)
         return [_gpu_case((bits, o, k, gs), bias, dtypes[i], plant, mma=False, seed=i)
-                for i, (o, k, gs, bias) in enumerate(SIMT_CASES)]
+                for i, (o, k, gs, bias) in shard_of(SIMT_CASES)]
     return run
 
 
 def _mma(plant: Optional[Plant]) -> List[Case]:
     dtypes = gpu_case_dtypes(len(MMA_CASES), packed_gpu.MMA_DTYPES)
     return [_gpu_case((4, o, k, gs), bias, dtypes[i], plant, mma=True, seed=i)
-            for i, (o, k, gs, bias) in enumerate(MMA_CASES)]
+            for i, (o, k, gs, bias) in shard_of(MMA_CASES)]
 
 
 def _fused(plant: Optional[Plant]) -> List[Case]:
@@ -223,11 +224,11 @@ def checks() -> List[KernelCheck]:
     """The packed GEMV's checks, in the order the table prints them."""
     out = [
         KernelCheck(f"packed GEMV int{bits} SIMT", "a GPU (Metal or CUDA)", gpu.unavailable, gpu.device_label,
-                    _simt(bits))
+                    _simt(bits), shards=2)
         for bits in (4, 8)
     ]
     out.append(KernelCheck("packed GEMV int4 matrix-unit", "a GPU (Metal or CUDA)", gpu.unavailable,
-                           gpu.device_label, _mma))
+                           gpu.device_label, _mma, shards=2))
     out.append(KernelCheck("packed GEMV int4 fused 2-3 outputs", "a GPU (Metal or CUDA)", gpu.unavailable,
                            gpu.device_label, _fused))
     out += [KernelCheck(f"C packed GEMV {path}", "the C kernels (built at install)", cpu.unavailable,
