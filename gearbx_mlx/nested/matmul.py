@@ -79,11 +79,12 @@ class NestedKernelConfig:
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
     intdot_one_row_plans: Tuple[Tuple[int, ...], ...] = ((4, 4),)
     cpu_max_rows: int = 8
-    #: Threads of the dense path's C unpacking (None: the C kernels' count). One: the
-    #: unpacking of one matrix alternates with its BLAS product, and a pool worker woken
-    #: for it spins (the pool's wait for back-to-back decode calls) on a CPU the BLAS
-    #: threads want; on two CPUs that cost the nested store's prompt time 12%
-    #: (docs/BENCHMARKS.md, prompt tokens/s).
+    #: Threads of the dense path's C unpacking (None: the C kernels' count). One, the
+    #: calling thread: no pool worker then spins between the unpacking and the BLAS
+    #: product on a CPU the BLAS threads want, which on two CPUs was ahead in most rounds
+    #: (``scripts/bench_prefill_inprocess.py``, docs/BENCHMARKS.md, prompt tokens/s); and
+    #: serial, it is still less work than the separate store's dequantization (MLX's
+    #: element-wise operations on one thread) on any number of CPUs.
     dense_unpack_threads: Optional[int] = 1
     gpu_low_mlx: bool = True
     gpu_compile: bool = True
