@@ -341,9 +341,11 @@ class PrecisionManager:
         mx.eval([w.parameters() for w in self.nested.values()])
         if c.kernel == "packed" and mx.default_device().type == mx.DeviceType.cpu:
             # The C kernels' view of each matrix's planes, checked now with the planes rather
-            # than in the first prefill (where it would cost as much as a few layers' products).
+            # than in the first prefill (where it would cost as much as a few layers' products),
+            # and the float32 matrix per shape that a prefill unpacks a gear into.
             for w in self.nested.values():
                 w.product.cpu_prepared()
+                w.product.reserve_dense()
         self.planes_seconds = time.perf_counter() - tic
         self._no_gear_dearer_than_high()
         if c.high == "planes":

@@ -200,6 +200,34 @@ def test_dense_products_sharing_scratch_weights_and_prepared_planes_stay_right()
 
 
 @on_cpu_device
+def test_dense_unpacking_on_the_caller_or_the_pool_gives_the_same_product(monkeypatch):
+    """The dense path's unpacking threads (NestedKernelConfig.dense_unpack_threads) change who
+    unpacks, never the product; a matrix of several blocks (no C unpacking) reserves nothing."""
+    monkeypatch.setattr(blas, "optimized", lambda: True)
+    planes = make_planes(72, 128, tuple(DEFAULT_PLAN), None, mx.float32, seed=3)
+    x = make_x((12, 128), mx.float32)
+    calls = []
+    real = nested_cpu.PreparedNested.unpack
+    monkeypatch.setattr(nested_cpu.PreparedNested, "unpack",
+                        lambda self, *a, **k: calls.append(k.get("threads")) or real(self, *a, **k))
+    products = {}
+    for threads in (1, None, 3):
+        product = NestedProduct(planes, NestedKernelConfig(dense_unpack_threads=threads))
+        assert product.backend_for(x, 2) == "dense"
+        assert product.reserve_dense()
+        products[threads] = product(x, 2)
+    assert calls == [1, None, 3]
+    assert mx.array_equal(products[1], products[None]).item() and mx.array_equal(products[1], products[3]).item()
+    want, mag = reference64(x, planes, 2)
+    assert_close(products[1], want, mag, mx.float32)
+    monkeypatch.setattr(blas, "optimized", lambda: False)  # the C kernels take every row: no scratch
+    assert not NestedProduct(planes).reserve_dense()
+    monkeypatch.setattr(blas, "optimized", lambda: True)
+    monkeypatch.setattr(planes_module, "DENSE_BLOCK_ELEMENTS", 8 * 128)  # 72 rows: nine blocks
+    assert not NestedProduct(planes).reserve_dense()
+
+
+@on_cpu_device
 def test_dense_product_of_planes_no_kernel_reads_takes_the_mlx_unpacking(monkeypatch):
     planes = make_planes(24, 128, DEFAULT_PLAN[:2] + ((5, 64),), None, mx.float16)
     x = make_x((3, 128), mx.float16)

@@ -46,7 +46,7 @@ from .. import blas
 from ..bindings import gpu, guard, nested_cpu, nested_gpu
 from ..mlx_tables import GROUP_SIZES, QUANT_BITS
 from ..packed.layers import cpu_backend
-from .planes import Plane, build_planes, dense_matmul, reference_matmul
+from .planes import Plane, build_planes, dense_matmul, reference_matmul, reserve_dense_scratch
 
 #: Names :meth:`NestedProduct.backend_for` returns.
 BACKENDS = ("metal", "cuda", "cpu", "dense", "reference")
@@ -79,6 +79,13 @@ class NestedKernelConfig:
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
     intdot_one_row_plans: Tuple[Tuple[int, ...], ...] = ((4, 4),)
     cpu_max_rows: int = 8
+    #: Threads of the dense path's C unpacking (None: the C kernels' count). One, the
+    #: calling thread: no pool worker then spins between the unpacking and the BLAS
+    #: product on a CPU the BLAS threads want, which on two CPUs was ahead in most rounds
+    #: (``scripts/bench_prefill_inprocess.py``, docs/BENCHMARKS.md, prompt tokens/s); and
+    #: serial, it is still less work than the separate store's dequantization (MLX's
+    #: element-wise operations on one thread) on any number of CPUs.
+    dense_unpack_threads: Optional[int] = 1
     gpu_low_mlx: bool = True
     gpu_compile: bool = True
     #: On a GPU, the precision manager reads each fused group (q/k/v, gate/up) of a
@@ -210,6 +217,15 @@ class NestedProduct:
                 self._prepared = nested_cpu.prepare_nested(self.planes[:k])
         return self._prepared
 
+    def reserve_dense(self) -> bool:
+        """Where a prefill of this matrix takes the dense path with the C unpacking (the CPU
+        device, an optimized BLAS, the kernels built), allocate the float32 matrix it unpacks
+        into now (:func:`.planes.reserve_dense_scratch`) rather than in the first prefill.
+        Returns True where it did."""
+        if mx.default_device().type != mx.DeviceType.cpu or not blas.optimized() or self.cpu_prepared() is None:
+            return False
+        return reserve_dense_scratch(self.out_features, self.in_features)
+
     def _host_prepared(self) -> Optional[nested_cpu.PreparedNested]:
         """:meth:`cpu_prepared` on the CPU device (one state for the C GEMV and the dense path's
         unpacking, built once), else None."""
@@ -278,7 +294,8 @@ class NestedProduct:
                 y = y + bias.astype(mx.float32)
             return y.astype(x.dtype)
         if path == "dense":
-            return dense_matmul(x, self.planes, n, bias, prepared=self._host_prepared())
+            return dense_matmul(x, self.planes, n, bias, prepared=self._host_prepared(),
+                                unpack_threads=self.config.dense_unpack_threads)
         if x.ndim == 1:  # MLX's CUDA quantized_matmul wants a matrix
             return reference_matmul(x[None], self.planes, n, bias)[0]
         return reference_matmul(x, self.planes, n, bias)

@@ -323,6 +323,7 @@ DENSE_BLOCK_ELEMENTS = 1 << 22
 
 def dense_matmul(
     x: mx.array, planes: Sequence[Plane], n: int, bias: Optional[mx.array] = None, prepared: Optional[Any] = None,
+    unpack_threads: Optional[int] = None,
 ) -> mx.array:
     """The product of :func:`reference_matmul` as one BLAS product: the first ``n`` planes
     dequantized and summed in float32 (:meth:`Plane.dequantize`), then ``x @ w.T`` in float32.
@@ -344,6 +345,8 @@ def dense_matmul(
             them (a ``PreparedNested`` of at least ``n`` planes: a layer's
             :class:`~gearbx_mlx.nested.matmul.NestedProduct` builds one for both
             its paths); else checked here once and kept while the planes live.
+        unpack_threads: threads of the C unpacking (default the C kernels' count,
+            :func:`gearbx_mlx.bindings.cpu.get_threads`).
     Returns:
         ``(..., out)`` in the dtype of ``x``.
     """
@@ -361,7 +364,7 @@ def dense_matmul(
         prepared = _c_planes(planes[:n])
     parts = []
     if prepared is not None:
-        parts.append(xf @ prepared.unpack(n, out=_scratch(out_features, in_features)).T)
+        parts.append(xf @ prepared.unpack(n, out=_scratch(out_features, in_features), threads=unpack_threads).T)
         mx.eval(parts[0])  # done with the scratch weights before the next call rewrites them
     for start in range(0, out_features, step) if prepared is None else ():
         block = [_rows_of(p, start, start + step) for p in planes[:n]] if step < out_features else planes[:n]
@@ -393,6 +396,19 @@ def _scratch(rows: int, cols: int) -> mx.array:
     if w is None:
         w = cache[(rows, cols)] = mx.zeros((rows, cols), dtype=mx.float32)
     return w
+
+
+def reserve_dense_scratch(out_features: int, in_features: int) -> bool:
+    """Allocate and write, on this thread, the float32 ``(out, in)`` matrix that :func:`dense_matmul`
+    unpacks a gear of that shape into through the C kernels (one per shape and thread), now rather
+    than in the first prefill, where faulting its pages in costs about 2 us per 4 KiB.
+
+    Returns False for a shape :func:`dense_matmul` unpacks a block at a time in MLX (no scratch).
+    """
+    if max(1, DENSE_BLOCK_ELEMENTS // in_features) < out_features:
+        return False
+    mx.eval(_scratch(out_features, in_features))
+    return True
 
 
 def _c_planes(planes: Sequence[Plane]) -> Optional[Any]:

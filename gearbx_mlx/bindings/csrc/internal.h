@@ -298,6 +298,11 @@ typedef struct gbx_plane_rt gbx_plane_rt;
  * before its factor: sum_g s_g * (codes . x)_g + b_g * xsum_g. */
 typedef float (*gbx_plane_fn)(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k);
 
+/* Both planes of a gear of two 4-bit planes of one scale dtype (the mid gear)
+ * in one pass over row r: y[i] is what fn[0][dtype] returns for plane i, bit
+ * for bit (the same operations per plane; the activations are read once). */
+typedef void (*gbx_pair_fn)(const gbx_nested_ctx *c, int r, int k, float *y);
+
 /* One plane as the kernels read it. */
 struct gbx_plane_rt {
     const uint8_t *codes; /* row r at codes + r * row_bytes */
@@ -328,6 +333,7 @@ struct gbx_nested_ctx {
     const gbx_span_f32 *xf;  /* [m][nspans] float path: split order */
     const gbx_act_q8 *a;     /* [m] intdot path */
     float *y;                /* [m][O] */
+    gbx_pair_fn pair;        /* the gear's pair kernel (two 4-bit planes), or NULL */
 };
 
 /* nested.c, for both of its callers (the GEMV and unpack.c's unpacking):
@@ -397,6 +403,7 @@ GBX_HIDDEN void gbx_nested_isa_names(const char **float_isa, const char **intdot
 typedef struct {
     const char *name;
     gbx_plane_fn fn[3][3];
+    gbx_pair_fn pair4[3]; /* [dtype]; NULL where the family has none */
 } gbx_nested_kernels;
 
 /* ------------------------------------------------------------------------ */

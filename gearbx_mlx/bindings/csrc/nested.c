@@ -157,6 +157,21 @@ int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, in
     return GBX_OK;
 }
 
+/* A gear of two 4-bit planes through the family's pair kernel (c->pair): the
+ * same per-plane values, summed as nested_rows sums them. */
+static void nested_rows_pair(const gbx_ctx *cc, int r0, int r1)
+{
+    const gbx_nested_ctx *c = cc->nest;
+    for (int r = r0; r < r1; ++r)
+        for (int k = 0; k < c->m; ++k) {
+            float y[2], acc = 0.0f;
+            c->pair(c, r, k, y);
+            acc += c->p[0].factor * y[0];
+            acc += c->p[1].factor * y[1];
+            c->y[(size_t)k * c->O + r] = acc;
+        }
+}
+
 static void nested_rows(const gbx_ctx *cc, int r0, int r1)
 {
     const gbx_nested_ctx *c = cc->nest;
@@ -292,9 +307,12 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
     c.x = x, c.y = y;
 
     nested_buffers buf;
+    if (n == 2 && planes[0].bits == 4 && planes[1].bits == 4 && planes[0].dtype == planes[1].dtype)
+        c.pair = kern->pair4[planes[0].dtype];
     rc = build_buffers(&c, intdot, any4, &buf);
     if (rc == GBX_OK)
-        rc = gbx_nested_run(nested_rows, &c, out_features, (size_t)in_features * (size_t)n * (size_t)m, nthreads);
+        rc = gbx_nested_run(c.pair ? nested_rows_pair : nested_rows, &c, out_features,
+                            (size_t)in_features * (size_t)n * (size_t)m, nthreads);
     free_buffers(&buf);
     return rc;
 }

@@ -278,6 +278,33 @@ static void check_unpack(const gbx_plane *pl, int n, int O, int I, int label)
     free(want), free(got);
 }
 
+/* A gear of two 4-bit planes of one scale dtype takes the pair kernel where the
+ * family has one (x86): `got` (its intdot output on one thread) must be each
+ * plane's own kernel (a call of that plane alone, factor 1) summed as
+ * nested_rows sums them, bit for bit (x86 only: elsewhere the compiler may fuse
+ * nested_rows' multiply-adds, which this sum does not). */
+static void check_pair(const gbx_plane *pl, int n, const float *x, const float *got, int m, int O, int I, int label)
+{
+    if (!GBX_X86 || n != 2 || pl[0].bits != 4 || pl[1].bits != 4 || pl[0].dtype != pl[1].dtype)
+        return;
+    gbx_plane one[2] = {pl[0], pl[1]};
+    one[0].factor = one[1].factor = 1.0f;
+    float *y0 = malloc(sizeof(float) * (size_t)m * O), *y1 = malloc(sizeof(float) * (size_t)m * O);
+    if (gbx_nested_gemv(one, 1, x, y0, m, O, I, GBX_PATH_INTDOT, 1) != GBX_OK ||
+        gbx_nested_gemv(one + 1, 1, x, y1, m, O, I, GBX_PATH_INTDOT, 1) != GBX_OK)
+        report("nested-pair-call-failed", label, O, I, pl[0].group_size, 1, -1, 0, 0);
+    else
+        for (size_t i = 0; i < (size_t)m * O; ++i, ++g_checks) {
+            volatile float t0 = pl[0].factor * y0[i], t1 = pl[1].factor * y1[i];
+            float acc = 0.0f;
+            acc += t0;
+            acc += t1;
+            if (memcmp(&acc, &got[i], sizeof acc) != 0)
+                report("nested-pair", label, O, I, pl[0].group_size, 1, (int)i, got[i], acc);
+        }
+    free(y0), free(y1);
+}
+
 /* One nested case: plan bits[0..n) with group sizes gss, scale dtypes, m activation rows.  Exact
  * data: integer x with max |x| = 127 per block (d_b = 1), power-of-two
  * scales and factors, small integer biases, and every partial sum an integer
@@ -370,6 +397,7 @@ static void check_nested_case(const int *bits, const int *gss, const int *dtypes
                         report("nested-thread-invariance", label, O, I, gs, th, (int)i, y[i], y1[i]);
         }
     }
+    check_pair(pl, n, x, y1, m, O, I, label);
 done:
     for (int p = 0; p < n; ++p)
         free((void *)pl[p].codes), free((void *)pl[p].scales), free((void *)pl[p].biases);

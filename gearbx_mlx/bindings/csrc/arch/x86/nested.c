@@ -341,12 +341,55 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
         if (SIGNED8)                                                                                             \
             y += 128.0f * group_dot(p->scales, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                  \
         return y + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                         \
+    }                                                                                                            \
+    /* plane4_intdot of planes 0 and 1 side by side: each plane's own operations, in its order */               \
+    ATTR GBX_INLINE void pair4_intdot_##SUFFIX(const gbx_nested_ctx *c, int r, int k, float *y, const int dtype) \
+    {                                                                                                            \
+        const gbx_plane_rt *p = c->p, *q = c->p + 1;                                                             \
+        const uint8_t *w = p->codes + (size_t)r * p->row_bytes, *v = q->codes + (size_t)r * q->row_bytes;        \
+        const size_t off = (size_t)r * p->ng, offq = (size_t)r * q->ng;                                          \
+        const gbx_act_q8 *a = c->a + k;                                                                          \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, bcc0 = acc0, bcc1 = acc0;                                \
+        int s = 0;                                                                                               \
+        for (; s + 2 <= c->nspans; s += 2) {                                                                     \
+            GBX_PREFETCH(w + (size_t)s * (GBX_SPAN / 2) + GBX_PREFETCH_BYTES);                                   \
+            GBX_PREFETCH(v + (size_t)s * (GBX_SPAN / 2) + GBX_PREFETCH_BYTES);                                   \
+            const __m256 d0 = _mm256_load_ps(a->span_d + 8 * (size_t)s);                                         \
+            const __m256 d1 = _mm256_load_ps(a->span_d + 8 * (size_t)(s + 1));                                   \
+            const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
+            const __m256 f1 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
+            const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
+            const __m256 g1 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
+            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, p->gshift, dtype), acc0); \
+            acc1 = _mm256_fmadd_ps(_mm256_mul_ps(f1, d1), span_scales(p->scales, off, s + 1, p->gshift, dtype), acc1); \
+            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, q->gshift, dtype), bcc0); \
+            bcc1 = _mm256_fmadd_ps(_mm256_mul_ps(g1, d1), span_scales(q->scales, offq, s + 1, q->gshift, dtype), bcc1); \
+        }                                                                                                        \
+        if (s < c->nspans) {                                                                                     \
+            const __m256 d0 = _mm256_load_ps(a->span_d + 8 * (size_t)s);                                         \
+            const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
+            const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
+            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, p->gshift, dtype), acc0); \
+            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, q->gshift, dtype), bcc0); \
+        }                                                                                                        \
+        y[0] = hsum_avx2(_mm256_add_ps(acc0, acc1)) + gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) + \
+               group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                             \
+        y[1] = hsum_avx2(_mm256_add_ps(bcc0, bcc1)) + gbx_nested_tail_intdot(c, q, r, k, 2 * c->nspans, c->I / GBX_QK) + \
+               group_dot(q->biases, offq, q->xsum + (size_t)k * q->ng, q->ng, dtype);                            \
     }
 
 /* One exported function per (bits, dtype): the dtype a compile-time constant. */
 #define GBX_NESTED_INST(ATTR, BODY, NAME, DT) \
     ATTR static float NAME(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k) { return BODY(c, p, r, k, DT); }
-#define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8, BODY6)                \
+#define GBX_PAIR_INST(ATTR, BODY, NAME, DT) \
+    ATTR static void NAME(const gbx_nested_ctx *c, int r, int k, float *y) { BODY(c, r, k, y, DT); }
+/* PAIR4: the intdot families' pair4 body, or nothing (no pair kernels) */
+#define GBX_PAIR_TABLE(TABLE, ATTR, PAIR4)                                     \
+    GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_f32, GBX_DTYPE_F32)                  \
+    GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_f16, GBX_DTYPE_F16)                  \
+    GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_bf16, GBX_DTYPE_BF16)
+#define GBX_PAIRS_OF(TABLE) {TABLE##_p4_f32, TABLE##_p4_f16, TABLE##_p4_bf16}
+#define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8, BODY6, PAIRS)         \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f32, GBX_DTYPE_F32)                 \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f16, GBX_DTYPE_F16)                 \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_bf16, GBX_DTYPE_BF16)               \
@@ -359,13 +402,15 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
     const gbx_nested_kernels TABLE = {ISA,                                     \
                                       {{TABLE##_4_f32, TABLE##_4_f16, TABLE##_4_bf16}, \
                                        {TABLE##_8_f32, TABLE##_8_f16, TABLE##_8_bf16}, \
-                                       {TABLE##_6_f32, TABLE##_6_f16, TABLE##_6_bf16}}};
+                                       {TABLE##_6_f32, TABLE##_6_f16, TABLE##_6_bf16}}, \
+                                      PAIRS};
 
-GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float, plane6_float)
+GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float, plane6_float, )
 
 GBX_DEF_NESTED_INTDOT(avx2, GBX_NESTED_FN, u4_span_isum_avx2, u8_block_isum_signed, 1)
+GBX_PAIR_TABLE(gbx_nested_intdot_avx2, GBX_NESTED_FN, pair4_intdot_avx2)
 GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_avx2, plane8_intdot_avx2,
-                 plane6_intdot)
+                 plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_avx2))
 
 /* vpdpbusd: unsigned codes times int8 x, four products per int32 lane, no
  * int16 pairs to saturate. */
@@ -387,14 +432,16 @@ GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_av
 #if GBX_VNNI512
 #define GBX_NESTED_VNNI512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 GBX_DEF_NESTED_VNNI(vnni512, GBX_NESTED_VNNI512_FN, _mm256_dpbusd_epi32)
+GBX_PAIR_TABLE(gbx_nested_intdot_vnni512, GBX_NESTED_VNNI512_FN, pair4_intdot_vnni512)
 GBX_NESTED_TABLE(gbx_nested_intdot_vnni512, "avx512vnni", GBX_NESTED_VNNI512_FN, plane4_intdot_vnni512,
-                 plane8_intdot_vnni512, plane6_intdot)
+                 plane8_intdot_vnni512, plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_vnni512))
 #endif
 #if GBX_AVXVNNI
 #define GBX_NESTED_AVXVNNI_FN __attribute__((target("avx2,fma,f16c,avxvnni")))
 GBX_DEF_NESTED_VNNI(avxvnni, GBX_NESTED_AVXVNNI_FN, _mm256_dpbusd_avx_epi32)
+GBX_PAIR_TABLE(gbx_nested_intdot_avxvnni, GBX_NESTED_AVXVNNI_FN, pair4_intdot_avxvnni)
 GBX_NESTED_TABLE(gbx_nested_intdot_avxvnni, "avxvnni", GBX_NESTED_AVXVNNI_FN, plane4_intdot_avxvnni,
-                 plane8_intdot_avxvnni, plane6_intdot)
+                 plane8_intdot_avxvnni, plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_avxvnni))
 #endif
 
 #endif /* GBX_X86 */

@@ -1,0 +1,148 @@
+"""Prompt windows of both stores and of nested kernel settings, alternated in one process.
+
+    python scripts/bench_prefill_inprocess.py [--rounds 14] [--threads N] [--model NAME] [--out FILE.json]
+
+Loads the model twice in one process, once per store (``--scope all``), and
+times mlx-lm's prompt window (the first response of ``run.tokens()``, as
+``scripts/bench_prefill_store.py --clock cpu`` does) for each variant in a
+shuffled order every round: separate copies, and the nested store with each
+setting of ``NestedKernelConfig.dense_unpack_threads`` (the dense prefill's
+C unpacking on the calling thread, the default, or on the C kernels' pool).
+Every window after a first, untimed one per variant: so it times the steady
+state that fresh processes reach after their first prompt, and every variant
+meets the same machine and the same allocator state, where fresh processes
+on a loaded machine swing far more (docs/BENCHMARKS.md, prompt tokens/s).
+Writes the windows (wall and CPU time), each variant's per-round ratio
+separate/variant (prompt tokens/s of the variant over separate's), the load
+average and the date to ``--out`` (default
+``benchmarks/results/prefill_inprocess.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_prefill_store import PROMPT  # noqa: E402
+
+#: variant -> (store, the nested dense unpacking's threads: 0 the C kernels' pool, 1 the caller)
+VARIANTS: Dict[str, Tuple[str, Optional[int]]] = {
+    "separate": ("separate", None),
+    "nested_unpack_on_caller": ("nested", 1),
+    "nested_unpack_on_pool": ("nested", 0),
+}
+
+
+def loaded(model: Optional[str]) -> Dict[str, Any]:
+    import gearbx_mlx
+    from gearbx_mlx import generation
+
+    stores = {s: gearbx_mlx.load(model, scope="all", store=s) for s in ("separate", "nested")}
+    generation.settle_loaded()
+    return stores
+
+
+def set_unpack_threads(gearbox: Any, threads: int) -> None:
+    """Every nested matrix's dense unpacking on ``threads`` (0: the C kernels' pool)."""
+    value = threads or None
+    for weights in gearbox.manager.nested.values():
+        product = weights.product
+        product.config = dataclasses.replace(product.config, dense_unpack_threads=value)
+
+
+def window(stores: Dict[str, Any], variant: str) -> Dict[str, Any]:
+    import gearbx_mlx
+    from gearbx_mlx.chat import apply_chat_template
+
+    store, threads = VARIANTS[variant]
+    model, tokenizer, gearbox = stores[store]
+    if store == "nested":
+        set_unpack_threads(gearbox, threads)
+    text = apply_chat_template(tokenizer, PROMPT, None, use_template=True)
+    run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=4, prompt_text=PROMPT)
+    tokens = run.tokens()
+    wall, cpu = time.perf_counter(), time.process_time()
+    first = next(tokens)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    run.close()
+    return {"variant": variant, "prompt_tokens": int(first.prompt_tokens), "gear": first.gear,
+            "token": int(first.token), "wall_s": round(wall, 4), "cpu_s": round(cpu, 4)}
+
+
+def ratios(runs: List[Dict[str, Any]], variant: str, key: str) -> List[float]:
+    """Per round: separate's time over the variant's (the variant's prompt tokens/s over separate's)."""
+    by_round: Dict[int, Dict[str, float]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["variant"]] = r[key]
+    return [t["separate"] / t[variant] for t in by_round.values() if variant in t and "separate" in t]
+
+
+def summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out = {}
+    for v in VARIANTS:
+        if v == "separate":
+            continue
+        wall, cpu = ratios(runs, v, "wall_s"), ratios(runs, v, "cpu_s")
+        out[v] = {"wall_ratios": wall, "cpu_ratios": cpu, "median_wall_ratio": statistics.median(wall),
+                  "median_cpu_ratio": statistics.median(cpu)}
+    return out
+
+
+def measure(args: argparse.Namespace, report: Callable[[str], None]) -> Dict[str, Any]:
+    if args.threads:
+        from gearbx_mlx.bindings import cpu
+
+        cpu.set_threads(args.threads)
+    stores = loaded(args.model)
+    first = {v: window(stores, v) for v in VARIANTS}  # untimed: first use of every path
+    if len({r["token"] for r in first.values()}) != 1:
+        raise SystemExit(f"error: the variants' first tokens differ: {first}")
+    load_before, runs = os.getloadavg(), []
+    for k in range(args.rounds):
+        order = list(VARIANTS)
+        random.Random(k).shuffle(order)
+        for v in order:
+            runs.append({**window(stores, v), "round": k})
+            report(f"round {k} {v:22s} wall {runs[-1]['wall_s']:.4f} s  cpu {runs[-1]['cpu_s']:.4f} s")
+    return {"what": "prompt window, both stores and nested settings alternated in one process",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+            "threads": args.threads, "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+            "ld_preload": os.environ.get("LD_PRELOAD"),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+            "runs": runs, "variants": summary(runs)}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=14)
+    ap.add_argument("--threads", type=int, default=None, help="the C kernels' threads (set OPENBLAS_NUM_THREADS too)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill_inprocess.json")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("error: --rounds must be at least 1")
+    result = measure(args, print)
+    for v, s in result["variants"].items():
+        print(f"{v}: median prompt tokens/s over separate's: wall {s['median_wall_ratio']:.3f}, "
+              f"cpu {s['median_cpu_ratio']:.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
