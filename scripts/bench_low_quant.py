@@ -68,14 +68,14 @@ def _as_float(module: Any) -> Any:
     return out
 
 
-def _load(method: str, scope: str, planes_dir: str):
+def _load(method: str, scope: str, planes_dir: str, model: Optional[str] = None):
     from gearbx_mlx import precision
     from gearbx_mlx.config import GearboxConfig
     from gearbx_mlx.generation import load
 
     # The planes cache in the run's own folder: the first load builds the planes, the second reads them.
     precision.cache_path = lambda model_dir, key, fallback: Path(planes_dir) / f"{key}.safetensors"
-    return load(None, config=GearboxConfig(scope=scope, store="nested", kernel="mlx", low_quant=method))
+    return load(model, config=GearboxConfig(scope=scope, store="nested", kernel="mlx", low_quant=method))
 
 
 def _quality(model: Any, gb: Any, ids: List[int], window: int) -> Dict[str, Any]:
@@ -118,18 +118,20 @@ def _quality(model: Any, gb: Any, ids: List[int], window: int) -> Dict[str, Any]
 
 def child(args: argparse.Namespace) -> Dict[str, Any]:
     from gearbx_mlx.evaluation.harness import text_tokens
+    from gearbx_mlx.nested.lowquant import calibration_tokens
     from gearbx_mlx.sources.models import corpus_path
 
     tic = time.perf_counter()
-    model, tok, gb = _load(args.child, args.scope, args.planes_dir)
+    model, tok, gb = _load(args.child, args.scope, args.planes_dir, args.model)
     mgr = gb.manager
     built = {"origin": mgr.planes_origin, "planes_seconds": mgr.planes_seconds,
              "quantizer_seconds": mgr.low_quant_seconds, "load_seconds": time.perf_counter() - tic,
-             "planes_file": mgr.planes_file.name if mgr.planes_file else None, "managed_layers": len(mgr.paths)}
+             "planes_file": mgr.planes_file.name if mgr.planes_file else None, "managed_layers": len(mgr.paths),
+             "calibration_samples_x_length": list(calibration_tokens(tok).shape)}
     ids = text_tokens(tok, corpus_path("lee_background").read_text(encoding="utf-8"), args.tokens + 1)
     quality = _quality(model, gb, ids, args.window)
     del model, gb, mgr
-    _, _, again = _load(args.child, args.scope, args.planes_dir)
+    _, _, again = _load(args.child, args.scope, args.planes_dir, args.model)
     second = {"origin": again.manager.planes_origin, "planes_seconds": again.manager.planes_seconds,
               "quantizer_seconds": again.manager.low_quant_seconds}
     return {"quantizer": args.child, "finished": True, "build": built, "second_load": second, **quality}
@@ -145,9 +147,15 @@ def _progress(stderr: str) -> str:
 def _run_child(method: str, args: argparse.Namespace) -> Dict[str, Any]:
     from gearbx_mlx.evaluation.machine import load_average
 
-    with tempfile.TemporaryDirectory() as planes, tempfile.NamedTemporaryFile(suffix=".json") as res:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.NamedTemporaryFile(suffix=".json") as res:
+        planes = str(Path(args.keep_planes) / method) if args.keep_planes else tmp
+        if args.keep_planes:  # a fresh build: the first load must not read an earlier run's planes
+            Path(planes).mkdir(parents=True, exist_ok=True)
+            for old in Path(planes).glob("*.safetensors"):
+                old.unlink()
         cmd = [sys.executable, __file__, "--child", method, "--planes-dir", planes, "--result", res.name,
                "--scope", args.scope, "--tokens", str(args.tokens), "--window", str(args.window)]
+        cmd += ["--model", args.model] if args.model else []
         before, tic = load_average(), time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -194,13 +202,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--budget", type=int, default=300, help="seconds each quantizer's child may take")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/low_quant_smollm2-135m.json"))
+    p.add_argument("--model", default=None, help="a model name or folder (default: the default model)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/low_quant_<model>.json")
+    p.add_argument("--keep-planes", default=None,
+                   help="a folder that keeps each quantizer's planes file (for a later speculative run)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of --out's other quantizers (runs of different budgets in one file)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--planes-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.out = args.out or str(ROOT / f"benchmarks/results/low_quant_{args.model or 'smollm2-135m'}.json")
+    if args.keep_planes:
+        Path(args.keep_planes).mkdir(parents=True, exist_ok=True)
     if args.child:
         Path(args.result).write_text(json.dumps(child(args)))
         return 0
@@ -220,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs.append({"command": command, "quantizers": args.quantizers, "budget_seconds": args.budget,
                  "date": date.today().isoformat(), "load_average_end": load_average()})
     result = {
-        "runs": runs, "model": "SmolLM2-135M-Instruct (float32, the default model)",
+        "runs": runs, "model": args.model or "SmolLM2-135M-Instruct (float32, the default model)",
         "scope": args.scope, "tokens": args.tokens, "window": args.window,
         "text": "gensim lee_background.cor (evaluation); the quantizers calibrate on lee.cor",
         "acceptance_method": "greedy blocks of k drafts replayed along the text from the low gear's per-position "
