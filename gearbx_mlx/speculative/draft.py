@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +43,54 @@ DRAFT_GEARS = ("low", "mid")
 #: quantize-then-dequantize float weights (same values, fast multi-token
 #: products on the CPU; for analysis, never for speed).
 DRAFT_QUANTIZERS = ("gearbox", "fake")
+#: mlx-lm architectures whose logits are their body's last hidden states through the output
+#: projection alone (``Model.__call__``: ``self.model(...)``, then ``lm_head`` or the tied
+#: embedding's ``as_linear``), so that logits can be taken a few positions at a time.
+HEAD_SPLIT_ARCHITECTURES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+#: Positions whose logits :func:`prefill_rows` holds at once.
+PREFILL_ROWS = 2
+
+
+def body_and_head(module: nn.Module) -> Optional[Tuple[nn.Module, Callable[[mx.array], mx.array]]]:
+    """``(body, head)`` of an mlx-lm model of :data:`HEAD_SPLIT_ARCHITECTURES` on the CPU whose
+    output projection is a float ``nn.Linear`` or tied ``nn.Embedding`` (``module(x) ==
+    head(body(x))``, and a few rows through the head are those rows of the whole product), or
+    None: another architecture, device or head (a quantized product may take another kernel
+    for fewer rows)."""
+    if type(module).__module__ not in HEAD_SPLIT_ARCHITECTURES or mx.default_device() != mx.cpu:
+        return None
+    body = module.model
+    tied = module.args.tie_word_embeddings
+    head = body.embed_tokens if tied else module.lm_head
+    if type(head) is not (nn.Embedding if tied else nn.Linear):
+        return None
+    return body, (head.as_linear if tied else head)
+
+
+def prefill_rows(module: Any, inputs: mx.array, cache: List[Any]) -> Callable[[int], mx.array]:
+    """Prefill ``cache`` with ``inputs`` ``(1, T)`` and give ``rows(start)``: the ``(n, V)`` logits
+    of positions ``start .. start + PREFILL_ROWS`` (``n`` fewer at the end), to be called for
+    ``start = 0, PREFILL_ROWS, ...`` in turn; the values are those of one call on the whole prompt.
+
+    The prompt's ``(T, V)`` logits are not held whole where that gives the same values (39 x
+    151,936 float32 is 24 MB, 256 positions 156 MB): a model the head splits from
+    (:func:`body_and_head`) runs its body over the whole prompt and its head a few rows at a
+    time; a drafter's host step feeds the tokens in turn anyway, a few per call. Otherwise
+    (a drafter's multi-token pass through quantized layers among them) slices of the whole logits."""
+    draft = module if isinstance(module, DraftModel) else None
+    if draft is not None:
+        if cache and isinstance(cache[0], HostKVCache) and inputs.size <= HOST_PREFILL_MAX:
+            return lambda start: draft(inputs[:, start : start + PREFILL_ROWS], cache=cache)[0]
+        split = None
+    else:
+        split = body_and_head(module)
+    if split is None:
+        logits = module(inputs, cache=cache)[0]
+        return lambda start: logits[start : start + PREFILL_ROWS]
+    body, head = split
+    hidden = body(inputs, cache)[0]
+    mx.eval(hidden, [c.state for c in cache])
+    return lambda start: head(hidden[start : start + PREFILL_ROWS])
 
 
 @dataclass
