@@ -428,3 +428,32 @@ def test_the_decision_compares_the_prompt_a_few_positions_at_a_time(llama_packed
         for name in ("keys", "values"):
             np.testing.assert_array_equal(np.asarray(getattr(a, name))[..., : a.offset, :],
                                           np.asarray(getattr(b, name))[..., : b.offset, :])
+
+
+@pytest.mark.parametrize("length", [37, 100])
+def test_the_drafters_prefill_computes_no_logits(llama_packed, monkeypatch, length):
+    """The host drafter's prefill fills its cache as a call on the prompt would, without the
+    ``(T, V)`` logits a call returns: a short prompt through the host step without its head,
+    a long one (the tree's multi-token pass) through the tree's body alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gearbx_mlx.speculative.drafter import prefill
+
+    needs_host()
+    _, gb, draft = llama_packed
+    prompt = mx.array((PROMPT * 12)[:length] + [7])
+    ref = make_prompt_cache(draft)
+    draft(prompt[:-1][None], cache=ref)
+    got = make_prompt_cache(draft)
+    steps = []
+    step = draft.host.step
+    monkeypatch.setattr(draft.host, "step", lambda t, c, logits=True: steps.append(logits) or step(t, c, logits))
+    monkeypatch.setattr(type(draft.module), "__call__", lambda *a, **k: pytest.fail("the drafter computed logits"))
+    last = prefill(draft, got, prompt, 512)
+    assert last.tolist() == [7]
+    assert not any(steps) and (bool(steps) == (length <= 64)), steps
+    for a, b in zip(ref, got):
+        assert a.offset == b.offset == length
+        for name in ("keys", "values"):
+            np.testing.assert_array_equal(a.keys[..., : a.offset, :] if name == "keys" else a.values[..., : a.offset, :],
+                                          getattr(b, name)[..., : b.offset, :])

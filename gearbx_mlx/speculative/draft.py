@@ -138,16 +138,34 @@ class DraftModel:
             return mx.array(self.host(inputs.reshape(-1).tolist(), cache))[None]
         return self.module(inputs, cache=cache, **kwargs)
 
-    def _tree_prefill(self, inputs: mx.array, cache: List["HostKVCache"]) -> mx.array:
+    def feed(self, inputs: mx.array, cache: List[Any]) -> None:
+        """Prefill ``cache`` with ``inputs`` ``(1, T)`` as a call would, computing no logits: the
+        host step feeds the tokens in turn without its head (a call holds ``(T, V)`` float32
+        logits twice, numpy's and MLX's: 47 MB for 39 tokens of a 151,936-token vocabulary), a
+        longer input runs the tree's body alone on :data:`HEAD_SPLIT_ARCHITECTURES`, and the
+        tree's own cache evaluates its state alone."""
+        if not (cache and isinstance(cache[0], HostKVCache)):
+            self.module(inputs, cache=cache)
+            mx.eval([c.state for c in cache])
+        elif inputs.size <= HOST_PREFILL_MAX and self.host is not None:
+            for t in inputs.reshape(-1).tolist():
+                self.host.step(int(t), cache, logits=False)
+        else:
+            split = type(self.module).__module__ in HEAD_SPLIT_ARCHITECTURES and not self.sparse
+            self._tree_prefill(inputs, cache, self.module.model if split else None)
+
+    def _tree_prefill(self, inputs: mx.array, cache: List["HostKVCache"], fn: Optional[Callable[..., mx.array]] = None
+                      ) -> mx.array:
         """A long input through the MLX tree (one multi-token pass instead of
-        a GEMV per token), on a KV cache seeded from the host cache and copied back."""
+        a GEMV per token), on a KV cache seeded from the host cache and copied back.
+        ``fn``: what runs on the tree's cache (default the tree; its body leaves the head out)."""
         tmp = []
         for c in cache:
             kv = KVCache()
             if c.offset:
                 kv.update_and_fetch(mx.array(c.keys[None, :, : c.offset]), mx.array(c.values[None, :, : c.offset]))
             tmp.append(kv)
-        out = self.module(inputs, cache=tmp)
+        out = (fn or self.module)(inputs, cache=tmp)
         mx.eval(out, [(t.keys, t.values) for t in tmp])
         n = inputs.shape[-1]
         for c, t in zip(cache, tmp):
