@@ -9,7 +9,11 @@ in the loaded model on ``--tokens`` of the calibration text (``lee.cor``) and of
 evaluation text (``lee_background.cor``), and reports each layer's relative output error
 ``|X (W - W_low)^T|^2 / |X W^T|^2`` both ways, grouped by projection (GPTQ minimizes
 exactly this on its calibration inputs), with and without each window's first position
-(an attention sink whose inputs can dominate the Hessian).
+(an attention sink whose inputs can dominate the Hessian). Then the same error on the inputs
+each layer sees in the low gear itself (every managed layer at its low-plane values), the
+weight error ``|W - W_low|^2 / |W|^2``, and the low gear's mean KL(loaded || low) over the
+evaluation tokens: where GPTQ has the smaller error on the loaded model's inputs and the larger
+KL, its error grows with the inputs the other low layers perturb.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def _inputs(model: Any, paths: List[str], windows: List[List[int]]) -> Dict[str,
 def main(argv: Optional[List[str]] = None) -> int:
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx.utils import tree_unflatten
     from mlx_lm import load as mlx_load
 
     from gearbx_mlx.evaluation.harness import text_tokens
@@ -103,6 +108,42 @@ def main(argv: Optional[List[str]] = None) -> int:
             d["first"] += mx.where(first, norms, 0).sum().item() / max(len(windows), 1)
             d["rest"] += mx.where(first, 0, norms).sum().item() / max(x.shape[0] - len(windows), 1)
             d["n"] += 1
+    ids = texts["evaluation (lee_background)"]
+    windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
+    ref_logits = [model(mx.array(w)[None])[0] for w in windows]
+    own: Dict[str, Any] = {}
+    for way, planes in (("rtn", {q: quantize_plane(mods[q].weight, 4, 64) for q in paths}), ("gptq", gptq)):
+        low = []
+        for q in paths:
+            lin = nn.Linear(1, 1, bias="bias" in mods[q])
+            lin.update(mods[q].parameters())
+            lin.weight = deq(planes[q])
+            low.append((q, lin))
+        model.update_modules(tree_unflatten(low))
+        xs = _inputs(model, paths, windows)
+        kl = []
+        for w, r in zip(windows, ref_logits):
+            lp, lq = nn.log_softmax(r, axis=-1), nn.log_softmax(model(mx.array(w)[None])[0], axis=-1)
+            kl.append((mx.exp(lp) * (lp - lq)).sum(axis=-1))
+        model.update_modules(tree_unflatten([(q, mods[q]) for q in paths]))
+        per: Dict[str, Dict[str, float]] = {}
+        for q in paths:
+            w, wl, x = mods[q].weight, deq(planes[q]), xs[q]
+            d = per.setdefault(q.rsplit(".", 1)[-1], {"err": 0.0, "ref": 0.0, "werr": 0.0, "wref": 0.0})
+            d["err"] += ((x @ (w - wl).T) ** 2).sum().item()
+            d["ref"] += ((x @ w.T) ** 2).sum().item()
+            d["werr"] += ((w - wl) ** 2).sum().item()
+            d["wref"] += (w ** 2).sum().item()
+        own[way] = {"kl_nats": mx.concatenate(kl).mean().item(),
+                    "by_projection": {k: {"relative_error_own_inputs": d["err"] / d["ref"],
+                                          "relative_weight_error": d["werr"] / d["wref"]} for k, d in per.items()}}
+    print(f"low gear KL(loaded || low) on the evaluation text: rtn {own['rtn']['kl_nats']:.4f}, "
+          f"gptq {own['gptq']['kl_nats']:.4f}")
+    for k in own["rtn"]["by_projection"]:
+        r, g = own["rtn"]["by_projection"][k], own["gptq"]["by_projection"][k]
+        print(f"  {k:<10} own-input error rtn {r['relative_error_own_inputs']:.2e} gptq "
+              f"{g['relative_error_own_inputs']:.2e}; weight error rtn {r['relative_weight_error']:.2e} "
+              f"gptq {g['relative_weight_error']:.2e}")
     out: Dict[str, Any] = {}
     print(f"{'text':<28} {'proj':<10} {'rtn err':>9} {'gptq err':>9} {'gptq/rtn':>8} {'w/o pos 0':>9} "
           f"{'|x| pos0/rest':>13}")
@@ -121,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "date": date.today().isoformat(), "model": args.model or "SmolLM2-135M-Instruct (float32, default)",
               "scope": args.scope, "tokens": args.tokens, "window": args.window,
               "load_average_before": before, "load_average_after": load_average(), "hardware": hardware(),
-              "layers": len(paths), "by_text_and_projection": out}
+              "layers": len(paths), "by_text_and_projection": out, "in_the_low_gear": own}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)
