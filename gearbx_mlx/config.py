@@ -78,6 +78,11 @@ class LowQuantDefaults:
         dwq_epochs: passes of DWQ over the calibration samples.
         dwq_batch_size: samples per DWQ step.
         seed: seeds the quantizers' sampling (mlx-lm's ``mx.random`` and NumPy).
+        gptq_hessian_bytes: most bytes of GPTQ's Hessians held at once (mlx-lm's GPTQ
+            holds one ``d_in x d_in`` float32 matrix per layer until it quantizes them:
+            10.6 GB for a 1.5B qwen2); more than this and the layers are quantized in
+            groups, one calibration pass each, to the same planes (the Hessians are of
+            the loaded model's inputs either way).
     """
 
     corpus: str = "lee"
@@ -86,6 +91,7 @@ class LowQuantDefaults:
     dwq_epochs: int = 2
     dwq_batch_size: int = 2
     seed: int = 0
+    gptq_hessian_bytes: int = 2 * 2**30
 
 
 LOW_QUANT = LowQuantDefaults()

@@ -15,6 +15,7 @@ lockstep, each rank taking rank 0's token and routing decision at every step
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hashlib
 import math
@@ -282,6 +283,23 @@ def settle_loaded() -> None:
     """
     gc.collect()
     gc.freeze()
+    trim_heap()
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where
+    the C library has no such call (macOS).
+
+    Loading frees what the tokenizer and the loader built on the way (44 MiB of a qwen2
+    tokenizer's 150 MiB), and glibc keeps free pages below the heap's top resident: they would
+    count in the run's peak memory without ever being used again. Nothing computed changes.
+    """
+    try:
+        release = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    release(0)
+    return True
 
 
 def _mlx_load(path: str, tokenizer_config: Optional[Dict[str, Any]], lazy: bool) -> Tuple[nn.Module, Any]:

@@ -68,14 +68,14 @@ def _as_float(module: Any) -> Any:
     return out
 
 
-def _load(method: str, scope: str, planes_dir: str):
+def _load(method: str, scope: str, planes_dir: str, model: Optional[str] = None):
     from gearbx_mlx import precision
     from gearbx_mlx.config import GearboxConfig
     from gearbx_mlx.generation import load
 
     # The planes cache in the run's own folder: the first load builds the planes, the second reads them.
     precision.cache_path = lambda model_dir, key, fallback: Path(planes_dir) / f"{key}.safetensors"
-    return load(None, config=GearboxConfig(scope=scope, store="nested", kernel="mlx", low_quant=method))
+    return load(model, config=GearboxConfig(scope=scope, store="nested", kernel="mlx", low_quant=method))
 
 
 def _quality(model: Any, gb: Any, ids: List[int], window: int) -> Dict[str, Any]:
@@ -118,21 +118,86 @@ def _quality(model: Any, gb: Any, ids: List[int], window: int) -> Dict[str, Any]
 
 def child(args: argparse.Namespace) -> Dict[str, Any]:
     from gearbx_mlx.evaluation.harness import text_tokens
+    from gearbx_mlx.nested.lowquant import calibration_tokens
     from gearbx_mlx.sources.models import corpus_path
 
     tic = time.perf_counter()
-    model, tok, gb = _load(args.child, args.scope, args.planes_dir)
+    model, tok, gb = _load(args.child, args.scope, args.planes_dir, args.model)
     mgr = gb.manager
     built = {"origin": mgr.planes_origin, "planes_seconds": mgr.planes_seconds,
              "quantizer_seconds": mgr.low_quant_seconds, "load_seconds": time.perf_counter() - tic,
-             "planes_file": mgr.planes_file.name if mgr.planes_file else None, "managed_layers": len(mgr.paths)}
+             "planes_file": mgr.planes_file.name if mgr.planes_file else None, "managed_layers": len(mgr.paths),
+             "calibration_samples_x_length": list(calibration_tokens(tok).shape)}
     ids = text_tokens(tok, corpus_path("lee_background").read_text(encoding="utf-8"), args.tokens + 1)
     quality = _quality(model, gb, ids, args.window)
     del model, gb, mgr
-    _, _, again = _load(args.child, args.scope, args.planes_dir)
+    _, _, again = _load(args.child, args.scope, args.planes_dir, args.model)
     second = {"origin": again.manager.planes_origin, "planes_seconds": again.manager.planes_seconds,
               "quantizer_seconds": again.manager.low_quant_seconds}
     return {"quantizer": args.child, "finished": True, "build": built, "second_load": second, **quality}
+
+
+def speculative_child(args: argparse.Namespace) -> Dict[str, Any]:
+    """One speculative generation drafting with ``args.child``'s low plane (read from the kept
+    planes): fixed blocks of ``--draft-k`` drafts, the C kernels, greedy, from a prompt of the
+    evaluation text."""
+    import mlx.core as mx
+
+    from gearbx_mlx import precision
+    from gearbx_mlx.config import GearboxConfig
+    from gearbx_mlx.evaluation.harness import text_tokens
+    from gearbx_mlx.generation import load
+    from gearbx_mlx.pipeline import prepare
+    from gearbx_mlx.sources.models import corpus_path
+    from gearbx_mlx.speculative.decode import SpeculativeConfig
+
+    precision.cache_path = lambda model_dir, key, fallback: Path(args.planes_dir) / f"{key}.safetensors"
+    model, tok, gb = load(args.model, config=GearboxConfig(scope=args.scope, store="nested", kernel="packed",
+                                                            low_quant=args.child))
+    ids = text_tokens(tok, corpus_path("lee_background").read_text(encoding="utf-8"), args.prompt_tokens)
+    cfg = SpeculativeConfig(max_draft=args.draft_k, draft_entropy_stop=None)
+    run = prepare(model, tok, ids, gb, speculative=cfg, max_tokens=args.max_tokens)
+    last, tokens = None, []
+    for r in run.tokens():
+        last = r
+        tokens.append(r.token)
+    stats = run.record.stats
+    mx.eval(mx.array(0))
+    return {"quantizer": args.child, "planes_origin": gb.manager.planes_origin, "drafter": stats.drafter,
+            "generation_tps": last.generation_tps, "generation_tokens": last.generation_tokens,
+            "prompt_tokens": len(ids), "drafted": stats.drafted, "accepted": stats.accepted,
+            "acceptance_rate": stats.accepted / max(stats.drafted, 1), "draft_k": args.draft_k,
+            "tokens": tokens}
+
+
+def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
+    """Interleaved runs (rtn, gptq, rtn, gptq, ...) of :func:`speculative_child`, each in a fresh
+    process, on the planes the quantizers' children kept."""
+    from gearbx_mlx.evaluation.machine import load_average
+
+    runs = []
+    for rep in range(args.speculative_reps):
+        for method in args.quantizers:
+            with tempfile.NamedTemporaryFile(suffix=".json") as res:
+                cmd = [sys.executable, __file__, "--child", method, "--speculative-child", "--planes-dir",
+                       str(Path(args.keep_planes) / method), "--result", res.name, "--scope", args.scope,
+                       "--draft-k", str(args.draft_k), "--max-tokens", str(args.max_tokens),
+                       "--prompt-tokens", str(args.prompt_tokens)] + (["--model", args.model] if args.model else [])
+                before = load_average()
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
+                if proc.returncode != 0:
+                    runs.append({"quantizer": method, "rep": rep, "error": proc.stderr.strip().splitlines()[-3:]})
+                    continue
+                out = json.loads(Path(res.name).read_text())
+            out.update(rep=rep, load_average_before=before, load_average_after=load_average())
+            print(f"  {method} rep {rep}: {out['generation_tps']:.2f} tok/s, acceptance {out['acceptance_rate']:.3f}",
+                  file=sys.stderr, flush=True)
+            runs.append(out)
+    return {"what": "end-to-end speculative generation drafting with each low plane (fresh process each, "
+                    "interleaved), fixed blocks, greedy, C kernels (kernel=packed), planes from the runs above",
+            "ld_preload": os.environ.get("LD_PRELOAD"), "draft_k": args.draft_k, "max_tokens": args.max_tokens,
+            "prompt": f"the first {args.prompt_tokens} tokens of lee_background.cor", "runs": runs}
 
 
 def _progress(stderr: str) -> str:
@@ -145,9 +210,15 @@ def _progress(stderr: str) -> str:
 def _run_child(method: str, args: argparse.Namespace) -> Dict[str, Any]:
     from gearbx_mlx.evaluation.machine import load_average
 
-    with tempfile.TemporaryDirectory() as planes, tempfile.NamedTemporaryFile(suffix=".json") as res:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.NamedTemporaryFile(suffix=".json") as res:
+        planes = str(Path(args.keep_planes) / method) if args.keep_planes else tmp
+        if args.keep_planes:  # a fresh build: the first load must not read an earlier run's planes
+            Path(planes).mkdir(parents=True, exist_ok=True)
+            for old in Path(planes).glob("*.safetensors"):
+                old.unlink()
         cmd = [sys.executable, __file__, "--child", method, "--planes-dir", planes, "--result", res.name,
                "--scope", args.scope, "--tokens", str(args.tokens), "--window", str(args.window)]
+        cmd += ["--model", args.model] if args.model else []
         before, tic = load_average(), time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -194,18 +265,45 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--budget", type=int, default=300, help="seconds each quantizer's child may take")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/low_quant_smollm2-135m.json"))
+    p.add_argument("--model", default=None, help="a model name or folder (default: the default model)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/low_quant_<model>.json")
+    p.add_argument("--keep-planes", default=None,
+                   help="a folder that keeps each quantizer's planes file (for a later speculative run)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of --out's other quantizers (runs of different budgets in one file)")
+    p.add_argument("--speculative-reps", type=int, default=0,
+                   help="interleaved end-to-end speculative runs per quantizer (needs --keep-planes)")
+    p.add_argument("--draft-k", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--speculative-only", action="store_true",
+                   help="only the speculative runs, on planes an earlier run kept (merged into --out)")
+    p.add_argument("--speculative-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--planes-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.out = args.out or str(ROOT / f"benchmarks/results/low_quant_{args.model or 'smollm2-135m'}.json")
+    if args.keep_planes:
+        Path(args.keep_planes).mkdir(parents=True, exist_ok=True)
     if args.child:
-        Path(args.result).write_text(json.dumps(child(args)))
+        Path(args.result).write_text(json.dumps(speculative_child(args) if args.speculative_child else child(args)))
         return 0
+    if args.speculative_reps and not args.keep_planes:
+        print("error: --speculative-reps reads the planes --keep-planes kept: give --keep-planes", file=sys.stderr)
+        return 2
     from gearbx_mlx.evaluation.machine import hardware, load_average, software
 
+    if args.speculative_only:
+        saved = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {
+            "runs": [], "model": args.model, "scope": args.scope, "hardware": hardware(), "software": software()}
+        saved["speculative"] = _speculative(args)
+        saved["runs"].append({"command": "python " + " ".join([str(Path(__file__).relative_to(ROOT))]
+                                                                + (argv or sys.argv[1:])),
+                              "date": date.today().isoformat(), "load_average_end": load_average()})
+        Path(args.out).write_text(json.dumps(saved, indent=1) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
     rows, runs = [], []
     if args.merge and Path(args.out).is_file():
         saved = json.loads(Path(args.out).read_text())
@@ -220,13 +318,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs.append({"command": command, "quantizers": args.quantizers, "budget_seconds": args.budget,
                  "date": date.today().isoformat(), "load_average_end": load_average()})
     result = {
-        "runs": runs, "model": "SmolLM2-135M-Instruct (float32, the default model)",
+        "runs": runs, "model": args.model or "SmolLM2-135M-Instruct (float32, the default model)",
         "scope": args.scope, "tokens": args.tokens, "window": args.window,
         "text": "gensim lee_background.cor (evaluation); the quantizers calibrate on lee.cor",
         "acceptance_method": "greedy blocks of k drafts replayed along the text from the low gear's per-position "
                              "top-1 agreement with the loaded weights (gearbx_mlx.evaluation.speculative.replay)",
         "hardware": hardware(), "software": software(), "rows": rows,
     }
+    if args.speculative_reps:
+        result["speculative"] = _speculative(args)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

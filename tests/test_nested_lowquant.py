@@ -172,3 +172,69 @@ def test_the_cli_records_the_quantizer_and_a_second_run_builds_nothing(tmp_path,
     assert "Low gear: mlx-lm's GPTQ (--low-quant), read from the planes cache" in capsys.readouterr().err
     second = read_trace(tmp_path / "b.jsonl")
     assert second.header["low_quant"] == "gptq" and second.summary["low_quant_seconds"] == 0
+
+
+def _tokens(n: int = 6, length: int = 16) -> mx.array:
+    return mx.array(np.random.default_rng(0).integers(0, 256, size=(n, length)), dtype=mx.int32)
+
+
+def test_gptq_in_groups_of_layers_gives_the_planes_of_one_pass():
+    """A Hessian budget smaller than one layer's quantizes each layer in a calibration pass of
+    its own: the planes are those of the pass over every layer (the Hessians are of the
+    loaded model's inputs either way), so the planes cache key does not name the budget."""
+    import dataclasses
+
+    from gearbx_mlx.config import LOW_QUANT
+
+    model = make_tiny_llama()
+    paths = [p for p, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    tokens = _tokens()
+    one = lowquant.low_planes(model, paths, "gptq", tokens, 64, LOW_QUANT)
+    shapes = {p: m.weight.shape for p, m in model.named_modules() if type(m) is nn.Linear}
+    assert len(lowquant.hessian_groups(shapes, 1)) == len(shapes)
+    assert lowquant.hessian_groups(shapes, LOW_QUANT.gptq_hessian_bytes) == [list(shapes)]
+    each = lowquant.low_planes(model, paths, "gptq", tokens, 64, dataclasses.replace(LOW_QUANT, gptq_hessian_bytes=1))
+    assert set(one) == set(each) == set(paths)
+    for p in paths:
+        for name in ("weight", "scales", "biases"):
+            assert mx.array_equal(getattr(one[p], name), getattr(each[p], name)), (p, name)
+    assert "gptq_hessian_bytes" not in lowquant.settings_of("gptq")
+
+
+def test_the_quantizers_student_shares_the_models_buffers(monkeypatch):
+    """The student a quantizer works on holds no second copy of the weights (a 1.5B float32
+    model is 7 GB: MLX's copy of an evaluated array shares its buffer), and what the quantizer
+    writes into it leaves the model as loaded."""
+    model = make_tiny_llama()
+    mx.eval(model.parameters())
+    before = {k: np.array(v) for k, v in _flat(model).items()}
+    seen = {}
+
+    def spy(student, teacher, paths, tokens, group_size, settings):
+        mx.eval(student.parameters())
+        seen["bytes"] = mx.get_active_memory() - seen["start"]
+        for p in paths:
+            m = dict(student.named_modules())[p]
+            m.weight[0] = 1e3  # a write into the student's array
+            mx.eval(m.weight)
+            if isinstance(m, nn.Embedding):
+                new = nn.QuantizedEmbedding.from_embedding(m, group_size, 4)
+            else:
+                new = nn.QuantizedLinear.from_linear(m, group_size, 4)
+            student.update_modules(lowquant.tree_unflatten([(p, new)]))
+
+    monkeypatch.setitem(lowquant.QUANTIZERS, "gptq", spy)
+    paths = [p for p, m in model.named_modules() if type(m) is nn.Linear]
+    mx.clear_cache()
+    seen["start"] = mx.get_active_memory()
+    lowquant.low_planes(model, paths, "gptq", _tokens(), 64)
+    weights = sum(v.nbytes for v in _flat(model).values())
+    assert seen["bytes"] < weights / 10, (seen["bytes"], weights)
+    for k, v in _flat(model).items():
+        np.testing.assert_array_equal(np.array(v), before[k], err_msg=k)
+
+
+def _flat(model) -> dict:
+    from mlx.utils import tree_flatten
+
+    return dict(tree_flatten(model.parameters()))

@@ -391,3 +391,69 @@ def test_auto_does_not_draft_within_the_timing_noise_of_break_even(llama_packed)
     assert not shaky.speculate and shaky.speedup_low < MIN_MODELED_SPEEDUP <= shaky.best_speedup
     assert "within the timing noise" in shaky.message()
     assert plan_speculative(model, draft, PROMPT, 4, mode="force", measured=noisy).speculate
+
+
+def test_the_decision_compares_the_prompt_a_few_positions_at_a_time(llama_packed, monkeypatch):
+    """The start-of-run decision's prefill never holds the prompt's whole ``(T, V)`` logits of
+    either gear (on a 151,936-token vocabulary they were most of a speculative run's peak memory
+    above its weights): the high gear's body runs over the prompt and its head a few rows at a
+    time, the host drafter is fed a few tokens a call; the statistics and both caches are those
+    of whole-prompt calls."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gearbx_mlx.speculative import calibration, draft as draft_mod
+
+    needs_host()
+    model, gb, draft = llama_packed
+    gb.manager.shift("high")
+    prompt = mx.array((PROMPT * 4)[:37])[None]
+    hc, dc = make_prompt_cache(model), make_prompt_cache(draft)
+    whole = calibration.compare_logits(model(prompt, cache=hc)[0], draft(prompt, cache=dc)[0])
+    hc2, dc2 = make_prompt_cache(model), make_prompt_cache(draft)
+    rows, calls = [], []
+    real = calibration.compare_logits
+    monkeypatch.setattr(calibration, "compare_logits", lambda h, d: rows.append((h.shape, d.shape)) or real(h, d))
+    monkeypatch.setattr(type(model), "__call__", lambda self, *a, **k: calls.append(a[0].shape) or pytest.fail(
+        "the high gear computed the whole prompt's logits"))
+    host = draft.host
+    monkeypatch.setattr(draft, "host", lambda tokens, cache: calls.append(len(tokens)) or host(tokens, cache))
+    got = calibration.prompt_stats(model, draft, prompt, hc2, dc2)
+    assert draft_mod.PREFILL_ROWS < prompt.shape[1]
+    assert all(h[0] <= draft_mod.PREFILL_ROWS and d[0] <= draft_mod.PREFILL_ROWS for h, d in rows), rows
+    assert calls and all(n <= draft_mod.PREFILL_ROWS for n in calls), calls
+    for name in ("draft_entropy", "high_entropy", "agree", "accept_prob"):
+        assert getattr(got, name) == getattr(whole, name), name
+    for a, b in zip(hc + dc, hc2 + dc2):
+        assert a.offset == b.offset == prompt.shape[1]
+        for name in ("keys", "values"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, name))[..., : a.offset, :],
+                                          np.asarray(getattr(b, name))[..., : b.offset, :])
+
+
+@pytest.mark.parametrize("length", [37, 100])
+def test_the_drafters_prefill_computes_no_logits(llama_packed, monkeypatch, length):
+    """The host drafter's prefill fills its cache as a call on the prompt would, without the
+    ``(T, V)`` logits a call returns: a short prompt through the host step without its head,
+    a long one (the tree's multi-token pass) through the tree's body alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gearbx_mlx.speculative.drafter import prefill
+
+    needs_host()
+    _, gb, draft = llama_packed
+    prompt = mx.array((PROMPT * 12)[:length] + [7])
+    ref = make_prompt_cache(draft)
+    draft(prompt[:-1][None], cache=ref)
+    got = make_prompt_cache(draft)
+    steps = []
+    step = draft.host.step
+    monkeypatch.setattr(draft.host, "step", lambda t, c, logits=True: steps.append(logits) or step(t, c, logits))
+    monkeypatch.setattr(type(draft.module), "__call__", lambda *a, **k: pytest.fail("the drafter computed logits"))
+    last = prefill(draft, got, prompt, 512)
+    assert last.tolist() == [7]
+    assert not any(steps) and (bool(steps) == (length <= 64)), steps
+    for a, b in zip(ref, got):
+        assert a.offset == b.offset == length
+        for name in ("keys", "values"):
+            np.testing.assert_array_equal(a.keys[..., : a.offset, :] if name == "keys" else a.values[..., : a.offset, :],
+                                          getattr(b, name)[..., : b.offset, :])

@@ -112,7 +112,7 @@ def low_planes(
     if method not in QUANTIZERS:
         raise ValueError(f"low_planes builds the low plane by {', '.join(QUANTIZERS)}, not {method!r}")
     check_low_quant(method, getattr(model, "model_type", ""))
-    student = copy.deepcopy(model)
+    student = copy.deepcopy(model)  # MLX's copy of an evaluated array shares its buffer: no second copy
     mx.random.seed(settings.seed)
     np.random.seed(settings.seed)
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's prints never reach a generated text's stream
@@ -171,19 +171,51 @@ def _untie(student: nn.Module, paths: List[str]) -> str:
     return embedding
 
 
+def hessian_groups(shapes: Dict[str, Sequence[int]], budget: int) -> List[List[str]]:
+    """The layers of ``{path: (d_out, d_in)}``, in order, cut into groups whose GPTQ Hessians
+    (one ``d_in x d_in`` float32 matrix a layer) hold at most ``budget`` bytes (a layer larger
+    than that alone)."""
+    groups: List[List[str]] = [[]]
+    held = 0
+    for p, (_, d_in) in shapes.items():
+        size = 4 * d_in * d_in
+        if groups[-1] and held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(p)
+        held += size
+    return groups
+
+
 def _gptq(student: nn.Module, teacher: nn.Module, paths: List[str], tokens: mx.array, group_size: int,
           settings: LowQuantDefaults) -> None:
-    managed = set(paths)
-    left = []
-    for p, m in student.named_modules():
-        if type(m) is nn.Linear and p not in managed:
-            keep = _LeftAlone(1, 1, bias="bias" in m)
-            keep.update(m.parameters())
-            left.append((p, keep))
-    student.update_modules(tree_unflatten(left))
     embedding = _untie(student, paths)
+    modules = dict(student.named_modules())
+    linear = {p: modules[p].weight.shape for p in list(paths) + ["lm_head"] * bool(embedding)
+              if type(modules[p]) is nn.Linear}
+    done: List[Any] = []
+    for group in hessian_groups(linear, settings.gptq_hessian_bytes):
+        # GPTQ takes layers of the exact type nn.Linear: every other one is computed as loaded
+        # (mlx-lm holds the Hessians of all it takes until it quantizes them). Each group's
+        # Hessians are of the loaded model's inputs, as in one pass over every layer.
+        part = copy.deepcopy(student)
+        keep = set(group)
+        left = []
+        for p, m in part.named_modules():
+            if type(m) is nn.Linear and p not in keep:
+                alone = _LeftAlone(1, 1, bias="bias" in m)
+                alone.update(m.parameters())
+                left.append((p, alone))
+        part.update_modules(tree_unflatten(left))
+        gptq_quantize(part, tokens, LOW_BITS, group_size, LOW_BITS, group_size)
+        quantized = dict(part.named_modules())
+        done += [(p, quantized[p]) for p in group]
+        mx.eval([m.parameters() for _, m in done[-len(group):]])
+        del part, quantized
     # Layers GPTQ does not take (an embedding) get its fallback: round-to-nearest at these bits.
-    gptq_quantize(student, tokens, LOW_BITS, group_size, LOW_BITS, group_size)
+    rest = [(p, nn.QuantizedEmbedding.from_embedding(modules[p], group_size, LOW_BITS)) for p in paths
+            if type(modules[p]) is nn.Embedding and p != embedding]
+    student.update_modules(tree_unflatten(done + rest))
     if embedding:  # the tied embedding's plane 0 is GPTQ's output projection
         head = student.lm_head
         parent, _, name = embedding.rpartition(".")

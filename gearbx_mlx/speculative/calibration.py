@@ -35,7 +35,7 @@ from ..chat import encode_chat
 from ..config import CALIBRATION_PROMPTS
 from ..entropy import entropy_bits
 from ..gearbox import vocab_size_of
-from .draft import DraftModel
+from .draft import PREFILL_ROWS, DraftModel, prefill_rows
 
 #: Strategies of :func:`calibrate_draft_stop`.
 STOP_STRATEGIES = ("replay", "median", "percentile")
@@ -106,6 +106,18 @@ def compare_logits(high_logits: mx.array, draft_logits: mx.array) -> DraftStats:
         ]
         mx.eval(stats)
         out.extend(DraftStats(*[s.tolist() for s in stats]))
+    return out
+
+
+def prompt_stats(model: nn.Module, draft: DraftModel, inputs: mx.array, high_cache: List[Any],
+                 draft_cache: List[Any]) -> DraftStats:
+    """:func:`compare_logits` of both gears over the prompt ``inputs`` ``(1, T)``, which fills
+    both caches, a few positions at a time (:func:`~gearbx_mlx.speculative.draft.prefill_rows`):
+    the same statistics as of the whole ``(T, V)`` logits, without holding them."""
+    high, low = prefill_rows(model, inputs, high_cache), prefill_rows(draft, inputs, draft_cache)
+    out = DraftStats()
+    for start in range(0, inputs.shape[1], PREFILL_ROWS):
+        out.extend(compare_logits(high(start), low(start)))
     return out
 
 

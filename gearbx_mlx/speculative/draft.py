@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +43,54 @@ DRAFT_GEARS = ("low", "mid")
 #: quantize-then-dequantize float weights (same values, fast multi-token
 #: products on the CPU; for analysis, never for speed).
 DRAFT_QUANTIZERS = ("gearbox", "fake")
+#: mlx-lm architectures whose logits are their body's last hidden states through the output
+#: projection alone (``Model.__call__``: ``self.model(...)``, then ``lm_head`` or the tied
+#: embedding's ``as_linear``), so that logits can be taken a few positions at a time.
+HEAD_SPLIT_ARCHITECTURES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+#: Positions whose logits :func:`prefill_rows` holds at once.
+PREFILL_ROWS = 2
+
+
+def body_and_head(module: nn.Module) -> Optional[Tuple[nn.Module, Callable[[mx.array], mx.array]]]:
+    """``(body, head)`` of an mlx-lm model of :data:`HEAD_SPLIT_ARCHITECTURES` on the CPU whose
+    output projection is a float ``nn.Linear`` or tied ``nn.Embedding`` (``module(x) ==
+    head(body(x))``, and a few rows through the head are those rows of the whole product), or
+    None: another architecture, device or head (a quantized product may take another kernel
+    for fewer rows)."""
+    if type(module).__module__ not in HEAD_SPLIT_ARCHITECTURES or mx.default_device() != mx.cpu:
+        return None
+    body = module.model
+    tied = module.args.tie_word_embeddings
+    head = body.embed_tokens if tied else module.lm_head
+    if type(head) is not (nn.Embedding if tied else nn.Linear):
+        return None
+    return body, (head.as_linear if tied else head)
+
+
+def prefill_rows(module: Any, inputs: mx.array, cache: List[Any]) -> Callable[[int], mx.array]:
+    """Prefill ``cache`` with ``inputs`` ``(1, T)`` and give ``rows(start)``: the ``(n, V)`` logits
+    of positions ``start .. start + PREFILL_ROWS`` (``n`` fewer at the end), to be called for
+    ``start = 0, PREFILL_ROWS, ...`` in turn; the values are those of one call on the whole prompt.
+
+    The prompt's ``(T, V)`` logits are not held whole where that gives the same values (39 x
+    151,936 float32 is 24 MB, 256 positions 156 MB): a model the head splits from
+    (:func:`body_and_head`) runs its body over the whole prompt and its head a few rows at a
+    time; a drafter's host step feeds the tokens in turn anyway, a few per call. Otherwise
+    (a drafter's multi-token pass through quantized layers among them) slices of the whole logits."""
+    draft = module if isinstance(module, DraftModel) else None
+    if draft is not None:
+        if cache and isinstance(cache[0], HostKVCache) and inputs.size <= HOST_PREFILL_MAX:
+            return lambda start: draft(inputs[:, start : start + PREFILL_ROWS], cache=cache)[0]
+        split = None
+    else:
+        split = body_and_head(module)
+    if split is None:
+        logits = module(inputs, cache=cache)[0]
+        return lambda start: logits[start : start + PREFILL_ROWS]
+    body, head = split
+    hidden = body(inputs, cache)[0]
+    mx.eval(hidden, [c.state for c in cache])
+    return lambda start: head(hidden[start : start + PREFILL_ROWS])
 
 
 @dataclass
@@ -90,16 +138,34 @@ class DraftModel:
             return mx.array(self.host(inputs.reshape(-1).tolist(), cache))[None]
         return self.module(inputs, cache=cache, **kwargs)
 
-    def _tree_prefill(self, inputs: mx.array, cache: List["HostKVCache"]) -> mx.array:
+    def feed(self, inputs: mx.array, cache: List[Any]) -> None:
+        """Prefill ``cache`` with ``inputs`` ``(1, T)`` as a call would, computing no logits: the
+        host step feeds the tokens in turn without its head (a call holds ``(T, V)`` float32
+        logits twice, numpy's and MLX's: 47 MB for 39 tokens of a 151,936-token vocabulary), a
+        longer input runs the tree's body alone on :data:`HEAD_SPLIT_ARCHITECTURES`, and the
+        tree's own cache evaluates its state alone."""
+        if not (cache and isinstance(cache[0], HostKVCache)):
+            self.module(inputs, cache=cache)
+            mx.eval([c.state for c in cache])
+        elif inputs.size <= HOST_PREFILL_MAX and self.host is not None:
+            for t in inputs.reshape(-1).tolist():
+                self.host.step(int(t), cache, logits=False)
+        else:
+            split = type(self.module).__module__ in HEAD_SPLIT_ARCHITECTURES and not self.sparse
+            self._tree_prefill(inputs, cache, self.module.model if split else None)
+
+    def _tree_prefill(self, inputs: mx.array, cache: List["HostKVCache"], fn: Optional[Callable[..., mx.array]] = None
+                      ) -> mx.array:
         """A long input through the MLX tree (one multi-token pass instead of
-        a GEMV per token), on a KV cache seeded from the host cache and copied back."""
+        a GEMV per token), on a KV cache seeded from the host cache and copied back.
+        ``fn``: what runs on the tree's cache (default the tree; its body leaves the head out)."""
         tmp = []
         for c in cache:
             kv = KVCache()
             if c.offset:
                 kv.update_and_fetch(mx.array(c.keys[None, :, : c.offset]), mx.array(c.values[None, :, : c.offset]))
             tmp.append(kv)
-        out = self.module(inputs, cache=tmp)
+        out = (fn or self.module)(inputs, cache=tmp)
         mx.eval(out, [(t.keys, t.values) for t in tmp])
         n = inputs.shape[-1]
         for c, t in zip(cache, tmp):

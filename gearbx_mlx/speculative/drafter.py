@@ -72,11 +72,15 @@ class DraftBlock:
 
 
 def prefill(model: Any, cache: List[Any], tokens: mx.array, step: int) -> mx.array:
-    """Feed all but the last of ``tokens`` in chunks of ``step``; return the last (as mlx-lm)."""
+    """Feed all but the last of ``tokens`` in chunks of ``step``; return the last (as mlx-lm).
+    A drafter computes no logits on the way (:meth:`~gearbx_mlx.speculative.draft.DraftModel.feed`)."""
     while tokens.size > 1:
         n = min(step, tokens.size - 1)
-        model(tokens[:n][None], cache=cache)
-        mx.eval([c.state for c in cache])
+        if isinstance(model, DraftModel):
+            model.feed(tokens[:n][None], cache)
+        else:  # only the caches are evaluated: the logits' graph is never computed
+            model(tokens[:n][None], cache=cache)
+            mx.eval([c.state for c in cache])
         tokens = tokens[n:]
     return tokens
 

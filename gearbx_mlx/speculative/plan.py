@@ -46,7 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .calibration import DraftStats, compare_logits, cost_ratios, gated_speedup, gating_table, modeled_speedup
+from .calibration import DraftStats, cost_ratios, gated_speedup, gating_table, modeled_speedup, prompt_stats
 from .draft import DraftModel
 from .drafter import make_drafter
 
@@ -122,7 +122,7 @@ def measure_start(
     ids = list(ids)[-MEASURE_TOKENS:]
     x = mx.array(ids)[None]
     hc, dc = make_prompt_cache(model), make_prompt_cache(draft)
-    stats = compare_logits(model(x, cache=hc)[0], draft(x, cache=dc)[0])
+    stats = prompt_stats(model, draft, x, hc, dc)
     mx.eval([c.state for c in hc], [c.state for c in dc])
     one = mx.array(ids[-1:])[None]
     calls = {"high": (model, one, hc), "draft": (draft, one, dc)}
