@@ -393,12 +393,16 @@ def test_auto_does_not_draft_within_the_timing_noise_of_break_even(llama_packed)
     assert plan_speculative(model, draft, PROMPT, 4, mode="force", measured=noisy).speculate
 
 
+#: The decision's statistics from a few rows at a time against one whole-prompt call (float32).
+STATS_RTOL = 1e-5
+
+
 def test_the_decision_compares_the_prompt_a_few_positions_at_a_time(llama_packed, monkeypatch):
     """The start-of-run decision's prefill never holds the prompt's whole ``(T, V)`` logits of
     either gear (on a 151,936-token vocabulary they were most of a speculative run's peak memory
     above its weights): the high gear's body runs over the prompt and its head a few rows at a
-    time, the host drafter is fed a few tokens a call; the statistics and both caches are those
-    of whole-prompt calls."""
+    time, the host drafter is fed a few tokens a call; the statistics are those of whole-prompt
+    calls up to float32 rounding, both caches bitwise."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from gearbx_mlx.speculative import calibration, draft as draft_mod
@@ -421,8 +425,11 @@ def test_the_decision_compares_the_prompt_a_few_positions_at_a_time(llama_packed
     assert draft_mod.PREFILL_ROWS < prompt.shape[1]
     assert all(h[0] <= draft_mod.PREFILL_ROWS and d[0] <= draft_mod.PREFILL_ROWS for h, d in rows), rows
     assert calls and all(n <= draft_mod.PREFILL_ROWS for n in calls), calls
-    for name in ("draft_entropy", "high_entropy", "agree", "accept_prob"):
-        assert getattr(got, name) == getattr(whole, name), name
+    # the head's product over a few rows sums as the BLAS sums for that shape: equal up to the
+    # last bits of float32 (OpenBLAS takes another kernel for 2 rows than for 37), not bitwise
+    for name in ("draft_entropy", "high_entropy", "accept_prob"):
+        np.testing.assert_allclose(getattr(got, name), getattr(whole, name), rtol=STATS_RTOL, err_msg=name)
+    assert got.agree == whole.agree
     for a, b in zip(hc + dc, hc2 + dc2):
         assert a.offset == b.offset == prompt.shape[1]
         for name in ("keys", "values"):

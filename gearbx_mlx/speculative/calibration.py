@@ -113,7 +113,7 @@ def prompt_stats(model: nn.Module, draft: DraftModel, inputs: mx.array, high_cac
                  draft_cache: List[Any]) -> DraftStats:
     """:func:`compare_logits` of both gears over the prompt ``inputs`` ``(1, T)``, which fills
     both caches, a few positions at a time (:func:`~gearbx_mlx.speculative.draft.prefill_rows`):
-    the same statistics as of the whole ``(T, V)`` logits, without holding them."""
+    the same statistics as of the whole ``(T, V)`` logits up to float32 rounding, without holding them."""
     high, low = prefill_rows(model, inputs, high_cache), prefill_rows(draft, inputs, draft_cache)
     out = DraftStats()
     for start in range(0, inputs.shape[1], PREFILL_ROWS):

@@ -70,7 +70,9 @@ def body_and_head(module: nn.Module) -> Optional[Tuple[nn.Module, Callable[[mx.a
 def prefill_rows(module: Any, inputs: mx.array, cache: List[Any]) -> Callable[[int], mx.array]:
     """Prefill ``cache`` with ``inputs`` ``(1, T)`` and give ``rows(start)``: the ``(n, V)`` logits
     of positions ``start .. start + PREFILL_ROWS`` (``n`` fewer at the end), to be called for
-    ``start = 0, PREFILL_ROWS, ...`` in turn; the values are those of one call on the whole prompt.
+    ``start = 0, PREFILL_ROWS, ...`` in turn; the values are those of one call on the whole prompt
+    up to float32 rounding (a BLAS may sum a few rows' product in another order than the whole's;
+    the cache is filled bitwise alike).
 
     The prompt's ``(T, V)`` logits are not held whole where that gives the same values (39 x
     151,936 float32 is 24 MB, 256 positions 156 MB): a model the head splits from
