@@ -38,14 +38,13 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
-from bench_sparse_drafter import time_step
+from bench_sparse_drafter import speculative_run, time_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from gearbx_mlx.chat import encode_chat
 from gearbx_mlx.evaluation.machine import load_average, write_result
 from gearbx_mlx.evaluation.text import read_text, text_tokens
 from gearbx_mlx.generation import load
-from gearbx_mlx.pipeline import stream_speculative_generate
 from gearbx_mlx.precision import nbytes
 from gearbx_mlx.speculative.decode import SpeculativeConfig, get_draft
 from gearbx_mlx.speculative.kairox import KairoxOptions, build_kairox_draft
@@ -107,16 +106,7 @@ def agreement(draft: Any, ids: List[int], high: List[int], start: int) -> float:
 
 
 def generate(model: Any, tok: Any, gearbox: Any, ids: List[int], draft: Any, n: int, k: int) -> Dict:
-    config = SpeculativeConfig(max_draft=k)
-    accepted, tokens, last, blocks = 0, [], None, {}
-    for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=n, draft=draft):
-        tokens.append(r.token)
-        accepted += r.accepted
-        blocks[r.block] = r.drafted
-        last = r
-    drafted = sum(blocks.values())
-    return {"tokens": tokens, "acceptance": accepted / drafted if drafted else None,
-            "tokens_per_s": last.generation_tps, "drafted": drafted}
+    return speculative_run(model, tok, gearbox, ids, draft, n, SpeculativeConfig(max_draft=k))
 
 
 def spread(xs: List[float]) -> Dict[str, Any]:

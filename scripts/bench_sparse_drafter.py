@@ -150,7 +150,13 @@ def layer_product(draft: Any, kept: float, reps: int) -> Dict[str, float]:
 
 def generate(model: Any, tok: Any, gearbox: Any, ids: List[int], draft: Any, n: int) -> Dict:
     sparsity = draft.sparse["sparsity"] if draft.sparse else None
-    config = SpeculativeConfig(mode="force", draft_sparsity=sparsity)
+    return speculative_run(model, tok, gearbox, ids, draft, n, SpeculativeConfig(mode="force", draft_sparsity=sparsity))
+
+
+def speculative_run(model: Any, tok: Any, gearbox: Any, ids: List[int], draft: Any, n: int,
+                    config: SpeculativeConfig) -> Dict:
+    """``n`` tokens of speculative decoding with ``draft``: its tokens, accepted and drafted counts,
+    acceptance and the pipeline's own tokens/s."""
     accepted = 0
     tokens, last, blocks = [], None, {}
     for r in stream_speculative_generate(model, tok, ids, gearbox, config=config, max_tokens=n, draft=draft):
