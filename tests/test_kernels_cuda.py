@@ -239,10 +239,7 @@ int main(int argc, char** argv) {
         + """
     default: return 2;
   }
-  std::string path = std::string(dir) + "/y.bin";
-  FILE* f = std::fopen(path.c_str(), "wb");
-  std::fwrite(y.data(), 1, y.size(), f);
-  std::fclose(f);
+  gbx_host_spill(std::string(dir) + "/y.bin", y);
   return 0;
 }
 """

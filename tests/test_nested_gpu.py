@@ -200,9 +200,7 @@ int main(int argc, char** argv) {
 """ + "\n".join(calls) + """
     default: return 2;
   }
-  FILE* out = std::fopen((dir + "/y.bin").c_str(), "wb");
-  std::fwrite(y.data(), 1, y.size(), out);
-  std::fclose(out);
+  gbx_host_spill(dir + "/y.bin", y);
   return 0;
 }
 """)

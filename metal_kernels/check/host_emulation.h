@@ -178,3 +178,10 @@ static std::vector<char> gbx_host_slurp(const std::string& path) {
   std::fclose(f);
   return v;
 }
+
+// The test harnesses' output: the bytes of v as the whole file at path (abort if it cannot be written).
+static void gbx_host_spill(const std::string& path, const std::vector<char>& v) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f || std::fwrite(v.data(), 1, v.size(), f) != v.size()) std::abort();
+  std::fclose(f);
+}
