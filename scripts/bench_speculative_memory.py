@@ -44,18 +44,20 @@ def _status() -> Dict[str, int]:
     return {k: int(re.search(rf"{k}:\s+(\d+)", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def child(args: argparse.Namespace) -> None:
-    """The measured run: one JSON line per stage on stdout."""
+def stage(name: str, **extra: Any) -> None:
+    """One JSON line on stdout: the stage, the process's resident memory and MLX's since the last."""
     import mlx.core as mx
 
+    print(json.dumps({"stage": name, **_status(), "mlx_active": mx.get_active_memory(),
+                      "mlx_peak_since_last": mx.get_peak_memory(), **extra}), flush=True)
+    mx.reset_peak_memory()
+
+
+def child(args: argparse.Namespace) -> None:
+    """The measured run: one JSON line per stage on stdout."""
     import gearbx_mlx
     from gearbx_mlx.chat import apply_chat_template
     from gearbx_mlx.generation import settle_loaded
-
-    def stage(name: str, **extra: Any) -> None:
-        print(json.dumps({"stage": name, **_status(), "mlx_active": mx.get_active_memory(),
-                          "mlx_peak_since_last": mx.get_peak_memory(), **extra}), flush=True)
-        mx.reset_peak_memory()
 
     stage("imports")
     model, tokenizer, gearbox = gearbx_mlx.load(args.model, draft_scope="all", draft_gear="low")
@@ -75,15 +77,9 @@ def child(args: argparse.Namespace) -> None:
 
 def plain_child(args: argparse.Namespace) -> None:
     """The loaded model alone: mlx-lm's load and stream_generate, one JSON line per stage."""
-    import mlx.core as mx
     from mlx_lm import load, stream_generate
 
     from gearbx_mlx.sources.models import resolve_model
-
-    def stage(name: str, **extra: Any) -> None:
-        print(json.dumps({"stage": name, **_status(), "mlx_active": mx.get_active_memory(),
-                          "mlx_peak_since_last": mx.get_peak_memory(), **extra}), flush=True)
-        mx.reset_peak_memory()
 
     stage("imports")
     model, tokenizer = load(str(resolve_model(args.model, None)))
