@@ -24,6 +24,15 @@ nested store over ``--scope``'s layers and a planes cache in a fresh folder:
   with the loaded weights, as the evaluation harness replays its drafters
   (:func:`gearbx_mlx.evaluation.speculative.replay`).
 
+End to end (``--keep-planes DIR`` keeps each quantizer's planes file;
+``--speculative-reps N`` then, or later with ``--speculative-only``, runs N
+interleaved rounds of speculative generation drafting with each low plane,
+one fresh process each): fixed blocks of ``--draft-k`` drafts, greedy, C
+kernels, one generation of ``--max-tokens`` from each of ``--prompts``
+prompts of the evaluation text, acceptance summed over them. A
+``--speculative-only`` run keeps the file's earlier speculative section under
+``speculative_earlier``.
+
 Prints a table and writes JSON (default
 ``benchmarks/results/low_quant_smollm2-135m.json``) with the machine's load
 average before and after each child (the machine may be shared).
@@ -35,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,9 +148,11 @@ def child(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def speculative_child(args: argparse.Namespace) -> Dict[str, Any]:
-    """One speculative generation drafting with ``args.child``'s low plane (read from the kept
-    planes): fixed blocks of ``--draft-k`` drafts, the C kernels, greedy, from a prompt of the
-    evaluation text."""
+    """Speculative generations drafting with ``args.child``'s low plane (read from the kept
+    planes): fixed blocks of ``--draft-k`` drafts, the C kernels, greedy, one from each of
+    ``--prompts`` prompts of the evaluation text (``--prompt-tokens`` each, ``--prompt-tokens +
+    --max-tokens`` apart, so no continuation overlaps the next prompt); drafts and acceptances
+    summed over the prompts, tokens/s their median."""
     import mlx.core as mx
 
     from gearbx_mlx import precision
@@ -154,20 +166,34 @@ def speculative_child(args: argparse.Namespace) -> Dict[str, Any]:
     precision.cache_path = lambda model_dir, key, fallback: Path(args.planes_dir) / f"{key}.safetensors"
     model, tok, gb = load(args.model, config=GearboxConfig(scope=args.scope, store="nested", kernel="packed",
                                                             low_quant=args.child))
-    ids = text_tokens(tok, corpus_path("lee_background").read_text(encoding="utf-8"), args.prompt_tokens)
+    span = args.prompt_tokens + args.max_tokens
+    text = text_tokens(tok, corpus_path("lee_background").read_text(encoding="utf-8"), args.prompts * span)
+    if len(text) < args.prompts * span:
+        raise SystemExit(f"error: the evaluation text has {len(text)} tokens, {args.prompts} prompts need "
+                         f"{args.prompts * span}")
     cfg = SpeculativeConfig(max_draft=args.draft_k, draft_entropy_stop=None)
-    run = prepare(model, tok, ids, gb, speculative=cfg, max_tokens=args.max_tokens)
-    last, tokens = None, []
-    for r in run.tokens():
-        last = r
-        tokens.append(r.token)
-    stats = run.record.stats
+    prompts = []
+    for k in range(args.prompts):
+        ids = text[k * span:k * span + args.prompt_tokens]
+        run = prepare(model, tok, ids, gb, speculative=cfg, max_tokens=args.max_tokens)
+        last, tokens = None, []
+        for r in run.tokens():
+            last = r
+            tokens.append(r.token)
+        stats = run.record.stats
+        prompts.append({"offset": k * span, "drafted": stats.drafted, "accepted": stats.accepted,
+                        "acceptance_rate": stats.accepted / max(stats.drafted, 1),
+                        "generation_tps": last.generation_tps, "generation_tokens": last.generation_tokens,
+                        "tokens": tokens})
     mx.eval(mx.array(0))
+    drafted, accepted = sum(p["drafted"] for p in prompts), sum(p["accepted"] for p in prompts)
     return {"quantizer": args.child, "planes_origin": gb.manager.planes_origin, "drafter": stats.drafter,
-            "generation_tps": last.generation_tps, "generation_tokens": last.generation_tokens,
-            "prompt_tokens": len(ids), "drafted": stats.drafted, "accepted": stats.accepted,
-            "acceptance_rate": stats.accepted / max(stats.drafted, 1), "draft_k": args.draft_k,
-            "tokens": tokens}
+            "generation_tps": statistics.median(p["generation_tps"] for p in prompts),
+            "generation_tokens": sum(p["generation_tokens"] for p in prompts),
+            "prompt_tokens": args.prompt_tokens, "drafted": drafted, "accepted": accepted,
+            "acceptance_rate": accepted / max(drafted, 1), "draft_k": args.draft_k,
+            "prompts": prompts if args.prompts > 1 else None,
+            "tokens": prompts[0]["tokens"] if args.prompts == 1 else None}
 
 
 def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
@@ -179,10 +205,11 @@ def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
     for rep in range(args.speculative_reps):
         for method in args.quantizers:
             with tempfile.NamedTemporaryFile(suffix=".json") as res:
-                cmd = [sys.executable, __file__, "--child", method, "--speculative-child", "--planes-dir",
+                cmd = ([sys.executable, __file__, "--child", method, "--speculative-child", "--planes-dir",
                        str(Path(args.keep_planes) / method), "--result", res.name, "--scope", args.scope,
                        "--draft-k", str(args.draft_k), "--max-tokens", str(args.max_tokens),
-                       "--prompt-tokens", str(args.prompt_tokens)] + (["--model", args.model] if args.model else [])
+                       "--prompt-tokens", str(args.prompt_tokens), "--prompts", str(args.prompts)]
+                       + (["--model", args.model] if args.model else []))
                 before = load_average()
                 proc = subprocess.run(cmd, capture_output=True, text=True,
                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -197,7 +224,9 @@ def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
     return {"what": "end-to-end speculative generation drafting with each low plane (fresh process each, "
                     "interleaved), fixed blocks, greedy, C kernels (kernel=packed), planes from the runs above",
             "ld_preload": os.environ.get("LD_PRELOAD"), "draft_k": args.draft_k, "max_tokens": args.max_tokens,
-            "prompt": f"the first {args.prompt_tokens} tokens of lee_background.cor", "runs": runs}
+            "prompt": f"the first {args.prompt_tokens} tokens of lee_background.cor" if args.prompts == 1 else
+            f"{args.prompts} prompts of {args.prompt_tokens} tokens of lee_background.cor, "
+            f"{args.prompt_tokens + args.max_tokens} tokens apart", "runs": runs}
 
 
 def _progress(stderr: str) -> str:
@@ -276,6 +305,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--draft-k", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=1,
+                   help="speculative runs: prompts of the evaluation text per run (acceptance summed over them)")
     p.add_argument("--speculative-only", action="store_true",
                    help="only the speculative runs, on planes an earlier run kept (merged into --out)")
     p.add_argument("--speculative-child", action="store_true", help=argparse.SUPPRESS)
@@ -289,6 +320,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.child:
         Path(args.result).write_text(json.dumps(speculative_child(args) if args.speculative_child else child(args)))
         return 0
+    if args.prompts < 1:
+        print("error: --prompts must be at least 1", file=sys.stderr)
+        return 2
     if args.speculative_reps and not args.keep_planes:
         print("error: --speculative-reps reads the planes --keep-planes kept: give --keep-planes", file=sys.stderr)
         return 2
@@ -297,6 +331,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.speculative_only:
         saved = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {
             "runs": [], "model": args.model, "scope": args.scope, "hardware": hardware(), "software": software()}
+        if "speculative" in saved:  # an earlier speculative section stays, under its own key
+            saved.setdefault("speculative_earlier", []).append(saved["speculative"])
         saved["speculative"] = _speculative(args)
         saved["runs"].append({"command": "python " + " ".join([str(Path(__file__).relative_to(ROOT))]
                                                                 + (argv or sys.argv[1:])),
