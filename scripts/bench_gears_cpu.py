@@ -43,9 +43,11 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_nested_gpu import host_us_per_step  # noqa: E402
 
 import gearbx_mlx  # noqa: E402
 from gearbx_mlx.evaluation.machine import blas, load_average  # noqa: E402
@@ -84,17 +86,7 @@ def decode(model: Any, prompt: mx.array, tokens: int) -> float:
 
 def host_us(model: Any, prompt: mx.array, steps: int = 8) -> float:
     """Median microseconds of the call that builds one decode step's graph (evaluated after)."""
-    cache = make_prompt_cache(model)
-    y = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
-    mx.eval(y)
-    times = []
-    for _ in range(steps):
-        tic = time.perf_counter()
-        logits = model(y[None], cache=cache)
-        times.append((time.perf_counter() - tic) * 1e6)
-        y = mx.argmax(logits[:, -1, :], axis=-1)
-        mx.eval(y)
-    return statistics.median(times)
+    return host_us_per_step(model, prompt, steps)["median"]
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
