@@ -191,9 +191,7 @@ def speculative_child(args: argparse.Namespace) -> Dict[str, Any]:
             "generation_tps": statistics.median(p["generation_tps"] for p in prompts),
             "generation_tokens": sum(p["generation_tokens"] for p in prompts),
             "prompt_tokens": args.prompt_tokens, "drafted": drafted, "accepted": accepted,
-            "acceptance_rate": accepted / max(drafted, 1), "draft_k": args.draft_k,
-            "prompts": prompts if args.prompts > 1 else None,
-            "tokens": prompts[0]["tokens"] if args.prompts == 1 else None}
+            "acceptance_rate": accepted / max(drafted, 1), "draft_k": args.draft_k, "prompts": prompts}
 
 
 def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
@@ -224,9 +222,8 @@ def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
     return {"what": "end-to-end speculative generation drafting with each low plane (fresh process each, "
                     "interleaved), fixed blocks, greedy, C kernels (kernel=packed), planes from the runs above",
             "ld_preload": os.environ.get("LD_PRELOAD"), "draft_k": args.draft_k, "max_tokens": args.max_tokens,
-            "prompt": f"the first {args.prompt_tokens} tokens of lee_background.cor" if args.prompts == 1 else
-            f"{args.prompts} prompts of {args.prompt_tokens} tokens of lee_background.cor, "
-            f"{args.prompt_tokens + args.max_tokens} tokens apart", "runs": runs}
+            "prompt": f"{args.prompts} prompt(s) of {args.prompt_tokens} tokens of lee_background.cor from its "
+                      f"start, {args.prompt_tokens + args.max_tokens} tokens apart", "runs": runs}
 
 
 def _progress(stderr: str) -> str:
