@@ -7,7 +7,7 @@ times mlx-lm's prompt window (the first response of ``run.tokens()``, as
 ``scripts/bench_prefill_store.py --clock cpu`` does) for each variant in a
 shuffled order every round: separate copies, and the nested store with each
 setting of ``NestedKernelConfig.dense_unpack_threads`` (the dense prefill's
-C unpacking on the calling thread, the default, or on the C kernels' pool).
+C unpacking on the calling thread, or on the C kernels' pool, the default).
 Every window after a first, untimed one per variant: so it times the steady
 state that fresh processes reach after their first prompt, and every variant
 meets the same machine and the same allocator state, where fresh processes

@@ -79,13 +79,13 @@ class NestedKernelConfig:
     intdot_plans: Tuple[Tuple[int, ...], ...] = ((4,),)
     intdot_one_row_plans: Tuple[Tuple[int, ...], ...] = ((4, 4),)
     cpu_max_rows: int = 8
-    #: Threads of the dense path's C unpacking (None: the C kernels' count). One, the
-    #: calling thread: no pool worker then spins between the unpacking and the BLAS
-    #: product on a CPU the BLAS threads want, which on two CPUs was ahead in most rounds
-    #: (``scripts/bench_prefill_inprocess.py``, docs/BENCHMARKS.md, prompt tokens/s); and
-    #: serial, it is still less work than the separate store's dequantization (MLX's
-    #: element-wise operations on one thread) on any number of CPUs.
-    dense_unpack_threads: Optional[int] = 1
+    #: Threads of the dense path's C unpacking (None: the C kernels' count). Its pool
+    #: workers sleep as soon as the unpacking is done (an unpacking job does not keep
+    #: them spinning for a next call as a decode GEMV does), so they leave the CPUs to
+    #: the BLAS product that follows; on two CPUs that was ahead of unpacking on the
+    #: calling thread alone (``scripts/bench_prefill_inprocess.py``, docs/BENCHMARKS.md,
+    #: prompt tokens/s).
+    dense_unpack_threads: Optional[int] = None
     gpu_low_mlx: bool = True
     gpu_compile: bool = True
     #: On a GPU, the precision manager reads each fused group (q/k/v, gate/up) of a

@@ -343,7 +343,8 @@ struct gbx_nested_ctx {
 GBX_HIDDEN int gbx_planes_present(const gbx_plane *planes, int n);
 GBX_HIDDEN void gbx_nested_setup(gbx_nested_ctx *c, const gbx_plane *planes, int n, int out_features,
                                  int in_features);
-GBX_HIDDEN int gbx_nested_run(gbx_rows_fn fn, const gbx_nested_ctx *c, int rows, size_t row_weights, int nthreads);
+GBX_HIDDEN int gbx_nested_run(gbx_rows_fn fn, const gbx_nested_ctx *c, int rows, size_t row_weights, int nthreads,
+                              long spin_ns);
 
 /* Scalar parts of a plane's row, blocks [b0, b1) of GBX_QK codes, without the
  * bias term: the kernels of a CPU without SIMD and the tails of the others. */
@@ -430,6 +431,13 @@ GBX_HIDDEN int gbx_pool_parts(int nthreads, long long weights, int rows);
 /* fn(c, r0, r1) over rows [0, rows) on `parts` threads (the caller among
  * them); returns when every row is done. */
 GBX_HIDDEN int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights);
+/* The same, the workers sleeping spin_ns after the job rather than after
+ * GBX_POOL_SPIN_NS, which decode calls want (they come back-to-back); 0: at
+ * once, for a job that the caller follows with other work (the prefill's
+ * unpacking, followed by a BLAS product whose threads want every CPU). */
+#define GBX_POOL_SPIN_NS 200000L /* 0.2 ms */
+GBX_HIDDEN int gbx_run_rows_spin(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights,
+                                 long spin_ns);
 
 /* ------------------------------------------------------------------------ */
 /* Kernels of arch/x86 and arch/arm (chosen in dispatch.c)                  */

@@ -119,13 +119,14 @@ void gbx_nested_setup(gbx_nested_ctx *c, const gbx_plane *planes, int n, int out
     c->n = n, c->O = out_features, c->I = in_features;
 }
 
-int gbx_nested_run(gbx_rows_fn fn, const gbx_nested_ctx *c, int rows, size_t row_weights, int nthreads)
+int gbx_nested_run(gbx_rows_fn fn, const gbx_nested_ctx *c, int rows, size_t row_weights, int nthreads,
+                   long spin_ns)
 {
     gbx_ctx cc;
     memset(&cc, 0, sizeof cc);
     cc.nest = c;
     const int parts = gbx_pool_parts(nthreads, (long long)rows * (long long)row_weights, rows);
-    return gbx_run_rows(fn, &cc, rows, parts, row_weights);
+    return gbx_run_rows_spin(fn, &cc, rows, parts, row_weights, spin_ns);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -312,7 +313,7 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
     rc = build_buffers(&c, intdot, any4, &buf);
     if (rc == GBX_OK)
         rc = gbx_nested_run(c.pair ? nested_rows_pair : nested_rows, &c, out_features,
-                            (size_t)in_features * (size_t)n * (size_t)m, nthreads);
+                            (size_t)in_features * (size_t)n * (size_t)m, nthreads, GBX_POOL_SPIN_NS);
     free_buffers(&buf);
     return rc;
 }

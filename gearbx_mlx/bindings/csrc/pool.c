@@ -85,7 +85,6 @@ int gbx_pool_parts(int nthreads, long long weights, int rows)
 
 #ifndef GEARBX_NO_THREADS
 
-#define GBX_SPIN_NS 200000L /* 0.2 ms */
 
 static struct {
     pthread_mutex_t owner; /* one call uses the pool at a time */
@@ -102,6 +101,7 @@ static struct {
     atomic_int done;       /* chunks finished in the current job */
     atomic_int parts;      /* threads the current job wants (workers id < parts join) */
     atomic_int sleepers;
+    atomic_long spin_ns;   /* how long workers spin after the current job before they sleep */
     /* the job: written by the owner before the generation is published, and
      * stable while any chunk is unfinished */
     gbx_rows_fn fn;
@@ -175,10 +175,10 @@ static void *worker_main(void *arg)
     for (;;) {
         unsigned g = state_gen(atomic_load_explicit(&g_pool.state, memory_order_acquire));
         if (g == seen) {
-            const long t0 = now_ns();
-            for (int i = 1; (g = state_gen(atomic_load_explicit(&g_pool.state, memory_order_acquire))) == seen; ++i) {
+            const long t0 = now_ns(), spin = atomic_load_explicit(&g_pool.spin_ns, memory_order_relaxed);
+            for (int i = 1; spin > 0 && (g = state_gen(atomic_load_explicit(&g_pool.state, memory_order_acquire))) == seen; ++i) {
                 cpu_relax();
-                if ((i & 255) == 0 && now_ns() - t0 > GBX_SPIN_NS)
+                if ((i & 255) == 0 && now_ns() - t0 > spin)
                     break;
             }
             if (g == seen) {
@@ -233,6 +233,11 @@ static int pool_grow(int nworkers)
 
 int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights)
 {
+    return gbx_run_rows_spin(fn, c, rows, parts, row_weights, GBX_POOL_SPIN_NS);
+}
+
+int gbx_run_rows_spin(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights, long spin_ns)
+{
     /* A second caller (another Python thread) computes on its own thread
      * instead of waiting for the pool. */
     if (parts <= 1 || pthread_mutex_trylock(&g_pool.owner) != 0) {
@@ -272,6 +277,7 @@ int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t r
     atomic_store_explicit(&g_pool.nchunks, nchunks, memory_order_release);
     atomic_store(&g_pool.parts, parts);
     atomic_store(&g_pool.done, 0);
+    atomic_store_explicit(&g_pool.spin_ns, spin_ns, memory_order_relaxed);
     GBX_STRESS_PAUSE(1, 200); /* test builds: job written, not yet published */
     const unsigned gen = ++g_pool.gen;
     atomic_store(&g_pool.state, (uint64_t)gen << 32); /* seq_cst: pairs with the sleepers check */
@@ -292,6 +298,12 @@ int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t r
 }
 
 #else /* GEARBX_NO_THREADS */
+
+int gbx_run_rows_spin(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights, long spin_ns)
+{
+    (void)spin_ns;
+    return gbx_run_rows(fn, c, rows, parts, row_weights);
+}
 
 int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights)
 {

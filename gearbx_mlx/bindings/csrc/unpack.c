@@ -156,5 +156,5 @@ int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int ro
     if (gbx_cpu.avx2)
         fn = unpack_rows_avx2;
 #endif
-    return gbx_nested_run(fn, &c, row1 - row0, (size_t)in_features * (size_t)n, nthreads);
+    return gbx_nested_run(fn, &c, row1 - row0, (size_t)in_features * (size_t)n, nthreads, 0);
 }
