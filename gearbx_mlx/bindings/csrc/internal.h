@@ -298,10 +298,12 @@ typedef struct gbx_plane_rt gbx_plane_rt;
  * before its factor: sum_g s_g * (codes . x)_g + b_g * xsum_g. */
 typedef float (*gbx_plane_fn)(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k);
 
-/* Both planes of a gear of two 4-bit planes of one scale dtype (the mid gear)
- * in one pass over row r: y[i] is what fn[0][dtype] returns for plane i, bit
- * for bit (the same operations per plane; the activations are read once). */
-typedef void (*gbx_pair_fn)(const gbx_nested_ctx *c, int r, int k, float *y);
+/* Rows r0..r1 (of every activation row) of a gear of two 4-bit planes of one
+ * scale dtype (the mid gear), both planes in one pass over each row: each
+ * plane's spans as fn[0][dtype] computes them, its bias term summed into its
+ * lanes before one horizontal sum (so equal to the per-plane kernels' sum up
+ * to float32 rounding: exact on the C driver's integer data). */
+typedef void (*gbx_pair_fn)(const gbx_nested_ctx *c, int r0, int r1);
 
 /* One plane as the kernels read it. */
 struct gbx_plane_rt {

@@ -158,20 +158,9 @@ int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, in
     return GBX_OK;
 }
 
-/* A gear of two 4-bit planes through the family's pair kernel (c->pair): the
- * same per-plane values, summed as nested_rows sums them. */
-static void nested_rows_pair(const gbx_ctx *cc, int r0, int r1)
-{
-    const gbx_nested_ctx *c = cc->nest;
-    for (int r = r0; r < r1; ++r)
-        for (int k = 0; k < c->m; ++k) {
-            float y[2], acc = 0.0f;
-            c->pair(c, r, k, y);
-            acc += c->p[0].factor * y[0];
-            acc += c->p[1].factor * y[1];
-            c->y[(size_t)k * c->O + r] = acc;
-        }
-}
+/* A gear of two 4-bit planes through the family's pair kernel (c->pair), which
+ * writes rows r0..r1 of every activation row. */
+static void nested_rows_pair(const gbx_ctx *cc, int r0, int r1) { cc->nest->pair(cc->nest, r0, r1); }
 
 static void nested_rows(const gbx_ctx *cc, int r0, int r1)
 {

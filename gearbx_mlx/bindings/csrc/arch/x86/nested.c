@@ -52,14 +52,38 @@ GBX_NESTED_FN GBX_INLINE float group_dot(const void *v, size_t off, const float 
 }
 
 /* The scales of blocks 2s (low 4 lanes) and 2s+1 (high 4 lanes) of span s:
- * one group unless groups are 32 wide. */
+ * one group unless groups are 32 wide (then both, in one load and a permute). */
 GBX_NESTED_FN GBX_INLINE __m256 span_scales(const void *sc, size_t off, int s, int gshift, const int dtype)
 {
-    const float a = gbx_scale1_x86(sc, off + (size_t)((2 * s) >> gshift), dtype);
     if (gshift > 0)
-        return _mm256_set1_ps(a);
-    const float b = gbx_scale1_x86(sc, off + (size_t)(2 * s + 1), dtype);
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a)), _mm_set1_ps(b), 1);
+        return _mm256_set1_ps(gbx_scale1_x86(sc, off + (size_t)((2 * s) >> gshift), dtype));
+    const size_t i = off + 2 * (size_t)s;
+    __m128 two;
+    if (dtype == GBX_DTYPE_F32) {
+        two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)((const float *)sc + i)));
+    } else {
+        int32_t u;
+        memcpy(&u, (const uint16_t *)sc + i, sizeof u);
+        const __m128i h = _mm_cvtsi32_si128(u);
+        two = dtype == GBX_DTYPE_F16 ? _mm_cvtph_ps(h) : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* acc plus sum_g v[off + g] * w[g] over the whole eights of ng groups, lane
+ * by lane; the remaining groups' sum in *rest (group_dot without its own
+ * horizontal sum: a row then makes one). */
+GBX_NESTED_FN GBX_INLINE __m256 group_fma(__m256 acc, const void *v, size_t off, const float *w, int ng, float *rest,
+                                          const int dtype)
+{
+    int g = 0;
+    for (; g + 8 <= ng; g += 8)
+        acc = _mm256_fmadd_ps(scale8(v, off + (size_t)g, dtype), _mm256_loadu_ps(w + g), acc);
+    float y = 0.0f;
+    for (; g < ng; ++g)
+        y += gbx_scale1_x86(v, off + (size_t)g, dtype) * w[g];
+    *rest = y;
+    return acc;
 }
 
 /* ---- float path ----------------------------------------------------------- */
@@ -342,8 +366,13 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
             y += 128.0f * group_dot(p->scales, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                  \
         return y + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                         \
     }                                                                                                            \
-    /* plane4_intdot of planes 0 and 1 side by side: each plane's own operations, in its order */               \
-    ATTR GBX_INLINE void pair4_intdot_##SUFFIX(const gbx_nested_ctx *c, int r, int k, float *y, const int dtype) \
+    /* Rows r0..r1 of a gear of planes 0 and 1 (both 4-bit) in one pass over each row:   \
+     * each plane's own spans, in plane4_intdot's order, and its bias term folded into its  \
+     * accumulator, so a row makes two horizontal sums (the reads and the per-row work are  \
+     * what bound a one-row product of these small matrices).  PG, QG: the planes' gshift  \
+     * (constants in the default plan's copy).                                               */ \
+    ATTR GBX_INLINE void pair4_row_##SUFFIX(const gbx_nested_ctx *c, int r, int k, const int pg, const int qg,  \
+                                            const int dtype)                                                     \
     {                                                                                                            \
         const gbx_plane_rt *p = c->p, *q = c->p + 1;                                                             \
         const uint8_t *w = p->codes + (size_t)r * p->row_bytes, *v = q->codes + (size_t)r * q->row_bytes;        \
@@ -360,29 +389,50 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
             const __m256 f1 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
             const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
             const __m256 g1 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
-            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, p->gshift, dtype), acc0); \
-            acc1 = _mm256_fmadd_ps(_mm256_mul_ps(f1, d1), span_scales(p->scales, off, s + 1, p->gshift, dtype), acc1); \
-            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, q->gshift, dtype), bcc0); \
-            bcc1 = _mm256_fmadd_ps(_mm256_mul_ps(g1, d1), span_scales(q->scales, offq, s + 1, q->gshift, dtype), bcc1); \
+            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, pg, dtype), acc0);      \
+            acc1 = _mm256_fmadd_ps(_mm256_mul_ps(f1, d1), span_scales(p->scales, off, s + 1, pg, dtype), acc1);  \
+            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, qg, dtype), bcc0);     \
+            bcc1 = _mm256_fmadd_ps(_mm256_mul_ps(g1, d1), span_scales(q->scales, offq, s + 1, qg, dtype), bcc1); \
         }                                                                                                        \
         if (s < c->nspans) {                                                                                     \
             const __m256 d0 = _mm256_load_ps(a->span_d + 8 * (size_t)s);                                         \
             const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
             const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
-            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, p->gshift, dtype), acc0); \
-            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, q->gshift, dtype), bcc0); \
+            acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, pg, dtype), acc0);      \
+            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, qg, dtype), bcc0);     \
         }                                                                                                        \
-        y[0] = hsum_avx2(_mm256_add_ps(acc0, acc1)) + gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK) + \
-               group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                             \
-        y[1] = hsum_avx2(_mm256_add_ps(bcc0, bcc1)) + gbx_nested_tail_intdot(c, q, r, k, 2 * c->nspans, c->I / GBX_QK) + \
-               group_dot(q->biases, offq, q->xsum + (size_t)k * q->ng, q->ng, dtype);                            \
+        float rp, rq;                                                                                            \
+        acc0 = group_fma(_mm256_add_ps(acc0, acc1), p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, &rp, dtype); \
+        bcc0 = group_fma(_mm256_add_ps(bcc0, bcc1), q->biases, offq, q->xsum + (size_t)k * q->ng, q->ng, &rq, dtype); \
+        float yp = hsum_avx2(acc0) + rp, yq = hsum_avx2(bcc0) + rq;                                              \
+        if (2 * c->nspans < c->I / GBX_QK) {                                                                     \
+            yp += gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK);                              \
+            yq += gbx_nested_tail_intdot(c, q, r, k, 2 * c->nspans, c->I / GBX_QK);                              \
+        }                                                                                                        \
+        float y = 0.0f;                                                                                          \
+        y += p->factor * yp;                                                                                     \
+        y += q->factor * yq;                                                                                     \
+        c->y[(size_t)k * c->O + r] = y;                                                                          \
+    }                                                                                                            \
+    ATTR GBX_INLINE void pair4_rows_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int dtype)          \
+    {                                                                                                            \
+        const int pg = c->p[0].gshift, qg = c->p[1].gshift;                                                      \
+        if (pg == 1 && qg == 0) { /* the default plan: groups of 64 and 32 */                                    \
+            for (int r = r0; r < r1; ++r)                                                                        \
+                for (int k = 0; k < c->m; ++k)                                                                   \
+                    pair4_row_##SUFFIX(c, r, k, 1, 0, dtype);                                                    \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int r = r0; r < r1; ++r)                                                                            \
+            for (int k = 0; k < c->m; ++k)                                                                       \
+                pair4_row_##SUFFIX(c, r, k, pg, qg, dtype);                                                      \
     }
 
 /* One exported function per (bits, dtype): the dtype a compile-time constant. */
 #define GBX_NESTED_INST(ATTR, BODY, NAME, DT) \
     ATTR static float NAME(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k) { return BODY(c, p, r, k, DT); }
 #define GBX_PAIR_INST(ATTR, BODY, NAME, DT) \
-    ATTR static void NAME(const gbx_nested_ctx *c, int r, int k, float *y) { BODY(c, r, k, y, DT); }
+    ATTR static void NAME(const gbx_nested_ctx *c, int r0, int r1) { BODY(c, r0, r1, DT); }
 /* PAIR4: the intdot families' pair4 body, or nothing (no pair kernels) */
 #define GBX_PAIR_TABLE(TABLE, ATTR, PAIR4)                                     \
     GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_f32, GBX_DTYPE_F32)                  \
@@ -408,7 +458,7 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
 GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float, plane6_float, )
 
 GBX_DEF_NESTED_INTDOT(avx2, GBX_NESTED_FN, u4_span_isum_avx2, u8_block_isum_signed, 1)
-GBX_PAIR_TABLE(gbx_nested_intdot_avx2, GBX_NESTED_FN, pair4_intdot_avx2)
+GBX_PAIR_TABLE(gbx_nested_intdot_avx2, GBX_NESTED_FN, pair4_rows_avx2)
 GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_avx2, plane8_intdot_avx2,
                  plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_avx2))
 
@@ -432,14 +482,14 @@ GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_av
 #if GBX_VNNI512
 #define GBX_NESTED_VNNI512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 GBX_DEF_NESTED_VNNI(vnni512, GBX_NESTED_VNNI512_FN, _mm256_dpbusd_epi32)
-GBX_PAIR_TABLE(gbx_nested_intdot_vnni512, GBX_NESTED_VNNI512_FN, pair4_intdot_vnni512)
+GBX_PAIR_TABLE(gbx_nested_intdot_vnni512, GBX_NESTED_VNNI512_FN, pair4_rows_vnni512)
 GBX_NESTED_TABLE(gbx_nested_intdot_vnni512, "avx512vnni", GBX_NESTED_VNNI512_FN, plane4_intdot_vnni512,
                  plane8_intdot_vnni512, plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_vnni512))
 #endif
 #if GBX_AVXVNNI
 #define GBX_NESTED_AVXVNNI_FN __attribute__((target("avx2,fma,f16c,avxvnni")))
 GBX_DEF_NESTED_VNNI(avxvnni, GBX_NESTED_AVXVNNI_FN, _mm256_dpbusd_avx_epi32)
-GBX_PAIR_TABLE(gbx_nested_intdot_avxvnni, GBX_NESTED_AVXVNNI_FN, pair4_intdot_avxvnni)
+GBX_PAIR_TABLE(gbx_nested_intdot_avxvnni, GBX_NESTED_AVXVNNI_FN, pair4_rows_avxvnni)
 GBX_NESTED_TABLE(gbx_nested_intdot_avxvnni, "avxvnni", GBX_NESTED_AVXVNNI_FN, plane4_intdot_avxvnni,
                  plane8_intdot_avxvnni, plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_avxvnni))
 #endif
