@@ -335,7 +335,7 @@ struct gbx_nested_ctx {
     const gbx_span_f32 *xf;  /* [m][nspans] float path: split order */
     const gbx_act_q8 *a;     /* [m] intdot path */
     float *y;                /* [m][O] */
-    gbx_pair_fn pair;        /* the gear's pair kernel (two 4-bit planes), or NULL */
+    gbx_pair_fn pair;        /* the gear's rows kernel (one or two 4-bit planes, intdot), or NULL */
 };
 
 /* nested.c, for both of its callers (the GEMV and unpack.c's unpacking):
@@ -407,6 +407,7 @@ typedef struct {
     const char *name;
     gbx_plane_fn fn[3][3];
     gbx_pair_fn pair4[3]; /* [dtype]; NULL where the family has none */
+    gbx_pair_fn one4[3];  /* [dtype]: the same for a gear of one 4-bit plane */
 } gbx_nested_kernels;
 
 /* ------------------------------------------------------------------------ */

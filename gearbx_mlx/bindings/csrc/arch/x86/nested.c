@@ -366,15 +366,15 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
             y += 128.0f * group_dot(p->scales, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                  \
         return y + group_dot(p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, dtype);                         \
     }                                                                                                            \
-    /* Rows r0..r1 of a gear of planes 0 and 1 (both 4-bit) in one pass over each row:   \
-     * each plane's own spans, in plane4_intdot's order, and its bias term folded into its  \
-     * accumulator, so a row makes two horizontal sums (the reads and the per-row work are  \
-     * what bound a one-row product of these small matrices).  PG, QG: the planes' gshift  \
-     * (constants in the default plan's copy).                                               */ \
-    ATTR GBX_INLINE void pair4_row_##SUFFIX(const gbx_nested_ctx *c, int r, int k, const int pg, const int qg,  \
-                                            const int dtype)                                                     \
+    /* Row r of a gear of plane 0 alone or of planes 0 and 1 (TWO), all 4-bit, in one    \
+     * pass over the row: each plane's own spans, in plane4_intdot's order, and its bias   \
+     * term folded into its accumulator, so a plane makes one horizontal sum (the reads    \
+     * and the per-row work are what bound a one-row product of these small matrices).     \
+     * PG, QG: the planes' gshift (constants in the default plan's copies).                */ \
+    ATTR GBX_INLINE void rows4_row_##SUFFIX(const gbx_nested_ctx *c, int r, int k, const int two, const int pg,  \
+                                            const int qg, const int dtype)                                       \
     {                                                                                                            \
-        const gbx_plane_rt *p = c->p, *q = c->p + 1;                                                             \
+        const gbx_plane_rt *p = c->p, *q = c->p + (two ? 1 : 0);                                                 \
         const uint8_t *w = p->codes + (size_t)r * p->row_bytes, *v = q->codes + (size_t)r * q->row_bytes;        \
         const size_t off = (size_t)r * p->ng, offq = (size_t)r * q->ng;                                          \
         const gbx_act_q8 *a = c->a + k;                                                                          \
@@ -382,36 +382,47 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
         int s = 0;                                                                                               \
         for (; s + 2 <= c->nspans; s += 2) {                                                                     \
             GBX_PREFETCH(w + (size_t)s * (GBX_SPAN / 2) + GBX_PREFETCH_BYTES);                                   \
-            GBX_PREFETCH(v + (size_t)s * (GBX_SPAN / 2) + GBX_PREFETCH_BYTES);                                   \
+            if (two)                                                                                             \
+                GBX_PREFETCH(v + (size_t)s * (GBX_SPAN / 2) + GBX_PREFETCH_BYTES);                                \
             const __m256 d0 = _mm256_load_ps(a->span_d + 8 * (size_t)s);                                         \
             const __m256 d1 = _mm256_load_ps(a->span_d + 8 * (size_t)(s + 1));                                   \
             const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
             const __m256 f1 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
-            const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
-            const __m256 g1 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1)); \
             acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, pg, dtype), acc0);      \
             acc1 = _mm256_fmadd_ps(_mm256_mul_ps(f1, d1), span_scales(p->scales, off, s + 1, pg, dtype), acc1);  \
-            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, qg, dtype), bcc0);     \
-            bcc1 = _mm256_fmadd_ps(_mm256_mul_ps(g1, d1), span_scales(q->scales, offq, s + 1, qg, dtype), bcc1); \
+            if (two) {                                                                                           \
+                const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));   \
+                const __m256 g1 =                                                                                \
+                    _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)(s + 1) * (GBX_SPAN / 2), a->split + s + 1));       \
+                bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, qg, dtype), bcc0); \
+                bcc1 = _mm256_fmadd_ps(_mm256_mul_ps(g1, d1), span_scales(q->scales, offq, s + 1, qg, dtype), bcc1); \
+            }                                                                                                    \
         }                                                                                                        \
         if (s < c->nspans) {                                                                                     \
             const __m256 d0 = _mm256_load_ps(a->span_d + 8 * (size_t)s);                                         \
             const __m256 f0 = _mm256_cvtepi32_ps(SPAN_ISUM(w + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
-            const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));       \
             acc0 = _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), span_scales(p->scales, off, s, pg, dtype), acc0);      \
-            bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, qg, dtype), bcc0);     \
+            if (two) {                                                                                           \
+                const __m256 g0 = _mm256_cvtepi32_ps(SPAN_ISUM(v + (size_t)s * (GBX_SPAN / 2), a->split + s));   \
+                bcc0 = _mm256_fmadd_ps(_mm256_mul_ps(g0, d0), span_scales(q->scales, offq, s, qg, dtype), bcc0); \
+            }                                                                                                    \
         }                                                                                                        \
-        float rp, rq;                                                                                            \
+        const int tail = 2 * c->nspans < c->I / GBX_QK;                                                          \
+        float rp;                                                                                                \
         acc0 = group_fma(_mm256_add_ps(acc0, acc1), p->biases, off, p->xsum + (size_t)k * p->ng, p->ng, &rp, dtype); \
-        bcc0 = group_fma(_mm256_add_ps(bcc0, bcc1), q->biases, offq, q->xsum + (size_t)k * q->ng, q->ng, &rq, dtype); \
-        float yp = hsum_avx2(acc0) + rp, yq = hsum_avx2(bcc0) + rq;                                              \
-        if (2 * c->nspans < c->I / GBX_QK) {                                                                     \
+        float yp = hsum_avx2(acc0) + rp;                                                                         \
+        if (tail)                                                                                                \
             yp += gbx_nested_tail_intdot(c, p, r, k, 2 * c->nspans, c->I / GBX_QK);                              \
-            yq += gbx_nested_tail_intdot(c, q, r, k, 2 * c->nspans, c->I / GBX_QK);                              \
-        }                                                                                                        \
         float y = 0.0f;                                                                                          \
         y += p->factor * yp;                                                                                     \
-        y += q->factor * yq;                                                                                     \
+        if (two) {                                                                                               \
+            float rq;                                                                                            \
+            bcc0 = group_fma(_mm256_add_ps(bcc0, bcc1), q->biases, offq, q->xsum + (size_t)k * q->ng, q->ng, &rq, dtype); \
+            float yq = hsum_avx2(bcc0) + rq;                                                                     \
+            if (tail)                                                                                            \
+                yq += gbx_nested_tail_intdot(c, q, r, k, 2 * c->nspans, c->I / GBX_QK);                          \
+            y += q->factor * yq;                                                                                 \
+        }                                                                                                        \
         c->y[(size_t)k * c->O + r] = y;                                                                          \
     }                                                                                                            \
     ATTR GBX_INLINE void pair4_rows_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int dtype)          \
@@ -420,12 +431,25 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
         if (pg == 1 && qg == 0) { /* the default plan: groups of 64 and 32 */                                    \
             for (int r = r0; r < r1; ++r)                                                                        \
                 for (int k = 0; k < c->m; ++k)                                                                   \
-                    pair4_row_##SUFFIX(c, r, k, 1, 0, dtype);                                                    \
+                    rows4_row_##SUFFIX(c, r, k, 1, 1, 0, dtype);                                                 \
             return;                                                                                              \
         }                                                                                                        \
         for (int r = r0; r < r1; ++r)                                                                            \
             for (int k = 0; k < c->m; ++k)                                                                       \
-                pair4_row_##SUFFIX(c, r, k, pg, qg, dtype);                                                      \
+                rows4_row_##SUFFIX(c, r, k, 1, pg, qg, dtype);                                                   \
+    }                                                                                                            \
+    ATTR GBX_INLINE void one4_rows_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int dtype)           \
+    {                                                                                                            \
+        const int pg = c->p[0].gshift;                                                                           \
+        if (pg == 1) { /* groups of 64: MLX's default, the low gear's */                                         \
+            for (int r = r0; r < r1; ++r)                                                                        \
+                for (int k = 0; k < c->m; ++k)                                                                   \
+                    rows4_row_##SUFFIX(c, r, k, 0, 1, 0, dtype);                                                 \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int r = r0; r < r1; ++r)                                                                            \
+            for (int k = 0; k < c->m; ++k)                                                                       \
+                rows4_row_##SUFFIX(c, r, k, 0, pg, 0, dtype);                                                    \
     }
 
 /* One exported function per (bits, dtype): the dtype a compile-time constant. */
@@ -433,12 +457,16 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
     ATTR static float NAME(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k) { return BODY(c, p, r, k, DT); }
 #define GBX_PAIR_INST(ATTR, BODY, NAME, DT) \
     ATTR static void NAME(const gbx_nested_ctx *c, int r0, int r1) { BODY(c, r0, r1, DT); }
-/* PAIR4: the intdot families' pair4 body, or nothing (no pair kernels) */
-#define GBX_PAIR_TABLE(TABLE, ATTR, PAIR4)                                     \
+/* The intdot families' rows kernels of two 4-bit planes (PAIR4) and of one (ONE4) */
+#define GBX_PAIR_TABLE(TABLE, ATTR, PAIR4, ONE4)                               \
     GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_f32, GBX_DTYPE_F32)                  \
     GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_f16, GBX_DTYPE_F16)                  \
-    GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_bf16, GBX_DTYPE_BF16)
-#define GBX_PAIRS_OF(TABLE) {TABLE##_p4_f32, TABLE##_p4_f16, TABLE##_p4_bf16}
+    GBX_PAIR_INST(ATTR, PAIR4, TABLE##_p4_bf16, GBX_DTYPE_BF16)                \
+    GBX_PAIR_INST(ATTR, ONE4, TABLE##_o4_f32, GBX_DTYPE_F32)                   \
+    GBX_PAIR_INST(ATTR, ONE4, TABLE##_o4_f16, GBX_DTYPE_F16)                   \
+    GBX_PAIR_INST(ATTR, ONE4, TABLE##_o4_bf16, GBX_DTYPE_BF16)
+#define GBX_PAIRS_OF(TABLE) \
+    {TABLE##_p4_f32, TABLE##_p4_f16, TABLE##_p4_bf16}, {TABLE##_o4_f32, TABLE##_o4_f16, TABLE##_o4_bf16}
 #define GBX_NESTED_TABLE(TABLE, ISA, ATTR, BODY4, BODY8, BODY6, PAIRS)         \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f32, GBX_DTYPE_F32)                 \
     GBX_NESTED_INST(ATTR, BODY4, TABLE##_4_f16, GBX_DTYPE_F16)                 \
@@ -458,7 +486,7 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
 GBX_NESTED_TABLE(gbx_nested_float_avx2, "avx2", GBX_NESTED_FN, plane4_float, plane8_float, plane6_float, )
 
 GBX_DEF_NESTED_INTDOT(avx2, GBX_NESTED_FN, u4_span_isum_avx2, u8_block_isum_signed, 1)
-GBX_PAIR_TABLE(gbx_nested_intdot_avx2, GBX_NESTED_FN, pair4_rows_avx2)
+GBX_PAIR_TABLE(gbx_nested_intdot_avx2, GBX_NESTED_FN, pair4_rows_avx2, one4_rows_avx2)
 GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_avx2, plane8_intdot_avx2,
                  plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_avx2))
 
@@ -482,14 +510,14 @@ GBX_NESTED_TABLE(gbx_nested_intdot_avx2, "avx2", GBX_NESTED_FN, plane4_intdot_av
 #if GBX_VNNI512
 #define GBX_NESTED_VNNI512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 GBX_DEF_NESTED_VNNI(vnni512, GBX_NESTED_VNNI512_FN, _mm256_dpbusd_epi32)
-GBX_PAIR_TABLE(gbx_nested_intdot_vnni512, GBX_NESTED_VNNI512_FN, pair4_rows_vnni512)
+GBX_PAIR_TABLE(gbx_nested_intdot_vnni512, GBX_NESTED_VNNI512_FN, pair4_rows_vnni512, one4_rows_vnni512)
 GBX_NESTED_TABLE(gbx_nested_intdot_vnni512, "avx512vnni", GBX_NESTED_VNNI512_FN, plane4_intdot_vnni512,
                  plane8_intdot_vnni512, plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_vnni512))
 #endif
 #if GBX_AVXVNNI
 #define GBX_NESTED_AVXVNNI_FN __attribute__((target("avx2,fma,f16c,avxvnni")))
 GBX_DEF_NESTED_VNNI(avxvnni, GBX_NESTED_AVXVNNI_FN, _mm256_dpbusd_avx_epi32)
-GBX_PAIR_TABLE(gbx_nested_intdot_avxvnni, GBX_NESTED_AVXVNNI_FN, pair4_rows_avxvnni)
+GBX_PAIR_TABLE(gbx_nested_intdot_avxvnni, GBX_NESTED_AVXVNNI_FN, pair4_rows_avxvnni, one4_rows_avxvnni)
 GBX_NESTED_TABLE(gbx_nested_intdot_avxvnni, "avxvnni", GBX_NESTED_AVXVNNI_FN, plane4_intdot_avxvnni,
                  plane8_intdot_avxvnni, plane6_intdot, GBX_PAIRS_OF(gbx_nested_intdot_avxvnni))
 #endif
