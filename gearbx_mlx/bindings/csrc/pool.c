@@ -228,8 +228,13 @@ static int pool_grow(int nworkers)
     return GBX_OK;
 }
 
-/* Fewest weights per chunk: a claim costs one CAS (tens of ns). */
-#define GBX_CHUNK_WEIGHTS (1 << 15)
+/* Fewest weights per chunk.  A claim costs one CAS (tens of ns), but each
+ * chunk restarts a thread's read streams (codes, scales, biases of every
+ * plane) where the hardware prefetchers must pick them up again: at 2^15 the
+ * mid gear's two planes (28 rows a chunk at 576 inputs) read a 49152x576
+ * matrix more slowly on two threads than on one, at 2^17 at 86% of the
+ * measured read bandwidth (scripts/bench_nested_kernels.py, docs/BENCHMARKS.md). */
+#define GBX_CHUNK_WEIGHTS (1 << 17)
 
 int gbx_run_rows(gbx_rows_fn fn, const gbx_ctx *c, int rows, int parts, size_t row_weights)
 {
