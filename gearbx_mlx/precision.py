@@ -202,6 +202,26 @@ def packed_quantizer(module: nn.Module, bits: int, group_size: int) -> nn.Module
     return PackedLinear.from_linear(module, bits=bits, group_size=group_size)
 
 
+def prime_kernels(modules: Dict[str, nn.Module]) -> int:
+    """Make the first call of each CPU kernel of ``modules`` (one gear's) now: one input row
+    through the first module of each type and shape, so that its first-use check
+    (:mod:`gearbx_mlx.bindings.guard`: the kernel's output against the pure-MLX reference) is
+    spent here, at load or at the gear's quantization, not in the first prompt, where the
+    checks of a gear's few shapes cost as much as several layers' products. Later modules of
+    the same shape find the kernel trusted. Returns the number of modules called.
+    """
+    seen = set()
+    for m in modules.values():
+        nested = getattr(m, "nested", None)
+        shape = nested.shape if nested is not None else (getattr(m, "out_features", None), getattr(m, "in_features", None))
+        if is_sharded(m) or not isinstance(shape[1], int) or (type(m), shape) in seen:
+            continue  # a loaded float layer (no kernel), or a rank's shard (its call would be a collective)
+        seen.add((type(m), shape))
+        x = mx.random.normal((1, 1, shape[1]), key=mx.random.key(len(seen)))  # the caller's stream untouched
+        mx.eval(m.as_linear(x) if hasattr(m, "as_linear") else m(x))
+    return len(seen)
+
+
 class PrecisionManager:
     """Swaps managed modules of a live model between gears.
 
@@ -346,6 +366,8 @@ class PrecisionManager:
             for w in self.nested.values():
                 w.product.cpu_prepared()
                 w.product.reserve_dense()
+            for mods in self.cache.values():
+                prime_kernels(mods)
         self.planes_seconds = time.perf_counter() - tic
         self._no_gear_dearer_than_high()
         if c.high == "planes":
@@ -433,6 +455,8 @@ class PrecisionManager:
 
             built = fuse_modules(built)
         built = {p: shard_gear(m, self.originals[p]) for p, m in built.items()}
+        if self.config.kernel == "packed" and mx.default_device().type == mx.DeviceType.cpu:
+            prime_kernels(built)
         dt = time.perf_counter() - tic
         self.cache[gear] = built
         self.quantize_seconds[gear] = dt
