@@ -206,9 +206,12 @@ def prime_kernels(modules: Dict[str, nn.Module]) -> int:
     """Make the first call of each CPU kernel of ``modules`` (one gear's) now: one input row
     through the first module of each type and shape, so that its first-use check
     (:mod:`gearbx_mlx.bindings.guard`: the kernel's output against the pure-MLX reference) is
-    spent here, at load or at the gear's quantization, not in the first prompt, where the
-    checks of a gear's few shapes cost as much as several layers' products. Later modules of
-    the same shape find the kernel trusted. Returns the number of modules called.
+    spent here, where the nested store builds every gear at load, not in the first prompt,
+    where the checks of a gear's few shapes cost as much as several layers' products. Later
+    modules of the same shape find the kernel trusted. (The separate store quantizes a gear
+    when a generation first enters it, and checks each kernel at its first call in that
+    generation, as before: checking them at its quantization would only move the work within
+    the generation.) Returns the number of modules called.
     """
     seen = set()
     for m in modules.values():
@@ -455,8 +458,6 @@ class PrecisionManager:
 
             built = fuse_modules(built)
         built = {p: shard_gear(m, self.originals[p]) for p, m in built.items()}
-        if self.config.kernel == "packed" and mx.default_device().type == mx.DeviceType.cpu:
-            prime_kernels(built)
         dt = time.perf_counter() - tic
         self.cache[gear] = built
         self.quantize_seconds[gear] = dt

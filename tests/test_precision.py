@@ -131,11 +131,11 @@ def test_default_model_triggers_double_quantization_warning(default_model):
     assert check.suspected and check.estimated_bits == 4
 
 
-@pytest.mark.parametrize("store", ["nested", "separate"])
-def test_each_kernels_first_use_check_is_made_with_the_gear_not_in_the_first_prompt(tiny_llama, monkeypatch, store):
+def test_the_nested_store_makes_each_kernels_first_use_check_at_load_not_in_the_first_prompt(
+        tiny_llama, monkeypatch):
     """On the CPU each C kernel checks its first call against the reference (bindings.guard):
-    the nested store makes those calls when it builds its planes, the separate store when it
-    quantizes a gear, so the first prompt's steps run trusted kernels."""
+    the nested store makes those calls for every gear when it builds its planes at load, so the
+    first prompt's steps run trusted kernels."""
     from gearbx_mlx.bindings import cpu, gpu, guard
 
     if not cpu.available() or gpu.gpu_backend() is not None:
@@ -143,12 +143,10 @@ def test_each_kernels_first_use_check_is_made_with_the_gear_not_in_the_first_pro
     checks = []
     real = guard._first_call
     monkeypatch.setattr(guard, "_first_call", lambda spec, *a: checks.append(spec.family) or real(spec, *a))
-    mgr = PrecisionManager(tiny_llama, GearboxConfig(scope="all", store=store, kernel="packed"))
-    for gear in ("low", "mid"):
-        mgr.shift(gear)
+    mgr = PrecisionManager(tiny_llama, GearboxConfig(scope="all", store="nested", kernel="packed"))
     made = len(checks)
     assert made > 0 and all(f.startswith("C ") for f in checks), checks
-    for gear in ("low", "mid", "low"):
+    for gear in ("low", "mid", "high", "low"):
         mgr.shift(gear)
         mx.eval(tiny_llama(mx.array([[3]])))
     assert len(checks) == made, checks[made:]
