@@ -425,31 +425,28 @@ GBX_NESTED_FN GBX_INLINE __m256i u8_block_isum_signed(const uint8_t *wb, const i
         }                                                                                                        \
         c->y[(size_t)k * c->O + r] = y;                                                                          \
     }                                                                                                            \
-    ATTR GBX_INLINE void pair4_rows_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int dtype)          \
+    /* Rows r0..r1 of every activation row, with the default plan's group sizes (64, and 32  \
+     * for plane 1) as constants in their own copy.                                          */ \
+    ATTR GBX_INLINE void rows4_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int two, const int dtype) \
     {                                                                                                            \
-        const int pg = c->p[0].gshift, qg = c->p[1].gshift;                                                      \
-        if (pg == 1 && qg == 0) { /* the default plan: groups of 64 and 32 */                                    \
+        const int pg = c->p[0].gshift, qg = two ? c->p[1].gshift : 0;                                            \
+        if (pg == 1 && qg == 0) {                                                                                \
             for (int r = r0; r < r1; ++r)                                                                        \
                 for (int k = 0; k < c->m; ++k)                                                                   \
-                    rows4_row_##SUFFIX(c, r, k, 1, 1, 0, dtype);                                                 \
+                    rows4_row_##SUFFIX(c, r, k, two, 1, 0, dtype);                                               \
             return;                                                                                              \
         }                                                                                                        \
         for (int r = r0; r < r1; ++r)                                                                            \
             for (int k = 0; k < c->m; ++k)                                                                       \
-                rows4_row_##SUFFIX(c, r, k, 1, pg, qg, dtype);                                                   \
+                rows4_row_##SUFFIX(c, r, k, two, pg, qg, dtype);                                                 \
+    }                                                                                                            \
+    ATTR GBX_INLINE void pair4_rows_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int dtype)          \
+    {                                                                                                            \
+        rows4_##SUFFIX(c, r0, r1, 1, dtype);                                                                     \
     }                                                                                                            \
     ATTR GBX_INLINE void one4_rows_##SUFFIX(const gbx_nested_ctx *c, int r0, int r1, const int dtype)           \
     {                                                                                                            \
-        const int pg = c->p[0].gshift;                                                                           \
-        if (pg == 1) { /* groups of 64: MLX's default, the low gear's */                                         \
-            for (int r = r0; r < r1; ++r)                                                                        \
-                for (int k = 0; k < c->m; ++k)                                                                   \
-                    rows4_row_##SUFFIX(c, r, k, 0, 1, 0, dtype);                                                 \
-            return;                                                                                              \
-        }                                                                                                        \
-        for (int r = r0; r < r1; ++r)                                                                            \
-            for (int k = 0; k < c->m; ++k)                                                                       \
-                rows4_row_##SUFFIX(c, r, k, 0, pg, 0, dtype);                                                    \
+        rows4_##SUFFIX(c, r0, r1, 0, dtype);                                                                     \
     }
 
 /* One exported function per (bits, dtype): the dtype a compile-time constant. */
