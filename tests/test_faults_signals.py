@@ -312,3 +312,30 @@ def test_start_up_guard_knows_every_console_script():
     for target in scripts.values():  # each console script's module is a command module or inside one
         module = target.split(":")[0]
         assert any(module == m or module.startswith(m + ".") for m in launch.COMMAND_MODULES), module
+
+
+def test_sigint_is_held_back_even_when_another_thread_takes_it():
+    """A SIGINT inside sigint_deferred() (a token traced and counted together) is delivered
+    after it, whichever thread of the process the kernel hands it to: MLX's stream, the BLAS
+    and the C kernels' workers run with it unblocked, and Python raises KeyboardInterrupt in
+    the main thread wherever that thread is."""
+    import threading
+
+    from gearbx_mlx.telemetry.trace import sigint_deferred
+
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait)
+    helper.start()
+    inside = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(50):  # instruction boundaries, where a pending handler would run
+                    time.sleep(0.001)
+                inside.append("done")
+    finally:
+        stop.set()
+        helper.join()
+    assert inside == ["done"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -50,15 +50,32 @@ def versions() -> Dict[str, str]:
 
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
-    """Hold SIGINT back for the duration (main thread, POSIX); it is delivered after."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Hold SIGINT back for the duration (main thread); it is delivered after.
+
+    The handler is swapped for one that notes the signal, and the old one is called
+    with it on the way out. (Blocking SIGINT in the main thread's signal mask does not
+    hold it back: the kernel then hands it to another thread of the process, the MLX
+    stream's, a BLAS or C-kernel worker, and Python raises KeyboardInterrupt in the
+    main thread at its next instruction anyway.) Nested uses pass it outwards.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # not the main thread, or a handler installed outside Python (it could not be put back)
+        return
+    noted: list = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(frame))
+    except (ValueError, TypeError, OSError):  # a handler that cannot be replaced here
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, old)
+        if noted:
+            if callable(old):
+                old(signal.SIGINT, noted[0])  # the default handler raises KeyboardInterrupt here
+            elif old == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 class TraceWriter:
