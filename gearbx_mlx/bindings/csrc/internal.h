@@ -298,11 +298,11 @@ typedef struct gbx_plane_rt gbx_plane_rt;
  * before its factor: sum_g s_g * (codes . x)_g + b_g * xsum_g. */
 typedef float (*gbx_plane_fn)(const gbx_nested_ctx *c, const gbx_plane_rt *p, int r, int k);
 
-/* Rows r0..r1 (of every activation row) of a gear of two 4-bit planes of one
- * scale dtype (the mid gear), both planes in one pass over each row: each
- * plane's spans as fn[0][dtype] computes them, its bias term summed into its
- * lanes before one horizontal sum (so equal to the per-plane kernels' sum up
- * to float32 rounding: exact on the C driver's integer data). */
+/* Rows r0..r1 (of every activation row) of a gear of one 4-bit plane (the low
+ * gear) or two of one scale dtype (the mid gear), the planes in one pass over
+ * each row: each plane's spans as fn[0][dtype] computes them, its bias term
+ * summed into its lanes before one horizontal sum (so equal to the per-plane
+ * kernels' sum up to float32 rounding: exact on the C driver's integer data). */
 typedef void (*gbx_pair_fn)(const gbx_nested_ctx *c, int r0, int r1);
 
 /* One plane as the kernels read it. */

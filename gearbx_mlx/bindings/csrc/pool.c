@@ -85,7 +85,6 @@ int gbx_pool_parts(int nthreads, long long weights, int rows)
 
 #ifndef GEARBX_NO_THREADS
 
-
 static struct {
     pthread_mutex_t owner; /* one call uses the pool at a time */
     pthread_mutex_t mtx;   /* with cv: sleeping workers */
