@@ -385,3 +385,25 @@ def test_a_note_is_given_once_per_entry_and_forgotten_with_it(gguf, cache_root):
     own.mkdir()
     assert entries.note_once(own, "source already quantized") is True  # no record: nothing remembered
     assert entries.note_once(own, "source already quantized") is True
+
+
+def test_a_new_temporary_waits_out_another_runs_probe_of_its_lock(tmp_path, monkeypatch):
+    """Another run's stale-temporary sweep takes the lock of a temporary that is not locked yet
+    for an instant (to learn that it is free); the run that made it then waits for its own lock
+    instead of failing with EAGAIN (two runs that met that way failed before)."""
+    import fcntl
+
+    real_open = entries.os.open
+
+    def probed_open(path, flags, *a, **kw):
+        fd = real_open(path, flags, *a, **kw)
+        if str(path).endswith(entries.LOCK) and flags & os.O_CREAT:  # the run making its temporary
+            probe = real_open(path, os.O_RDONLY)
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep's probe holds it now
+            threading.Timer(0.05, os.close, (probe,)).start()  # and lets go an instant later
+        return fd
+
+    monkeypatch.setattr(entries.os, "open", probed_open)
+    with entries.temporary_dir(tmp_path, "probe") as tmp:
+        assert tmp.is_dir() and entries._owner_alive(tmp) is True
+    assert _temps(tmp_path) == []

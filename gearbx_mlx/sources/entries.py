@@ -213,7 +213,7 @@ def temporary_file(parent: Path, name: str) -> Iterator[Tuple[Path, BinaryIO]]:
     try:
         with os.fdopen(fd, "wb") as fh:
             if fcntl is not None:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock_own(fh.fileno())
             yield Path(tmp), fh
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -229,11 +229,19 @@ def temporary_dir(parent: Path, name: str) -> Iterator[Path]:
     fd = os.open(tmp / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
     try:
         if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_own(fd)
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(fd)
+
+
+def _lock_own(fd: int) -> None:
+    """Lock a temporary this run has just made. Waiting is right: the only other holder can be
+    another run's :func:`_owner_alive`, which takes the lock of an unlocked temporary for an
+    instant to learn that it is free (a non-blocking lock here failed with EAGAIN when two runs
+    met that way)."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def _owner_alive(tmp: Path) -> Optional[bool]:
