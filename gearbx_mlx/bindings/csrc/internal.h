@@ -303,7 +303,7 @@ typedef float (*gbx_plane_fn)(const gbx_nested_ctx *c, const gbx_plane_rt *p, in
  * each row: each plane's spans as fn[0][dtype] computes them, its bias term
  * summed into its lanes before one horizontal sum (so equal to the per-plane
  * kernels' sum up to float32 rounding: exact on the C driver's integer data). */
-typedef void (*gbx_pair_fn)(const gbx_nested_ctx *c, int r0, int r1);
+typedef void (*gbx_rows4_fn)(const gbx_nested_ctx *c, int r0, int r1);
 
 /* One plane as the kernels read it. */
 struct gbx_plane_rt {
@@ -335,7 +335,7 @@ struct gbx_nested_ctx {
     const gbx_span_f32 *xf;  /* [m][nspans] float path: split order */
     const gbx_act_q8 *a;     /* [m] intdot path */
     float *y;                /* [m][O] */
-    gbx_pair_fn pair;        /* the gear's rows kernel (one or two 4-bit planes, intdot), or NULL */
+    gbx_rows4_fn rows4;       /* the gear's rows kernel (one or two 4-bit planes, intdot), or NULL */
 };
 
 /* nested.c, for both of its callers (the GEMV and unpack.c's unpacking):
@@ -406,8 +406,8 @@ GBX_HIDDEN void gbx_nested_isa_names(const char **float_isa, const char **intdot
 typedef struct {
     const char *name;
     gbx_plane_fn fn[3][3];
-    gbx_pair_fn pair4[3]; /* [dtype]; NULL where the family has none */
-    gbx_pair_fn one4[3];  /* [dtype]: the same for a gear of one 4-bit plane */
+    gbx_rows4_fn pair4[3]; /* [dtype]; NULL where the family has none */
+    gbx_rows4_fn one4[3];  /* [dtype]: the same for a gear of one 4-bit plane */
 } gbx_nested_kernels;
 
 /* ------------------------------------------------------------------------ */

@@ -158,9 +158,9 @@ int gbx_check_nested(const gbx_plane *planes, int n, int m, int out_features, in
     return GBX_OK;
 }
 
-/* A gear of one or two 4-bit planes through the family's rows kernel (c->pair),
+/* A gear of one or two 4-bit planes through the family's rows kernel (c->rows4),
  * which writes rows r0..r1 of every activation row. */
-static void nested_rows_pair(const gbx_ctx *cc, int r0, int r1) { cc->nest->pair(cc->nest, r0, r1); }
+static void nested_rows4(const gbx_ctx *cc, int r0, int r1) { cc->nest->rows4(cc->nest, r0, r1); }
 
 static void nested_rows(const gbx_ctx *cc, int r0, int r1)
 {
@@ -298,12 +298,12 @@ int gbx_nested_gemv(const gbx_plane *planes, int n, const float *x, float *y, in
 
     nested_buffers buf;
     if (n == 2 && planes[0].bits == 4 && planes[1].bits == 4 && planes[0].dtype == planes[1].dtype)
-        c.pair = kern->pair4[planes[0].dtype];
+        c.rows4 = kern->pair4[planes[0].dtype];
     else if (n == 1 && planes[0].bits == 4)
-        c.pair = kern->one4[planes[0].dtype];
+        c.rows4 = kern->one4[planes[0].dtype];
     rc = build_buffers(&c, intdot, any4, &buf);
     if (rc == GBX_OK)
-        rc = gbx_nested_run(c.pair ? nested_rows_pair : nested_rows, &c, out_features,
+        rc = gbx_nested_run(c.rows4 ? nested_rows4 : nested_rows, &c, out_features,
                             (size_t)in_features * (size_t)n * (size_t)m, nthreads, GBX_POOL_SPIN_NS);
     free_buffers(&buf);
     return rc;
