@@ -289,6 +289,8 @@ def test_malformed_json_is_400(server: int) -> None:
     ({"gearbx": {"thresholds": [1, 99]}}, 400, "above log2(vocabulary)"),
     ({"gearbx": {"gear": "low", "speculative": "auto"}}, 400, "cannot be combined with speculative"),
     ({"gearbx": "high"}, 400, "gearbx must be an object"),
+    ({"n": 2}, 400, "n must be 1"),
+    ({"n": "1"}, 400, "n must be 1"),
     ({"model": "gpt-4o"}, 404, "is not served here"),
 ])
 def test_refused_requests(server: int, body: Dict[str, Any], status: int, words: str) -> None:

@@ -9,6 +9,7 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 * a streamed chunk carries the ``logprobs`` of its tokens when asked for;
 * ``usage`` carries ``"gearbx": {"tokens_per_gear", "weight_bytes_read", ...}``;
 * ``max_tokens`` above the server's ``--max-tokens`` gets a 400;
+* ``n`` other than 1 gets a 400 (mlx-lm's server would answer one choice whatever it asked for);
 * ``/health`` tells whether the model has loaded, the gear it is in, the queue's length and
   the speculative decisions measured so far.
 """
@@ -42,6 +43,9 @@ class GearAPIHandler(APIHandler):
         if self.max_tokens > cli.max_tokens:
             raise ValueError(f"max_tokens {self.max_tokens} exceeds this server's cap of {cli.max_tokens} "
                              "(--max-tokens)")
+        n = self.body.get("n", 1)
+        if type(n) is not int or n != 1:  # bool is an int subclass: refused too
+            raise ValueError(f"n must be 1: this server answers one choice per request, got {n!r}")
         self.gearbx = request_options(self.body.get("gearbx"), server_options(cli), bool(cli.speculative))
         if self.seed is None:
             self.seed = cli.seed
