@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gearbx_mlx"
 #: A pattern ending in ``.*`` takes every module of a subpackage; the first
 #: matching pattern wins, so exceptions come before their subpackage.
 LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
-    ("core", ("launch", "mlx_tables", "blas", "jsonsafe", "atomicfile", "config", "entropy", "classifier", "chat", "affine", "kernelcheck",
+    ("core", ("launch", "mlx_tables", "blas", "heap", "jsonsafe", "atomicfile", "config", "entropy", "classifier", "chat", "affine", "kernelcheck",
               "packed.formats", "sources",
               "sources.*")),
     # Build, load, launch and first-use check of every custom kernel: what

@@ -49,6 +49,7 @@ from mlx_lm.quant.dwq import dwq_quantize
 from mlx_lm.quant.gptq import gptq_quantize
 
 from ..config import LOW_QUANT, LOW_QUANTS, LowQuantDefaults
+from ..heap import reuse_large_buffers
 from ..sources.models import corpus_path
 from .planes import Plane
 
@@ -115,7 +116,9 @@ def low_planes(
     student = copy.deepcopy(model)  # MLX's copy of an evaluated array shares its buffer: no second copy
     mx.random.seed(settings.seed)
     np.random.seed(settings.seed)
-    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's prints never reach a generated text's stream
+    # mlx-lm's prints never reach a generated text's stream; its GPTQ makes a new array of a whole
+    # weight per column, which the heap then reuses (gearbx_mlx.heap).
+    with contextlib.redirect_stdout(sys.stderr), reuse_large_buffers():
         QUANTIZERS[method](student, model, list(paths), tokens, group_size, settings)
     modules = dict(student.named_modules())
     out = {}
