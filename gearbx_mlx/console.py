@@ -77,14 +77,21 @@ def print_stream(
     return last, interrupted
 
 
+def stderr_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write: ``print`` writes them apart, and a line
+    another thread printed in between (the server's loader, say) would join this one."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def say(args: Any, message: str) -> None:
     """``[gearbx] MESSAGE`` on stderr, from rank 0 only (``args.rank``; a run of one process is rank 0)."""
     if getattr(args, "rank", 0) == 0:
-        print(f"[gearbx] {message}", file=sys.stderr, flush=True)
+        stderr_line(f"[gearbx] {message}")
 
 
 def show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
-    print(f"[gearbx] warning: {message}", file=sys.stderr, flush=True)
+    stderr_line(f"[gearbx] warning: {message}")
 
 
 def error_line(e: BaseException) -> str:

@@ -9,6 +9,7 @@ traffic goes to 127.0.0.1; every wait is bounded.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -476,3 +477,27 @@ def test_weight_bytes() -> None:
     spec = [Response("", 1, 0.0, None, (), gear=g, drafted=d, block=b)
             for g, d, b in [("low", 2, 0), ("low", 2, 0), ("high", 2, 0), ("high", 1, 1)]]
     assert weight_bytes(spec, step, "low") == (2 * 1 + 5) + (1 * 1 + 5)
+
+
+def test_a_warning_and_an_error_line_are_each_one_write(monkeypatch: Any) -> None:
+    """The server's warning (HTTP thread) and its load error (main thread) went out as text and
+    newline apart, so a line written in between joined them: ``...checks.error: model path not
+    found``. Each line is now one write."""
+    from gearbx_mlx import console
+
+    writes: List[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    console.show_warning("mlx_lm.server is not recommended", UserWarning, "x.py", 1)
+    console.say(argparse.Namespace(rank=0), "note")
+    console.stderr_line(console.error_line(FileNotFoundError("model path not found: x")))
+    assert writes == ["[gearbx] warning: mlx_lm.server is not recommended\n", "[gearbx] note\n",
+                      "error: model path not found: x\n"]

@@ -23,7 +23,7 @@ from mlx_lm.server import _run_http_server
 
 from .. import launch
 from ..blas import ensure_fast_blas
-from ..console import error_line, show_warning
+from ..console import error_line, show_warning, stderr_line
 from ..generate import check_args, gearbox_config
 from ..speculative.cli import check_speculative_args
 from .generator import GearResponseGenerator
@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
         if generator is not None:
             generator.stop_and_join()
     if provider.load_error is not None:
-        print(error_line(provider.load_error), file=sys.stderr)
+        stderr_line(error_line(provider.load_error))
         return 1
     return 130
 
@@ -68,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_speculative_args(args)
         check_server_args(args)
     except (ValueError, FileNotFoundError) as e:
-        print(error_line(e), file=sys.stderr)
+        stderr_line(error_line(e))
         return 1
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)
@@ -77,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     except OSError as e:  # the port is taken, the address not this machine's
-        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        stderr_line(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
         return 1
 
 
