@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -74,13 +72,15 @@ def child(mode: str, out_features: int, in_features: int) -> Dict[str, Any]:
 
 
 def run(mode: str, shape: str) -> Dict[str, Any]:
-    load = os.getloadavg()
+    from gearbx_mlx.evaluation.machine import load_average
+
+    load = load_average()
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--shape", shape], capture_output=True,
                           text=True, check=False, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"error: the {mode!r} run failed:\n{proc.stderr[-2000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["load_average_before"], result["load_average_after"] = load, os.getloadavg()
+    result["load_average_before"], result["load_average_after"] = load, load_average()
     return result
 
 
@@ -116,6 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             runs.append(r)
             print(f"  round {rnd} {mode}: {r['wall_s']:.1f} s wall, {r['sys_s']:.1f} s sys, "
                   f"{r['minor_faults']:,} faults", file=sys.stderr)
+    from gearbx_mlx.evaluation.machine import blas, hardware
+
     same = len({r["sha256"] for r in runs}) == 1
     print(table(runs))
     print(f"quantized arrays identical in every run: {same}")
@@ -125,8 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "input rows; a fresh process per run, modes alternating",
         "shape": args.shape, "rounds": args.rounds, "identical_outputs": same, "runs": runs,
         "command": "python scripts/bench_heap_reuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-        "ld_preload": os.environ.get("LD_PRELOAD"), "date": date.today().isoformat()}, indent=1) + "\n")
+        "hardware": hardware(), "blas": blas(), "date": date.today().isoformat()}, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if same else 1
 
