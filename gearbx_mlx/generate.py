@@ -46,7 +46,7 @@ from .console import (
     use_color,
 )
 from .distributed.ranks import Ranks, launched_ranks, stage
-from .generation import SamplingOptions, check_generation_options, load, settle_loaded
+from .generation import SamplingOptions, check_generation_options, load, settle_loaded, warm_up
 from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
 from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
@@ -415,6 +415,7 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
                                          draft_scope=args.draft_scope if args.speculative else None,
                                          draft_gear=args.draft_gear if args.speculative else None, **sharded)
         check_sparse_model(args, model)
+        warm_up(model)
         settle_loaded()
         if args.calibrate and not args.thresholds:
             stage_name = "calibrating"

@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .calibration import Calibration
@@ -268,6 +269,26 @@ def load(
         mx.eval(m.parameters())
     _set_calibration(gearbox, tokenizer, calibration)
     return m, tokenizer, gearbox
+
+
+def warm_up(model: nn.Module) -> None:
+    """One token through ``model`` with a throwaway mlx-lm prompt cache, for a process about
+    to serve its first prompt (the command lines call it once the model is loaded), as
+    llama.cpp's warm-up run does.
+
+    The first prompt of a fresh process writes memory nothing has touched yet: mlx-lm's KV
+    cache allocates 256 positions a layer at once, and each layer's activations need new
+    buffers, every 4 KiB page of them faulted in by the kernel. Separate copies quantize a
+    gear at load and leave MLX's buffer cache holding what that freed; the nested store loads
+    its planes and leaves it nearly empty, so its first prompt faulted in about 2,200 more
+    pages (the default model, a 57-token prompt). After this call MLX's buffer cache holds
+    the KV cache's first step and one row's buffers, which the first prompt reuses. Nothing
+    is kept: the logits and the cache are dropped, and the gearbox sees no step (the model
+    is called directly, in the gear installed now). Under ``mlx.launch`` every rank calls it
+    (the forward pass of a sharded model is collective).
+    """
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))  # the cache's writes feed the logits
 
 
 def settle_loaded() -> None:

@@ -14,9 +14,10 @@ average, the BLAS, the date and the commands to ``--out`` (default
 ``benchmarks/results/prefill_store_<blas>.json``).
 
 ``--clock cpu`` is for a machine others load: each fresh process loads the
-model as the command does (``gearbx_mlx.load``, the loaded objects out of
-the garbage collector's scans with ``gearbx_mlx.generation.settle_loaded``
-where the checkout has it, the chat template, the generation set up with
+model as the command does (``gearbx_mlx.load``, its warm-up pass
+``gearbx_mlx.generation.warm_up`` and the loaded objects out of the garbage
+collector's scans with ``gearbx_mlx.generation.settle_loaded`` where the
+checkout has them, the chat template, the generation set up with
 ``gearbx_mlx.prepare``, the cold-start classifier reading the prompt as
 typed, so the same gear; the separate store's
 one-time quantization stays outside, as it does from mlx-lm's prompt
@@ -107,9 +108,11 @@ def child(store: str, args: argparse.Namespace) -> None:
     if args.threads:
         cpu.set_threads(args.threads)
     model, tokenizer, gearbox = gearbx_mlx.load(args.model, scope="all", store=store)
-    settle = getattr(generation, "settle_loaded", None)  # a checkout from before it has none
-    if settle is not None:
-        settle()  # as the command does once the model is loaded
+    # As the command does once the model is loaded (a checkout from before either has not it).
+    if hasattr(generation, "warm_up"):
+        generation.warm_up(model)
+    if hasattr(generation, "settle_loaded"):
+        generation.settle_loaded()
     text = apply_chat_template(tokenizer, PROMPT, None, use_template=True)  # as the command does
     run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=args.max_tokens, prompt_text=PROMPT)
     passes: list[tuple[str, int, float]] = []  # the garbage collector's, in the window

@@ -19,7 +19,7 @@ from mlx_lm.server import ModelProvider
 
 from ..config import GearboxConfig
 from ..generate import check_thresholds, set_thresholds
-from ..generation import GearboxResponse, load
+from ..generation import GearboxResponse, load, warm_up
 from ..pipeline import stream_generate
 from ..speculative.cli import check_sparse_model, speculative_config
 from ..speculative.decode import SpeculativeConfig, get_draft
@@ -117,6 +117,7 @@ class GearModelProvider(ModelProvider):
         model, tokenizer, gearbox = load(args.model, config=self.config, dtype=args.dtype,
                                          tokenizer_config=self._tokenizer_config,
                                          draft_scope=args.draft_scope if args.speculative else None)
+        warm_up(model)  # the first request then reuses MLX's buffers, as the generate command's prompt does
         # The generate CLI's own steps: thresholds from the flags, a file or a (cached) calibration.
         set_thresholds(args, model, tokenizer, gearbox, None)
         check_thresholds(gearbox)
