@@ -31,7 +31,11 @@ one fresh process each): fixed blocks of ``--draft-k`` drafts, greedy, C
 kernels, one generation of ``--max-tokens`` from each of ``--prompts``
 prompts of the evaluation text, acceptance summed over them. A
 ``--speculative-only`` run keeps the file's earlier speculative section under
-``speculative_earlier``.
+``speculative_earlier``. Each quantizer's runs are compared with
+round-to-nearest's on the same prompts (``paired_vs_rtn``: prompts higher,
+lower and equal with the sign test's p, and the aggregate acceptance
+difference with its 95% interval from a paired bootstrap over the prompts);
+``--paired FILE`` adds that comparison to a file written before it existed.
 
 Prints a table and writes JSON (default
 ``benchmarks/results/low_quant_smollm2-135m.json``) with the machine's load
@@ -44,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -226,6 +231,40 @@ def _speculative(args: argparse.Namespace) -> Dict[str, Any]:
                       f"start, {args.prompt_tokens + args.max_tokens} tokens apart", "runs": runs}
 
 
+def _paired(runs: List[Dict[str, Any]], resamples: int = 10_000, seed: int = 0) -> Dict[str, Any]:
+    """Each quantizer's drafts against round-to-nearest's on the same prompts (the first repeat of
+    each): prompts where acceptance is higher / lower / equal with the sign test's exact two-sided
+    p (the direction alone), and the aggregate acceptance difference with a paired bootstrap over
+    the prompts (its 95% interval: prompts resampled with replacement, both quantizers' drafts
+    and acceptances summed over the same resample)."""
+    first = {r["quantizer"]: r for r in runs if r.get("rep", 0) == 0 and "prompts" in r}
+    rtn, out = first.get("rtn"), {}
+    for name, run in first.items():
+        if rtn is None or name == "rtn" or len(run["prompts"]) != len(rtn["prompts"]):
+            continue
+        a, b = rtn["prompts"], run["prompts"]
+        diffs = [y["acceptance_rate"] - x["acceptance_rate"] for x, y in zip(a, b)]
+        higher, lower = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        n = higher + lower
+        sign_p = min(1.0, 2 * sum(math.comb(n, k) for k in range(min(higher, lower) + 1)) / 2 ** n) if n else 1.0
+
+        def rate_gap(idx: List[int]) -> float:
+            return (sum(b[i]["accepted"] for i in idx) / max(1, sum(b[i]["drafted"] for i in idx))
+                    - sum(a[i]["accepted"] for i in idx) / max(1, sum(a[i]["drafted"] for i in idx)))
+
+        rng = random.Random(seed)
+        gaps = sorted(rate_gap([rng.randrange(len(a)) for _ in a]) for _ in range(resamples))
+        out[name] = {"prompts": len(a), "higher": higher, "lower": lower, "equal": len(a) - n,
+                     "sign_test_p": sign_p, "acceptance_difference": rate_gap(list(range(len(a)))),
+                     "bootstrap_95": [gaps[int(0.025 * resamples)], gaps[int(0.975 * resamples) - 1]],
+                     "bootstrap": {"resamples": resamples, "seed": seed, "over": "prompts"},
+                     "same_tokens": sum(x.get("tokens") == y.get("tokens") for x, y in zip(a, b))}
+        print(f"  {name} vs rtn over {len(a)} prompts: acceptance {out[name]['acceptance_difference']:+.3f} "
+              f"[{out[name]['bootstrap_95'][0]:+.3f}, {out[name]['bootstrap_95'][1]:+.3f}], higher on {higher}, "
+              f"lower on {lower} (sign test p {sign_p:.3f})", file=sys.stderr)
+    return out
+
+
 def _progress(stderr: str) -> str:
     """The last progress line a quantizer wrote (tqdm redraws with carriage returns)."""
     lines = [ln.strip() for ln in stderr.replace("\r", "\n").splitlines() if "%|" in ln or "it/s" in ln
@@ -309,11 +348,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--speculative-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--planes-dir", help=argparse.SUPPRESS)
+    p.add_argument("--paired", metavar="FILE",
+                   help="add the paired comparison of the speculative runs to an earlier result FILE, and stop")
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.out = args.out or str(ROOT / f"benchmarks/results/low_quant_{args.model or 'smollm2-135m'}.json")
     if args.keep_planes:
         Path(args.keep_planes).mkdir(parents=True, exist_ok=True)
+    if args.paired:  # the comparison added to a result written before it existed
+        saved = json.loads(Path(args.paired).read_text())
+        saved["speculative"]["paired_vs_rtn"] = _paired(saved["speculative"]["runs"])
+        Path(args.paired).write_text(json.dumps(saved, indent=1) + "\n")
+        return 0
     if args.child:
         Path(args.result).write_text(json.dumps(speculative_child(args) if args.speculative_child else child(args)))
         return 0
@@ -331,6 +377,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "speculative" in saved:  # an earlier speculative section stays, under its own key
             saved.setdefault("speculative_earlier", []).append(saved["speculative"])
         saved["speculative"] = _speculative(args)
+        saved["speculative"]["paired_vs_rtn"] = _paired(saved["speculative"]["runs"])
         saved["runs"].append({"command": "python " + " ".join([str(Path(__file__).relative_to(ROOT))]
                                                                 + (argv or sys.argv[1:])),
                               "date": date.today().isoformat(), "load_average_end": load_average()})
@@ -360,6 +407,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     if args.speculative_reps:
         result["speculative"] = _speculative(args)
+        result["speculative"]["paired_vs_rtn"] = _paired(result["speculative"]["runs"])
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
