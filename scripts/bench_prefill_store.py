@@ -26,7 +26,10 @@ response of ``run.tokens()``, both on the wall clock and in the process's
 CPU time (every thread's), which another program's load stretches far less;
 the ratios are then separate's CPU time over nested's (default out
 ``prefill_store_<blas>_cpu.json``). Each run also counts the garbage
-collector's passes in the window, and the CPU time of its full ones.
+collector's passes in the window, and the CPU time of its full ones, and the
+CPU time of the window's prefill chunk (to the end of mlx-lm's first
+evaluation in it; the rest of the window is the one-row steps of the
+prompt's last token and the next).
 
 ``--threads N`` (with ``--clock cpu``) runs the window on ``N`` threads:
 OpenBLAS's (``OPENBLAS_NUM_THREADS``) and the C kernels' pool
@@ -117,16 +120,42 @@ def child(store: str, args: argparse.Namespace) -> None:
     run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=args.max_tokens, prompt_text=PROMPT)
     passes: list[tuple[str, int, float]] = []  # the garbage collector's, in the window
     gc.callbacks.append(lambda phase, info: passes.append((phase, info["generation"], time.process_time())))
-    wall, cpu = time.perf_counter(), time.process_time()
+    evals = _mark_mlx_lm_evals()
+    wall, start = time.perf_counter(), time.process_time()
     first = next(run.tokens())
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - wall, time.process_time() - start
     gc.callbacks.clear()
     run.close()
     spans = [(a[1], b[2] - a[2]) for a, b in zip(passes[::2], passes[1::2])]
     print(json.dumps({"prompt_tokens": int(first.prompt_tokens), "window_wall_s": round(wall, 4),
                       "window_cpu_s": round(cpu, 4), "prompt_tps": round(first.prompt_tps, 3), "gear": first.gear,
                       "gc_passes": {g: sum(1 for k, _ in spans if k == g) for g in (0, 1, 2)},
-                      "gc_full_cpu_s": round(sum(t for k, t in spans if k == 2), 4)}))
+                      "gc_full_cpu_s": round(sum(t for k, t in spans if k == 2), 4),
+                      "prefill_chunk_cpu_s": round(evals[0] - start, 4) if evals else None}))
+
+
+def _mark_mlx_lm_evals() -> list[float]:
+    """The process's CPU time at the end of each ``mx.eval`` of mlx-lm's generation loop. Its first
+    in the window ends the prompt's first prefill chunk (all but the last token, for a prompt shorter
+    than the 2,048-token chunk), before the one-row steps of the prompt's last token and the next."""
+    import importlib
+
+    import mlx.core as mx
+
+    module = importlib.import_module("mlx_lm.generate")  # the package's attribute is the function
+    marks: list[float] = []
+
+    class Marked:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mx, name)
+
+        @staticmethod
+        def eval(*arrays: Any) -> None:
+            mx.eval(*arrays)
+            marks.append(time.process_time())
+
+    module.mx = Marked()
+    return marks
 
 
 def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[str, Any]:
