@@ -15,7 +15,6 @@ lockstep, each rank taking rank 0's token and routing decision at every step
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import math
@@ -36,6 +35,7 @@ from .config import GearboxConfig
 from .distributed.ranks import Ranks, facts_of
 from .distributed.shard import shard_model
 from .gearbox import Gearbox
+from .heap import glibc
 from .kvcache.option import PLAIN_BITS
 from .sources.models import resolve_model
 
@@ -308,18 +308,17 @@ def settle_loaded() -> None:
 
 
 def trim_heap() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where
-    the C library has no such call (macOS).
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``, through the
+    C library :func:`gearbx_mlx.heap.glibc` finds); False where it is not glibc (macOS, musl).
 
     Loading frees what the tokenizer and the loader built on the way (44 MiB of a qwen2
     tokenizer's 150 MiB), and glibc keeps free pages below the heap's top resident: they would
     count in the run's peak memory without ever being used again. Nothing computed changes.
     """
-    try:
-        release = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    libc = glibc()
+    if libc is None:
         return False
-    release(0)
+    libc.malloc_trim(0)
     return True
 
 
