@@ -183,7 +183,8 @@ def test_dense_product_unpacks_in_c_to_the_mlx_unpacking(monkeypatch, plan, shap
 @needs_cpu_ext
 @on_cpu_device
 def test_dense_products_sharing_scratch_weights_and_prepared_planes_stay_right():
-    """Products of one shape unpack into the same scratch matrices in turn. The planes' C tables are kept per first plane, and rebuilt when a plane's
+    """Products of one shape unpack into the same scratch matrix: each is evaluated before the
+    next rewrites it. The planes' C tables are kept per first plane, and rebuilt when a plane's
     arrays change."""
     a = make_planes(40, 128, tuple(DEFAULT_PLAN), None, mx.float32, seed=1)
     b = make_planes(40, 128, tuple(DEFAULT_PLAN), None, mx.float32, seed=2)
@@ -196,25 +197,6 @@ def test_dense_products_sharing_scratch_weights_and_prepared_planes_stay_right()
     a[1].weight, a[1].scales, a[1].biases = b[1].weight, b[1].scales, b[1].biases  # another residual
     want, mag = reference64(x, a, 2)
     assert_close(dense_matmul(x, a, 2), want, mag, mx.float32)
-
-
-@needs_cpu_ext
-@on_cpu_device
-def test_a_dense_product_is_launched_at_once_and_its_scratch_matrix_waits_for_it(monkeypatch):
-    """Each C-unpacked product is handed to MLX (``mx.async_eval``) as it is made, and a scratch
-    matrix is rewritten only once the product that last read it is computed: with MLX left idle
-    (async_eval a no-op), products of one shape made past the ring's length, all unevaluated,
-    still come out right."""
-    launched = []
-    monkeypatch.setattr(mx, "async_eval", lambda *arrays: launched.extend(arrays))
-    x = make_x((5, 128), mx.float32)
-    sets = [make_planes(40, 128, tuple(DEFAULT_PLAN), None, mx.float32, seed=20 + k)
-            for k in range(planes_module.DENSE_BUFFERS + 2)]
-    ys = [dense_matmul(x, planes, 2) for planes in sets]
-    assert len(launched) == len(sets)
-    for planes, y in zip(sets, ys):
-        want, mag = reference64(x, planes, 2)
-        assert_close(y, want, mag, mx.float32)
 
 
 @on_cpu_device

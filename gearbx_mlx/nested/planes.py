@@ -335,8 +335,8 @@ def dense_matmul(
     summed by the C kernels' threads where they can read them
     (:meth:`gearbx_mlx.bindings.nested_cpu.PreparedNested.unpack`: the values of
     :func:`unpack_plane`, bit for bit, several times faster) where the matrix is
-    one block of :data:`DENSE_BLOCK_ELEMENTS`, and the product is handed to MLX at
-    once (:func:`_unpacked_product`); else by :func:`unpack_plane`, lazily. The dequantized weights live only
+    one block of :data:`DENSE_BLOCK_ELEMENTS`, and the product is evaluated at
+    once; else by :func:`unpack_plane`, lazily. The dequantized weights live only
     during the call, a block of :data:`DENSE_BLOCK_ELEMENTS` at a time.
 
     Args:
@@ -364,7 +364,8 @@ def dense_matmul(
         prepared = _c_planes(planes[:n])
     parts = []
     if prepared is not None:
-        parts.append(_unpacked_product(xf, prepared, n, unpack_threads))
+        parts.append(xf @ prepared.unpack(n, out=_scratch(out_features, in_features), threads=unpack_threads).T)
+        mx.eval(parts[0])  # done with the scratch weights before the next call rewrites them
     for start in range(0, out_features, step) if prepared is None else ():
         block = [_rows_of(p, start, start + step) for p in planes[:n]] if step < out_features else planes[:n]
         if parts:
@@ -381,59 +382,20 @@ def dense_matmul(
     return y.astype(x.dtype)
 
 
-#: Float32 matrices per shape that :func:`dense_matmul` unpacks gears into in turn: while MLX
-#: multiplies by one, the caller unpacks the next product's weights into the other.
-DENSE_BUFFERS = 2
-#: Per thread, ``(out, in)`` -> :class:`_Ring` of :data:`DENSE_BUFFERS` float32 matrices that
-#: :func:`dense_matmul` unpacks gears into through the C kernels (allocated once per shape, not
-#: a fresh zeroed one per call), each with the last product that reads it.
+#: Per thread, ``(out, in)`` -> the float32 matrix :func:`dense_matmul` unpacks a gear into
+#: through the C kernels (one allocation per shape, not a fresh zeroed one per call).
 _SCRATCH = threading.local()
 #: ``(id of the first plane, n)`` -> ``(the planes' arrays, their PreparedNested)``; an entry
 #: goes with its first plane (checking planes costs more than a small product's unpacking).
 _PREPARED: Dict[Tuple[int, int], Tuple[Tuple[mx.array, ...], Any]] = {}
 
 
-class _Ring:
-    """The scratch matrices of one shape on one thread, used in turn."""
-
-    def __init__(self, rows: int, cols: int) -> None:
-        self.buffers = [mx.zeros((rows, cols), dtype=mx.float32) for _ in range(DENSE_BUFFERS)]
-        self.readers: List[Optional[mx.array]] = [None] * DENSE_BUFFERS
-        self.next = 0
-
-    def take(self) -> int:
-        """The next buffer's index, once the last product that reads it is computed."""
-        i = self.next
-        self.next = (i + 1) % len(self.buffers)
-        if self.readers[i] is not None:
-            mx.eval(self.readers[i])  # returns at once where MLX has computed it already
-            self.readers[i] = None
-        return i
-
-
-def _ring(rows: int, cols: int) -> _Ring:
+def _scratch(rows: int, cols: int) -> mx.array:
     cache = _SCRATCH.__dict__.setdefault("by_shape", {})
-    ring = cache.get((rows, cols))
-    if ring is None:
-        ring = cache[(rows, cols)] = _Ring(rows, cols)
-    return ring
-
-
-def _unpacked_product(xf: mx.array, prepared: Any, n: int, unpack_threads: Optional[int]) -> mx.array:
-    """``xf @ w.T`` for the gear of ``n`` planes unpacked by the C kernels into a scratch matrix.
-
-    The product is handed to MLX at once (``mx.async_eval``) and the caller goes
-    on: the next product's unpacking (into the ring's other matrix) then runs
-    while MLX's threads multiply, and no call waits for its own product. A
-    matrix is rewritten only after the product that last read it is computed.
-    """
-    ring = _ring(prepared.out_features, prepared.in_features)
-    i = ring.take()
-    w = prepared.unpack(n, out=ring.buffers[i], threads=unpack_threads)
-    y = xf @ w.T
-    ring.readers[i] = y  # before MLX may start reading: an interrupt past here still waits for it
-    mx.async_eval(y)
-    return y
+    w = cache.get((rows, cols))
+    if w is None:
+        w = cache[(rows, cols)] = mx.zeros((rows, cols), dtype=mx.float32)
+    return w
 
 
 def reserve_dense_scratch(out_features: int, in_features: int) -> bool:
@@ -445,7 +407,7 @@ def reserve_dense_scratch(out_features: int, in_features: int) -> bool:
     """
     if max(1, DENSE_BLOCK_ELEMENTS // in_features) < out_features:
         return False
-    mx.eval(_ring(out_features, in_features).buffers)
+    mx.eval(_scratch(out_features, in_features))
     return True
 
 
