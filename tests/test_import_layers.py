@@ -43,8 +43,8 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
     ("telemetry", ("plotting", "telemetry", "telemetry.*")),
     ("remote servers", ("remote", "remote.*")),
     ("command lines, evaluation and the server", (
-        "", "speculative.cli", "remote.cli", "remote.__main__", "console", "generate", "evaluate", "analyze",
-        "selftest", "bench", "evaluation", "evaluation.*", "server", "server.*",
+        "", "speculative.cli", "remote.cli", "remote.__main__", "console", "run_summary", "generate", "evaluate",
+        "analyze", "selftest", "bench", "evaluation", "evaluation.*", "server", "server.*",
     )),
 )
 # speculative.cli and remote.cli must match before their subpackage's .*: exact names win.

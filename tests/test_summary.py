@@ -13,6 +13,7 @@ from conftest import make_tiny_llama, make_tiny_tokenizer
 from switch_policy import SwitchAt
 
 import gearbx_mlx
+from gearbx_mlx import run_summary
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.gearbox import Gearbox
 from gearbx_mlx.precision import nbytes
@@ -41,14 +42,14 @@ def test_summary_shows_the_managed_share_and_when_the_scope_leaves_little():
     low_built = sum(nbytes(m) for m in gb.manager.cache["low"].values())
     assert s["step_bytes"]["low"] == total - attention + low_built
     assert s["managed_share_scope_all"] == pytest.approx(1.0, abs=0.01)  # all but the norms
-    text = cli.format_summary(s, gb.thresholds)
+    text = run_summary.format_summary(s, gb.thresholds)
     assert f"the gears manage {100 * attention / total:.0f}% of the {total / 2**20:.1f} MiB a step of the" in text
     assert "--scope attention" in text and "little to gain from routing: --scope all manages 100%" in text
 
     gb_all = Gearbox(model, GearboxConfig(scope="all", static_gear="low", store="separate"))
     s_all = summarise(model, gb_all)
     assert s_all["managed_share"] == pytest.approx(s["managed_share_scope_all"])
-    assert "little to gain" not in cli.format_summary(s_all, gb_all.thresholds)
+    assert "little to gain" not in run_summary.format_summary(s_all, gb_all.thresholds)
 
 
 def test_untied_embedding_counts_one_row_per_step():
@@ -79,7 +80,7 @@ def test_one_time_quantization_is_kept_out_of_the_rate(monkeypatch):
     elapsed = s["generation_tokens"] / s["generation_tps"]
     assert s["generation_tps_excluding_quantize"] == pytest.approx(
         s["generation_tokens"] / (elapsed - s["generation_quantize_seconds"]))
-    line = next(x for x in cli.format_summary(s, gb.thresholds).splitlines() if x.startswith("Generation:"))
+    line = next(x for x in run_summary.format_summary(s, gb.thresholds).splitlines() if x.startswith("Generation:"))
     assert f"without {s['generation_quantize_seconds']:.2f} s of one-time quantization" in line
 
 
@@ -96,7 +97,7 @@ def test_telemetry_only_reports_the_real_resident_bytes_and_no_swaps():
     s = summarise(model, gb, n=10, policy=SwitchAt(2), vocab=512)
     assert s["tokens_per_gear"]["low"] > 0  # gears tracked ...
     assert all(e["entries"] == 0 for e in s["entries"].values())  # ... nothing swapped, no 0 ms swaps
-    text = cli.format_summary(s, gb.thresholds)
+    text = run_summary.format_summary(s, gb.thresholds)
     assert f"Model weights resident: {nbytes(model) / 2**20:.1f} MiB (telemetry only: the model is already" in text
     assert "Shift cost" not in text and "Time quantizing" not in text and "high 0.0 MiB" not in text
 
