@@ -10,6 +10,7 @@ traffic goes to 127.0.0.1; every wait is bounded.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -251,6 +252,10 @@ def test_top_logprobs_match(server: int, reference: Any) -> None:
         got_top = sorted((-t["logprob"], t["id"]) for t in got["top_logprobs"])
         assert [i for _, i in got_top] == [i for _, i in top]
         assert [lp for lp, _ in got_top] == pytest.approx([lp for lp, _ in top], abs=1e-4)
+        # the entry is the chosen token's, its top tokens most likely first
+        assert got["id"] == r.token and got["logprob"] == pytest.approx(float(lp[r.token]), abs=1e-4)
+        assert [t["logprob"] for t in got["top_logprobs"]] == sorted((t["logprob"] for t in got["top_logprobs"]),
+                                                                     reverse=True)
 
 
 # -- faults ---------------------------------------------------------------------------------
@@ -287,7 +292,14 @@ def test_malformed_json_is_400(server: int) -> None:
     ({"max_tokens": 65}, 400, "exceeds this server's cap of 64"),
     ({"gearbx": {"gear": "fast"}}, 400, "gearbx.gear must be one of"),
     ({"gearbx": {"thresholds": [3, 1]}}, 400, "gearbx.thresholds"),
-    ({"gearbx": {"thresholds": [1, 99]}}, 400, "above log2(vocabulary)"),
+    ({"gearbx": {"thresholds": [1, 99], "speculative": "off"}}, 400, "above log2(vocabulary)"),
+    ({"gearbx": {"thresholds": [1, 2]}}, 400, "give speculative 'off'"),  # this server's requests draft by default
+    ({"top_k": 10**9, "temperature": 0.7}, 400, "top_k must be below the vocabulary size"),
+    ({"top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ({"temperature": float("nan")}, 400, "temperature must be a number >= 0"),
+    ({"seed": -1}, 400, "seed must be an integer in [0, 2**64)"),
+    ({"seed": 2**70}, 400, "seed must be an integer in [0, 2**64)"),
+    ({"stop": 5}, 400, "stop must be a string or a list of strings"),
     ({"gearbx": {"gear": "low", "speculative": "auto"}}, 400, "cannot be combined with speculative"),
     ({"gearbx": "high"}, 400, "gearbx must be an object"),
     ({"n": 2}, 400, "n must be 1"),
@@ -297,6 +309,41 @@ def test_malformed_json_is_400(server: int) -> None:
 def test_refused_requests(server: int, body: Dict[str, Any], status: int, words: str) -> None:
     got, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, **body})
     assert got == status and words in out["error"], out
+
+
+def test_a_refused_sample_setting_leaves_later_sampled_requests_working(server: int) -> None:
+    """A top_k past the vocabulary, raised inside mlx-lm's compiled sampler, left MLX's random
+    state a traced placeholder: every later sampled request without a seed then failed. It is
+    refused before generation now."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "gearbx": POLICIES["high"]}
+    assert request(server, "/v1/chat/completions", {**body, "temperature": 0.7, "top_k": 10**9})[0] == 400
+    for stream in (False, True):
+        if stream:
+            events = list(sse(server, "/v1/chat/completions", {**body, "temperature": 0.7}))
+            assert events and events[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            status, out = request(server, "/v1/chat/completions", {**body, "temperature": 0.7})
+            assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], None, 5])
+def test_a_text_completion_prompt_must_be_a_string(server: int, prompt: Any) -> None:
+    got, out = request(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert got == 400 and "prompt must be a string" in out["error"], out
+
+
+def test_a_stream_keeps_the_connection_alive_through_a_long_prefill(server: int) -> None:
+    """mlx-lm's ``: keepalive done/total`` lines come while the prompt is processed, before the first token."""
+    body = json.dumps({"prompt": "sky " * 700, "max_tokens": 1, "stream": True, "gearbx": POLICIES["high"]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with _OPENER.open(req, timeout=300) as r:
+        lines = [line.decode().strip() for line in r]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    keepalive = [line for line in lines[:first_data] if line.startswith(": keepalive ")]
+    assert keepalive, lines[:5]
+    done, total = map(int, keepalive[-1].split()[-1].split("/"))
+    assert done == total > 512  # more than one prefill chunk
 
 
 def test_over_the_context_is_400(server: int) -> None:
@@ -357,12 +404,25 @@ def test_request_while_loading_then_sigint() -> None:
         assert first["gearbx"]["loaded"] is False  # the model is still loading
         status, out = request(port, "/v1/completions", {"prompt": TEXT, "max_tokens": 4})
         assert status == 200 and out["usage"]["completion_tokens"] == 4
-        events = sse(port, "/v1/completions", {"prompt": TEXT, "max_tokens": 64})
-        next(events)  # generating now
-        proc.send_signal(signal.SIGINT)
-        rc, err = stop(proc)
+        body = json.dumps({"prompt": TEXT, "max_tokens": 64, "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with _OPENER.open(req, timeout=300) as r:
+            while not r.readline().startswith(b"data: "):
+                pass  # generating now
+            proc.send_signal(signal.SIGINT)
+            rc, err = stop(proc)
+            rest = []
+            try:
+                rest += [line.decode().strip() for line in r]
+            except (http.client.IncompleteRead, OSError):
+                pass
         assert rc == 130, err
         assert "Traceback" not in err
+        # the cut stream ends without a finish reason or [DONE]: not to be taken for a whole answer
+        data = [line[len("data: "):] for line in rest if line.startswith("data: ")]
+        assert "[DONE]" not in data, rest
+        assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data), rest
     finally:
         stop(proc)
 
@@ -425,8 +485,9 @@ def test_request_options() -> None:
     default = GearOptions(gear="dynamic", speculative="auto")
     assert request_options(None, default, True) == default
     assert request_options({"gear": "high", "speculative": False}, default, True) == GearOptions("high", None, "off")
-    assert request_options({"thresholds": [0.5, 3]}, default, True).thresholds == (0.5, 3.0)
+    assert request_options({"thresholds": [0.5, 3], "speculative": "off"}, default, True).thresholds == (0.5, 3.0)
     for value, words in [
+        ({"thresholds": [0.5, 3]}, "give speculative 'off'"),  # the server's default here drafts
         ({"speculative": "always"}, "gearbx.speculative must be one of off, auto, force"),
         ({"thresholds": [1, float("nan")]}, "two finite numbers"),
         ({"thresholds": [True, 2]}, "two finite numbers"),

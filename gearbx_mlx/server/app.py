@@ -28,7 +28,7 @@ from ..generate import check_args, gearbox_config
 from ..speculative.cli import check_speculative_args
 from .generator import GearResponseGenerator
 from .handler import GearAPIHandler
-from .options import build_parser, check_server_args
+from .options import build_parser, check_max_tokens, check_server_args
 from .provider import GearModelProvider
 
 
@@ -63,6 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = show_warning
     ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how
     try:
+        check_max_tokens(args)
         check_args(args)
         if args.speculative:
             check_speculative_args(args)

@@ -31,6 +31,13 @@ from .provider import GearModelProvider, RequestError, package_stream
 NOT_SPECULATIVE = ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+class ServerStopping(RuntimeError):
+    """The server was stopped (Ctrl-C, SIGTERM) before the request finished: its stream ends
+    without ``[DONE]`` and without a finish reason, so a client cannot take it for a whole answer."""
+
+    status = 503
+
+
 @dataclass
 class Response:
     """One token for the HTTP handler: mlx-lm's server ``Response`` fields plus the gearbox's.
@@ -48,6 +55,7 @@ class Response:
     finish_reason: Optional[str]
     top_tokens: Tuple[Dict[str, Any], ...]
     gear: str = "high"
+    token_text: Optional[str] = None  # the token as the tokenizer spells it (top_logprobs' "token")
     entropy: float = math.nan
     drafted: Optional[int] = None
     accepted: Optional[bool] = None
@@ -74,6 +82,7 @@ class GearRequest(CompletionRequest):
     sent: int = 0
     usage: Optional[Dict[str, Any]] = None
     error: Optional[BaseException] = None
+    max_tokens_given: bool = True
 
     @classmethod
     def of(cls, request: CompletionRequest, options: GearOptions) -> "GearRequest":
@@ -142,7 +151,7 @@ class GearResponseGenerator(ResponseGenerator):
             tokenizer = provider.tokenizer
             prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
             options = request.gearbx if isinstance(request, GearRequest) else GearOptions()
-            self._check(prompt, args, options)
+            self._check(prompt, args, options, getattr(request, "max_tokens_given", True))
             stop_sequences, text_sm = self._make_state_machine(provider.model_key, tokenizer, args.stop_words)
             ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                                     tool_parser=tokenizer.tool_parser, text_sm=text_sm,
@@ -152,9 +161,17 @@ class GearResponseGenerator(ResponseGenerator):
         except Exception as e:  # noqa: BLE001  (mlx-lm's contract: the handler re-raises it)
             rqueue.put(e)
 
-    def _check(self, prompt: List[int], args: Any, options: GearOptions) -> None:
-        """Refuse, before any forward pass, what the loaded model cannot do."""
+    def _check(self, prompt: List[int], args: Any, options: GearOptions, max_tokens_given: bool = True) -> None:
+        """Refuse, before any forward pass, what the loaded model cannot do. A request that
+        gives no ``max_tokens`` gets the server's cap, or what the context leaves after its prompt."""
+        if not prompt:
+            raise RequestError("the prompt has no tokens")
+        vocab = self.model_provider.gearbox.vocab_size
+        if args.sampling.top_k >= vocab:
+            raise RequestError(f"top_k must be below the vocabulary size ({vocab}), got {args.sampling.top_k}")
         n = self.model_provider.context_length
+        if n is not None and not max_tokens_given and len(prompt) < n:
+            args.max_tokens = min(args.max_tokens, n - len(prompt))
         if n is not None and len(prompt) + args.max_tokens > n:
             raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({args.max_tokens}) exceed the "
                                f"model's context of {n} tokens")
@@ -195,9 +212,11 @@ class GearResponseGenerator(ResponseGenerator):
         ctx.prompt_cache_count = len(prompt) - len(rest)
         spec = None if options.speculative == "off" else options.speculative
         kwargs = self._kwargs(args, options, cache, prompt, spec)
+        if spec is None:
+            kwargs["prompt_progress_callback"] = self._progress(rqueue)
         saved = gearbox.thresholds
         records: List[Response] = []
-        last = None
+        last = finish = None
         try:
             if options.thresholds is not None:
                 gearbox.set_thresholds(*options.thresholds)
@@ -207,13 +226,17 @@ class GearResponseGenerator(ResponseGenerator):
                              format_top_logprobs(last.logprobs, args.top_logprobs, tokenizer), gear=last.gear,
                              entropy=last.entropy, drafted=getattr(last, "drafted", None) if spec else None,
                              accepted=getattr(last, "accepted", None) if spec else None,
-                             block=getattr(last, "block", None) if spec else None)
+                             block=getattr(last, "block", None) if spec else None,
+                             token_text=tokenizer.convert_ids_to_tokens([last.token])[0] if args.top_logprobs > 0
+                             else None)
                 records.append(r)
                 rqueue.put(r)
                 if ctx._should_stop or self._stop or finish is not None:
                     break
         finally:
             gearbox.set_thresholds(*saved)
+        if self._stop and finish is None:
+            raise ServerStopping("the server is shutting down: the answer was cut short")
         if spec is not None and last is not None and last.stats is not None:
             provider.keep_plan(spec, args.sampling.temperature == 0, last.stats.plan)
         request_usage = self._usage(records, options)
@@ -222,6 +245,17 @@ class GearResponseGenerator(ResponseGenerator):
         if cache is not None:
             self.prompt_cache.insert_cache(provider.model_key, prompt + [r.token for r in records], cache)
         rqueue.put(None)
+
+    def _progress(self, rqueue: Any) -> Any:
+        """mlx-lm's prompt progress callback (the handler streams ``: keepalive done/total``
+        lines from it), which also stops a long prefill between its chunks when the server stops."""
+
+        def progress(done: int, total: int) -> None:
+            if self._stop:
+                raise ServerStopping("the server is shutting down: the prompt was not finished")
+            rqueue.put((done, total))
+
+        return progress
 
     def _kwargs(self, args: Any, options: GearOptions, cache: Optional[List[Any]], prompt: List[int],
                 spec: Optional[str]) -> Dict[str, Any]:

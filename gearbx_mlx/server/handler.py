@@ -17,19 +17,56 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Dict, List, Optional
 
 from mlx_lm.server import APIHandler, CompletionRequest
 
-from .generator import GearRequest, Response
+from ..generation import check_generation_options
+from .generator import GearRequest, Response, ServerStopping
 from .options import request_options, server_options
+
+#: Request fields -> the generation options that check them (:func:`~gearbx_mlx.generation.check_generation_options`).
+SAMPLING_FIELDS = (("temperature", "temp"), ("top_p", "top_p"), ("min_p", "min_p"), ("top_k", "top_k"),
+                   ("seed", "seed"))
 
 
 def logprobs_content(records: List[Response], top: bool) -> List[Dict[str, Any]]:
-    """``choices[].logprobs.content`` as mlx-lm's server writes it."""
-    if top:
-        return [dict(r.top_tokens[0], top_logprobs=r.top_tokens) if r.top_tokens else {} for r in records]
-    return [{"id": r.token, "logprob": r.logprob} for r in records]
+    """``choices[].logprobs.content``: each chosen token's id and log-probability, with its
+    ``top_logprobs`` most likely first where asked. (mlx-lm's server names the first of its
+    unsorted top tokens instead of the chosen one.)"""
+    out = []
+    for r in records:
+        entry: Dict[str, Any] = {"id": r.token, "logprob": r.logprob}
+        if top:
+            ranked = sorted(r.top_tokens, key=lambda t: -t["logprob"])
+            entry.update(token=r.token_text, top_logprobs=ranked)
+        out.append(entry)
+    return out
+
+
+def check_request_values(body: Dict[str, Any], values: Dict[str, Any], path: str) -> None:
+    """What mlx-lm's server lets through but the generation refuses after the response has begun
+    (then the client would get no answer at all): a 400 naming the field instead.
+
+    Args:
+        body: the request body; values: its sampling fields as the handler read them (with
+            the server's defaults); path: the endpoint.
+
+    Raises:
+        ValueError: the first field out of range.
+    """
+    for field, option in SAMPLING_FIELDS:
+        try:
+            check_generation_options(**{option: values[field]})
+        except ValueError as e:
+            raise ValueError(f"{field}{str(e)[len(option):]}") from None
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(w, str) for w in stop)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if path.endswith("/completions") and "chat" not in path and not isinstance(body.get("prompt"), str):
+        raise ValueError(f"prompt must be a string, got {body.get('prompt')!r}")
 
 
 class GearAPIHandler(APIHandler):
@@ -49,13 +86,30 @@ class GearAPIHandler(APIHandler):
         self.gearbx = request_options(self.body.get("gearbx"), server_options(cli), bool(cli.speculative))
         if self.seed is None:
             self.seed = cli.seed
+        check_request_values(self.body, {f: getattr(self, f) for f, _ in SAMPLING_FIELDS}, self.path)
+        if isinstance(self.stream_options, dict):  # OpenAI's include_usage defaults to false
+            self.stream_options = {**self.stream_options, "include_usage": bool(self.stream_options.get("include_usage"))}
 
     def handle_chat_completions(self) -> CompletionRequest:
-        self.gear_request = GearRequest.of(super().handle_chat_completions(), self.gearbx)
-        return self.gear_request
+        return self._gear_request(super().handle_chat_completions())
 
     def handle_text_completions(self) -> CompletionRequest:
-        self.gear_request = GearRequest.of(super().handle_text_completions(), self.gearbx)
+        return self._gear_request(super().handle_text_completions())
+
+    def handle_completion(self, request: CompletionRequest, stop_words: List[str]) -> None:
+        """mlx-lm's, except that a request the server's shutdown cuts short ends there: a stream
+        without ``[DONE]`` (its chunks so far carry no finish reason), and one log line rather
+        than the HTTP server's traceback."""
+        try:
+            super().handle_completion(request, stop_words)
+        except ServerStopping as e:
+            logging.warning("request cut short: %s", e)
+            self.close_connection = True
+
+    def _gear_request(self, request: CompletionRequest) -> GearRequest:
+        self.gear_request = GearRequest.of(request, self.gearbx)
+        self.gear_request.max_tokens_given = any(
+            self.body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
         return self.gear_request
 
     def _set_completion_headers(self, status_code: int = 200) -> None:
@@ -73,9 +127,10 @@ class GearAPIHandler(APIHandler):
         new = req.records[req.sent:]
         req.sent = len(req.records)
         choice = response["choices"][0]
-        choice["gearbx"] = {"tokens": [r.extension() for r in (new if self.stream else req.records)]}
-        if self.stream and new and (self.logprobs or self.top_logprobs > 0):
-            choice["logprobs"] = {"content": logprobs_content(new, self.top_logprobs > 0)}
+        covered = new if self.stream else req.records
+        choice["gearbx"] = {"tokens": [r.extension() for r in covered]}
+        if covered and (self.logprobs or self.top_logprobs > 0):
+            choice["logprobs"] = {"content": logprobs_content(covered, self.top_logprobs > 0)}
         if "usage" in response and req.usage is not None:
             response["usage"]["gearbx"] = req.usage
         return response

@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_max_tokens(args: argparse.Namespace) -> None:
+    """``--max-tokens`` caps each request, so it has no "-1: no limit" here; checked before the
+    generate CLI's checks, whose message offers -1."""
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1 for the server (it caps each request; a request without "
+                         f"max_tokens gets the cap, or what the model's context leaves), got {args.max_tokens}")
+
+
 def check_server_args(args: argparse.Namespace) -> None:
     """The server's own flags (the generate flags are checked by the generate CLI's checks)."""
     if not 0 <= args.port < 65536:
@@ -95,8 +103,6 @@ def check_server_args(args: argparse.Namespace) -> None:
         socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise ValueError(f"--host {args.host}: no such address ({getattr(e, 'strerror', None) or e})") from None
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1 for the server (it caps each request), got {args.max_tokens}")
     if args.prompt_cache_size < 0:
         raise ValueError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if args.kv_bits is not None and args.kv_rotation != "none" and args.max_kv_size is not None:
@@ -168,4 +174,7 @@ def request_options(value: Any, default: GearOptions, speculative_loaded: bool) 
                          "gear's tokens exactly: give gear 'dynamic' or speculative 'off'")
     if thresholds is not None and gear != "dynamic" and spec == "off":
         raise ValueError(f"gearbx.thresholds apply to the dynamic policy: the request's gear is the static {gear!r}")
+    if thresholds is not None and spec != "off":
+        raise ValueError("gearbx.thresholds apply to the dynamic policy, and speculative decoding outputs the high "
+                         "gear's tokens (its drafter stops by its own calibrated entropy): give speculative 'off'")
     return GearOptions(gear=gear, thresholds=thresholds, speculative=spec)
