@@ -23,14 +23,31 @@ from .jsonsafe import dumps
 TMP_PREFIX = "."
 
 
+def resolved_target(path: "str | os.PathLike") -> Path:
+    """Where a write to ``path`` lands: a symbolic link's target (the file is replaced there and
+    the link kept), any other path as given."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _refuse_special(path: Path, what: str) -> None:
+    """A device, pipe or socket is never replaced by a file (an atomic write renames over its path)."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ValueError(f"{what} {path} is not a regular file (a device, pipe or socket): give a file name")
+
+
 def check_target(path: "str | os.PathLike", what: str, example: str = "") -> Path:
-    """``path`` (user-expanded) if a file can be written there, else one clear error naming ``what``
-    (a flag such as ``"--trace"``): its folder missing (``FileNotFoundError``), the path a
-    directory (``IsADirectoryError``; ``example`` names a file to give instead), an existing file
-    that is read-only, or the folder refusing a new file (``PermissionError`` or another
-    ``OSError``: read-only, full, a pseudo-filesystem). Checked by creating and removing a
-    temporary file there, before anything slow runs."""
-    path = Path(path).expanduser()
+    """Where to write ``path`` (user-expanded; a symbolic link's target) if a file can be written
+    there, else one clear error naming ``what`` (a flag such as ``"--trace"``): an empty name
+    (``ValueError``), its folder missing (``FileNotFoundError``), the path a directory
+    (``IsADirectoryError``; ``example`` names a file to give instead), a device, pipe or socket
+    (``ValueError``), an existing file that is read-only, or the folder refusing a new file
+    (``PermissionError`` or another ``OSError``: read-only, full, a pseudo-filesystem). Checked
+    by creating and removing a temporary file there, before anything slow runs."""
+    if not str(path).strip():
+        raise ValueError(f"{what} needs a file name, got an empty one")
+    path = resolved_target(Path(path).expanduser())
+    _refuse_special(path, what)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{what} {path}: directory {path.parent} does not exist (create it first)")
     if path.is_dir():
@@ -49,8 +66,10 @@ def check_target(path: "str | os.PathLike", what: str, example: str = "") -> Pat
 
 def write_text(path: "str | os.PathLike", text: str, prefix: str = TMP_PREFIX) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically; ``FileNotFoundError`` naming the folder
-    if it does not exist. ``prefix`` starts the temporary file's name."""
-    path = Path(path)
+    if it does not exist. ``prefix`` starts the temporary file's name. A symbolic link's target
+    is written (the link kept); a device, pipe or socket is refused (``ValueError``)."""
+    path = resolved_target(path)
+    _refuse_special(path, "cannot write")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path.name}: directory {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{path.name}.", suffix=".tmp", dir=path.parent)

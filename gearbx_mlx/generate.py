@@ -193,6 +193,8 @@ def check_args(args: argparse.Namespace) -> None:
                          f"store, not {'--telemetry-only' if args.telemetry_only else '--store separate'}")
     if args.thresholds and not all(finite(t) for t in args.thresholds):
         raise ValueError(f"--thresholds must be finite numbers of bits, got {args.thresholds[0]} {args.thresholds[1]}")
+    if args.thresholds and args.thresholds[0] < 0:
+        raise ValueError(f"--thresholds are entropies in bits, >= 0: got LOW={args.thresholds[0]}")
     if args.thresholds and not 0 <= args.thresholds[0] < args.thresholds[1]:
         raise ValueError(
             f"thresholds are in the wrong order: LOW={args.thresholds[0]} must be below "
@@ -201,7 +203,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.thresholds and (args.calibrate or args.calibration):
         raise ValueError("give --thresholds or --calibrate/--calibration, not both")
     writes = getattr(args, "rank", 0) == 0  # a sharded run: rank 0 alone writes the trace and a calibration
-    if args.trace and writes:
+    if args.trace is not None and writes:
         check_target(args.trace, "--trace")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")

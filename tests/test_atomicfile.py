@@ -8,6 +8,7 @@ import json
 import math
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,32 @@ def test_check_target_leaves_a_writable_target_untouched(tmp_path):
     assert old.read_text() == "kept" and os.listdir(tmp_path) == ["t.jsonl"]
     new = tmp_path / "new.json"
     assert atomicfile.check_target(new, "--out") == new and not new.exists()
+
+
+def test_a_device_or_pipe_is_refused_and_left_as_it_was(tmp_path):
+    """An atomic write renames a new file over its path: over a device or a named pipe that would
+    replace the device (``--trace /dev/full`` as root did) or the pipe with a plain file."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/null")):
+        with pytest.raises(ValueError, match="not a regular file"):
+            atomicfile.check_target(path, "--trace")
+        with pytest.raises(ValueError, match="not a regular file"):
+            atomicfile.write_text(path, "x")
+        assert not path.is_file() and path.exists()
+
+
+def test_a_symbolic_link_keeps_pointing_at_the_file_written(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert atomicfile.check_target(link, "--out") == target
+    atomicfile.write_json(link, {"a": 1})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"a": 1}
+
+
+def test_an_empty_file_name_is_refused():
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match="needs a file name"):
+            atomicfile.check_target(name, "--trace")

@@ -13,6 +13,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -430,7 +431,8 @@ def test_request_while_loading_then_sigint() -> None:
 def test_bad_flag_is_one_error_line() -> None:
     for flags, line in [(["--window", "0"], "error: --window must be an integer >= 1, got 0"),
                         (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window"),
-                        (["--host", "256.1.1.1"], "error: --host 256.1.1.1: no such address")]:
+                        (["--host", "256.1.1.1"], "error: --host 256.1.1.1: no such address"),
+                        (["--max-tokens", "-1"], "error: --max-tokens must be >= 1 for the server")]:
         proc = start_server(free_port(), *flags)
         rc = proc.wait(timeout=120)
         err = stderr_of(proc).strip().splitlines()
@@ -562,3 +564,33 @@ def test_a_warning_and_an_error_line_are_each_one_write(monkeypatch: Any) -> Non
     console.stderr_line(console.error_line(FileNotFoundError("model path not found: x")))
     assert writes == ["[gearbx] warning: mlx_lm.server is not recommended\n", "[gearbx] note\n",
                       "error: model path not found: x\n"]
+
+
+def test_a_request_without_max_tokens_gets_what_the_context_leaves() -> None:
+    """The cap (--max-tokens) is the default, shortened to fit the context after the prompt; an
+    explicit max_tokens past the context is refused; so are an empty prompt and a top_k past the
+    vocabulary (checked on the generation thread, before anything is sent)."""
+    from types import SimpleNamespace
+
+    from gearbx_mlx.server.generator import GearResponseGenerator
+    from gearbx_mlx.server.options import GearOptions
+    from gearbx_mlx.server.provider import RequestError
+
+    gen = GearResponseGenerator.__new__(GearResponseGenerator)
+    gen.model_provider = SimpleNamespace(context_length=100, gearbox=SimpleNamespace(vocab_size=1000))
+
+    def args(max_tokens: int, top_k: int = 0) -> Any:
+        return SimpleNamespace(max_tokens=max_tokens, sampling=SimpleNamespace(top_k=top_k, xtc_probability=0.0),
+                               logits=SimpleNamespace())
+
+    a = args(256)
+    gen._check([1] * 40, a, GearOptions(), max_tokens_given=False)
+    assert a.max_tokens == 60
+    a = args(20)
+    gen._check([1] * 40, a, GearOptions(), max_tokens_given=False)
+    assert a.max_tokens == 20
+    for prompt, a, words in (([1] * 40, args(256), "exceed the model's context of 100"),
+                             ([], args(4), "the prompt has no tokens"),
+                             ([1], args(4, top_k=1000), "top_k must be below the vocabulary size (1000)")):
+        with pytest.raises(RequestError, match=re.escape(words)):
+            gen._check(prompt, a, GearOptions(), max_tokens_given=True)
