@@ -85,8 +85,9 @@ def stderr_line(text: str) -> None:
 
 
 def say(args: Any, message: str) -> None:
-    """``[gearbx] MESSAGE`` on stderr, from rank 0 only (``args.rank``; a run of one process is rank 0)."""
-    if getattr(args, "rank", 0) == 0:
+    """``[gearbx] MESSAGE`` on stderr, from rank 0 only (``args.rank``; a run of one process is rank 0),
+    and not with ``--quiet`` (``args.quiet``: the text only; warnings and errors still show)."""
+    if getattr(args, "rank", 0) == 0 and not getattr(args, "quiet", False):
         stderr_line(f"[gearbx] {message}")
 
 

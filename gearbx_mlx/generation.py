@@ -372,15 +372,22 @@ def _load_sharded(
     return m, tokenizer, gearbox
 
 
-def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -> mx.array:
+def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]],
+                  vocab_size: Optional[int] = None) -> mx.array:
     """Token ids of ``prompt`` exactly as ``mlx_lm.stream_generate`` makes them.
 
+    Args:
+        vocab_size: where given, ids given by the caller must lie in ``[0, vocab_size)``
+            (an id past the embedding table reads memory out of bounds: MLX's gather
+            does not check it).
+
     Raises:
-        ValueError: an empty prompt.
+        ValueError: an empty prompt, or an id out of range.
     """
     if isinstance(prompt, mx.array):
         if prompt.size == 0:
             raise ValueError("the prompt has no tokens")
+        check_prompt_ids(prompt, vocab_size)
         return prompt
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -391,7 +398,23 @@ def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -
         return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
     if len(prompt) == 0:
         raise ValueError("the prompt has no tokens")
-    return mx.array(list(prompt))
+    ids = list(prompt)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError("a prompt given as ids must hold integers")
+    if not all(-2**31 <= t < 2**31 for t in ids):
+        raise ValueError(f"the prompt's token ids must lie in [0, the vocabulary size): got {min(ids)} .. {max(ids)}")
+    out = mx.array(ids)
+    check_prompt_ids(out, vocab_size)
+    return out
+
+
+def check_prompt_ids(ids: mx.array, vocab_size: Optional[int]) -> None:
+    """Raise unless ``ids`` are integers in ``[0, vocab_size)`` (any integers where it is None)."""
+    if not mx.issubdtype(ids.dtype, mx.integer):
+        raise TypeError(f"a prompt given as ids must hold integers, got {ids.dtype}")
+    if vocab_size is not None and (ids.min().item() < 0 or ids.max().item() >= vocab_size):
+        raise ValueError(f"the prompt's token ids must lie in [0, {vocab_size}): got {ids.min().item()} .. "
+                         f"{ids.max().item()}")
 
 
 def check_ranks_agree(gearbox: Gearbox, ids: mx.array, **options: Any) -> None:

@@ -37,6 +37,7 @@ from .generation import (
     GearboxResponse,
     SamplingOptions,
     check_generation_options,
+    check_prompt_ids,
     check_ranks_agree,
     collect_text,
     encode_prompt,
@@ -241,6 +242,7 @@ def prepare(
     gearbox = gearbox or Gearbox(model)
     if gearbox.model is not model:
         raise ValueError("this gearbox manages another model: pass the model it was made for")
+    check_prompt_ids(ids, gearbox.vocab_size)
     loose_sampling, loose_kv = SamplingOptions.take(kwargs), options_from(kwargs)
     if (sampling is not None and loose_sampling is not None) or (kv_options is not None and loose_kv.active):
         raise ValueError("give the sampling (or KV) options either as an object or as keywords, not both")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import io
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -486,3 +487,27 @@ def test_resolve_model_rejects_what_is_not_a_model(tmp_path):
     f.write_bytes(b"\0")
     with pytest.raises(ValueError, match="is a file"):
         models.resolve_model(str(f))
+
+
+@pytest.mark.parametrize("prompt, error, words", [
+    ([10**6], ValueError, "token ids must lie in [0, "),
+    ([-5, 3], ValueError, "token ids must lie in [0, "),
+    ([2**40], ValueError, "token ids must lie in [0, "),
+    ([1.5], TypeError, "must hold integers"),
+    ("mx", ValueError, "token ids must lie in [0, "),
+])
+def test_prompt_ids_outside_the_vocabulary_are_refused(prompt, error, words):
+    """An id past the embedding table went through MLX's unchecked gather (a segfault, or
+    another token's row); a negative one failed in the tokenizer's decode."""
+    import mlx.core as mx
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+
+    model, tokenizer = make_tiny_llama(), make_tiny_tokenizer()
+    gearbox = gearbx_mlx.Gearbox(model)
+    if prompt == "mx":
+        prompt = mx.array([1, gearbox.vocab_size])
+    with pytest.raises(error, match=re.escape(words)):
+        gearbx_mlx.generate(model, tokenizer, prompt, gearbox, max_tokens=2)
+    assert gearbx_mlx.generate(model, tokenizer, [1, 2, gearbox.vocab_size - 1], gearbox, max_tokens=2) is not None

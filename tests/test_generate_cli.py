@@ -122,3 +122,12 @@ def test_the_command_takes_the_loaded_model_out_of_the_collectors_scans(monkeypa
     finally:
         gc.unfreeze()
     assert seen["frozen"] > 10_000  # the model's modules, the tokenizer, the gearbox
+
+
+def test_quiet_prints_the_text_only_with_speculative_decoding_too():
+    """``--quiet``: no progress lines (the drafter's timing and decision were printed anyway)."""
+    p = cli("--prompt", "hi", "--max-tokens", "3", "--speculative", "--quiet", timeout=300)
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stderr.splitlines() if line.startswith("[gearbx]") and "warning" not in line]
+    assert not notes, p.stderr
+    assert p.stdout.strip()
