@@ -10,6 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import launch
+from .atomicfile import check_target
 from .console import error_line
 from .plotting import require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
@@ -36,11 +37,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.plots:
             require_matplotlib()
+        csv_path = check_target(args.csv, "--csv", example="routing.csv") if args.csv is not None else None
         result = analyze(args.traces)
         print(format_table(result))
-        if args.csv:
-            write_csv(result, args.csv)
-            print(f"wrote {args.csv}", file=sys.stderr)
+        if csv_path is not None:
+            write_csv(result, csv_path)
+            print(f"wrote {csv_path}", file=sys.stderr)
         if args.plots:
 
             for f in plot_all([t for p in args.traces for t in load_traces(p)], result, args.plots):

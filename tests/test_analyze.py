@@ -114,6 +114,8 @@ def test_remote_style_trace_is_read(tmp_path, capsys):
     (lambda ls: ls[:-1] + [ls[-1][: len(ls[-1]) // 2]], "truncated"),
     (lambda ls: ls[:3] + ["not json {"] + ls[3:], ":4: not JSON"),
     (lambda ls: [ls[0].replace('"version": 1', '"version": 99')] + ls[1:], ":1: trace version 99"),
+    (lambda ls: ls[:2] + ls[3:], ":3: token index 2 where 1 was due"),  # a token record lost
+    (lambda ls: ls[:3] + ls[2:], ":4: token index 1 where 2 was due"),  # one repeated
 ])
 def test_bad_traces_name_the_line(tmp_path, capsys, damage, message):
     lines = Q4.read_text().splitlines()
@@ -129,6 +131,10 @@ def test_bad_traces_name_the_line(tmp_path, capsys, damage, message):
 def test_missing_file_and_matplotlib_message(tmp_path, capsys, monkeypatch):
     assert analyze.main([str(tmp_path / "none.jsonl")]) == 1
     assert "trace not found" in capsys.readouterr().err
+    assert analyze.main([str(tmp_path)]) == 1
+    assert f"error: {tmp_path} is a directory: give a trace file" in capsys.readouterr().err
+    assert analyze.main([str(Q4), "--csv", str(tmp_path)]) == 1
+    assert f"error: --csv {tmp_path} is a directory: give a file name, e.g." in capsys.readouterr().err
     import builtins
 
     real = builtins.__import__

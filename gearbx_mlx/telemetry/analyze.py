@@ -167,7 +167,7 @@ def load_traces(path: Union[str, Path]) -> List[Trace]:
     evaluation report."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"trace not found: {path}")
+        return [read_trace(path)]  # says what the path is instead
     try:
         with open(path, encoding="utf-8") as f:
             first = f.readline()

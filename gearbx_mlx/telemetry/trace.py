@@ -223,6 +223,8 @@ def read_trace(path: str | Path) -> Trace:
     here, with its line, rather than somewhere in an analysis.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: give a trace file (.jsonl)")
     if not path.is_file():
         raise FileNotFoundError(f"trace not found: {path}")
     header, tokens, summary = None, [], None
@@ -256,6 +258,9 @@ def read_trace(path: str | Path) -> Trace:
             header = rec
         elif t == "token":
             _check_token(rec, where, header)
+            if rec["index"] != len(tokens):  # a writer numbers its tokens 0, 1, 2, ...
+                raise TraceError(f"{where}: token index {rec['index']} where {len(tokens)} was due (records "
+                                 "missing, repeated or out of order)")
             tokens.append(rec)
         elif t == "summary":
             _check_fields(rec, where, _SUMMARY_FIELDS)
