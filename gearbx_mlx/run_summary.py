@@ -18,6 +18,9 @@ __all__ = ["format_summary", "memory_line", "ranks_line"]
 
 def _rate(s: Dict[str, Any], phase: str) -> str:
     """mlx-lm's tokens-per-sec, and the rate without one-time quantization inside it."""
+    if phase == "generation" and s["generation_tokens"] < 2:
+        # mlx-lm's rate starts its clock at the first token, which comes with the prompt
+        return "too few tokens to time (the first one is timed with the prompt)"
     line = f"{s[phase + '_tps']:.3f} tokens-per-sec"
     q = s.get(f"{phase}_quantize_seconds") or 0.0
     if q > 0:
@@ -71,7 +74,7 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
         if mean is not None else "Entropy: no tokens",
     ]
     lines += speculative_lines(s) if speculative else _routed_lines(s)
-    if s.get("resolution"):
+    if s.get("resolution") and not s["telemetry_only"]:  # telemetry only: nothing was resolved into gears
         lines.append(_resolution_line(s["resolution"]))
     if s.get("kv_cache"):
         kv = s["kv_cache"]

@@ -100,6 +100,17 @@ def test_telemetry_only_reports_the_real_resident_bytes_and_no_swaps():
     text = run_summary.format_summary(s, gb.thresholds)
     assert f"Model weights resident: {nbytes(model) / 2**20:.1f} MiB (telemetry only: the model is already" in text
     assert "Shift cost" not in text and "Time quantizing" not in text and "high 0.0 MiB" not in text
+    assert "Resolved:" not in text  # no store, kernel or scope ran
+
+
+def test_one_generated_token_gets_no_rate():
+    """mlx-lm's generation rate starts at the first token, which comes with the prompt: one token
+    gave thousands of tokens per second."""
+    model = make_tiny_llama(vocab=512)
+    gb = Gearbox(model, GearboxConfig())
+    s = summarise(model, gb, n=1, policy=SwitchAt(2), vocab=512)
+    line = next(x for x in run_summary.format_summary(s, gb.thresholds).splitlines() if x.startswith("Generation:"))
+    assert line == "Generation: 1 tokens, too few tokens to time (the first one is timed with the prompt)"
 
 
 def run_cli(monkeypatch, capsys, model, *argv):
