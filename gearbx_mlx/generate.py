@@ -311,8 +311,11 @@ def run_loaded(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: An
     if writer is None and args.trace and getattr(args, "rank", 0) == 0:
         writer = TraceWriter(Path(args.trace).expanduser())
     last, interrupted, error, run = None, False, None, None
+    # Where an interrupt before the first token lands: a speculative run first times its drafter.
+    stage_name = "timing the drafter" if args.speculative else "prefill"
     try:
         run = _prepare(args, model, tokenizer, gearbox, templated)
+        stage_name = "prefill"
         if writer:
             writer.header(**run.record.header(), sampling=_sampling(args))
         if not args.quiet:
@@ -325,14 +328,15 @@ def run_loaded(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: An
             print("interrupted during the prefill (no token was generated)", file=sys.stderr)
     except KeyboardInterrupt:
         interrupted = True
-        print("interrupted while preparing the prompt", file=sys.stderr)
+        print(f"interrupted while {'timing the drafter' if stage_name != 'prefill' else 'preparing the prompt'}",
+              file=sys.stderr)
     except Exception as e:
         error = error_line(e)[len("error: "):]
         raise
     finally:
         if run is not None:
             run.close()
-        _finish(args, writer, gearbox, last, interrupted, error, "prefill")
+        _finish(args, writer, gearbox, last, interrupted, error, stage_name)
     return 130 if interrupted else 0
 
 

@@ -91,6 +91,15 @@ def test_ctrl_c_in_the_prefill(tiny, tmp_path, capsys, monkeypatch):
     assert t.header["vocab_size"] == 266 and t.header["thresholds"]["source"] == "default-scaled"
 
 
+def test_ctrl_c_while_the_drafter_is_timed(tiny, tmp_path, capsys, monkeypatch):
+    """``--speculative``: the decision times the drafter on the prompt before anything streams;
+    an interrupt there is said and traced as such (it was called preparing the prompt)."""
+    monkeypatch.setattr(generate, "prepare", _raise)
+    code, err = run_generate(capsys, tiny, tmp_path / "t.jsonl", "--speculative")
+    assert code == 130 and "Traceback" not in err and "interrupted while timing the drafter" in err
+    assert_interrupted_trace(tmp_path / "t.jsonl", stage="timing the drafter")
+
+
 def test_ctrl_c_while_decoding(tiny, tmp_path, capsys, monkeypatch):
     real = generate.prepare
 
