@@ -112,11 +112,12 @@ class GenerationRun:
             return
         self._closed = True
         try:
-            if self.gearbox.ranks is not None:
-                # mlx-lm leaves one step (and its collectives) running on its stream when the
-                # stream stops: finish it on every rank, so that no rank leaves (or reaches its
-                # next collective) while another still waits in it.
-                mx.synchronize(generation_stream)
+            # mlx-lm leaves one step running on its stream when the stream stops: finish it.
+            # A process that exits right after would otherwise tear MLX's allocator down while
+            # that stream's thread still frees the step's buffers (a crash at exit, now and
+            # then); on a sharded model no rank may leave, or reach its next collective, while
+            # another still waits in that step's.
+            mx.synchronize(generation_stream)
             self.gearbox.manager.shift("high")  # outside a stream the model is the loaded one
         finally:
             if self.kv is not None:
