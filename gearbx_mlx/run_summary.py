@@ -74,7 +74,7 @@ def format_summary(s: Dict[str, Any], thresholds: Sequence[float]) -> str:
         if mean is not None else "Entropy: no tokens",
     ]
     lines += speculative_lines(s) if speculative else _routed_lines(s)
-    if s.get("resolution") and not s["telemetry_only"]:  # telemetry only: nothing was resolved into gears
+    if s.get("resolution") and not s.get("telemetry_only"):  # telemetry only: nothing was resolved into gears
         lines.append(_resolution_line(s["resolution"]))
     if s.get("kv_cache"):
         kv = s["kv_cache"]

@@ -487,6 +487,7 @@ def test_request_options() -> None:
     default = GearOptions(gear="dynamic", speculative="auto")
     assert request_options(None, default, True) == default
     assert request_options({"gear": "high", "speculative": False}, default, True) == GearOptions("high", None, "off")
+    assert request_options({"gear": None, "speculative": None}, default, True) == GearOptions("dynamic", None, "off")
     assert request_options({"thresholds": [0.5, 3], "speculative": "off"}, default, True).thresholds == (0.5, 3.0)
     for value, words in [
         ({"thresholds": [0.5, 3]}, "give speculative 'off'"),  # the server's default here drafts
@@ -594,3 +595,17 @@ def test_a_request_without_max_tokens_gets_what_the_context_leaves() -> None:
                              ([1], args(4, top_k=1000), "top_k must be below the vocabulary size (1000)")):
         with pytest.raises(RequestError, match=re.escape(words)):
             gen._check(prompt, a, GearOptions(), max_tokens_given=True)
+
+
+def test_usage_names_the_thresholds_that_routed_the_request(server: int) -> None:
+    """A dynamic request's thresholds (its own or the server's); none for a static gear or a draft."""
+    base = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    cases = [({"gear": "dynamic", "speculative": "off", "thresholds": [0.5, 3]}, [0.5, 3.0]),
+             ({"gear": "low", "speculative": "off"}, None), ({"speculative": "force"}, None)]
+    for gearbx, want in cases:
+        status, out = request(server, "/v1/chat/completions", {**base, "gearbx": gearbx})
+        assert status == 200, out
+        assert out["usage"]["gearbx"]["options"]["thresholds"] == want, gearbx
+    status, out = request(server, "/v1/chat/completions", {**base, "gearbx": {"speculative": "off"}})
+    low, high = out["usage"]["gearbx"]["options"]["thresholds"]
+    assert 0 <= low < high

@@ -292,8 +292,9 @@ class GearResponseGenerator(ResponseGenerator):
             "weight_bytes_read": weight_bytes(records, provider.gearbox.manager.step_bytes(), draft_gear),
             "speculative": options.speculative if spec else None,
             "accepted_drafts": sum(1 for r in records if r.accepted) if spec else None,
-            "options": {**options.to_dict(), "thresholds": list(provider.gearbox.thresholds)
-                        if options.thresholds is None else list(options.thresholds)},
+            # the thresholds that routed the request: none for a static gear or a drafting request
+            "options": {**options.to_dict(), "thresholds": None if options.gear != "dynamic" or spec
+                        else list(provider.gearbox.thresholds if options.thresholds is None else options.thresholds)},
         }
 
     def stop_and_join(self) -> None:

@@ -159,7 +159,8 @@ def request_options(value: Any, default: GearOptions, speculative_loaded: bool) 
         return default
     if not isinstance(value, dict):
         raise ValueError(f"gearbx must be an object, got {value!r}")
-    gear = value.get("gear", default.gear)
+    gear = value.get("gear")
+    gear = default.gear if gear is None else gear  # null: the server's, as for speculative
     if gear not in GEAR_CHOICES:
         raise ValueError(f"gearbx.gear must be one of {', '.join(GEAR_CHOICES)}, got {gear!r}")
     spec = value.get("speculative", default.speculative)

@@ -35,6 +35,9 @@ from .sparse import (
 from .sparse_gear import install_sparse_gear
 from .sparse_plan import AUTO_SPARSITIES
 
+#: Bytes in a MiB: the routed summary's unit too.
+MIB = 2**20
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -266,9 +269,9 @@ def speculative_lines(summary: Dict[str, Any]) -> List[str]:
     ]
     if mem:
         lines.append(
-            f"Resident: {mem['resident_total'] / 1e6:.1f} MB (model {mem['high_bytes'] / 1e6:.1f} MB "
-            f"+ gear store {mem.get('store_bytes', 0) / 1e6:.1f} MB + drafter's own {mem['extra_bytes'] / 1e6:.1f} MB; "
-            f"the drafter shares {mem['shared_bytes'] / 1e6:.1f} MB)"
+            f"Resident: {mem['resident_total'] / MIB:.1f} MiB (model {mem['high_bytes'] / MIB:.1f} MiB "
+            f"+ gear store {mem.get('store_bytes', 0) / MIB:.1f} MiB + drafter's own {mem['extra_bytes'] / MIB:.1f} "
+            f"MiB; the drafter shares {mem['shared_bytes'] / MIB:.1f} MiB)"
         )
     d = summary.get("distributed")
     if d:
