@@ -76,11 +76,23 @@ def write_text(path: "str | os.PathLike", text: str, prefix: str = TMP_PREFIX) -
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+            # mkstemp's file is private (0600): give the result the old file's mode, or a new
+            # file's as open() would make it (0666 less the umask)
+            os.fchmod(fh.fileno(), _mode_for(path))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return path
+
+
+def _mode_for(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        mask = os.umask(0o022)  # read it back: os.umask sets and returns
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def write_json(path: "str | os.PathLike", obj: Any, indent: "int | None" = 1, prefix: str = TMP_PREFIX) -> Path:

@@ -141,3 +141,18 @@ def test_an_empty_file_name_is_refused():
     for name in ("", "  "):
         with pytest.raises(ValueError, match="needs a file name"):
             atomicfile.check_target(name, "--trace")
+
+
+def test_a_written_file_gets_the_old_files_mode_or_a_new_files(tmp_path):
+    """mkstemp's private 0600 file used to become the result: a 0644 file turned 0600."""
+    old = os.umask(0o022)
+    try:
+        new = atomicfile.write_text(tmp_path / "new.json", "x")
+        assert new.stat().st_mode & 0o777 == 0o644
+        kept = tmp_path / "kept.json"
+        kept.write_text("old")
+        kept.chmod(0o640)
+        atomicfile.write_text(kept, "x")
+        assert kept.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)

@@ -659,3 +659,30 @@ def test_placing_the_low_gear_well_beats_random_and_badly_loses_to_it(three_gear
     assert same["outcome"] == "indistinguishable" and same["difference"]["median"] == 0.0
     with pytest.raises(ValueError, match="must divide"):
         permutation.random_distribution(_policy("l" * 200), rows, 30)
+
+
+@pytest.mark.parametrize("positions", [64, 128, 512])
+def test_with_no_real_difference_a_verdict_comes_at_most_at_its_level(positions):
+    """Rows of the same distribution, 400 trials: the paired bootstrap may call a difference in
+    about 5% of them. Over 2 or 4 blocks it called one in 55% and 19% (too few distinct
+    resamples); those now get no verdict, and 16 blocks stay near the level."""
+    rng = np.random.default_rng(positions)
+    called = 0
+    for trial in range(400):
+        a, b = rng.exponential(1e-3, positions), rng.exponential(1e-3, positions)
+        test = significance.paired_difference(a, b, positions, seed=trial, settings=significance.BootstrapSettings(
+            resamples=400))
+        called += test["outcome"] != "indistinguishable"
+        if test["blocks"] < significance.MIN_BLOCKS:
+            assert "too_few_blocks" in test and "no verdict" in significance.describe(test)
+    assert called / 400 <= 0.08, called
+
+
+def test_a_text_shorter_than_tokens_says_what_is_scored(spread_model):
+    """--tokens 200 of a 60-token text scored 59 positions with only the JSON saying so."""
+    said = []
+    text = "".join(chr(32 + (i * 37) % 90) for i in range(60))
+    evaluate(spread_model, ByteTokenizer(bos=1), text, base_specs(SPREAD)[:1], tokens=200, window=50,
+             speed_tokens=0, workload_tokens=0, speculative=False, seed=5, progress=said.append)
+    notes = [m for m in said if "for --tokens 200" in m]
+    assert len(notes) == 1 and "scoring 50 (1 window(s) of 50" in notes[0], said

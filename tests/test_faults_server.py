@@ -242,6 +242,8 @@ def test_the_api_key_goes_to_a_loopback_server(capsys):
     (("--timeout", "-1"), "--timeout must be a positive number"),
     (("--deadline", "nan"), "--deadline must be a positive number"),
     (("--connect-timeout", "inf"), "--connect-timeout must be a positive number"),
+    (("--timeout", "1e300"), "--timeout must be a positive number of seconds, at most"),  # was an OverflowError
+    (("--connect-timeout", "1e300"), "--connect-timeout must be a positive number of seconds, at most"),
     (("--temp", "-1"), "--temp must be a number >= 0"),
     (("--top-p", "2"), "--top-p must be in (0, 1]"),
     (("--top-k", "0"), "--top-k must be in 1..20"),

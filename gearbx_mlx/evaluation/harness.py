@@ -240,6 +240,10 @@ class _Study:
         if len(self.ids) < 2:
             raise ValueError(f"the text has {len(self.ids)} token(s): at least 2 are needed")
         self.windows = split_windows(self.ids, opts.window)
+        used = len(self.windows) * len(self.windows[0])
+        if used < opts.tokens:
+            say(f"the text gives {len(self.ids)} tokens for --tokens {opts.tokens}: scoring {used} "
+                f"({len(self.windows)} window(s) of {len(self.windows[0])}; a shorter tail is dropped)")
         self.layout = ModelLayout.of(model, config, self.vocab)
 
     def run(self, policies: Optional[Sequence[PolicySpec]], kv: Optional[KVOptions],

@@ -72,12 +72,17 @@ def _prompts(args: argparse.Namespace) -> List[str]:
     return prompts
 
 
+#: The longest timeout or deadline taken (a year).
+MAX_SECONDS = 365 * 86400.0
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every flag in its range, before any server is asked (one message naming the flag)."""
     check_flag(args.max_tokens >= 1, "--max-tokens", args.max_tokens, "an integer >= 1")
     for flag, v in (("--timeout", args.timeout), ("--connect-timeout", args.connect_timeout),
                     ("--deadline", args.deadline)):
-        check_flag(finite(v) and v > 0, flag, v, "a positive number of seconds")
+        # a socket timeout is a C time value: threading and sockets refuse more than ~2**63 ns
+        check_flag(finite(v) and 0 < v <= MAX_SECONDS, flag, v, f"a positive number of seconds, at most {MAX_SECONDS:g}")
     check_flag(finite(args.temp) and args.temp >= 0, "--temp", args.temp, "a number >= 0 (0 = greedy)")
     if args.top_p is not None:
         check_flag(finite(args.top_p) and 0 < args.top_p <= 1, "--top-p", args.top_p, "in (0, 1]")
