@@ -609,3 +609,17 @@ def test_usage_names_the_thresholds_that_routed_the_request(server: int) -> None
     status, out = request(server, "/v1/chat/completions", {**base, "gearbx": {"speculative": "off"}})
     low, high = out["usage"]["gearbx"]["options"]["thresholds"]
     assert 0 <= low < high
+
+
+def test_stream_options_without_include_usage_is_openais_false(server: int) -> None:
+    """``stream_options: {}`` raised a KeyError in mlx-lm's handler: the stream ended without [DONE]."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 2, "temperature": 0, "stream": True,
+                       "stream_options": {}, "gearbx": POLICIES["high"]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with _OPENER.open(req, timeout=300) as r:
+        data = [line.decode().strip()[len("data: "):] for line in r if line.startswith(b"data: ")]
+    assert data[-1] == "[DONE]", data
+    events = [json.loads(d) for d in data[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in e for e in events)
