@@ -372,22 +372,17 @@ def _load_sharded(
     return m, tokenizer, gearbox
 
 
-def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]],
-                  vocab_size: Optional[int] = None) -> mx.array:
-    """Token ids of ``prompt`` exactly as ``mlx_lm.stream_generate`` makes them.
-
-    Args:
-        vocab_size: where given, ids given by the caller must lie in ``[0, vocab_size)``
-            (an id past the embedding table reads memory out of bounds: MLX's gather
-            does not check it).
+def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -> mx.array:
+    """Token ids of ``prompt`` exactly as ``mlx_lm.stream_generate`` makes them (ids given by
+    the caller are checked against the vocabulary by :func:`check_prompt_ids`).
 
     Raises:
-        ValueError: an empty prompt, or an id out of range.
+        ValueError: an empty prompt, or ids no integer type holds.
+        TypeError: ids that are not integers.
     """
     if isinstance(prompt, mx.array):
         if prompt.size == 0:
             raise ValueError("the prompt has no tokens")
-        check_prompt_ids(prompt, vocab_size)
         return prompt
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -403,16 +398,15 @@ def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]],
         raise TypeError("a prompt given as ids must hold integers")
     if not all(-2**31 <= t < 2**31 for t in ids):
         raise ValueError(f"the prompt's token ids must lie in [0, the vocabulary size): got {min(ids)} .. {max(ids)}")
-    out = mx.array(ids)
-    check_prompt_ids(out, vocab_size)
-    return out
+    return mx.array(ids)
 
 
-def check_prompt_ids(ids: mx.array, vocab_size: Optional[int]) -> None:
-    """Raise unless ``ids`` are integers in ``[0, vocab_size)`` (any integers where it is None)."""
+def check_prompt_ids(ids: mx.array, vocab_size: int) -> None:
+    """Raise unless ``ids`` are integers in ``[0, vocab_size)``: an id past the embedding table
+    reads memory out of bounds (MLX's gather does not check it)."""
     if not mx.issubdtype(ids.dtype, mx.integer):
         raise TypeError(f"a prompt given as ids must hold integers, got {ids.dtype}")
-    if vocab_size is not None and (ids.min().item() < 0 or ids.max().item() >= vocab_size):
+    if ids.min().item() < 0 or ids.max().item() >= vocab_size:
         raise ValueError(f"the prompt's token ids must lie in [0, {vocab_size}): got {ids.min().item()} .. "
                          f"{ids.max().item()}")
 
