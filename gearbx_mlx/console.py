@@ -84,6 +84,11 @@ def stderr_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def mib(n: float) -> str:
+    """``n`` bytes as the summaries print them: ``12.3 MiB``."""
+    return f"{n / 2**20:.1f} MiB"
+
+
 def say(args: Any, message: str) -> None:
     """``[gearbx] MESSAGE`` on stderr, from rank 0 only (``args.rank``; a run of one process is rank 0),
     and not with ``--quiet`` (``args.quiet``: the text only; warnings and errors still show)."""

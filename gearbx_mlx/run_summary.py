@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Sequence
 
 from .config import GEARS, LITTLE_TO_GAIN
-from .console import kv_line
+from .console import kv_line, mib
 from .speculative.cli import speculative_lines
 
 __all__ = ["format_summary", "memory_line", "ranks_line"]
@@ -28,21 +28,17 @@ def _rate(s: Dict[str, Any], phase: str) -> str:
     return line
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def _bytes_lines(s: Dict[str, Any]) -> List[str]:
     """A telemetry-only run's resident weights, or the share of a step's bytes that routing can touch."""
     model = s.get("model_bytes")
     if s["telemetry_only"]:
-        return [f"Model weights resident: {_mib(model)} (telemetry only: {s.get('telemetry_reason')}; "
+        return [f"Model weights resident: {mib(model)} (telemetry only: {s.get('telemetry_reason')}; "
                 "no gear was built, nothing swapped)"] if model is not None else []
     lines = []
     step, share, loaded = s.get("step_bytes"), s.get("managed_share"), s.get("loaded_read_bytes")
     if step and share is not None and loaded:
         low, mid = step["low"] / step["high"], step["mid"] / step["high"]
-        line = (f"Bytes per step: the gears manage {100 * share:.0f}% of the {_mib(loaded)} a step of the "
+        line = (f"Bytes per step: the gears manage {100 * share:.0f}% of the {mib(loaded)} a step of the "
                 f"loaded model reads "
                 f"(--scope {s.get('scope')}); low reads {low:.2f}x, mid {mid:.2f}x the high gear's")
         if low >= LITTLE_TO_GAIN:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..console import mib
 from .bench import FORMAT_VERSION
 from .bench_checks import describe_check, verdict_of
 
@@ -104,7 +105,7 @@ def _gib(n: Optional[float]) -> str:
 
 
 def _mib(n: Optional[float]) -> str:
-    return "?" if n is None else f"{n / 2**20:.1f} MiB"
+    return "?" if n is None else mib(n)
 
 
 def machine_line(result: Dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..calibration import Calibration
 from ..config import SCOPES
-from ..console import say
+from ..console import mib, say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
@@ -34,9 +34,6 @@ from .sparse import (
 )
 from .sparse_gear import install_sparse_gear
 from .sparse_plan import AUTO_SPARSITIES
-
-#: Bytes in a MiB: the routed summary's unit too.
-MIB = 2**20
 
 
 def _positive_int(text: str) -> int:
@@ -269,9 +266,9 @@ def speculative_lines(summary: Dict[str, Any]) -> List[str]:
     ]
     if mem:
         lines.append(
-            f"Resident: {mem['resident_total'] / MIB:.1f} MiB (model {mem['high_bytes'] / MIB:.1f} MiB "
-            f"+ gear store {mem.get('store_bytes', 0) / MIB:.1f} MiB + drafter's own {mem['extra_bytes'] / MIB:.1f} "
-            f"MiB; the drafter shares {mem['shared_bytes'] / MIB:.1f} MiB)"
+            f"Resident: {mib(mem['resident_total'])} (model {mib(mem['high_bytes'])} "
+            f"+ gear store {mib(mem.get('store_bytes', 0))} + drafter's own {mib(mem['extra_bytes'])}; "
+            f"the drafter shares {mib(mem['shared_bytes'])})"
         )
     d = summary.get("distributed")
     if d:
