@@ -69,7 +69,7 @@ def write_text(path: "str | os.PathLike", text: str, prefix: str = TMP_PREFIX) -
     if it does not exist. ``prefix`` starts the temporary file's name. A symbolic link's target
     is written (the link kept); a device, pipe or socket is refused (``ValueError``)."""
     path = resolved_target(path)
-    _refuse_special(path, "cannot write")
+    _refuse_special(path, "file")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path.name}: directory {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{path.name}.", suffix=".tmp", dir=path.parent)

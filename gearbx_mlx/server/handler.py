@@ -26,6 +26,8 @@ from ..generation import check_generation_options
 from .generator import GearRequest, Response, ServerStopping
 from .options import request_options, server_options
 
+#: mlx-lm's endpoint of text completions (the others are chat completions).
+TEXT_COMPLETIONS = "/v1/completions"
 #: Request fields -> the generation options that check them (:func:`~gearbx_mlx.generation.check_generation_options`).
 SAMPLING_FIELDS = (("temperature", "temp"), ("top_p", "top_p"), ("min_p", "min_p"), ("top_k", "top_k"),
                    ("seed", "seed"))
@@ -65,7 +67,7 @@ def check_request_values(body: Dict[str, Any], values: Dict[str, Any], path: str
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(w, str) for w in stop)):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-    if path.endswith("/completions") and "chat" not in path and not isinstance(body.get("prompt"), str):
+    if path == TEXT_COMPLETIONS and not isinstance(body.get("prompt"), str):
         raise ValueError(f"prompt must be a string, got {body.get('prompt')!r}")
 
 
