@@ -158,7 +158,12 @@ class GenerationRun:
             for n, info in enumerate(steps):
                 now = time.perf_counter()
                 if n == 0:
-                    clock.update(prompt_tps=self.ids.size / max(now - tic, 1e-9), tic=now)
+                    # A drafted block hands its tokens out together: the first token comes
+                    # with the block that made it, so generation is timed from that block's
+                    # start, not from its first token (which would count the block's other
+                    # tokens as free). Plain decoding's first token ends the prompt, as mlx-lm's.
+                    start = now - self._first_block_seconds()
+                    clock.update(prompt_tps=self.ids.size / max(start - tic, 1e-9), tic=start)
                 if info.token in eos:
                     break
                 detok.add_token(info.token)
@@ -174,9 +179,19 @@ class GenerationRun:
         reason = "stop" if info.token in eos else "length"
         yield self._spec_response(info, detok.last_segment, clock, time.perf_counter() - last, reason)
 
+    def _drafts(self) -> bool:
+        """True if the stream drafts (else it is plain decoding by the high gear)."""
+        rec, cfg = self.record, self.record.config
+        return not (rec.draft is None or cfg.mode == "plain" or (self.plan is not None and not self.plan.speculate))
+
+    def _first_block_seconds(self) -> float:
+        """Seconds the first drafted block took (0 for plain decoding, whose first token is the prompt's)."""
+        blocks = self.record.stats.blocks
+        return blocks[0].seconds if self._drafts() and blocks else 0.0
+
     def _speculative_steps(self) -> Iterator[SpeculativeToken]:
         rec, cfg = self.record, self.record.config
-        plain = rec.draft is None or cfg.mode == "plain" or (self.plan is not None and not self.plan.speculate)
+        plain = not self._drafts()
         draft_cache = None
         if self.kv is not None and not plain:
             draft_cache = self.kv.handles[1].make_cache()

@@ -658,3 +658,33 @@ def test_host_forward_reads_the_nested_planes_in_place(gear):
         a = np.asarray(d(mx.array([[t]]), cache=hc))[0, -1]
         b = np.asarray(d(mx.array([[t]]), cache=mc))[0, -1]
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_generation_rate_counts_the_time_of_the_block_that_brought_the_first_token(tiny, monkeypatch):
+    """A drafted block hands its tokens out together. Timing generation from the
+    first token would count that block's other tokens as free: three tokens of one
+    block would read as thousands of tokens/s. The rate is timed from the block's start."""
+    import time
+
+    from conftest import make_tiny_tokenizer
+
+    from gearbx_mlx.speculative import decode
+
+    model, gb, draft = tiny
+    verdicts = decode.read_verdict
+    calls: List[int] = []
+
+    def slow_first_verify(*args, **kwargs):
+        if not calls:
+            time.sleep(0.4)  # inside the first block's timed span
+        calls.append(1)
+        return verdicts(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "read_verdict", slow_first_verify)
+    config = SpeculativeConfig(max_draft=4)  # the first block: 2 drafts and the high gear's token, all 3
+    out = list(stream_speculative_generate(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, config=config,
+                                           draft=draft, max_tokens=3))
+    assert len(out) == 3 and out[0].drafted == 2 and len(calls) == 1
+    last = out[-1]
+    assert last.generation_tokens / last.generation_tps >= 0.4
+    assert len(PROMPT) / last.prompt_tps < 0.4  # the block is not the prompt's time
