@@ -220,6 +220,12 @@ def test_every_flag_is_checked_before_anything_slow(argv, message, capsys, monke
     (lambda r: r.update(speculative=[1, 2]), '"speculative" is a list'),
     (lambda r: r.update(checks={}), '"checks" is an object'),
     (lambda r: r["speculative"]["costs"].update(v=None), '"speculative.costs"'),
+    (lambda r: r["rows"][1].update(tokens_per_s=-3.0), '"rows[1].tokens_per_s" is -3.0, not a number above 0'),
+    (lambda r: r["rows"][2].update(x_plain=0), '"rows[2].x_plain" is 0'),
+    (lambda r: r.update(plain_tokens_per_s=float("nan")), '"plain_tokens_per_s" is nan'),
+    (lambda r: r["machine"].update(hardware="an H100"), '"machine.hardware" is a string'),
+    (lambda r: r["machine"].update(bandwidth={"read_gb_s": "fast"}), '"machine.bandwidth.read_gb_s" is a string'),
+    (lambda r: r["machine"]["hardware"].update(nvidia=["H100"]), '"machine.hardware.nvidia"'),
 ])
 def test_compare_names_the_file_and_the_field_of_a_damaged_result(quick_result, tmp_path, capsys, edit, field):
     damaged = json.loads(quick_result[0].read_text())

@@ -11,6 +11,7 @@ row by row, with the ratio of their speeds.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -46,6 +47,29 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _speed(x: Any) -> bool:
+    """A speed or a ratio of speeds: a finite number above 0 (JSON read by Python takes NaN and Infinity)."""
+    return _number(x) and math.isfinite(x) and x > 0
+
+
+#: The machine's sections the tables read, and the numbers read in each (where present).
+MACHINE_NUMBERS = {"hardware": ("memory_bytes", "cpu_count"), "software": (),
+                   "bandwidth": ("read_gb_s", "numpy_read_gb_s")}
+
+
+def _check_machine(machine: Dict[str, Any], name: str) -> None:
+    for section, numbers in MACHINE_NUMBERS.items():
+        part = machine.get(section, {})
+        if not isinstance(part, dict):
+            raise ValueError(f"{name}: \"machine.{section}\" is {_kind(part)}, not an object")
+        for key in numbers:
+            if part.get(key) is not None and not _number(part[key]):
+                raise ValueError(f"{name}: \"machine.{section}.{key}\" is {_kind(part[key])}, not a number")
+    gpus = machine.get("hardware", {}).get("nvidia", [])
+    if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus):
+        raise ValueError(f"{name}: \"machine.hardware.nvidia\" is not a list of objects")
+
+
 #: Top-level keys whose value must be an object (``speculative`` may also be null), and must be a list.
 OBJECTS = ("machine", "model", "settings", "memory")
 LISTS = ("rows", "checks")
@@ -70,14 +94,16 @@ def check_result(data: Any, name: str = "the result") -> None:
             raise ValueError(f"{name}: \"{key}\" is {_kind(data[key])}, not {what}")
     if not isinstance(data["model"].get("name"), str):
         raise ValueError(f"{name}: \"model.name\" is {_kind(data['model'].get('name'))}, not a string")
-    if not _number(data["plain_tokens_per_s"]):
-        raise ValueError(f"{name}: \"plain_tokens_per_s\" is {_kind(data['plain_tokens_per_s'])}, not a number")
+    if not _speed(data["plain_tokens_per_s"]):
+        raise ValueError(f"{name}: \"plain_tokens_per_s\" is {_kind(data['plain_tokens_per_s'])}, "
+                         "not a number above 0")
+    _check_machine(data["machine"], name)
     for i, row in enumerate(data["rows"]):
         if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
             raise ValueError(f"{name}: row {i} lacks one of {', '.join(ROW_KEYS)}")
         for key in ("tokens_per_s", "x_plain"):
-            if not _number(row[key]):
-                raise ValueError(f"{name}: \"rows[{i}].{key}\" is {_kind(row[key])}, not a number "
+            if not _speed(row[key]):
+                raise ValueError(f"{name}: \"rows[{i}].{key}\" is {_kind(row[key])}, not a number above 0 "
                                  f"(row {row.get('label')!r})")
         if not isinstance(row["label"], str):
             raise ValueError(f"{name}: \"rows[{i}].label\" is {_kind(row['label'])}, not a string")
