@@ -324,3 +324,13 @@ def test_quick_bench_on_the_default_model(tmp_path):
     for c in r["checks"]:
         assert c["value"] > 0 and c["verdict"] in (bench_checks.OK, bench_checks.WITHIN_NOISE, bench_checks.FAILED,
                                                    bench_checks.PLAIN), c
+
+
+@ONE_WORKER
+def test_a_run_with_one_plain_run_says_its_ratios_are_not_told_from_noise(quick_result):
+    _, r = quick_result
+    once = {**r, "plain_noise": {"ratios": [], "low": None, "high": None}}
+    assert "Plain decoding ran once" in bench_report.format_result(once)
+    twice = {**r, "plain_noise": {"ratios": [1.1], "low": 1 / 1.1, "high": 1.1}}
+    text = bench_report.format_result(twice)
+    assert "Plain decoding ran once" not in text and "against itself" in text

@@ -216,6 +216,9 @@ def format_result(result: Dict[str, Any]) -> str:
         lines.append("Plain decoding against itself, each run over the one before: "
                      + "/".join(f"{x:.2f}" for x in noise["ratios"])
                      + " (a check below its floor by less than this spread reads \"within noise\")")
+    else:
+        lines.append("Plain decoding ran once: how far runs of identical code differ on this machine was not "
+                     "measured, so no \"x plain\" above is told from noise (--rounds 3 measures it)")
     for ch in result["checks"]:
         lines.append(describe_check(ch))
     lines.append(f"Bench time: {result.get('seconds', 0):.0f} s.")
