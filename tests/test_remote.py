@@ -140,7 +140,8 @@ def token_event(text: str) -> bytes:
 class FakeServer:
     """An http.server in a thread that answers every POST with ``body`` (then closes)."""
 
-    def __init__(self, body: bytes, status: int = 200, delay: float = 0.0) -> None:
+    def __init__(self, body: bytes, status: int = 200, delay: float = 0.0,
+                 content_type: str = "text/event-stream") -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -149,7 +150,7 @@ class FakeServer:
                 outer.requests += 1
                 time.sleep(delay)
                 self.send_response(status)
-                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Type", content_type)
                 self.end_headers()
                 self.wfile.write(body)
                 self.wfile.flush()
@@ -203,6 +204,29 @@ def test_http_error_status_is_reported(capsys):
     with FakeServer(b'{"error": "model not found"}', status=500) as srv:
         assert remote_cli.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi"]) == 1
     assert "HTTP 500" in capsys.readouterr().err
+
+
+def test_a_json_error_answering_a_stream_is_the_servers_message(tmp_path, capsys):
+    """Some servers answer a streamed request that they refuse with one JSON error object
+    (status 200, Content-Type JSON): its message is reported, not "malformed SSE"."""
+    trace = tmp_path / "t.jsonl"
+    body = b'{"error": {"message": "model \'big\' not found", "type": "invalid_request_error"}}'
+    with FakeServer(body, content_type="application/json") as srv:
+        code = remote_cli.main(["--variant", srv.url, "--vocab-size", "100", "-p", "hi", "--trace", str(trace)])
+    err = capsys.readouterr().err
+    assert code == 1 and "reported an error: model 'big' not found" in err and "SSE" not in err, err
+    assert "not found" in read_trace(trace).summary["error"]
+
+
+def test_a_whole_json_answer_to_a_streamed_request_is_read(capsys):
+    """A server that ignores ``stream`` and answers with one JSON object: the answer is used."""
+    answer = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "Hi"},
+                           "logprobs": {"content": [{"token": "Hi", "logprob": -0.2, "top_logprobs": [
+                               {"token": "Hi", "logprob": -0.2}, {"token": "x", "logprob": -2.0}]}]}}]}
+    with FakeServer(json.dumps(answer).encode(), content_type="application/json; charset=utf-8") as srv:
+        s = remote_lib.RemoteSession(remote_lib.parse_variants([srv.url]), 100)
+        result = s.ask("hello")
+    assert result.text == "Hi" and result.tokens == 1 and srv.requests == 1
 
 
 def test_streamed_session_routes_per_prompt(tmp_path):

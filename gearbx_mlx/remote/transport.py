@@ -328,11 +328,19 @@ class Request:
 
         Comment lines (``: keepalive``) and ``event:``/``id:`` fields are
         skipped. A stream that ends before ``[DONE]`` and before any
-        ``finish_reason`` raises ConnectionError (truncated).
+        ``finish_reason`` raises ConnectionError (truncated). An answer whose
+        ``Content-Type`` is JSON is read whole: an ``{"error": ...}`` raises
+        ConnectionError with the server's message, anything else is the one event.
         """
         if self._resp is None:
             self.open()
-        assert self._dog is not None
+        assert self._dog is not None and self._resp is not None
+        ctype = (self._resp.getheader("Content-Type") or "").lower()
+        if "json" in ctype and "event-stream" not in ctype:
+            # A server that answers a streamed request with one JSON object: its error
+            # (raised by json() as the server's own message), or the whole answer at once.
+            yield self.json()
+            return
         data: List[str] = []
         size, count, finished = 0, 0, False
         max_events = self.limits.max_events(self.max_tokens)
