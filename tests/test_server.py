@@ -408,11 +408,23 @@ def test_request_while_loading_then_sigint() -> None:
         body = json.dumps({"prompt": TEXT, "max_tokens": 64, "stream": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
+        queued: Dict[str, Any] = {}
+
+        def second_request() -> None:  # waits in the queue behind the stream
+            try:
+                queued["answer"] = request(port, "/v1/completions", {"prompt": TEXT, "max_tokens": 4}, timeout=60)
+            except OSError as e:
+                queued["answer"] = e
+
         with _OPENER.open(req, timeout=300) as r:
             while not r.readline().startswith(b"data: "):
                 pass  # generating now
+            waiter = threading.Thread(target=second_request)
+            waiter.start()
+            wait_until(lambda: (health(port) or {}).get("gearbx", {}).get("queued") == 1, 30, "the queued request")
             proc.send_signal(signal.SIGINT)
             rc, err = stop(proc)
+            waiter.join(60)
             rest = []
             try:
                 rest += [line.decode().strip() for line in r]
@@ -424,6 +436,9 @@ def test_request_while_loading_then_sigint() -> None:
         data = [line[len("data: "):] for line in rest if line.startswith("data: ")]
         assert "[DONE]" not in data, rest
         assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data), rest
+        # the request still queued is answered 503, not left to a closed connection
+        status, body = queued["answer"]
+        assert status == 503 and "shutting down" in body["error"], queued
     finally:
         stop(proc)
 

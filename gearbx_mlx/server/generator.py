@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import _thread
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
+from queue import Empty as QueueEmpty
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -297,7 +299,24 @@ class GearResponseGenerator(ResponseGenerator):
                         else list(provider.gearbox.thresholds if options.thresholds is None else options.thresholds)},
         }
 
-    def stop_and_join(self) -> None:
-        """Stop after the token in flight (mlx-lm's waits for the whole request), then join."""
+    def stop_and_join(self, answer_seconds: float = 2.0) -> None:
+        """Stop after the token in flight (mlx-lm's waits for the whole request), then join.
+
+        Requests still queued get a 503 (:class:`ServerStopping`) rather than a closed
+        connection: each handler is waited for, up to ``answer_seconds`` in all, to take
+        its answer before the process exits."""
         self._stop = True
         self._generation_thread.join()
+        waiting = []
+        while True:
+            try:
+                rqueue, _request, _args = self.requests.get_nowait()
+            except QueueEmpty:
+                break
+            rqueue.put(ServerStopping("the server is shutting down: the request was not started"))
+            waiting.append(rqueue)
+        end = time.monotonic() + answer_seconds
+        while any(not q.empty() for q in waiting) and time.monotonic() < end:
+            time.sleep(0.01)
+        if waiting:
+            time.sleep(0.1)  # the handlers write their short answers
