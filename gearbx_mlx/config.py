@@ -28,6 +28,9 @@ ANSI_RESET = "\033[0m"
 #: Reference vocabulary of the paper's thresholds (§3.4).
 REFERENCE_VOCAB = 32768
 
+#: The longest entropy window (tokens): far beyond any context, and within what a deque holds.
+MAX_WINDOW = 1_000_000
+
 #: Scopes of the precision manager (§6.1): the paper's attention-only default,
 #: or every linear layer including a tied output projection.
 SCOPES: Tuple[str, ...] = ("attention", "all")
@@ -194,8 +197,8 @@ class GearboxConfig:
     # -- validation ---------------------------------------------------------
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field and what to do."""
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        if not isinstance(self.window, int) or not 1 <= self.window <= MAX_WINDOW:
+            raise ValueError(f"window must be an integer from 1 to {MAX_WINDOW:,}, got {self.window!r}")
         for name in ("low_threshold", "high_threshold", "hysteresis"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -28,6 +28,7 @@ from .config import (
     HIGH_SOURCES,
     KERNELS,
     LOW_QUANTS,
+    MAX_WINDOW,
     SCOPES,
     STORES,
     GearboxConfig,
@@ -183,7 +184,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_generation_options(flags=True, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                              seed=args.seed, kv_bits=args.kv_bits, max_kv_size=args.max_kv_size)
     kv_options(args)
-    check_flag(args.window >= 1, "--window", args.window, "an integer >= 1")
+    check_flag(1 <= args.window <= MAX_WINDOW, "--window", args.window, f"an integer from 1 to {MAX_WINDOW:,}")
     check_flag(finite(args.hysteresis) and args.hysteresis >= 0, "--hysteresis", args.hysteresis, "a number >= 0")
     check_flag(args.min_gear_duration >= 1, "--min-gear-duration", args.min_gear_duration, "an integer >= 1")
     if getattr(args, "sparse_gear", None) is not None:  # the server takes no --sparse-gear

@@ -251,7 +251,7 @@ def test_the_api_key_goes_to_a_loopback_server(capsys):
     (("-m", "0"), "--max-tokens must be an integer >= 1"),
     (("--thresholds", "1", "1e300"), "above log2(100)"),
     (("--thresholds", "nan", "2"), "--thresholds LOW HIGH must be finite"),
-    (("--window", "0"), "window must be an integer >= 1"),
+    (("--window", "0"), "window must be an integer from 1 to 1,000,000"),
 ])
 def test_flags_out_of_range_are_one_error_line(capsys, flags, message):
     code = remote_cli.main(["--variant", "http://127.0.0.1:9", "--vocab-size", "100", "-p", "hi", *flags])

@@ -444,7 +444,7 @@ def test_request_while_loading_then_sigint() -> None:
 
 
 def test_bad_flag_is_one_error_line() -> None:
-    for flags, line in [(["--window", "0"], "error: --window must be an integer >= 1, got 0"),
+    for flags, line in [(["--window", "0"], "error: --window must be an integer from 1 to 1,000,000, got 0"),
                         (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window"),
                         (["--host", "256.1.1.1"], "error: --host 256.1.1.1: no such address"),
                         (["--max-tokens", "-1"], "error: --max-tokens must be >= 1 for the server")]:
