@@ -263,6 +263,9 @@ def prepare(
     if (sampling is not None and loose_sampling is not None) or (kv_options is not None and loose_kv.active):
         raise ValueError("give the sampling (or KV) options either as an object or as keywords, not both")
     sampling = sampling or loose_sampling
+    if sampling is not None and sampling.top_k >= gearbox.vocab_size:
+        raise ValueError(f"top_k must be below the vocabulary size ({gearbox.vocab_size}), got {sampling.top_k} "
+                         "(0 keeps every token)")
     kv_options = kv_options or loose_kv
     if kv_calibration is None and gearbox.calibration is not None:
         kv_calibration = gearbox.calibration.kv

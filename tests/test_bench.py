@@ -201,7 +201,9 @@ def test_a_preloaded_openblas_is_told_from_the_bundled_reference_blas():
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "nan"], "--budget must be a finite number"),
     (["--budget", "inf"], "--budget must be a finite number"),
-    (["--max-draft", "0"], "--max-draft must be at least 1"),
+    (["--max-draft", "0"], "--max-draft must be from 1 to 64"),
+    (["--max-draft", str(10**20)], "--max-draft must be from 1 to 64"),
+    (["--ks", "4", "65"], "--ks must be block lengths from 1 to 64"),
     (["--out", "."], "is a directory"),
 ])
 def test_every_flag_is_checked_before_anything_slow(argv, message, capsys, monkeypatch):

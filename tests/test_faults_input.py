@@ -512,3 +512,22 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(prompt, error, words):
     with pytest.raises(error, match=re.escape(words)):
         gearbx_mlx.generate(model, tokenizer, prompt, gearbox, max_tokens=2)
     assert gearbx_mlx.generate(model, tokenizer, [1, 2, gearbox.vocab_size - 1], gearbox, max_tokens=2) is not None
+
+
+@pytest.mark.parametrize("speculative", [None, "force"])
+def test_a_top_k_as_large_as_the_vocabulary_is_refused(speculative):
+    """mlx-lm's top-k partition fails past the vocabulary (``std::bad_cast`` from MLX, or the
+    random state left a traced placeholder): one clear error before any forward pass."""
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+
+    model, tokenizer = make_tiny_llama(), make_tiny_tokenizer()
+    gearbox = gearbx_mlx.Gearbox(model)
+    v = gearbox.vocab_size
+    for k in (v, 10**20):
+        with pytest.raises(ValueError, match=re.escape(f"top_k must be below the vocabulary size ({v}), got {k}")):
+            gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, temp=0.7, top_k=k,
+                                speculative=speculative)
+    assert gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, temp=0.7, top_k=v - 1,
+                               speculative=speculative) is not None

@@ -292,8 +292,9 @@ def test_draft_stats_and_auc(tiny):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"max_draft": 0}, "max_draft must be an integer >= 1"),
-    ({"max_draft": 2.5}, "max_draft must be an integer >= 1"),
+    ({"max_draft": 0}, "max_draft must be an integer from 1 to 64"),
+    ({"max_draft": 10**20}, "max_draft must be an integer from 1 to 64"),
+    ({"max_draft": 2.5}, "max_draft must be an integer from 1 to 64"),
     ({"draft_gear": "high"}, "high gear verifies"),
     ({"draft_entropy_stop": -1.0}, "draft_entropy_stop"),
     ({"hard_max_draft": 9, "max_draft": 4}, "hard_max_draft"),
@@ -321,10 +322,12 @@ class _NoTokenizer:
 def test_cli_rejects_bad_speculative_flags(capsys):
     from gearbx_mlx.generate import main
 
-    for argv in (["--speculative", "--max-draft", "0"], ["--speculative", "--draft-gear", "high"]):
+    for argv in (["--speculative", "--max-draft", "0"], ["--speculative", "--max-draft", str(10**20)],
+                 ["--speculative", "--draft-gear", "high"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+    assert "--max-draft: expected an integer from 1 to 64, got 100000000000000000000" in capsys.readouterr().err
     assert main(["--speculative", "--max-kv-size", "64", "--prompt", "hi"]) == 1
     assert "cannot be combined with --speculative" in capsys.readouterr().err
 

@@ -65,7 +65,7 @@ from ..speculative.calibration import (
     gating_table,
     modeled_speedup,
 )
-from ..speculative.decode import SpeculativeConfig, get_draft
+from ..speculative.decode import MAX_DRAFT, SpeculativeConfig, get_draft
 from ..speculative.plan import CHOOSE, measure_start, plan_speculative
 from .bench_checks import AUTO_FLOOR, auto_check, plain_noise
 from .machine import bandwidth, hardware, load_average, software
@@ -131,10 +131,10 @@ class BenchSettings:
             raise ValueError(f"--tokens must be at least 4, got {self.tokens}")
         if self.rounds < 1:
             raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
-        if not self.ks or min(self.ks) < 1:
-            raise ValueError(f"--ks must be block lengths >= 1, got {self.ks}")
-        if self.max_draft < 1:
-            raise ValueError(f"--max-draft must be at least 1, got {self.max_draft}")
+        if not self.ks or min(self.ks) < 1 or max(self.ks) > MAX_DRAFT:
+            raise ValueError(f"--ks must be block lengths from 1 to {MAX_DRAFT}, got {self.ks}")
+        if not 1 <= self.max_draft <= MAX_DRAFT:
+            raise ValueError(f"--max-draft must be from 1 to {MAX_DRAFT}, got {self.max_draft}")
         if self.budget_s is not None and not (math.isfinite(self.budget_s) and self.budget_s > 0):
             raise ValueError(f"--budget must be a finite number of seconds > 0 (--no-budget for none), "
                              f"got {self.budget_s}")

@@ -18,7 +18,7 @@ from ..calibration import Calibration
 from ..config import SCOPES
 from ..console import mib, say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
-from .decode import SpeculativeConfig, get_draft
+from .decode import MAX_DRAFT, SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
 from .plan import MIN_MODELED_SPEEDUP, MODES
 from .sparse import (
@@ -36,13 +36,13 @@ from .sparse_gear import install_sparse_gear
 from .sparse_plan import AUTO_SPARSITIES
 
 
-def _positive_int(text: str) -> int:
+def _draft_length(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_DRAFT}, got {text!r}") from None
+    if not 1 <= v <= MAX_DRAFT:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_DRAFT}, got {v}")
     return v
 
 
@@ -90,7 +90,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         "trace say which path ran and why")
     g.add_argument("--draft-gear", choices=DRAFT_GEARS, default=d.draft_gear,
                    help="gear that drafts: low (4-bit) or mid (8-bit)")
-    g.add_argument("--max-draft", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-draft", type=_draft_length, default=None, metavar="N",
                    help="most tokens drafted per block; the decision models every length up to it (default: "
                         f"the calibrated cap of --calibrate/--calibration, else {d.max_draft})")
     g.add_argument("--draft-entropy-stop", type=_stop_bits, default=argparse.SUPPRESS, metavar="BITS",

@@ -77,6 +77,10 @@ from .sparse import AUTO, THRESHOLDS_KEY, build_sparse_draft, calibration_tokens
 #: Why a draft block ended.
 STOPS = ("max", "entropy", "predicted", "limit")
 
+#: The longest draft block: the decision times a verify of every length up to the cap,
+#: and with acceptance decaying geometrically along a block, far shorter ones pay best.
+MAX_DRAFT = 64
+
 
 @dataclass
 class SpeculativeConfig:
@@ -128,8 +132,9 @@ class SpeculativeConfig:
         check_draft_gear(self.draft_gear)
         if self.mode not in (None, "plain", *MODES):
             raise ValueError(f"mode must be one of {(None, 'plain', *MODES)}, got {self.mode!r}")
-        if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or self.max_draft < 1:
-            raise ValueError(f"max_draft must be an integer >= 1, got {self.max_draft!r}")
+        if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) \
+                or not 1 <= self.max_draft <= MAX_DRAFT:
+            raise ValueError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got {self.max_draft!r}")
         s = self.draft_entropy_stop
         if s is not None and (not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0):
             raise ValueError(f"draft_entropy_stop must be a finite number of bits >= 0 or None, got {s!r}")
