@@ -30,6 +30,10 @@ REFERENCE_VOCAB = 32768
 
 #: The longest entropy window (tokens): far beyond any context, and within what a deque holds.
 MAX_WINDOW = 1_000_000
+#: The most tokens a measuring command (evaluate, bench) takes per part: days of decoding on any machine.
+MAX_RUN_TOKENS = 1_000_000
+#: The most rounds of bench.
+MAX_ROUNDS = 1_000
 
 #: Scopes of the precision manager (§6.1): the paper's attention-only default,
 #: or every linear layer including a tied output projection.

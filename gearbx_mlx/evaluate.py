@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from . import launch
 from .atomicfile import check_target
 from .blas import ensure_fast_blas
-from .config import GearboxConfig
+from .config import MAX_RUN_TOKENS, GearboxConfig
 from .console import error_line
 from .evaluation import report
 from .evaluation.harness import DEFAULT_SPEED_PROMPT, DEFAULT_WINDOW, PLOT_PREFIX, evaluate, read_text
@@ -129,6 +129,10 @@ def _check_args(args: argparse.Namespace) -> None:
     """Fail on bad input before the model loads (minutes saved, one clear message)."""
     if args.tokens < 2:
         raise ValueError(f"--tokens must be >= 2 (one scored prediction needs two tokens), got {args.tokens}")
+    for flag, n in (("--tokens", args.tokens), ("--window", args.window), ("--speed-tokens", args.speed_tokens),
+                    ("--workload-tokens", args.workload_tokens)):
+        if n > MAX_RUN_TOKENS:
+            raise ValueError(f"{flag} must be at most {MAX_RUN_TOKENS:,}, got {n}")
     if args.window < 2:
         raise ValueError(f"--window must be >= 2, got {args.window}")
     if args.speed_tokens < 0 or args.workload_tokens < 0:

@@ -205,6 +205,8 @@ def test_a_preloaded_openblas_is_told_from_the_bundled_reference_blas():
     (["--max-draft", str(10**20)], "--max-draft must be from 1 to 64"),
     (["--ks", "4", "65"], "--ks must be block lengths from 1 to 64"),
     (["--out", "."], "is a directory"),
+    (["--tokens", str(10**20)], "--tokens must be from 4 to 1,000,000"),
+    (["--rounds", str(10**20)], "--rounds must be from 1 to 1,000"),
 ])
 def test_every_flag_is_checked_before_anything_slow(argv, message, capsys, monkeypatch):
     def slow(*_a, **_k):

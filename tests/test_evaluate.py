@@ -632,6 +632,8 @@ def test_plots_creates_a_missing_directory_before_the_run(tmp_path, capsys, monk
         (["--text", "/no/such/file.txt"], "text file not found"),
         (["--tokens", "1"], "--tokens must be >= 2"),
         (["--window", "1"], "--window must be >= 2"),
+        (["--tokens", str(10**20)], "--tokens must be at most 1,000,000"),
+        (["--speed-tokens", str(10**7)], "--speed-tokens must be at most 1,000,000"),
         (["--draft-calibration-tokens", "0"], "--draft-calibration-tokens must be >= 1"),
         (["--out", "/no/such/dir/r.json"], "--out /no/such/dir/r.json: directory /no/such/dir does not exist"),
         (["--from-json", "/no/such/r.json"], "results file not found"),

@@ -50,7 +50,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..bindings import guard
 from ..chat import encode_chat
-from ..config import GearboxConfig
+from ..config import MAX_ROUNDS, MAX_RUN_TOKENS, GearboxConfig
 from ..gearbox import Gearbox, vocab_size_of
 from ..generation import load
 from ..pipeline import stream_generate, stream_speculative_generate
@@ -127,10 +127,10 @@ class BenchSettings:
     prompt: str = PROMPT
 
     def __post_init__(self) -> None:
-        if self.tokens < 4:
-            raise ValueError(f"--tokens must be at least 4, got {self.tokens}")
-        if self.rounds < 1:
-            raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
+        if not 4 <= self.tokens <= MAX_RUN_TOKENS:
+            raise ValueError(f"--tokens must be from 4 to {MAX_RUN_TOKENS:,}, got {self.tokens}")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise ValueError(f"--rounds must be from 1 to {MAX_ROUNDS:,}, got {self.rounds}")
         if not self.ks or min(self.ks) < 1 or max(self.ks) > MAX_DRAFT:
             raise ValueError(f"--ks must be block lengths from 1 to {MAX_DRAFT}, got {self.ks}")
         if not 1 <= self.max_draft <= MAX_DRAFT:
