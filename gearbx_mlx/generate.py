@@ -45,7 +45,7 @@ from .console import (
     use_color,
 )
 from .distributed.ranks import Ranks, launched_ranks, stage
-from .generation import SamplingOptions, check_generation_options, load, settle_loaded, warm_up
+from .generation import SamplingOptions, check_generation_options, load, past_context, settle_loaded, warm_up
 from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOptions
 from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
@@ -409,6 +409,9 @@ def _prepare(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: Any,
     )
     if run.plan is not None:
         say(args, run.plan.message())
+    beyond = past_context(model, run.ids.size, args.max_tokens)
+    if beyond:
+        warnings.warn(beyond, stacklevel=2)
     return run
 
 

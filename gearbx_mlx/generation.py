@@ -401,6 +401,28 @@ def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -
     return mx.array(ids)
 
 
+def context_length(model: Any) -> Optional[int]:
+    """The model's context (its config's ``max_position_embeddings``), if it says; else None."""
+    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def past_context(model: Any, prompt_tokens: int, max_tokens: int) -> Optional[str]:
+    """A warning where the prompt and ``max_tokens`` (-1: no limit) can run past the model's
+    context (mlx-lm runs such positions all the same); None where they fit or the context is unknown."""
+    n = context_length(model)
+    if n is None:
+        return None
+    if prompt_tokens >= n:
+        return (f"the prompt ({prompt_tokens} tokens) fills the model's context of {n} tokens: every token from "
+                "here on sits at a position the model was not trained for")
+    if max_tokens < 0 or prompt_tokens + max_tokens > n:
+        room = "new tokens without a limit" if max_tokens < 0 else f"up to {max_tokens} new tokens"
+        return (f"the prompt ({prompt_tokens} tokens) and {room} can run past the model's context of "
+                f"{n} tokens: tokens past it sit at positions the model was not trained for")
+    return None
+
+
 def check_prompt_ids(ids: mx.array, vocab_size: int) -> None:
     """Raise unless ``ids`` are integers in ``[0, vocab_size)``: an id past the embedding table
     reads memory out of bounds (MLX's gather does not check it)."""

@@ -131,3 +131,36 @@ def test_quiet_prints_the_text_only_with_speculative_decoding_too():
     notes = [line for line in p.stderr.splitlines() if line.startswith("[gearbx]") and "warning" not in line]
     assert not notes, p.stderr
     assert p.stdout.strip()
+
+
+def test_a_prompt_that_can_run_past_the_models_context_is_warned_of(tmp_path):
+    """mlx-lm runs positions past ``max_position_embeddings`` without a word (the server refuses
+    them); the command says so once, before the text, and still generates."""
+    import json
+
+    from fault_models import tiny_model_folder
+
+    from gearbx_mlx.generation import past_context
+
+    folder = tiny_model_folder(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["max_position_embeddings"] = 12
+    (folder / "config.json").write_text(json.dumps(cfg))
+    p = cli("--model", str(folder), "--prompt", "t2 t3 t4", "--max-tokens", "16", "--ignore-chat-template")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("can run past the model's context of 12 tokens") == 1, p.stderr
+    assert p.stderr.index("context of 12") < p.stderr.index("==========")
+    fits = cli("--model", str(folder), "--prompt", "t2 t3 t4", "--max-tokens", "4", "--ignore-chat-template")
+    assert fits.returncode == 0 and "context of" not in fits.stderr, fits.stderr
+
+    class Args:
+        max_position_embeddings = 100
+
+    class Model:
+        args = Args()
+
+    assert past_context(Model(), 90, 10) is None
+    assert "and up to 11 new tokens can run past" in past_context(Model(), 90, 11)
+    assert "and new tokens without a limit can run past" in past_context(Model(), 90, -1)
+    assert "fills the model's context of 100" in past_context(Model(), 100, 1)
+    assert past_context(object(), 10**6, -1) is None  # no context in the config: nothing said

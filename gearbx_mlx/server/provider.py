@@ -19,7 +19,7 @@ from mlx_lm.server import ModelProvider
 
 from ..config import GearboxConfig
 from ..generate import check_thresholds, set_thresholds
-from ..generation import GearboxResponse, load, warm_up
+from ..generation import GearboxResponse, context_length, load, warm_up
 from ..pipeline import stream_generate
 from ..speculative.cli import check_sparse_model, speculative_config
 from ..speculative.decode import SpeculativeConfig, get_draft
@@ -86,8 +86,7 @@ class GearModelProvider(ModelProvider):
     @property
     def context_length(self) -> Optional[int]:
         """The model's context (``max_position_embeddings``), if its config says."""
-        n = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
-        return n if isinstance(n, int) and n > 0 else None
+        return context_length(self.model)
 
     def load_default(self) -> None:
         """Load the served model now (mlx-lm's waits for a first request when no ``--model`` is given)."""
