@@ -42,7 +42,7 @@ from .generation import (
     collect_text,
     encode_prompt,
 )
-from .kvcache.option import KVOptions, open_kv, options_from, plain_summary
+from .kvcache.option import KVOptions, open_kv, options_from, plain_prompt_cache, plain_summary
 from .policies import Policy
 from .record import RunRecord
 from .routing import RoutedModel, RoutingSession
@@ -317,6 +317,8 @@ def _use_kv(run: GenerationRun, options: KVOptions) -> Dict[str, Any]:
     """Put the KV option into mlx-lm's keyword arguments; the cache's summary."""
     kv, kwargs = run.kv, run.kwargs
     if kv is None:  # mlx-lm's own float or quantized cache
+        if kwargs.get("prompt_cache") is not None:
+            kwargs["prompt_cache"] = plain_prompt_cache(run.model, kwargs["prompt_cache"], kwargs.get("max_kv_size"))
         if options.active:
             kwargs.update(kv_bits=options.bits, kv_group_size=options.plain_group_size,
                           quantized_kv_start=options.start)
@@ -357,6 +359,8 @@ def _set_up_speculative(run: GenerationRun, spec: SpeculativeConfig, sampling: O
     try:
         if run.kv is not None:
             kwargs["prompt_cache"] = run.kv.prompt_cache(kwargs.get("prompt_cache"))
+        elif kwargs.get("prompt_cache") is not None:
+            kwargs["prompt_cache"] = plain_prompt_cache(model, kwargs["prompt_cache"])
         if plan is None and spec.mode in PLAN_MODES:
             plan = _decide(run, spec, draft, sampling.greedy)
         if plan is not None:

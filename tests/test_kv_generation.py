@@ -152,6 +152,34 @@ def test_prompt_cache_carries_a_conversation_and_refuses_another_basis():
         _gen(model, gb, n=2, kv_bits=4, quantized_kv_start=0, prompt_cache=filled)
 
 
+@pytest.mark.parametrize("later", [{}, {"kv_bits": 4, "kv_rotation": "none", "quantized_kv_start": 0},
+                                   {"speculative": "force"}], ids=["float", "mlx-lm-4bit", "speculative"])
+def test_a_rotated_cache_is_refused_by_a_stream_on_mlx_lms_caches(later):
+    """mlx-lm's caches would read the rotated keys as noise (garbled text, and the cache spoiled
+    for the next call): refused, before the model or the cache change."""
+    skip_without_quantized_attention()
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    cache = make_prompt_cache(model)
+    _gen(model, gb, n=4, kv_bits=4, quantized_kv_start=0, prompt_cache=cache)
+    offsets, snap = [c.offset for c in cache], _snapshot(model)
+    run = stream_speculative_generate if later.pop("speculative", None) else stream_generate
+    with pytest.raises(ValueError, match="made by the rotated KV cache"):
+        list(run(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=4, prompt_cache=cache, **later))
+    assert [c.offset for c in cache] == offsets and _same(model, snap)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_an_empty_prompt_cache_list_is_filled_in_place_without_the_kv_option_too(speculative):
+    """As with ``kv_bits`` (documented); mlx-lm's own loop failed on ``[]`` with an IndexError."""
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    cache: list = []
+    run = stream_speculative_generate if speculative else stream_generate
+    out = list(run(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=4, prompt_cache=cache))
+    assert out and len(cache) == len(model.layers) and cache[0].offset >= len(PROMPT)
+
+
 def test_speculative_keeps_both_caches_quantized_and_matches_the_high_gear():
     """Greedy speculative decoding with the rotated cache emits the high gear's
     tokens with the same cache, and the drafter's cache is quantized too."""

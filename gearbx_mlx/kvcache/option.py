@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..mlx_tables import KV_PLAIN_BITS
 from .api import KVHandle, apply_kv
@@ -313,6 +313,33 @@ def as_calibration(value: Any) -> Optional[KVCalibration]:
     if isinstance(value, dict):
         return KVCalibration.from_dict(value)
     raise TypeError(f"kv_calibration must be a KVCalibration or its dict, got {type(value).__name__}")
+
+
+def plain_prompt_cache(model: nn.Module, cache: Optional[List[Any]], max_kv_size: Optional[int] = None
+                       ) -> Optional[List[Any]]:
+    """A caller's prompt cache for a stream on mlx-lm's own caches (no rotated cache).
+
+    An empty list is filled in place with ``make_prompt_cache(model, max_kv_size)``,
+    as :meth:`KVSession.prompt_cache` fills it for the rotated cache (mlx-lm's own
+    loop fails on one with an ``IndexError``).
+
+    Raises:
+        TypeError: not a list.
+        ValueError: a cache the rotated KV cache made: its keys and values are in a
+            rotated basis that these layers' attention does not undo (read as noise).
+    """
+    if cache is None:
+        return None
+    if not isinstance(cache, list):
+        raise TypeError(f"prompt_cache must be a list of caches, got {type(cache).__name__}")
+    for i, c in enumerate(cache):
+        if getattr(c, "tag", None) is not None:
+            raise ValueError(f"layer {i}'s cache was made by the rotated KV cache: its keys are in a rotated basis "
+                             "that mlx-lm's caches do not read; continue it with the same kv_bits, kv_rotation and "
+                             "calibration, or start from an empty cache")
+    if not cache:
+        cache[:] = make_prompt_cache(model, max_kv_size)
+    return cache
 
 
 def open_kv(model: nn.Module, options: KVOptions, calibration: Any = None,
