@@ -166,4 +166,5 @@ def kv_line(kv: Dict[str, Any]) -> str:
     return (f"KV cache: {what} {kv['bits']}-bit g{kv['group_size']}" + (f" ({', '.join(parts)})" if parts else "")
             + (f", quantized from token {start}" if start else ", quantized from the first token")
             + f": {kv['bits_per_element']:.2f} bits per element, {size}"
-            + (f" ({kv['ratio_to_float16']:.2f}x float16)" if kv.get("ratio_to_float16") else ""))
+            + (f" ({kv['ratio_to_float']:.2f}x the {kv['float_dtype']} cache)" if kv.get("ratio_to_float")
+               else f" ({kv['ratio_to_float16']:.2f}x float16)" if kv.get("ratio_to_float16") else ""))

@@ -329,9 +329,9 @@ def test_the_key_offset_comes_from_the_weights_not_the_name():
     for m in (calm, qwenish):
         assert recipe(m, KVOptions(bits=4)).key_offset == "mean"
     sizes = []
-    # Without --kv-group-size the model with outlying biases gets groups of 32 (5.0 bits
-    # an element with float16 scales and biases), the other mlx-lm's 64 (4.5 bits).
-    for m, group, bits in ((calm, 64, 4.5), (qwenish, 32, 5.0)):
+    # Without --kv-group-size the model with outlying biases gets groups of 32 (6.0 bits
+    # an element with these float32 models' scales and biases), the other mlx-lm's 64 (5.0 bits).
+    for m, group, bits in ((calm, 64, 5.0), (qwenish, 32, 6.0)):
         with open_kv(m, KVOptions(bits=4, quantized_kv_start=0)) as kv:
             s = kv.summary()
             assert (s["statistics"], s["group_size"], s["bits_per_element"]) == ("weights", group, bits)
@@ -350,6 +350,28 @@ def test_summary_line():
     assert "rotated 4-bit g64" in line and "layers 1 at 8 bits" in line and "2.0 KiB per token" in line
     assert "0.36x float16" in line
     assert kv_line({"kind": "float", "bytes_per_token": 1024.0}).startswith("KV cache: float")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("rotation", ["auto", "none"])
+def test_the_quantized_cache_line_states_the_bytes_the_cache_holds(dtype, rotation):
+    """Scales and biases are stored in the model's dtype: the summary counts them so, and
+    compares the cache with the float cache of that dtype (it said float16 for both)."""
+    skip_without_quantized_attention()
+    model = _model()
+    model.set_dtype(dtype)
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    cache: list = []
+    out = _gen(model, gb, n=4, kv_bits=4, kv_rotation=rotation, quantized_kv_start=0, prompt_cache=cache)
+    # bytes per cached position of every (batch, heads, positions, ...) buffer: codes, scales, biases
+    held = sum(a.nbytes / a.shape[2] for c in cache for _, a in tree_flatten(c.state)
+               if isinstance(a, mx.array) and a.ndim == 4)
+    s = out[-1].run.kv_cache
+    assert s["bytes_per_token"] == pytest.approx(held)
+    name = str(dtype).split(".")[-1]
+    flt = plain_summary(model, KVOptions())["bytes_per_token"]
+    assert s["ratio_to_float"] == pytest.approx(held / flt)
+    assert f"x the {name} cache)" in kv_line(s)
 
 
 @pytest.mark.parametrize("dtype, size", [(mx.float32, 4), (mx.float16, 2), (mx.bfloat16, 2)])
@@ -391,8 +413,8 @@ def test_evaluation_rows_carry_the_cache_beside_the_weights():
     assert rot["kv_cache"]["quantized_kv_start"] == 0  # evaluation quantizes from the first token
     f, r = _rows_by_name(flt), _rows_by_name(rot)
     per_f, per_r = flt["kv_cache"]["bytes_per_token"], rot["kv_cache"]["bytes_per_token"]
-    # 4.5 bits an element against float16's 16 (the float cache itself holds the model's float32)
-    assert per_r == pytest.approx(flt["kv_cache"]["float16_bytes_per_token"] * 4.5 / 16)
+    # 5.0 bits an element (float32 scales and biases) against float16's 16; the float cache holds float32
+    assert per_r == pytest.approx(flt["kv_cache"]["float16_bytes_per_token"] * 5.0 / 16)
     for name in f:
         assert f[name]["kv_bytes_per_token"] == pytest.approx(per_f * 16 / 2)  # mean context: window / 2
         assert r[name]["total_bytes_per_token"] == pytest.approx(r[name]["bytes_per_token"] + per_r * 8)

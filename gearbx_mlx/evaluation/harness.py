@@ -292,8 +292,8 @@ class _Study:
 
 #: How the KV column is made (recorded with the results).
 KV_NOTE = ("the cache of every teacher-forced pass and speed run, quantized from the first token; bytes per step = "
-           "cache bytes per cached token x the mean context of a window's steps (window / 2), a float cache "
-           "counted at float16")
+           "cache bytes per cached token x the mean context of a window's steps (window / 2), in the model's "
+           "float dtype (a float cache's keys and values, a quantized cache's scales and biases)")
 
 
 @contextlib.contextmanager

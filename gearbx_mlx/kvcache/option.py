@@ -255,12 +255,14 @@ class KVSession:
         return h
 
     def bytes_per_token(self) -> float:
-        """Cache bytes one token adds once quantized (float16 scales and biases)."""
-        return self.handle.bytes_per_token()
+        """Cache bytes one token adds once quantized: codes, and scales and biases in the
+        model's float dtype (the keys' dtype, which ``mx.quantize`` keeps)."""
+        return self.handle.bytes_per_token(float_cache_dtype(self.model).size)
 
     def summary(self) -> Dict[str, Any]:
-        """JSON-ready: the cache's settings and its bytes per token against float16."""
+        """JSON-ready: the cache's settings, its bytes per token, and those of the float cache it replaces."""
         s = self.handle.summary()
+        dtype = float_cache_dtype(self.model)
         f16 = float_bytes_per_token(self.model)
         bpt = self.bytes_per_token()
         cal = self.calibration
@@ -270,8 +272,8 @@ class KVSession:
             "quantized_kv_start": self.config.quantized_kv_start,
             "rotation": s["rotation"], "lambda": s["lambda"], "key_offset": s["key_offset"], "sink": s["sink"],
             "statistics": None if cal is None else cal.source,
-            "layer_bits": s["layer_bits"], "bits_per_element": s["bits_per_element"],
-            "bytes_per_token": bpt, "float16_bytes_per_token": f16, "ratio_to_float16": bpt / f16,
+            "layer_bits": s["layer_bits"], "bits_per_element": round(self.handle.bits_per_element(dtype.size), 4),
+            "scale_dtype": _name(dtype), "bytes_per_token": bpt, **_against_float(f16, dtype, bpt),
         }
 
     def restore(self) -> None:
@@ -292,18 +294,31 @@ def plain_summary(model: nn.Module, options: KVOptions) -> Dict[str, Any]:
         f16 = float_bytes_per_token(model)
     except ValueError:
         f16 = None
+    dtype = float_cache_dtype(model)  # the cache holds keys and values (or scales and biases) in it
     if not options.active:
-        dtype = float_cache_dtype(model)
-        ratio = dtype.size / 2  # the cache holds the keys and values in the model's own dtype
-        return {"kind": "float", "dtype": str(dtype).split(".")[-1], "bytes_per_token": None if f16 is None
+        ratio = dtype.size / 2
+        return {"kind": "float", "dtype": _name(dtype), "bytes_per_token": None if f16 is None
                 else f16 * ratio, "float16_bytes_per_token": f16, "ratio_to_float16": ratio if f16 else None}
-    bpe = bits_per_element(options.bits, options.plain_group_size)
+    bpe = bits_per_element(options.bits, options.plain_group_size, dtype.size)
     bpt = None if f16 is None else f16 * bpe / 16
     return {"kind": "affine", "bits": options.bits, "group_size": options.plain_group_size,
             "quantized_kv_start": options.start, "rotation": ["none"], "lambda": False,
             "key_offset": False, "sink": False, "statistics": None, "bits_per_element": bpe,
-            "bytes_per_token": bpt, "float16_bytes_per_token": f16,
-            "ratio_to_float16": None if f16 is None else bpe / 16}
+            "scale_dtype": _name(dtype), "bytes_per_token": bpt, **_against_float(f16, dtype, bpt)}
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def _against_float(f16: Optional[float], dtype: mx.Dtype, bpt: Optional[float]) -> Dict[str, Any]:
+    """A quantized cache's bytes per token against float16's and against the float cache it
+    replaces (the model's dtype: a float32 model's float cache is twice float16's)."""
+    if f16 is None or bpt is None:
+        return {"float16_bytes_per_token": f16, "ratio_to_float16": None, "float_dtype": _name(dtype),
+                "ratio_to_float": None}
+    return {"float16_bytes_per_token": f16, "ratio_to_float16": bpt / f16, "float_dtype": _name(dtype),
+            "ratio_to_float": bpt / (f16 * dtype.size / 2)}
 
 
 def as_calibration(value: Any) -> Optional[KVCalibration]:
