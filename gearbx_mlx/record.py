@@ -122,7 +122,8 @@ class RunRecord:
             "tokens_per_gear": counts,
             "mean_entropy": statistics.fmean(ents) if ents else None,
             "nonfinite_steps": nonfinite,
-            "kv_cache": kv_held(self.kv_cache, getattr(last, "prompt_tokens", 0) + len(gears)),
+            "kv_cache": kv_held(self.kv_cache, getattr(last, "prompt_tokens", 0) + len(gears),
+                                last_fed=self.mode == "routed"),
             "resolution": self.gearbox.resolution.as_dict(),
         }
         if self.mode == "routed":
@@ -191,16 +192,18 @@ class RunRecord:
         }
 
 
-def kv_held(kv: Optional[Dict[str, Any]], tokens: int) -> Optional[Dict[str, Any]]:
-    """The KV summary with what the cache held at the end of a run of ``tokens`` tokens.
+def kv_held(kv: Optional[Dict[str, Any]], tokens: int, last_fed: bool = True) -> Optional[Dict[str, Any]]:
+    """The KV summary with what the cache held at the end of a run of ``tokens`` tokens
+    (prompt and generated).
 
     A quantized cache converts all it holds once it reaches its start (mlx-lm's
-    rule), so ``quantized_tokens`` is all or nothing; the last generated token
-    is never fed, so the cache holds one token less than the run's.
+    rule), so ``quantized_tokens`` is all or nothing. mlx-lm's loop feeds each
+    token before it hands it out (``last_fed``: the cache holds every token);
+    speculative decoding keeps what precedes its last token (one less).
     """
     if kv is None or kv.get("kind") == "float":
         return kv
-    held = max(tokens - 1, 0)
+    held = max(tokens - (0 if last_fed else 1), 0)
     return {**kv, "held_tokens": held, "quantized_tokens": held if held >= kv["quantized_kv_start"] else 0}
 
 

@@ -449,9 +449,26 @@ def test_kv_bits_alone_quantizes_from_the_first_token_with_the_rotated_cache():
     assert KVOptions(bits=4, rotation="none").start == DEFAULT_QUANTIZED_KV_START
     assert KVOptions(bits=4, quantized_kv_start=7).start == 7
     kv = {"kind": "affine", "quantized_kv_start": DEFAULT_QUANTIZED_KV_START, "bits": 4}
-    assert kv_held(kv, 40) == {**kv, "held_tokens": 39, "quantized_tokens": 0}
-    assert kv_held({**kv, "quantized_kv_start": 0}, 40)["quantized_tokens"] == 39
+    assert kv_held(kv, 40) == {**kv, "held_tokens": 40, "quantized_tokens": 0}
+    assert kv_held(kv, 40, last_fed=False)["held_tokens"] == 39
+    assert kv_held({**kv, "quantized_kv_start": 0}, 40)["quantized_tokens"] == 40
     assert kv_held({"kind": "float"}, 40) == {"kind": "float"}
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_summary_says_how_many_tokens_the_cache_really_held(speculative):
+    """mlx-lm feeds each token before handing it out, so a routed run's cache holds every token
+    (the summary said one less, and "none quantized" at the start's boundary); speculative
+    decoding keeps what precedes its last token."""
+    skip_without_quantized_attention()
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    cache: list = []
+    run = stream_speculative_generate if speculative else stream_generate
+    out = list(run(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=5, kv_bits=4, quantized_kv_start=0,
+                   prompt_cache=cache))
+    held = out[-1].run.summary(out[-1])["kv_cache"]["held_tokens"]
+    assert held == cache[0].offset == len(PROMPT) + len(out) - (1 if speculative else 0)
 
 
 @pytest.mark.parametrize("mode", ["routed", "speculative"])
