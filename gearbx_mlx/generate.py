@@ -206,7 +206,14 @@ def check_args(args: argparse.Namespace) -> None:
     writes = getattr(args, "rank", 0) == 0  # a sharded run: rank 0 alone writes the trace and a calibration
     if args.trace is not None and writes:
         check_target(args.trace, "--trace")
+    if args.calibration is not None and not args.calibration.strip():
+        raise ValueError("--calibration needs a file name, got an empty one")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
+        p = Path(args.calibration).expanduser()
+        if p.is_dir():
+            raise ValueError(f"--calibration {args.calibration} is a directory, not a calibration file")
+        if p.exists():
+            raise ValueError(f"--calibration {args.calibration} is not a regular file (a device, pipe or socket)")
         raise FileNotFoundError(f"calibration file not found: {args.calibration}")
     if args.calibration and not args.calibrate:
         Calibration.load(args.calibration)  # a damaged or ill-shaped file: one error before the model loads
@@ -216,6 +223,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 def kv_options(args: argparse.Namespace) -> KVOptions:
     """The KV flags as :class:`KVOptions` (ValueError naming the flag)."""
+    if args.kv_bits is None:
+        given = [flag for flag, on in (("--kv-group-size", args.kv_group_size is not None),
+                                       ("--quantized-kv-start", args.quantized_kv_start is not None),
+                                       ("--kv-rotation", getattr(args, "kv_rotation", "auto") != "auto")) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a quantized KV "
+                             "cache: give --kv-bits too (without it the cache stays float)")
     try:
         return KVOptions(bits=args.kv_bits, group_size=args.kv_group_size,
                          quantized_kv_start=args.quantized_kv_start, rotation=args.kv_rotation)

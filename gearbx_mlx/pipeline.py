@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -289,9 +290,14 @@ def _set_up_routed(run: GenerationRun, sampling: Optional[SamplingOptions], kv_o
         if "sampler" in kwargs:
             raise ValueError("give either sampler= or temp/top_p/min_p/top_k, not both")
         kwargs["sampler"] = sampling.sampler()
-    if kv_options.rotated and kwargs.get("max_kv_size") is not None:
-        raise ValueError("max_kv_size (a rotating window cache) cannot be combined with the rotated KV cache: "
-                         "drop one, or pass kv_rotation='none' for mlx-lm's own quantized cache")
+    if kv_options.active and kwargs.get("max_kv_size") is not None:
+        raise ValueError("max_kv_size (--max-kv-size, a rotating window cache) cannot be combined with kv_bits "
+                         "(--kv-bits): neither the rotated cache nor mlx-lm's window cache quantizes a window; "
+                         "drop one")
+    if kwargs.get("max_kv_size") is not None and kwargs.get("prompt_cache") is None and hasattr(run.model, "make_cache"):
+        # mlx-lm's make_prompt_cache calls the model's own make_cache, which takes no window
+        warnings.warn(f"max_kv_size is not applied: {type(run.model).__name__} models make their own KV cache "
+                      "(mlx-lm's make_cache), which keeps every token", stacklevel=3)
     run.kv = open_kv(run.model, kv_options, kv_calibration)  # every check of the KV option runs here
     try:
         kv_summary = _use_kv(run, kv_options)

@@ -233,7 +233,9 @@ def test_bad_input_one_error_before_generation():
     for bad, match in (({"kv_bits": 7}, "kv_bits must be one of"), ({"kv_bits": 1}, "kv_bits must be one of"),
                        ({"kv_bits": 4, "kv_group_size": 48}, "kv_group_size must be one of"),
                        ({"kv_bits": 4, "kv_rotation": "dct"}, "kv_rotation must be one of"),
-                       ({"kv_bits": 4, "max_kv_size": 64}, "max_kv_size")):
+                       ({"kv_bits": 4, "max_kv_size": 64}, "max_kv_size"),
+                       ({"kv_bits": 4, "kv_rotation": "none", "max_kv_size": 64},
+                        r"max_kv_size \(--max-kv-size, a rotating window cache\) cannot be combined with kv_bits")):
         with pytest.raises(ValueError, match=match):
             _gen(model, gb, **bad)
     assert _same(model, snap)
@@ -488,3 +490,31 @@ def test_a_stream_stopped_early_finishes_mlx_lms_pending_step(monkeypatch, mode)
     out = list(gen(model, tok, "hello there", gb, max_tokens=3))
     assert len(out) == 3
     assert pipeline.generation_stream in synced
+
+
+def test_a_window_the_models_own_cache_ignores_is_warned_of():
+    """mlx-lm's make_prompt_cache calls a model's own make_cache (llama's), which takes no window:
+    max_kv_size did nothing, silently."""
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    assert hasattr(model, "make_cache")
+    with pytest.warns(UserWarning, match="max_kv_size is not applied"):
+        _gen(model, gb, n=2, max_kv_size=4)
+
+
+def test_cli_kv_flags_without_kv_bits_and_an_empty_or_odd_calibration_path_are_errors(tmp_path, capsys):
+    import os
+
+    from gearbx_mlx.generate import main
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for argv, msg in ((["--kv-group-size", "32"], "--kv-group-size applies to a quantized KV cache: give --kv-bits"),
+                      (["--quantized-kv-start", "5", "--kv-rotation", "srht"],
+                       "--quantized-kv-start, --kv-rotation apply to a quantized KV cache"),
+                      (["--calibration", ""], "--calibration needs a file name"),
+                      (["--calibration", str(tmp_path)], "is a directory, not a calibration file"),
+                      (["--calibration", str(fifo)], "is not a regular file")):
+        assert main(["--prompt", "hi", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
