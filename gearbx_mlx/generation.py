@@ -380,10 +380,23 @@ def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -
         ValueError: an empty prompt, or ids no integer type holds.
         TypeError: ids that are not integers.
     """
+    kinds = "text (a str) or token ids (a list, or a 1-D MLX or NumPy array, of integers)"
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a prompt must be {kinds}, got {type(prompt).__name__}: decode the bytes to text first")
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iu":
+            raise TypeError(f"a prompt given as ids must hold integers, got a NumPy array of {prompt.dtype}")
+        prompt = prompt.tolist() if prompt.ndim == 1 else mx.array(prompt)
     if isinstance(prompt, mx.array):
+        if prompt.ndim != 1:
+            raise ValueError(f"a prompt given as an array must be 1-D token ids, got shape {tuple(prompt.shape)}")
+        if not mx.issubdtype(prompt.dtype, mx.integer):
+            raise TypeError(f"a prompt given as ids must hold integers, got an array of {prompt.dtype}")
         if prompt.size == 0:
             raise ValueError("the prompt has no tokens")
         return prompt
+    if not isinstance(prompt, (str, list, tuple, range)):
+        raise TypeError(f"a prompt must be {kinds}, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty: give some text to continue")
@@ -393,7 +406,7 @@ def encode_prompt(tokenizer: Any, prompt: Union[str, mx.array, Sequence[int]]) -
         return mx.array(tokenizer.encode(prompt, add_special_tokens=add_special))
     if len(prompt) == 0:
         raise ValueError("the prompt has no tokens")
-    ids = list(prompt)
+    ids = [int(t) if isinstance(t, np.integer) else t for t in prompt]
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise TypeError("a prompt given as ids must hold integers")
     if not all(-2**31 <= t < 2**31 for t in ids):

@@ -434,7 +434,7 @@ def stream_generate(
     """Stream tokens like ``mlx_lm.stream_generate``: routed by the gearbox, or speculatively.
 
     Args:
-        prompt: text (encoded as is, like mlx-lm) or token ids.
+        prompt: text (encoded as is, like mlx-lm) or token ids (a list, or a 1-D MLX or NumPy array).
         gearbox: from :func:`gearbx_mlx.load`; a default one is made if None.
         kwargs: mlx-lm's (``max_tokens``, ``temp``, ``top_p``, ``min_p``,
             ``top_k``, ``min_tokens_to_keep``, ``sampler``, ``logits_processors``,
@@ -468,7 +468,7 @@ def stream_generate(
     yield from run.tokens()
 
 
-def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], gearbox: Optional[Gearbox] = None,
+def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.array, List[int]], gearbox: Optional[Gearbox] = None,
              verbose: bool = False, **kwargs: Any) -> str:
     """Generate a complete response (routed, or speculatively with ``speculative=``); with
     ``verbose``, stream it to stdout."""
@@ -491,7 +491,7 @@ def stream_speculative_generate(model: nn.Module, tokenizer: Any, prompt: Union[
     return stream_generate(model, tokenizer, prompt, gearbox, speculative=spec, **kwargs)
 
 
-def speculative_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]],
+def speculative_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.array, List[int]],
                          gearbox: Optional[Gearbox] = None, verbose: bool = False, **kwargs: Any) -> str:
     """The complete text of :func:`stream_speculative_generate` (the high gear's, exactly when greedy)."""
     return collect_text(stream_speculative_generate(model, tokenizer, prompt, gearbox, **kwargs), verbose)

@@ -531,3 +531,44 @@ def test_a_top_k_as_large_as_the_vocabulary_is_refused(speculative):
                                 speculative=speculative)
     assert gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, temp=0.7, top_k=v - 1,
                                speculative=speculative) is not None
+
+
+@pytest.mark.parametrize("prompt, error, words", [
+    (b"hello", TypeError, "got bytes: decode the bytes to text first"),
+    (5, TypeError, "a prompt must be text (a str) or token ids"),
+    (None, TypeError, "got NoneType"),
+    ({"text": "hi"}, TypeError, "got dict"),
+    ("mx2d", ValueError, "must be 1-D token ids, got shape (1, 2)"),
+    ("mxfloat", TypeError, "must hold integers, got an array of mlx.core.float32"),
+    ("npfloat", TypeError, "must hold integers, got a NumPy array of float64"),
+])
+def test_a_prompt_of_the_wrong_kind_is_named(prompt, error, words):
+    """Bytes were read as token ids (garbled text); an int or None failed with "has no len()";
+    a 2-D array was called a list."""
+    import mlx.core as mx
+    import numpy as np
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+
+    model, tokenizer = make_tiny_llama(), make_tiny_tokenizer()
+    gearbox = gearbx_mlx.Gearbox(model)
+    prompt = {"mx2d": mx.array([[1, 2]]), "mxfloat": mx.array([1.0, 2.0]),
+              "npfloat": np.array([1.0, 2.0])}.get(prompt, prompt) if isinstance(prompt, str) else prompt
+    with pytest.raises(error, match=re.escape(words)):
+        gearbx_mlx.generate(model, tokenizer, prompt, gearbox, max_tokens=2)
+
+
+def test_numpy_token_ids_are_a_prompt_as_in_mlx_lm():
+    import mlx.core as mx
+    import numpy as np
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+
+    model, tokenizer = make_tiny_llama(), make_tiny_tokenizer()
+    gearbox = gearbx_mlx.Gearbox(model)
+    want = gearbx_mlx.generate(model, tokenizer, [1, 2, 3], gearbox, max_tokens=3)
+    for ids in (np.array([1, 2, 3]), np.array([1, 2, 3], dtype=np.uint16), [np.int64(1), np.int32(2), 3],
+                mx.array([1, 2, 3]), (1, 2, 3)):
+        assert gearbx_mlx.generate(model, tokenizer, ids, gearbox, max_tokens=3) == want
