@@ -127,7 +127,9 @@ class GenerationRun:
     def _routed(self) -> Iterator[GearboxResponse]:
         session = self.record.session
         kwargs = dict(self.kwargs)
-        processors = [session.processor] + list(kwargs.pop("logits_processors", None) or [])
+        theirs = list(kwargs.pop("logits_processors", None) or [])
+        # the entropy of the model's own logits first; the NaN guard again on what is sampled
+        processors = [session.processor] + theirs + ([session.guard_after] if theirs else [])
         last = time.perf_counter()
         stream = mlx_stream_generate(RoutedModel(self.model, session), self.tokenizer, self.ids,
                                      logits_processors=processors, **kwargs)
@@ -260,6 +262,7 @@ def prepare(
     if gearbox.model is not model:
         raise ValueError("this gearbox manages another model: pass the model it was made for")
     check_prompt_ids(ids, gearbox.vocab_size)
+    gearbox.config.validate()  # a dataclass a caller may have changed since it was made
     loose_sampling, loose_kv = SamplingOptions.take(kwargs), options_from(kwargs)
     if (sampling is not None and loose_sampling is not None) or (kv_options is not None and loose_kv.active):
         raise ValueError("give the sampling (or KV) options either as an object or as keywords, not both")

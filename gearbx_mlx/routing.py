@@ -136,6 +136,15 @@ class RoutingSession:
         self._pending.append((index, entropy_bits(logits).reshape(()), bad, None))
         return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits
 
+    def guard_after(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """mlx-lm logits processor, after the caller's: the NaN guard again on the logits that
+        are sampled (a caller's processor may make them non-finite), counted as this step's."""
+        if not self._pending:
+            return logits
+        index, h, bad, shared = self._pending[-1]
+        self._pending[-1] = (index, h, mx.logical_or(bad, mx.logical_not(mx.all(mx.isfinite(logits)))), shared)
+        return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits
+
     def sampler(self, inner: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
         """mlx-lm sampler: ``inner``'s token; on a sharded model, rank 0's token, and the
         step's entropy and NaN flag replaced by rank 0's (one collective, in the graph)."""
@@ -184,8 +193,8 @@ class RoutingSession:
                 self.nonfinite_steps += 1
                 if self.nonfinite_steps == 1:
                     warnings.warn(
-                        f"step {index}: the logits hold NaN or infinity (broken weights, or an overflow in "
-                        f"{self.gearbox.manager.gear} gear?); "
+                        f"step {index}: the logits hold NaN or infinity (broken weights, an overflow in "
+                        f"{self.gearbox.manager.gear} gear, or a logits processor?); "
                         + ("the NaN guard sampled from finite stand-ins, so the text and the entropy of such "
                            "steps mean nothing; they are counted as nonfinite_steps"
                            if self.gearbox.config.nan_guard else "nan_guard is off"),

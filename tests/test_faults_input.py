@@ -572,3 +572,16 @@ def test_numpy_token_ids_are_a_prompt_as_in_mlx_lm():
     for ids in (np.array([1, 2, 3]), np.array([1, 2, 3], dtype=np.uint16), [np.int64(1), np.int32(2), 3],
                 mx.array([1, 2, 3]), (1, 2, 3)):
         assert gearbx_mlx.generate(model, tokenizer, ids, gearbox, max_tokens=3) == want
+
+
+def test_a_config_changed_after_it_was_checked_is_checked_again_before_a_run():
+    """``gearbox.config.window = 0`` ended in a ZeroDivisionError inside the monitor."""
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+
+    model, tokenizer = make_tiny_llama(), make_tiny_tokenizer()
+    gearbox = gearbx_mlx.Gearbox(model)
+    gearbox.config.window = 0
+    with pytest.raises(ValueError, match="window must be an integer from 1"):
+        gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2)

@@ -53,6 +53,20 @@ def test_nan_logits_are_flagged_counted_and_warned_once(tiny, temp):
     assert out[-1].session.nonfinite_steps == 6
 
 
+def test_a_logits_processor_that_returns_nan_is_guarded_flagged_and_warned(tiny):
+    """The guard ran before the caller's processors only: a processor returning NaN sampled
+    token 0 every step with nonfinite False and no warning."""
+    model, tok, gearbox = load(str(tiny))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = list(stream_generate(model, tok, "Hello the", gearbox, max_tokens=4, temp=0.8, seed=1,
+                                   logits_processors=[lambda tokens, logits: logits * math.nan]))
+    assert len(out) == 4 and all(r.nonfinite for r in out) and out[-1].session.nonfinite_steps == 4
+    assert math.isfinite(out[0].entropy)  # the router's entropy is the model's own logits'
+    ours = [w for w in seen if issubclass(w.category, NonFiniteLogitsWarning)]
+    assert len(ours) == 1 and "logits processor" in str(ours[0].message)
+
+
 def test_healthy_logits_are_not_flagged(tiny):
     model, tok, gearbox = load(str(tiny))
     with warnings.catch_warnings():
