@@ -366,7 +366,10 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         if args.thresholds:
             gearbox.set_thresholds(*args.thresholds)
         elif args.calibration and not args.calibrate:
-            gearbox.set_calibration(Calibration.load(args.calibration))
+            try:
+                gearbox.set_calibration(Calibration.load(args.calibration))
+            except ValueError as e:
+                raise ValueError(f"--calibration {args.calibration}: {e}") from None
     if not args.calibrate or args.thresholds:
         return "prefill"
     cached = None if args.calibration or ranks is not None else cached_calibration_path(

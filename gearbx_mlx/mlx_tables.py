@@ -12,8 +12,9 @@ from typing import Tuple
 
 #: Bit widths of MLX's affine quantization (weights, gears, nested planes, the rotated KV cache).
 QUANT_BITS: Tuple[int, ...] = (2, 3, 4, 5, 6, 8)
-#: Bit widths mlx-lm's own ``QuantizedKVCache`` passes to ``mx.quantize`` (1 bit included).
-KV_PLAIN_BITS: Tuple[int, ...] = (1, *QUANT_BITS)
+#: Bit widths of mlx-lm's own ``QuantizedKVCache``: it passes any to ``mx.quantize``, which takes
+#: these (mlx-lm's flag lists 1, which MLX 0.32 refuses).
+KV_PLAIN_BITS: Tuple[int, ...] = QUANT_BITS
 #: Elements per quantization group MLX's kernels take.
 GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
 #: MLX's and mlx-lm's default group size.

@@ -231,6 +231,7 @@ def test_bad_input_one_error_before_generation():
     with pytest.raises(ValueError, match="another model"):
         _gen(model, gb, kv_bits=4, kv_calibration=foreign)
     for bad, match in (({"kv_bits": 7}, "kv_bits must be one of"), ({"kv_bits": 1}, "kv_bits must be one of"),
+                       ({"kv_bits": 1, "kv_rotation": "none"}, "kv_bits must be one of 2, 3, 4, 5, 6, 8"),
                        ({"kv_bits": 4, "kv_group_size": 48}, "kv_group_size must be one of"),
                        ({"kv_bits": 4, "kv_rotation": "dct"}, "kv_rotation must be one of"),
                        ({"kv_bits": 4, "max_kv_size": 64}, "max_kv_size"),
@@ -518,3 +519,17 @@ def test_cli_kv_flags_without_kv_bits_and_an_empty_or_odd_calibration_path_are_e
         assert main(["--prompt", "hi", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
+
+
+def test_a_calibration_of_another_vocabulary_names_the_file(tmp_path, capsys):
+    from fault_models import tiny_model_folder
+
+    from gearbx_mlx.generate import main
+
+    cal = Calibration(1.0, 3.0, "median", 10, vocab_size=49152)
+    path = tmp_path / "other.json"
+    cal.save(path)
+    folder = tiny_model_folder(tmp_path / "m")
+    assert main(["--model", str(folder), "--prompt", "t2 t3", "--calibration", str(path), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --calibration {path}: calibration was made for a vocabulary of 49152"), err

@@ -261,7 +261,9 @@ def check_quantized_attention(bits: int, group_size: int, head_dim: int, dtype: 
     raise ValueError(
         f"MLX {mx.__version__} on {mx.default_device()} cannot run quantized attention over a "
         f"{bits}-bit, group {group_size} cache with head dimension {head_dim} ({how}); "
-        "run with the float cache (no --kv-bits)"
+        + ("try a smaller --kv-group-size (" + ", ".join(str(g) for g in SUPPORTED_GROUPS if g < group_size)
+           + "), or " if any(g < group_size for g in SUPPORTED_GROUPS) else "")
+        + "run with the float cache (no --kv-bits)"
     )
 
 
