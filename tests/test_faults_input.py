@@ -141,6 +141,10 @@ def _damaged_kv(kv: dict, damage: str) -> dict:
         layers[0]["v_mean"] = "zeros"
     elif damage == "fingerprint":
         kv["fingerprint"]["head_dim"] = "64"
+    elif damage == "absurd":
+        layers[0]["k_mean"] = [[1e300] * len(row) for row in layers[0]["k_mean"]]
+    elif damage == "no source":
+        kv["source"] = None
     return kv
 
 
@@ -152,6 +156,9 @@ KV_DAMAGE = {
     "infinity": "layers[0].q_energy holds NaN or infinity",
     "text": "layers[0].v_mean is not a (n_kv_heads, head_dim) array of numbers",
     "fingerprint": "'fingerprint' needs n_layers",
+    # finite, but overflowing the transform into NaN logits (exit 0, <|endoftext|> only)
+    "absurd": "layers[0].k_mean holds 1e+300, beyond any key or query statistic",
+    "no source": "'source' must name where the statistics came from, got None",
 }
 
 
@@ -345,7 +352,7 @@ def test_random_bytes_on_stdin(capsys, monkeypatch, raw):
     (("--top-k", "-3"), "--top-k must be an integer >= 0"),
     (("--kv-bits", "99"), "--kv-bits must be one of"),
     (("--kv-bits", "7"), "--kv-bits must be one of"),
-    (("--kv-bits", "1"), "--kv-bits must be one of 2, 3, 4, 5, 6, 8 with --kv-rotation 'auto'"),
+    (("--kv-bits", "1"), "--kv-bits must be one of 2, 3, 4, 5, 6, 8, got 1"),
     (("--kv-bits", "4", "--kv-group-size", "48"), "--kv-group-size must be one of 32, 64, 128"),
     (("--kv-bits", "4", "--quantized-kv-start", "-1"), "--quantized-kv-start must be an integer >= 0"),
     (("--max-kv-size", "0"), "--max-kv-size must be an integer >= 1"),

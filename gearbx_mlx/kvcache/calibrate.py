@@ -99,7 +99,15 @@ def _stat_array(d: Dict[str, Any], f: str, where: str) -> np.ndarray:
         raise ValueError(f"{where}.{f} must be a (n_kv_heads, head_dim) array, got shape {a.shape}")
     if not np.isfinite(a).all():
         raise ValueError(f"{where}.{f} holds NaN or infinity (a statistic must be finite: calibrate again)")
+    if np.abs(a).max() > MAX_STATISTIC:
+        raise ValueError(f"{where}.{f} holds {np.abs(a).max():.3g}, beyond any key or query statistic "
+                         f"(|x| <= {MAX_STATISTIC:.0e}): the file is damaged, calibrate again")
     return a
+
+
+#: The largest magnitude a saved statistic may have: keys and queries of float16 models stay far below
+#: float16's 65504 (their squares below 1e10); larger ones overflow the transform into NaN logits.
+MAX_STATISTIC = 1e10
 
 
 @dataclass
@@ -146,6 +154,9 @@ class KVCalibration:
             raise ValueError(f"malformed KV calibration ({e})") from None
         if not isinstance(out.fingerprint, dict):
             raise ValueError("malformed KV calibration ('fingerprint' must be an object)")
+        if not isinstance(out.source, str) or not out.source:
+            raise ValueError(f"malformed KV calibration ('source' must name where the statistics came from, "
+                             f"got {out.source!r})")
         out.check_shapes(_fingerprint_shapes(out.fingerprint), "the fingerprint's model")
         return out
 
