@@ -382,6 +382,12 @@ def test_cli_config_takes_flags_then_calibration_then_defaults(tiny):
     parse = build_parser().parse_args
     c = speculative_config(parse(["--speculative"]), box)
     assert (c.max_draft, c.draft_entropy_stop) == (3, 2.5)
+    # the decision chooses among fixed and gated blocks with the saved stop as a candidate: a saved stop
+    # forced gated blocks of 1 at a modeled 1.13x where fixed blocks of 4 modeled 1.42x
+    from gearbx_mlx.speculative.plan import CHOOSE
+    assert c.plan_options == {"stop": CHOOSE}
+    c = speculative_config(parse(["--speculative", "--draft-entropy-stop", "2.0"]), box)
+    assert c.draft_entropy_stop == 2.0 and "stop" not in c.plan_options  # a flag's stop is kept
     c = speculative_config(parse(["--speculative", "--max-draft", "5", "--draft-entropy-stop", "off"]), box)
     assert (c.max_draft, c.draft_entropy_stop) == (5, None)
     c = speculative_config(parse(["--speculative", "--draft-gear", "mid"]), box)  # no mid block saved

@@ -20,7 +20,7 @@ from ..console import mib, say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import MAX_DRAFT, SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
-from .plan import MIN_MODELED_SPEEDUP, MODES
+from .plan import CHOOSE, MIN_MODELED_SPEEDUP, MODES
 from .sparse import (
     AUTO,
     MAX_SPARSITY,
@@ -156,6 +156,8 @@ def speculative_config(args: argparse.Namespace, gearbox: Any) -> SpeculativeCon
             plan_options["stop"] = None
     else:
         stop = block.get("stop_bits")
+        if stop is not None:  # the saved stop is the decision's candidate (with its gating), not a fixed one
+            plan_options["stop"] = CHOOSE
     max_draft = args.max_draft or block.get("max_draft") or SpeculativeConfig.max_draft
     hard = args.hard_max_draft
     if hard is not None and hard > max_draft:
