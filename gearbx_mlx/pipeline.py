@@ -417,6 +417,8 @@ def _decide(run: GenerationRun, spec: SpeculativeConfig, draft: DraftModel, gree
     ids = run.ids.tolist()
     own = ({"calibration": None, "measured": stepped_measurement(run.model, draft, ids, spec.max_draft)}
            if draft.sparse else {"calibration": calibrated_stop(gearbox, spec.draft_gear)})
+    if run.kv is not None:  # time the caches the run makes: quantized attention, the MLX draft path
+        own["caches"] = (run.kv.handles[0].make_cache, run.kv.handles[1].make_cache)
     plan = plan_speculative(
         run.model, draft, ids, spec.max_draft, greedy=greedy, mode=spec.mode,
         **{**own, "stop": CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop,

@@ -533,3 +533,16 @@ def test_a_calibration_of_another_vocabulary_names_the_file(tmp_path, capsys):
     assert main(["--model", str(folder), "--prompt", "t2 t3", "--calibration", str(path), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: --calibration {path}: calibration was made for a vocabulary of 49152"), err
+
+
+def test_the_speculative_decision_times_the_drafter_and_caches_the_run_uses():
+    """With a quantized KV cache the run drafts through the MLX tree over quantized caches; the
+    decision timed the host drafter on float caches, a cost the run never had."""
+    skip_without_quantized_attention()
+    model = _model()
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    for kv in ({"kv_bits": 4}, {}):
+        out = list(stream_generate(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, speculative="force", max_tokens=4,
+                                   **kv))
+        stats = out[-1].stats
+        assert stats.plan["drafter"]["path"] == stats.drafter["path"], kv

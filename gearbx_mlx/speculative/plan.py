@@ -40,7 +40,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -107,7 +107,8 @@ class StartMeasurement:
 
 
 def measure_start(
-    model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = MEASURE_REPS
+    model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = MEASURE_REPS,
+    caches: Optional[Tuple[Callable[[], List[Any]], Callable[[], List[Any]]]] = None,
 ) -> StartMeasurement:
     """Time both gears and read their agreement on the prompt ``ids`` (its last
     :data:`MEASURE_TOKENS`).
@@ -117,11 +118,14 @@ def measure_start(
     verify of ``k + 1`` tokens for k = 1..max_k back to back on the warm
     caches (trimmed back after each call). Each kind's median over the rounds
     counts: on a shared machine, interleaving puts a slow spell on all of
-    them alike, and the median drops the odd stalled call.
+    them alike, and the median drops the odd stalled call. ``caches``: makers of
+    the high gear's and the drafter's caches as the run makes them (a quantized
+    KV cache: the MLX draft path, quantized attention); None: mlx-lm's (a host
+    cache for a drafter with a host step).
     """
     ids = list(ids)[-MEASURE_TOKENS:]
     x = mx.array(ids)[None]
-    hc, dc = make_prompt_cache(model), make_prompt_cache(draft)
+    hc, dc = (caches[0](), caches[1]()) if caches else (make_prompt_cache(model), make_prompt_cache(draft))
     stats = prompt_stats(model, draft, x, hc, dc)
     mx.eval([c.state for c in hc], [c.state for c in dc])
     one = mx.array(ids[-1:])[None]
@@ -255,6 +259,7 @@ class PlanOptions:
         stop: :data:`CHOOSE` (the plan picks fixed or gated blocks), None
             (fixed blocks only), or bits (gated blocks at this stop only).
         exact_k: model only ``max_draft`` itself, not the shorter lengths.
+        caches: makers of the run's high-gear and draft caches (:func:`measure_start`).
     """
 
     greedy: bool = True
@@ -263,6 +268,7 @@ class PlanOptions:
     measured: Optional[StartMeasurement] = None
     stop: Union[str, float, None] = CHOOSE
     exact_k: bool = False
+    caches: Optional[Tuple[Callable[[], List[Any]], Callable[[], List[Any]]]] = None
 
 
 def plan_speculative(
@@ -293,7 +299,7 @@ def plan_speculative(
         raise ValueError(f"max_draft must be >= 1, got {max_draft}")
     if stop != CHOOSE and stop is not None and not (isinstance(stop, (int, float)) and stop >= 0):
         raise ValueError(f"stop must be {CHOOSE!r}, None or bits >= 0, got {stop!r}")
-    m = measured if measured is not None else measure_start(model, draft, ids, max_draft)
+    m = measured if measured is not None else measure_start(model, draft, ids, max_draft, caches=o.caches)
     c, v = cost_ratios(m.seconds, m.max_k)
     v = [v[min(k, len(v) - 1)] for k in range(max_draft + 1)]
     key = "alpha_greedy" if greedy else "alpha_sampled"
@@ -322,7 +328,8 @@ def plan_speculative(
     speculate = mode == "force" or (best["speedup"] >= MIN_MODELED_SPEEDUP and low >= MIN_MODELED_SPEEDUP)
     sampled = None if greedy else _any_sampling  # make_drafter reads only whether drafts are sampled
     return SpeculativePlan(
-        speculate=speculate, mode=mode, drafter=make_drafter(draft, log_dist=sampled).describe(), draft_cost=c,
+        speculate=speculate, mode=mode, draft_cost=c,
+        drafter=make_drafter(draft, o.caches[1]() if o.caches else None, log_dist=sampled).describe(),
         verify_cost=v, alpha=alpha, alpha_source=source, speedups=speedups, best_k=int(best["k"]),
         best_speedup=float(best["speedup"]), high_ms=1e3 * m.seconds["high"], draft_ms=1e3 * m.seconds["draft"],
         choice=choice if speculate else "plain", stop_bits=float(best["stop_bits"]) if choice == "gated" else None,
