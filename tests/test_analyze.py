@@ -110,12 +110,21 @@ def test_remote_style_trace_is_read(tmp_path, capsys):
     assert "entropy_lower_bound.p50" in out and "lower bound from the top-10" in out
 
 
+def _edit(line: str, **fields) -> str:
+    return json.dumps({**json.loads(line), **fields})
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda ls: ls[:-1] + [ls[-1][: len(ls[-1]) // 2]], "truncated"),
     (lambda ls: ls[:3] + ["not json {"] + ls[3:], ":4: not JSON"),
     (lambda ls: [ls[0].replace('"version": 1', '"version": 99')] + ls[1:], ":1: trace version 99"),
     (lambda ls: ls[:2] + ls[3:], ":3: token index 2 where 1 was due"),  # a token record lost
     (lambda ls: ls[:3] + ls[2:], ":4: token index 1 where 2 was due"),  # one repeated
+    (lambda ls: ls + ls[-1:], "a second summary"),
+    (lambda ls: ls[:-1] + [_edit(ls[-1], generation_tokens=1000)], "the summary counts 1000 generated tokens"),
+    (lambda ls: ls[:-1] + [_edit(ls[-1], kv_cache="x")], "field 'kv_cache' must be an object"),
+    (lambda ls: [_edit(ls[0], thresholds={"low": "a", "high": 3.0})] + ls[1:], ":1: thresholds.low must be"),
+    (lambda ls: ls[:2] + [_edit(ls[2], step_seconds=-1.0)] + ls[3:], ":3: step_seconds must be >= 0"),
 ])
 def test_bad_traces_name_the_line(tmp_path, capsys, damage, message):
     lines = Q4.read_text().splitlines()

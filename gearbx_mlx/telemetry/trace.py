@@ -257,13 +257,17 @@ def read_trace(path: str | Path) -> Trace:
             _check_header(rec, where)
             header = rec
         elif t == "token":
+            if summary is not None:
+                raise TraceError(f"{where}: a token record after the summary (two runs written into one file?)")
             _check_token(rec, where, header)
             if rec["index"] != len(tokens):  # a writer numbers its tokens 0, 1, 2, ...
                 raise TraceError(f"{where}: token index {rec['index']} where {len(tokens)} was due (records "
                                  "missing, repeated or out of order)")
             tokens.append(rec)
         elif t == "summary":
-            _check_fields(rec, where, _SUMMARY_FIELDS)
+            if summary is not None:
+                raise TraceError(f"{where}: a second summary (two runs written into one file?)")
+            _check_summary(rec, where, len(tokens))
             summary = rec
         elif t == "header":
             raise TraceError(f"{where}: a second header (two traces written into one file?)")
@@ -303,8 +307,21 @@ _TOKEN_FIELDS = {
 }
 _SUMMARY_FIELDS = {
     "interrupted": "bool", "error": "str", "generation_tokens": "int", "tokens_per_gear": "object",
-    "mean_entropy": "number", "nonfinite_steps": "int",
+    "mean_entropy": "number", "nonfinite_steps": "int", "kv_cache": "object",
 }
+#: Token fields that are durations: never negative.
+_SECONDS = ("shift_seconds", "step_seconds", "exchange_seconds")
+
+
+def _check_summary(rec: Dict[str, Any], where: str, n_tokens: int) -> None:
+    _check_fields(rec, where, _SUMMARY_FIELDS)
+    n = rec.get("generation_tokens")
+    if n is not None and n != n_tokens:
+        raise TraceError(f"{where}: the summary counts {n} generated tokens, the trace holds {n_tokens} token "
+                         "records")
+    per = rec.get("tokens_per_gear") or {}
+    if any(not _is_int(v) or v < 0 for v in per.values()):
+        raise TraceError(f"{where}: tokens_per_gear must give a count >= 0 per gear, got {json.dumps(per)[:60]}")
 
 
 def _check_fields(rec: Dict[str, Any], where: str, fields: Dict[str, str]) -> None:
@@ -319,6 +336,9 @@ def _check_fields(rec: Dict[str, Any], where: str, fields: Dict[str, str]) -> No
 
 def _check_header(rec: Dict[str, Any], where: str) -> None:
     _check_fields(rec, where, _HEADER_FIELDS)
+    for name, v in (rec.get("thresholds") or {}).items():
+        if name in ("low", "high") and v is not None and not (_is_number(v) and math.isfinite(v)):
+            raise TraceError(f"{where}: thresholds.{name} must be a finite number of bits, got {json.dumps(v)[:60]}")
     v = rec.get("vocab_size")
     if v is not None and v < 2:
         raise TraceError(f"{where}: vocab_size must be >= 2, got {v}")
@@ -335,6 +355,9 @@ def _check_token(rec: Dict[str, Any], where: str, header: Optional[Dict[str, Any
     vmax = math.log2(header["vocab_size"]) if header and header.get("vocab_size") else math.inf
     if h is not None and not (0 <= h <= vmax + 1e-6):
         raise TraceError(f"{where}: entropy {h} outside [0, log2 V]")
+    for name in _SECONDS:
+        if rec.get(name) is not None and rec[name] < 0:
+            raise TraceError(f"{where}: {name} must be >= 0, got {rec[name]}")
 
 
 def iter_records(trace: Trace) -> Iterable[Dict[str, Any]]:
