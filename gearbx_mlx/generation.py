@@ -128,7 +128,8 @@ class GearboxResponse(GenerationResponse):
     """mlx-lm's response plus what the gearbox saw at this token.
 
     Extra fields:
-        entropy: bits of the distribution this token was sampled from.
+        entropy: bits of the model's next-token distribution at this step (its
+            logits before temperature and any logits processor: what the router reads).
         smoothed_entropy: rolling mean over the window.
         predicted_entropy: look-ahead estimate (§3.5).
         gear: gear of the forward pass that produced this token's logits
@@ -139,8 +140,9 @@ class GearboxResponse(GenerationResponse):
         shift_seconds: cost of that shift (0 if none).
         step_seconds: wall time since the previous response.
         index: 0-based position among the generated tokens.
-        nonfinite: this token's logits held NaN or infinity (the NaN guard
-            replaced them; a :class:`NonFiniteLogitsWarning` says so once).
+        nonfinite: this token's logits held NaN or infinity, the model's or as a
+            caller's logits processor returned them (the NaN guard replaced them;
+            a :class:`NonFiniteLogitsWarning` says so once).
         rank_gears: on a sharded model, the gear each rank ran this step in
             (always all alike; None on one process).
         ranks_agree: on a sharded model, whether every rank's own token,

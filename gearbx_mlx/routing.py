@@ -95,6 +95,7 @@ class RoutingSession:
         self.records: List[StepRecord] = []
         # (index, entropy, NaN flag, the step's exchange on a sharded model)
         self._pending: List[Tuple[int, mx.array, mx.array, Optional[Shared]]] = []
+        self._shape: Tuple[int, ...] = ()  # the model's logits at the latest step
         #: Rank 0's values of each step, on a sharded model (None on one process).
         self.exchange = gearbox.ranks.exchange if gearbox.ranks is not None else None
         self.exchange_seconds = 0.0
@@ -133,6 +134,7 @@ class RoutingSession:
         # Read with the entropy, in the same sync: a NaN guard that hides broken
         # logits (every step then looks maximally uncertain) must not hide that it did.
         bad = mx.logical_not(mx.all(mx.isfinite(logits)))
+        self._shape = tuple(logits.shape)
         self._pending.append((index, entropy_bits(logits).reshape(()), bad, None))
         return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits
 
@@ -141,6 +143,9 @@ class RoutingSession:
         are sampled (a caller's processor may make them non-finite), counted as this step's."""
         if not self._pending:
             return logits
+        if tuple(logits.shape) != self._shape:  # a token would be drawn from a cut or padded vocabulary
+            raise ValueError(f"a logits processor returned logits of shape {tuple(logits.shape)}; the model's "
+                             f"are {self._shape}")
         index, h, bad, shared = self._pending[-1]
         self._pending[-1] = (index, h, mx.logical_or(bad, mx.logical_not(mx.all(mx.isfinite(logits)))), shared)
         return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits

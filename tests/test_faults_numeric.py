@@ -67,6 +67,14 @@ def test_a_logits_processor_that_returns_nan_is_guarded_flagged_and_warned(tiny)
     assert len(ours) == 1 and "logits processor" in str(ours[0].message)
 
 
+def test_a_logits_processor_that_cuts_the_vocabulary_is_one_error(tiny):
+    """A processor returning ``logits[:, :10]`` streamed token 0 silently (mlx-lm's sampler took the cut)."""
+    model, tok, gearbox = load(str(tiny))
+    with pytest.raises(ValueError, match=r"a logits processor returned logits of shape \(1, 10\); the model's"):
+        list(stream_generate(model, tok, "Hello the", gearbox, max_tokens=3,
+                             logits_processors=[lambda tokens, logits: logits[:, :10]]))
+
+
 def test_healthy_logits_are_not_flagged(tiny):
     model, tok, gearbox = load(str(tiny))
     with warnings.catch_warnings():
