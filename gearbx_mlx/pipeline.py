@@ -31,7 +31,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream, stream_genera
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .config import PREFILL_STEP_SIZE
+from .config import GEARS, PREFILL_STEP_SIZE
 from .entropy import EntropyMonitor
 from .gearbox import Gearbox
 from .generation import (
@@ -44,7 +44,7 @@ from .generation import (
     encode_prompt,
 )
 from .kvcache.option import KVOptions, open_kv, options_from, plain_prompt_cache, plain_summary
-from .policies import Policy
+from .policies import Policy, StaticPolicy
 from .record import RunRecord
 from .routing import RoutedModel, RoutingSession
 from .speculative.acceptance import make_log_dist
@@ -232,7 +232,7 @@ def prepare(
     speculative: Union[None, str, SpeculativeConfig] = None,
     draft: Optional[DraftModel] = None,
     plan: Optional[SpeculativePlan] = None,
-    policy: Optional[Policy] = None,
+    policy: Union[None, str, Policy] = None,
     lag: Optional[int] = None,
     seed: Optional[int] = None,
     prompt_text: Optional[str] = None,
@@ -285,7 +285,7 @@ def prepare(
 
 
 def _set_up_routed(run: GenerationRun, sampling: Optional[SamplingOptions], kv_options: KVOptions,
-                   kv_calibration: Any, policy: Optional[Policy], lag: Optional[int], seed: Optional[int],
+                   kv_calibration: Any, policy: Union[None, str, Policy], lag: Optional[int], seed: Optional[int],
                    prompt_text: str) -> None:
     kwargs, gearbox = run.kwargs, run.gearbox
     kwargs.setdefault("prefill_step_size", PREFILL_STEP_SIZE)
@@ -306,6 +306,12 @@ def _set_up_routed(run: GenerationRun, sampling: Optional[SamplingOptions], kv_o
         kv_summary = _use_kv(run, kv_options)
         if seed is not None:
             mx.random.seed(seed)
+        if isinstance(policy, str):  # a gear's name, as --static-gear takes it
+            policy = StaticPolicy(policy)
+        elif policy is not None and not (callable(getattr(policy, "next_gear", None))
+                                         and callable(getattr(policy, "initial", None))):
+            raise TypeError(f"policy must be a gear name ({', '.join(GEARS)}) or a routing policy "
+                            f"(gearbx_mlx.policies), got {type(policy).__name__}")
         session = RoutingSession(gearbox, policy, lag)
         session.kv_cache = kv_summary
         run.record = RunRecord(gearbox, "routed", kv_options=kv_options, kv_cache=kv_summary, session=session)
@@ -453,8 +459,8 @@ def stream_generate(
               output is then exactly the high gear's (token for token when
               greedy, in distribution when sampling).
             * ``draft``, ``plan``: a prebuilt drafter / decision (speculative).
-            * ``policy``, ``lag``: the routing policy (default: the config's)
-              and 0 or 1 (routed).
+            * ``policy``, ``lag``: the routing policy (default: the config's;
+              a gear's name: that gear throughout) and 0 or 1 (routed).
             * ``seed``: seeds MLX's random generator before sampling.
             * ``prompt_text``: what the cold-start classifier reads (routed;
               default: the prompt, decoded if given as ids).

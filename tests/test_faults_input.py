@@ -592,3 +592,19 @@ def test_a_config_changed_after_it_was_checked_is_checked_again_before_a_run():
     gearbox.config.window = 0
     with pytest.raises(ValueError, match="window must be an integer from 1"):
         gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2)
+
+
+def test_a_policy_given_as_a_gear_name_is_that_gear_and_anything_else_is_named():
+    """``policy="low"`` (the CLI's --static-gear low) failed with an AttributeError."""
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    import gearbx_mlx
+
+    model, tokenizer = make_tiny_llama(), make_tiny_tokenizer()
+    gearbox = gearbx_mlx.Gearbox(model)
+    out = list(gearbx_mlx.stream_generate(model, tokenizer, [1, 2], gearbox, max_tokens=3, policy="low"))
+    assert [r.gear for r in out] == ["low"] * 3
+    with pytest.raises(ValueError, match="unknown gear 'fast'"):
+        gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, policy="fast")
+    with pytest.raises(TypeError, match="policy must be a gear name"):
+        gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, policy=3)
