@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import make_tiny_llama, make_tiny_tokenizer, skip_without_quantized_attention
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from gearbx_mlx.calibration import Calibration
@@ -178,6 +178,28 @@ def test_an_empty_prompt_cache_list_is_filled_in_place_without_the_kv_option_too
     run = stream_speculative_generate if speculative else stream_generate
     out = list(run(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=4, prompt_cache=cache))
     assert out and len(cache) == len(model.layers) and cache[0].offset >= len(PROMPT)
+
+
+@pytest.mark.parametrize("rotation", ["auto", "none"])
+@pytest.mark.parametrize("start", [3, 7, 9, 12])
+def test_speculative_converts_a_float_cache_at_the_token_mlx_lm_does(rotation, start):
+    """A cache quantized from token ``start`` is converted after the step that reaches it (mlx-lm's
+    rule); blocks that crossed the start read the positions after it in float, and the prefill
+    never converted between its chunks: the text differed from the high gear's."""
+    skip_without_quantized_attention()
+    model = _model(seed=1)
+    # weights x3: logits whose argmax a 2-bit cache's rounding moves (as it does not for the plain tiny model)
+    model.update({"model": {"layers": tree_map(lambda a: 3 * a, model.model.parameters()["layers"])}})
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    high = Gearbox(model, GearboxConfig(scope="all", static_gear="high"), vocab_size=VOCAB)
+    kv = dict(kv_bits=2, kv_rotation=rotation, quantized_kv_start=start)
+    tok = make_tiny_tokenizer(VOCAB)
+    prompt = PROMPT * 2  # 12 tokens: prefilled in chunks of 4 below, the start inside or past them
+    ref = [r.token for r in stream_generate(model, tok, prompt, high, max_tokens=12, prefill_step_size=4, **kv)]
+    config = SpeculativeConfig(max_draft=4, prefill_step_size=4)
+    out = [r.token for r in stream_speculative_generate(model, tok, prompt, gb, config=config, max_tokens=12,
+                                                        **kv)]
+    assert out == ref
 
 
 def test_speculative_keeps_both_caches_quantized_and_matches_the_high_gear():

@@ -344,7 +344,8 @@ class _BlockLoop:
 
     def run(self, prompt: mx.array, max_tokens: int) -> Generator[SpeculativeToken, None, None]:
         with mx.stream(generation_stream):
-            y = prefill(self.model, self.hcache, prompt, self.config.prefill_step_size)
+            due = (lambda: self.kv.quantize_due(self.hcache)) if self.kv is not None else None
+            y = prefill(self.model, self.hcache, prompt, self.config.prefill_step_size, after_chunk=due)
             self.drafter.prefill(prompt)
             while max_tokens < 0 or self.ntoks < max_tokens:
                 if self.kv is not None:
@@ -353,12 +354,24 @@ class _BlockLoop:
                 tok = yield from self._block(y, max_tokens)
                 y = mx.array([tok], dtype=mx.uint32)
 
+    def _float_positions_left(self) -> Optional[int]:
+        """Positions the high gear's float KV cache takes before its quantization start (None: no such
+        cache). mlx-lm converts the cache after the step that reaches the start, so the positions
+        after it are read quantized; a block that crossed the start would read them in float."""
+        if self.kv is None or not self.hcache or not hasattr(self.hcache[0], "to_quantized"):
+            return None
+        left = self.kv.config.quantized_kv_start - self.hcache[0].offset
+        return left if left > 0 else None
+
     def _block(self, y: mx.array, max_tokens: int) -> Generator[SpeculativeToken, None, int]:
         """Draft, verify and emit one block; returns the high gear's token that ends it."""
         stats, exchange = self.stats, self.exchange
         tic = time.perf_counter()
         cap, stop = block_cap(self.config, self.monitor, self.seen,
                               max_tokens - self.ntoks if max_tokens >= 0 else None)
+        left = self._float_positions_left()
+        if left is not None and left - 1 < cap:
+            cap, stop = left - 1, "limit"
         block = self.drafter.draft(cap)
         stop, k = block.stop or stop, block.tokens.size
         logits = self.model(mx.concatenate([y, block.tokens])[None], cache=self.hcache)[0, -(k + 1):]

@@ -71,15 +71,20 @@ class DraftBlock:
         return DraftBlock(mx.array([], dtype=mx.uint32), mx.zeros((0,)))
 
 
-def prefill(model: Any, cache: List[Any], tokens: mx.array, step: int) -> mx.array:
+def prefill(model: Any, cache: List[Any], tokens: mx.array, step: int,
+            after_chunk: Optional[Callable[[], None]] = None) -> mx.array:
     """Feed all but the last of ``tokens`` in chunks of ``step``; return the last (as mlx-lm).
-    A drafter computes no logits on the way (:meth:`~gearbx_mlx.speculative.draft.DraftModel.feed`)."""
+    A drafter computes no logits on the way (:meth:`~gearbx_mlx.speculative.draft.DraftModel.feed`).
+    ``after_chunk``: called after each chunk (mlx-lm converts a float KV cache that reached its
+    quantization start there)."""
     while tokens.size > 1:
         n = min(step, tokens.size - 1)
         if isinstance(model, DraftModel):
             model.feed(tokens[:n][None], cache)
         else:  # only the caches are evaluated: the logits' graph is never computed
             model(tokens[:n][None], cache=cache)
+            if after_chunk is not None:
+                after_chunk()
             mx.eval([c.state for c in cache])
         tokens = tokens[n:]
     return tokens
