@@ -49,11 +49,12 @@ def test_dumps_is_strict_json_and_keeps_every_finite_value(obj):
 def test_trace_header_and_summary_objects_are_strict_json(tmp_path_factory, fields):
     path = tmp_path_factory.mktemp("t") / "t.jsonl"
     with TraceWriter(path) as w:
-        w.header(model="m", thresholds={"low": float("nan"), "high": [1.0, float("inf")]}, extra=fields)
+        w.header(model="m", thresholds={"low": float("nan"), "high": 3.0, "history": [1.0, float("inf")]},
+                 extra=fields)
         w.token(index=0, entropy=1.0, gear="low", shift=False)
         w.summary(memory={"peak": float("-inf"), "per_gear": {"low": float("nan")}}, entries=fields)
     lines = [strict_loads(line) for line in path.read_text().rstrip("\n").split("\n")]  # JSON Lines: "\n" only
-    assert lines[0]["thresholds"] == {"low": None, "high": [1.0, None]}
+    assert lines[0]["thresholds"] == {"low": None, "high": 3.0, "history": [1.0, None]}
     assert lines[-1]["memory"] == {"peak": None, "per_gear": {"low": None}}
     assert lines[-1]["entries"] == _expected(fields)
     read_trace(path)
