@@ -12,11 +12,12 @@ outputs with an optimized BLAS (OpenBLAS preloaded, as ``.ci/run`` and the
 command lines do) under ``cases`` and with the reference BLAS that MLX's Linux
 wheel links under ``reference_blas_cases`` (written by ``--write`` without the
 preload, from the same code), and the test compares with the one this
-process runs on. OpenBLAS picks its kernels by CPU (``openblas_get_corename``:
-Zen on AMD EPYC, SkylakeX on Intel Xeon), and their sums differ in order too:
-``cases`` was recorded on one, ``optimized_blas_kernels`` holds the outputs of
-others (``--write-kernel``, from the same code), and with an optimized BLAS an
-output must equal one of them. The reference BLAS gives the same outputs on both.
+process runs on. OpenBLAS picks its kernels by CPU (``openblas_get_corename``),
+and their sums differ in order too: ``cases`` was recorded on an AMD EPYC,
+``optimized_blas_kernels`` holds the outputs on other CPUs, named by their
+OpenBLAS kernels and the package's C kernels (``--write-kernel``, from the same
+code), and with an optimized BLAS an output must equal one of them. The
+reference BLAS gave the same outputs on an Intel Xeon as on the AMD EPYC.
 """
 
 from __future__ import annotations
@@ -89,17 +90,21 @@ def test_greedy_output_matches_the_record(name):
 
 
 def blas_kernel() -> str:
-    """OpenBLAS's kernel family for this CPU (``openblas_get_corename``), or what else runs the products."""
+    """OpenBLAS's kernel family for this CPU (``openblas_get_corename``; else what runs the products),
+    and the instruction sets of the package's C kernels."""
     import ctypes
 
+    from gearbx_mlx.bindings import cpu
     from gearbx_mlx.blas import optimized
 
+    info = cpu.info()
+    c = f"C kernels {info['float_isa']}/{info['intdot_isa']}" if info["available"] else "no C kernels"
     try:
         name = ctypes.CDLL(None).openblas_get_corename
     except (AttributeError, OSError):
-        return "optimized" if optimized() else "reference"
+        return f"{'optimized' if optimized() else 'reference'} BLAS, {c}"
     name.restype = ctypes.c_char_p
-    return f"OpenBLAS {name().decode()}"
+    return f"OpenBLAS {name().decode()}, {c}"
 
 
 def record_key(optimized_blas: bool) -> str:
