@@ -240,3 +240,13 @@ def test_routing_plot_has_a_key_for_the_gear_colours(tmp_path):
     for g in ("low", "high"):
         assert keys[f"{g} gear"].get_facecolor()[:3] == pytest.approx(to_rgb(GEAR_COLORS[g]))
     plt.close(fig)
+
+
+def test_a_pipe_given_as_a_trace_is_named_so(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    assert analyze.main([str(fifo)]) == 1
+    err = capsys.readouterr().err
+    assert "is not a regular file" in err and "not found" not in err and err.count("\n") == 1

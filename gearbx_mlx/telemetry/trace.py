@@ -225,6 +225,8 @@ def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory: give a trace file (.jsonl)")
+    if path.exists() and not path.is_file():
+        raise TraceError(f"{path} is not a regular file (a device, pipe or socket): give a trace file (.jsonl)")
     if not path.is_file():
         raise FileNotFoundError(f"trace not found: {path}")
     header, tokens, summary = None, [], None
