@@ -306,6 +306,13 @@ def test_malformed_json_is_400(server: int) -> None:
     ({"n": 2}, 400, "n must be 1"),
     ({"n": "1"}, 400, "n must be 1"),
     ({"model": "gpt-4o"}, 404, "is not served here"),
+    # accepted by mlx-lm's checks, then failed after the 200 (closed connection, stream without [DONE])
+    ({"max_tokens": True}, 400, "max_tokens must be an integer, got true"),
+    ({"max_completion_tokens": True}, 400, "max_completion_tokens must be an integer"),
+    ({"stream": True, "stream_options": "yes"}, 400, "stream_options must be an object"),
+    ({"messages": "hi"}, 400, "messages must be a list of objects"),
+    ({"messages": [{"role": "user", "content": "\ud800 hi"}]}, 400,
+     "messages[0].content is not valid Unicode text"),
 ])
 def test_refused_requests(server: int, body: Dict[str, Any], status: int, words: str) -> None:
     got, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, **body})

@@ -47,6 +47,47 @@ def logprobs_content(records: List[Response], top: bool) -> List[Dict[str, Any]]
     return out
 
 
+def check_request_shape(body: Any, path: str) -> None:
+    """Refuse, with a 400 naming the field, request values mlx-lm's checks let through and
+    then fail on after the 200 (a closed connection, a stream cut without ``[DONE]``) or
+    answer with a library's message: token counts that are not integers (``true`` is one to
+    Python), ``stream_options`` that is not an object, chat messages that are not objects,
+    and text that is not valid Unicode (a lone surrogate from a ``\\ud800`` escape)."""
+    if not isinstance(body, dict):
+        return  # mlx-lm's own check answers it
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and type(v) is not int:
+            raise ValueError(f"{key} must be an integer, got {json.dumps(v)[:40]}")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ValueError(f"stream_options must be an object, got {json.dumps(opts)[:40]}")
+    if path != TEXT_COMPLETIONS and "messages" in body:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+            raise ValueError("messages must be a list of objects with a role and content, got "
+                             f"{json.dumps(msgs)[:40]}")
+    bad = _invalid_text(body)
+    if bad is not None:
+        raise ValueError(f"{bad} is not valid Unicode text (a lone surrogate such as \\ud800)")
+
+
+def _invalid_text(x: Any, where: str = "") -> Optional[str]:
+    """Where ``x`` holds a string that UTF-8 cannot encode, or None."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "the request"
+        return None
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        bad = _invalid_text(v, (f"{where}.{k}" if where else k) if isinstance(k, str) else f"{where}[{k}]")
+        if bad is not None:
+            return bad
+    return None
+
+
 def check_request_values(body: Dict[str, Any], values: Dict[str, Any], path: str) -> None:
     """What mlx-lm's server lets through but the generation refuses after the response has begun
     (then the client would get no answer at all): a 400 naming the field instead.
@@ -77,6 +118,7 @@ class GearAPIHandler(APIHandler):
     gear_request: Optional[GearRequest] = None
 
     def validate_model_parameters(self) -> None:
+        check_request_shape(self.body, self.path)
         super().validate_model_parameters()
         cli = self.response_generator.cli_args
         if self.max_tokens > cli.max_tokens:
