@@ -159,6 +159,27 @@ def test_a_damaged_entry_in_the_way_is_replaced_on_install(tmp_path):
     assert check_entry(out) is None and not new.exists() and _temps(tmp_path) == []
 
 
+@pytest.mark.parametrize("kind", ["fifo", "file", "symlink"])
+def test_a_fifo_or_file_in_the_place_of_an_entry_is_replaced_without_blocking(tmp_path, kind):
+    """rmtree opens its path first: a FIFO moved aside blocked the run forever after it rebuilt the model."""
+    out = tmp_path / "e"
+    if kind == "fifo":
+        os.mkfifo(out)
+    elif kind == "file":
+        out.write_text("x")
+    else:
+        out.symlink_to(tmp_path / "nowhere")
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "config.json").write_text('{"a": 1}')
+    entries.write_record(new)
+    done = []
+    t = threading.Thread(target=lambda: done.append(entries.install(new, out)), daemon=True)
+    t.start()
+    t.join(30)
+    assert done == [out] and check_entry(out) is None and _temps(tmp_path) == []
+
+
 # -- stale temporaries ---------------------------------------------------------------------------------------
 def _spawn(script: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

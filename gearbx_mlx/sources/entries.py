@@ -293,7 +293,7 @@ def clean_stale(parent: Path, say: Optional[Callable[[str], None]] = None) -> in
         if not stale:
             continue
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
+            remove_path(p)
         else:
             with contextlib.suppress(OSError):
                 p.unlink()
@@ -337,8 +337,24 @@ def install(new: Path, out: Path, say: Optional[Callable[[str], None]] = None) -
                 f"the cached {out} is damaged ({reason}) and could not be replaced ({e.strerror}): "
                 f"delete {out} and run again"
             ) from None
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_path(aside)
     raise RuntimeError(f"could not install {out} (other runs keep replacing it): delete {out} and run again")
+
+
+def remove_path(p: Path) -> None:
+    """Remove a folder tree, or whatever else is at ``p`` (a file, a link, a FIFO), ignoring errors.
+    ``shutil.rmtree`` opens its path first, and opening a FIFO blocks until a writer comes."""
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 
 
 def build_entry(
