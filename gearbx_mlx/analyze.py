@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from . import launch
 from .atomicfile import check_target
-from .console import error_line
+from .console import CommandParser, error_line
 from .plotting import require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
 from .telemetry.plots import plot_all
@@ -20,7 +20,7 @@ from .telemetry.trace import TraceError
 
 # -- command line -------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m gearbx_mlx.analyze",
         description="Summarise gearbx traces: gears, shifts, entropy quantiles, timing; "
         "several traces side by side.",

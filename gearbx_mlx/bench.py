@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 from . import launch
 from .atomicfile import check_target
 from .blas import ensure_fast_blas
-from .console import USER_ERRORS, exit_status, show_warning
+from .console import USER_ERRORS, CommandParser, exit_status, show_warning
 from .evaluation.bench import (
     MIN_RUN_TOKENS,
     QUICK,
@@ -38,7 +38,7 @@ DEFAULT_OUT = "gearbx-bench.json"
 
 def build_parser() -> argparse.ArgumentParser:
     d = BenchSettings()
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m gearbx_mlx.bench",
         description="Measure decode speed on this machine: plain decoding, every static gear with MLX's and the "
                     "packed kernels, the dynamic policy (separate and nested store), speculative decoding (fixed "

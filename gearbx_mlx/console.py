@@ -3,6 +3,7 @@ traced as it goes, and warnings as one plain line each."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -13,6 +14,14 @@ from .telemetry.trace import sigint_deferred
 
 #: ``--color`` values: ``auto`` (the flag alone) colours only a terminal.
 COLOR_MODES: Tuple[str, ...] = ("auto", "always", "never")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one ``error:`` line naming the flag (argparse's own
+    prints its whole usage block first), then exit status 2 as argparse's."""
+
+    def error(self, message: str) -> Any:  # argparse's signature: never returns
+        self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
 
 
 def add_color_arg(parser: Any) -> None:

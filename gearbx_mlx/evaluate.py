@@ -23,7 +23,7 @@ from . import launch
 from .atomicfile import check_target
 from .blas import ensure_fast_blas
 from .config import MAX_RUN_TOKENS, GearboxConfig
-from .console import error_line
+from .console import CommandParser, error_line
 from .evaluation import report
 from .evaluation.harness import DEFAULT_SPEED_PROMPT, DEFAULT_WINDOW, PLOT_PREFIX, evaluate, read_text
 from .evaluation.machine import blas, load_average
@@ -43,7 +43,7 @@ from .telemetry.trace import versions
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m gearbx_mlx.evaluate",
         description="Measure quality (teacher-forced perplexity, KL and top-1 agreement to the "
         "full-precision model) of the gear policies against their matched baselines on a real model; with "

@@ -34,6 +34,7 @@ from .config import (
     GearboxConfig,
 )
 from .console import (
+    CommandParser,
     add_color_arg,
     check_flag,
     error_line,
@@ -70,7 +71,7 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m gearbx_mlx.generate",
         description="Generate text, routing each step through 4-bit, 8-bit or full "
         "precision weights by the entropy of the next-token distribution.",

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import launch
 from .atomicfile import check_target, write_text
 from .bindings import gpu, guard
-from .console import USER_ERRORS, exit_status, show_warning
+from .console import USER_ERRORS, CommandParser, exit_status, show_warning
 from .evaluation.machine import describe, hardware, software
 from .jsonsafe import dumps
 from .kernelcheck import PLANTS, KernelCheck, format_table, run_checks, run_checks_parallel, table_rows
@@ -133,7 +133,7 @@ def format_report(report: Dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m gearbx_mlx.selftest",
         description="Run every custom kernel this machine can run (Metal or CUDA on a GPU, the C kernels on "
                     "the CPU) against the pure-MLX reference, over odd shapes and every input dtype. Exits 1 "

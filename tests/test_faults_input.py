@@ -14,8 +14,10 @@ from __future__ import annotations
 import importlib
 import io
 import json
+import os
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -608,3 +610,22 @@ def test_a_policy_given_as_a_gear_name_is_that_gear_and_anything_else_is_named()
         gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, policy="fast")
     with pytest.raises(TypeError, match="policy must be a gear name"):
         gearbx_mlx.generate(model, tokenizer, [1, 2], gearbox, max_tokens=2, policy=3)
+
+
+@pytest.mark.parametrize("command, argv, words", [
+    ("generate", ["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    ("generate", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("server", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("evaluate", ["--tokens", "x"], "argument --tokens: invalid int value"),
+    ("bench", ["--rounds", "x"], "argument --rounds: invalid int value"),
+    ("analyze", [], "the following arguments are required"),
+    ("remote", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("selftest", ["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_flag_argparse_refuses_is_one_error_line(command, argv, words):
+    """argparse printed its whole usage block (33 lines for generate) before its error."""
+    p = subprocess.run([sys.executable, "-m", f"gearbx_mlx.{command}", *argv], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "GEARBX_NO_BLAS_PRELOAD": "1"})
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and words in p.stderr, p.stderr
+    assert f"python -m gearbx_mlx.{command} --help" in p.stderr

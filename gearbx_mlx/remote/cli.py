@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .. import launch
 from ..atomicfile import check_target
 from ..config import ANSI_RESET, GEAR_ANSI, GearboxConfig
-from ..console import add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
+from ..console import CommandParser, add_color_arg, check_flag, error_line, finite, read_stdin_text, use_color
 from ..telemetry.trace import TraceWriter
 from .session import DEFAULT_TOP_K, RemoteSession, SessionOptions, parse_variants, resolve_vocab_size
 from .transport import Limits
@@ -22,7 +22,7 @@ from .transport import Limits
 
 # -- command line ----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m gearbx_mlx.remote",
         description="Chat with OpenAI-compatible servers (mlx-lm, Ollama, llama.cpp), routing each "
         "prompt to a variant and recording per-token entropy bounds from top_logprobs.",
