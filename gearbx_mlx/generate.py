@@ -51,6 +51,7 @@ from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOpti
 from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
 from .run_summary import format_summary
+from .sources.entries import remove_path
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
@@ -375,8 +376,17 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         return "prefill"
     cached = None if args.calibration or ranks is not None else cached_calibration_path(
         gearbox.model_dir, gearbox.model_name, _calibration_settings(args, gearbox))
-    if cached is not None and cached.is_file():
-        gearbox.set_calibration(Calibration.load(cached))
+    reused = False
+    if cached is not None and (cached.exists() or cached.is_symlink()):
+        try:
+            if not cached.is_file():
+                raise ValueError("not a regular file")
+            gearbox.set_calibration(Calibration.load(cached))
+            reused = True
+        except (ValueError, OSError) as e:  # the package's own cache: rebuilt, not the user's to mend
+            warnings.warn(f"the saved calibration {cached} is damaged ({e}): calibrating again", stacklevel=2)
+            remove_path(cached)
+    if reused:
         say(args, f"reusing the calibration saved by an earlier --calibrate of this model and settings: {cached} "
                   "(delete it to calibrate again)")
     else:

@@ -428,3 +428,37 @@ def test_a_new_temporary_waits_out_another_runs_probe_of_its_lock(tmp_path, monk
     with entries.temporary_dir(tmp_path, "probe") as tmp:
         assert tmp.is_dir() and entries._owner_alive(tmp) is True
     assert _temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "wrong order", "fifo", "folder"])
+def test_a_damaged_saved_calibration_is_calibrated_again(gguf, cache_root, capsys, damage):
+    """The package's own calibration cache: a damaged entry made every --calibrate run exit 1
+    until deleted by hand (a FIFO or folder there failed only after calibrating)."""
+    import json as _json
+
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import main
+
+    folder = str(_resolve(gguf))
+    argv = ["--model", folder, "--calibrate", "--prompt", "t2 t3", "--max-tokens", "2", "--ignore-chat-template"]
+    assert main(argv) == 0
+    saved = list((cache_root / "calibrations").glob("*.json"))
+    assert len(saved) == 1
+    path = saved[0]
+    if damage == "truncated":
+        path.write_text(path.read_text()[:50])
+    elif damage == "wrong order":
+        d = _json.loads(path.read_text())
+        d["low"], d["high"] = d["high"] + 1, d["low"]
+        path.write_text(_json.dumps(d))
+    elif damage == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    else:
+        path.unlink()
+        path.mkdir()
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "calibrating again" in err, err
+    assert path.is_file() and Calibration.load(path).low < Calibration.load(path).high
