@@ -462,3 +462,15 @@ def test_a_damaged_saved_calibration_is_calibrated_again(gguf, cache_root, capsy
     err = capsys.readouterr().err
     assert "is damaged" in err and "calibrating again" in err, err
     assert path.is_file() and Calibration.load(path).low < Calibration.load(path).high
+
+
+def test_a_gguf_rewritten_in_place_at_the_same_size_is_converted_again(gguf, cache_root):
+    """The cache was keyed by name and size only: zeroed weights of the same size reused the old conversion."""
+    first = _resolve(gguf)
+    data = bytearray(gguf.read_bytes())
+    data[-64:] = bytes(64)  # the last tensor's bytes, same size
+    gguf.write_bytes(bytes(data))
+    os.utime(gguf, ns=(time.time_ns(), time.time_ns() + 10**9))  # a later modification time, whatever the clock
+    second = _resolve(gguf)
+    assert second != first and check_entry(second) is None
+    assert _resolve(gguf) == second  # unchanged since: reused

@@ -109,9 +109,11 @@ def pypi_model_path(name: str, dtype: Optional[str] = None, progress: bool = Tru
 
 
 def gguf_model_path(gguf: Path, dtype: Optional[str] = None, progress: bool = True) -> Path:
-    """An mlx-lm folder converted from a local GGUF file (cached by name and size)."""
+    """An mlx-lm folder converted from a local GGUF file, cached by its name, size and
+    modification time: a file rewritten in place (same name and size) is converted again."""
     dtype = dtype or default_dtype()
-    out = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}-{dtype}"
+    st = gguf.stat()
+    out = cache_dir() / "models" / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-{dtype}"
     if entry_usable(out):
         return out
     return converted_gguf(gguf, out, dtype, progress)
