@@ -645,3 +645,22 @@ def test_stream_options_without_include_usage_is_openais_false(server: int) -> N
     events = [json.loads(d) for d in data[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in e for e in events)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_that_spans_tokens_ends_the_answer(server: int, stream: bool) -> None:
+    """mlx-lm matches stop words by their own tokenization: a stop of two words never matched the
+    model's tokens, its text was cut out of the middle and the answer ran on to its length."""
+    body = {"messages": MESSAGES, "max_tokens": 24, "gearbx": POLICIES["high"]}
+    full = request(server, "/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
+    words = full.split(" ")
+    assert len(words) > 6, full
+    stop = " " + " ".join(words[3:5])  # two words: several tokens
+    if stream:
+        events = list(sse(server, "/v1/chat/completions", {**body, "stop": [stop]}))
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]
+    else:
+        choice = request(server, "/v1/chat/completions", {**body, "stop": stop})[1]["choices"][0]
+        text, finish = choice["message"]["content"], choice["finish_reason"]
+    assert finish == "stop" and text == full[:full.index(stop)], (text, full, stop)

@@ -219,11 +219,20 @@ class GearResponseGenerator(ResponseGenerator):
         saved = gearbox.thresholds
         records: List[Response] = []
         last = finish = None
+        stops = [w for w in (args.stop_words or []) if w]
+        longest, tail = max((len(w) for w in stops), default=0), ""
         try:
             if options.thresholds is not None:
                 gearbox.set_thresholds(*options.thresholds)
             for last in package_stream(provider.model, tokenizer, rest, gearbox, speculative=spec, **kwargs):
                 finish = "stop" if stop_matcher.advance(last.token) else last.finish_reason
+                if stops and finish is None:
+                    # mlx-lm matches a stop word by its own tokens, which a word spanning tokens that the
+                    # model split otherwise never meets: its text state machine then cut the word out of
+                    # the text and generation ran on. The text is matched here too.
+                    tail = (tail + last.text)[-(longest + len(last.text)):]
+                    if any(w in tail for w in stops):
+                        finish = "stop"
                 r = Response(last.text, last.token, last.logprobs[last.token].item(), finish,
                              format_top_logprobs(last.logprobs, args.top_logprobs, tokenizer), gear=last.gear,
                              entropy=last.entropy, drafted=getattr(last, "drafted", None) if spec else None,
