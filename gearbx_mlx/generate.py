@@ -294,6 +294,10 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         if writer:
             writer.header(model=args.model or "default", sampling=_sampling(args))
         sharded = {"group": ranks.group} if ranks is not None else {}
+        if args.low_quant != "rtn":
+            say(args, f"loading; the low gear by mlx-lm's {args.low_quant.upper()} is built once and then read from "
+                "the planes cache" + (" (its first build takes many minutes on a CPU)"
+                                       if args.low_quant in ("awq", "dwq") else "") + " ...")
         model, tokenizer, gearbox = load(args.model, config=config, dtype=args.dtype,
                                          draft_scope=args.draft_scope if args.speculative else None,
                                          draft_gear=args.draft_gear if args.speculative else None, **sharded)
