@@ -474,3 +474,22 @@ def test_a_gguf_rewritten_in_place_at_the_same_size_is_converted_again(gguf, cac
     second = _resolve(gguf)
     assert second != first and check_entry(second) is None
     assert _resolve(gguf) == second  # unchanged since: reused
+
+
+def test_a_full_disk_while_converting_names_the_file_and_the_cause(gguf, cache_root, monkeypatch, capsys):
+    """MLX's own write error said "Unable to write N bytes to file." naming neither (an injected ENOSPC)."""
+    import errno
+
+    from gearbx_mlx.generate import main
+    from gearbx_mlx.sources import gguf as gguf_mod
+
+    def full(fh, *args, **kwargs):
+        fh.write(b"x" * 10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gguf_mod.mx, "save_safetensors", full)
+    assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: cannot write the converted model into {cache_root / 'models'} (No space left on "
+                       "device): free space there or point GEARBX_CACHE elsewhere"), err
+    assert _temps(cache_root / "models") == []  # the half-written folder is not left behind

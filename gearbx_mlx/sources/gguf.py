@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from . import gemma3
+from .entries import TMP_PREFIX
 from .spm import spm_tokenizer
 
 GGUF_GROUP = 32
@@ -565,7 +566,17 @@ def write_model_folder(
     """
     tok = _tokenizer_files(meta)
     out_dir.mkdir(parents=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    weights = out_dir / "model.safetensors"
+    try:
+        with open(weights, "wb") as fh:  # a Python file: MLX then reports a failed write as the OSError it is
+            mx.save_safetensors(fh, tensors, metadata={"format": "mlx"})
+    except (OSError, RuntimeError) as e:
+        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+        home = out_dir.parent  # the cache folder, above the build's temporaries
+        while home.name.startswith(TMP_PREFIX) and home.parent != home:
+            home = home.parent
+        raise OSError(f"cannot write the converted model into {home} ({cause}): free space there "
+                      "or point GEARBX_CACHE elsewhere") from None
     config["gearbx_source"] = {
         "gguf": gguf_path.name, "file_type": _scalar(meta, "general.file_type"), **source
     }
