@@ -204,12 +204,20 @@ def ensure_fast_blas(
     if not env.get(REEXEC_ENV):
         for lib in candidates(env) if libraries is None else libraries:
             if loadable(Path(lib)):
-                pre = env.get("LD_PRELOAD", "")
+                pre = env.get("LD_PRELOAD")
                 env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else str(lib)
                 env[REEXEC_ENV] = "1"
                 out.flush()
                 cmd = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-                execv(sys.executable, [sys.executable, *cmd[1:]])
+                try:
+                    execv(sys.executable, [sys.executable, *cmd[1:]])
+                except OSError:  # the interpreter cannot be run again (permissions, a sandbox): run as is
+                    if pre is None:
+                        env.pop("LD_PRELOAD", None)
+                    else:
+                        env["LD_PRELOAD"] = pre
+                    env.pop(REEXEC_ENV, None)
+                    break
                 return "restarted"
     print(notice(), file=out, flush=True)
     return "notice"

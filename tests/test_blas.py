@@ -50,6 +50,24 @@ def test_restarts_with_the_library_preloaded_where_it_exists(tmp_path):
 
 
 @linux_only
+@pytest.mark.parametrize("preload", [None, "/other.so"])
+def test_a_restart_the_system_refuses_runs_on_with_the_notice(preload):
+    """execv's PermissionError (an unprivileged user, a sandbox) was a traceback."""
+    lib = blas.debian_openblas()
+    if not blas.loadable(lib):
+        pytest.skip(f"{lib} is not installed")
+    env = {} if preload is None else {"LD_PRELOAD": preload}
+    out = io.StringIO()
+
+    def refused(exe, argv):
+        raise PermissionError(13, "Permission denied")
+
+    got = blas.ensure_fast_blas(None, environ=env, execv=refused, stream=out, libraries=[lib], is_fast=lambda: False)
+    assert got == "notice" and out.getvalue().count("\n") == 1
+    assert env == ({} if preload is None else {"LD_PRELOAD": preload})  # as it was
+
+
+@linux_only
 def test_prints_one_notice_where_no_library_exists(tmp_path):
     env = {}
     got, calls, text = _call(env, [tmp_path / "missing.so", tmp_path / "also-missing.so.0"])
