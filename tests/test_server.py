@@ -132,6 +132,7 @@ def sse(port: int, path: str, body: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
 def server() -> Iterator[int]:
     port = free_port()
     proc = start_server(port, *SERVER_FLAGS)
+    PROCESSES[port] = proc
     try:
         wait_until(lambda: proc.poll() is not None or (health(port) or {}).get("gearbx", {}).get("loaded"),
                    180, "the server to load")
@@ -139,6 +140,10 @@ def server() -> Iterator[int]:
         yield port
     finally:
         stop(proc)
+
+
+#: The session server's process by port (its log is read by a test).
+PROCESSES: Dict[int, subprocess.Popen] = {}
 
 
 @pytest.fixture(scope="session")
@@ -280,6 +285,8 @@ def test_client_disconnect_mid_stream(server: int, reference: Any) -> None:
     sock.close()
     wait_until(lambda: (h := health(server)) and h["gearbx"]["gear"] == "high" and h["gearbx"]["queued"] == 0,
                120, "the gearbox back in the high gear")
+    log = stderr_of(PROCESSES[server])
+    assert "BrokenPipeError" not in log and "ConnectionResetError" not in log, log[-2000:]
     test_chat_equals_package(server, reference, "high")
     test_chat_equals_package(server, reference, "dynamic")
 

@@ -149,6 +149,9 @@ class GearAPIHandler(APIHandler):
         except ServerStopping as e:
             logging.warning("request cut short: %s", e)
             self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError):  # the client went away mid-answer: its business
+            logging.info("client disconnected before the answer ended")
+            self.close_connection = True
 
     def _gear_request(self, request: CompletionRequest) -> GearRequest:
         self.gear_request = GearRequest.of(request, self.gearbx)
