@@ -40,6 +40,11 @@ def apply_chat_template(
     Raises:
         ValueError: the template failed to render (a broken or hostile template).
     """
+    if system_prompt and (not use_template or not has_chat_template(tokenizer)):
+        # a system prompt has a place only in a chat template (mlx-lm drops it without a word)
+        warnings.warn("the system prompt is not used: "
+                      + ("the chat template is off" if not use_template else "this model has no chat template")
+                      + " (the prompt goes in as raw text)", UserWarning, stacklevel=2)
     if not use_template:
         return prompt
     if not has_chat_template(tokenizer):

@@ -322,6 +322,18 @@ def test_a_base_model_without_a_chat_template_says_so_once(tiny, tmp_path, capsy
     assert code == 0 and RAW_PROMPT_NOTICE not in err, err
 
 
+def test_a_system_prompt_without_a_chat_template_is_said_to_be_unused(tiny, tmp_path, capsys):
+    """mlx-lm drops --system-prompt on a model without a template (or with --ignore-chat-template) silently."""
+    code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--max-tokens", "2", "--system-prompt", "Be brief.")
+    assert code == 0 and "the system prompt is not used: this model has no chat template" in err, err
+    chat = copy_model(tiny, tmp_path / "chat", chat_template="{{ messages[0]['content'] }}")
+    code, err = gen(capsys, "--model", str(chat), "--prompt", "hi", "--max-tokens", "2", "--system-prompt", "Be brief.",
+                    "--ignore-chat-template")
+    assert code == 0 and "the system prompt is not used: the chat template is off" in err, err
+    code, err = gen(capsys, "--model", str(chat), "--prompt", "hi", "--max-tokens", "2", "--system-prompt", "Be brief.")
+    assert code == 0 and "system prompt is not used" not in err, err
+
+
 def test_the_raw_prompt_notice_is_one_warning_for_many_prompts(tiny):
     import warnings
 
