@@ -641,3 +641,16 @@ def test_a_flag_argparse_refuses_is_one_error_line(command, argv, words):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and words in p.stderr, p.stderr
     assert f"python -m gearbx_mlx.{command} --help" in p.stderr
+
+
+def test_a_dtype_given_for_a_local_folder_is_said_not_to_apply(tiny, recwarn):
+    """--dtype was ignored for an mlx-lm folder without a word."""
+    import warnings as _warnings
+
+    from gearbx_mlx.sources import models
+
+    with pytest.warns(UserWarning, match="dtype float16 is not applied to"):
+        assert models.resolve_model(str(tiny), dtype="float16") == str(tiny)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        assert models.resolve_model(str(tiny)) == str(tiny)

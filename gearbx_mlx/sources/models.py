@@ -33,6 +33,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -141,6 +142,9 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} is a folder but has no config.json: not an mlx-lm model")
+        if dtype is not None:
+            warnings.warn(f"dtype {dtype} is not applied to {p}: the dtype is chosen when the package converts a "
+                          "model (a name or a .gguf file); a folder's weights load as they are", stacklevel=2)
         return str(p)
     if p.is_file() and p.suffix.lower() == ".gguf":
         return str(gguf_model_path(p, dtype))
