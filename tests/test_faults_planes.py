@@ -91,6 +91,27 @@ def test_a_planes_file_without_its_record_is_rebuilt(model_dir):
     assert _manager(model_dir)[0].planes_origin == "cache"
 
 
+@pytest.mark.parametrize("blocker", ["folder at the file", "file at the folder"])
+def test_what_stands_in_the_place_of_the_planes_cache_is_removed_once(model_dir, blocker):
+    """A folder where the planes file belongs (or a file where its folder belongs) made every run
+    warn and rebuild the planes, and the warning never said to remove it."""
+    first, _ = _manager(model_dir)
+    path = first.planes_file
+    if blocker == "folder at the file":
+        file_record(path).unlink()
+        path.unlink()
+        path.mkdir()
+    else:
+        import shutil
+
+        shutil.rmtree(path.parent)
+        path.parent.write_text("x")
+    second, said = _manager(model_dir)
+    assert second.planes_origin == "built" and any("was in the way of the planes cache: removed" in w for w in said)
+    third, said = _manager(model_dir)
+    assert third.planes_origin == "cache" and said == [] and _same_planes(first, third)
+
+
 # -- a full disk -----------------------------------------------------------------------------------------
 @pytest.fixture
 def full_planes_folder(model_dir):
@@ -148,7 +169,8 @@ def test_a_fifo_at_the_planes_path_does_not_block(model_dir):
                 break
         pytest.fail("the run blocked on a FIFO at the planes path")
     mgr, said = box["result"]
-    assert mgr.planes_origin == "built" and len(said) == 1 and "not a regular file" in said[0]
+    assert mgr.planes_origin == "built" and "not a regular file" in said[0]
+    assert said[1:] == [f"{path} was in the way of the planes cache: removed"], said
     assert path.is_file() and _manager(model_dir)[0].planes_origin == "cache"
 
 

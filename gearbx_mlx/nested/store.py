@@ -37,6 +37,7 @@ from ..sources.entries import (
     check_file,
     clean_stale,
     file_record,
+    remove_path,
     sha256_file,
     temporary_file,
     write_file_record,
@@ -181,6 +182,13 @@ def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> P
                      "bias": "bias" in w}
     meta = {"format": "gearbx-planes", "version": str(FORMAT_VERSION), "key": key, "layout": json.dumps(layout)}
     try:
+        # The package's own cache: a file where its folder belongs, or a folder, pipe or device where
+        # its file belongs, is removed (each run warned and rebuilt the planes, and said not to delete it).
+        in_the_way = [p for p, ok in ((path.parent, path.parent.is_dir()), (path, path.is_file()))
+                      if os.path.lexists(p) and not ok]
+        for blocker in in_the_way:
+            warnings.warn(f"{blocker} was in the way of the planes cache: removed", stacklevel=3)
+            remove_path(blocker)
         path.parent.mkdir(parents=True, exist_ok=True)
         sweep_stale(path.parent)
         with temporary_file(path.parent, path.name) as (tmp, fh):
