@@ -31,7 +31,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream, stream_genera
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .config import GEARS, PREFILL_STEP_SIZE
+from .config import PREFILL_STEP_SIZE
 from .entropy import EntropyMonitor
 from .gearbox import Gearbox
 from .generation import (
@@ -44,7 +44,7 @@ from .generation import (
     encode_prompt,
 )
 from .kvcache.option import KVOptions, open_kv, options_from, plain_prompt_cache, plain_summary
-from .policies import Policy, StaticPolicy
+from .policies import Policy, as_policy
 from .record import RunRecord
 from .routing import RoutedModel, RoutingSession
 from .speculative.acceptance import make_log_dist
@@ -288,6 +288,7 @@ def _set_up_routed(run: GenerationRun, sampling: Optional[SamplingOptions], kv_o
                    kv_calibration: Any, policy: Union[None, str, Policy], lag: Optional[int], seed: Optional[int],
                    prompt_text: str) -> None:
     kwargs, gearbox = run.kwargs, run.gearbox
+    policy = as_policy(policy)  # checked before the KV option changes any module
     kwargs.setdefault("prefill_step_size", PREFILL_STEP_SIZE)
     if sampling is not None:
         if "sampler" in kwargs:
@@ -306,12 +307,6 @@ def _set_up_routed(run: GenerationRun, sampling: Optional[SamplingOptions], kv_o
         kv_summary = _use_kv(run, kv_options)
         if seed is not None:
             mx.random.seed(seed)
-        if isinstance(policy, str):  # a gear's name, as --static-gear takes it
-            policy = StaticPolicy(policy)
-        elif policy is not None and not (callable(getattr(policy, "next_gear", None))
-                                         and callable(getattr(policy, "initial", None))):
-            raise TypeError(f"policy must be a gear name ({', '.join(GEARS)}) or a routing policy "
-                            f"(gearbx_mlx.policies), got {type(policy).__name__}")
         session = RoutingSession(gearbox, policy, lag)
         session.kv_cache = kv_summary
         run.record = RunRecord(gearbox, "routed", kv_options=kv_options, kv_cache=kv_summary, session=session)

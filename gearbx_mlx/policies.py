@@ -12,7 +12,7 @@ generator).
 from __future__ import annotations
 
 import random
-from typing import Dict, Optional, Protocol, Sequence
+from typing import Dict, Optional, Protocol, Sequence, Union
 
 from .config import GEARS
 from .entropy import MonitorStep
@@ -127,3 +127,19 @@ class ReplayPolicy:
 def make_policy(static_gear: Optional[str] = None) -> Policy:
     """The policy a config asks for: static if ``static_gear``, else entropy."""
     return StaticPolicy(static_gear) if static_gear else EntropyPolicy()
+
+
+def as_policy(value: Union[None, str, Policy]) -> Optional[Policy]:
+    """A caller's ``policy=``: None (the config's), a gear's name (that gear throughout, as
+    ``--static-gear`` takes it), or a policy.
+
+    Raises:
+        ValueError: an unknown gear name.
+        TypeError: anything else that is not a policy (no ``initial`` and ``next_gear``).
+    """
+    if value is None or isinstance(value, str):
+        return None if value is None else StaticPolicy(value)
+    if not (callable(getattr(value, "next_gear", None)) and callable(getattr(value, "initial", None))):
+        raise TypeError(f"policy must be a gear name ({', '.join(GEARS)}) or a routing policy "
+                        f"(gearbx_mlx.policies), got {type(value).__name__}")
+    return value

@@ -230,8 +230,7 @@ class KVSession:
         """
         if cache is None:
             return self.handle.make_cache()
-        if not isinstance(cache, list):
-            raise TypeError(f"prompt_cache must be a list of caches, got {type(cache).__name__}")
+        _check_cache_list(cache)
         if not cache or all(getattr(c, "tag", None) is None and getattr(c, "offset", 0) == 0 for c in cache):
             cache[:] = self.handle.make_cache()
             return cache
@@ -330,6 +329,12 @@ def as_calibration(value: Any) -> Optional[KVCalibration]:
     raise TypeError(f"kv_calibration must be a KVCalibration or its dict, got {type(value).__name__}")
 
 
+def _check_cache_list(cache: Any) -> None:
+    """A caller's ``prompt_cache`` must be a list (it is filled or extended in place)."""
+    if not isinstance(cache, list):
+        raise TypeError(f"prompt_cache must be a list of caches, got {type(cache).__name__}")
+
+
 def plain_prompt_cache(model: nn.Module, cache: Optional[List[Any]], max_kv_size: Optional[int] = None
                        ) -> Optional[List[Any]]:
     """A caller's prompt cache for a stream on mlx-lm's own caches (no rotated cache).
@@ -345,8 +350,7 @@ def plain_prompt_cache(model: nn.Module, cache: Optional[List[Any]], max_kv_size
     """
     if cache is None:
         return None
-    if not isinstance(cache, list):
-        raise TypeError(f"prompt_cache must be a list of caches, got {type(cache).__name__}")
+    _check_cache_list(cache)
     for i, c in enumerate(cache):
         if getattr(c, "tag", None) is not None:
             raise ValueError(f"layer {i}'s cache was made by the rotated KV cache: its keys are in a rotated basis "
