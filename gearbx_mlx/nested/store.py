@@ -36,6 +36,7 @@ from ..sources.entries import (
     LEGACY_STALE_S,
     check_file,
     clean_stale,
+    failure_cause,
     file_record,
     remove_path,
     sha256_file,
@@ -201,7 +202,7 @@ def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> P
             os.replace(tmp, path)
         write_file_record(path, digest, {"key": key})
     except (OSError, RuntimeError) as e:
-        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+        cause = failure_cause(e)
         message = f"planes cache {path} not written ({cause}): going on without it"
         warnings.warn(message, stacklevel=3)
         raise OSError(getattr(e, "errno", None) or errno.EIO, message) from None

@@ -292,11 +292,7 @@ def clean_stale(parent: Path, say: Optional[Callable[[str], None]] = None) -> in
             stale = _is_legacy_tmp(p) and age > LEGACY_STALE_S
         if not stale:
             continue
-        if p.is_dir() and not p.is_symlink():
-            remove_path(p)
-        else:
-            with contextlib.suppress(OSError):
-                p.unlink()
+        remove_path(p)
         if not p.exists():
             removed += 1
             if say:
@@ -339,6 +335,12 @@ def install(new: Path, out: Path, say: Optional[Callable[[str], None]] = None) -
             ) from None
         remove_path(aside)
     raise RuntimeError(f"could not install {out} (other runs keep replacing it): delete {out} and run again")
+
+
+def failure_cause(e: BaseException) -> str:
+    """What a failed write says went wrong: the OS's reason (``No space left on device``), else
+    MLX's message (its writes to a path raise RuntimeError), else the exception's name."""
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
 
 def remove_path(p: Path) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from . import gemma3
-from .entries import TMP_PREFIX
+from .entries import TMP_PREFIX, failure_cause
 from .spm import spm_tokenizer
 
 GGUF_GROUP = 32
@@ -571,7 +571,7 @@ def write_model_folder(
         with open(weights, "wb") as fh:  # a Python file: MLX then reports a failed write as the OSError it is
             mx.save_safetensors(fh, tensors, metadata={"format": "mlx"})
     except (OSError, RuntimeError) as e:
-        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+        cause = failure_cause(e)
         home = out_dir.parent  # the cache folder, above the build's temporaries
         while home.name.startswith(TMP_PREFIX) and home.parent != home:
             home = home.parent
