@@ -108,6 +108,58 @@ GBX_FN float gbx_dot8(gbx_words<NW> w, int j, gbx_f8 x) {
   return s;
 }
 
+// The biased reading of a word of 4-bit codes (BIASED): each code lands in
+// the mantissa of a float whose exponent makes it worth M + code, M = 256 for
+// the even codes (mantissa bits 15..18) and 16 for the odd ones (19..22), so
+// a code costs a mask-and-or and a multiply-add, and no subtraction:
+//   returns sum_k (M_k + code_k) * x_k over the word's 8 codes;
+// the caller subtracts sum_k M_k x_k = 16 * sum(x) + 240 * sum(even x) once
+// per chunk. Four shifts bring the code pairs (0,1), (2,3), (4,5), (6,7) to
+// bits 15 and 19. The offsets cost the products log2(256/15) ~ 4 bits of
+// float32's 24 against exact codes, far below a half-precision output's.
+#define GBX_BIAS_EVEN 256.0f
+#define GBX_BIAS_ODD 16.0f
+GBX_FN float gbx_dot8_biased4(gbx_u32 w, gbx_f8 x) {
+  const gbx_u32 even = gbx_u32(127 + 8) << 23;  // 2^8: bit 15 of the mantissa is worth 1
+  const gbx_u32 odd = gbx_u32(127 + 4) << 23;   // 2^4: bit 19 is worth 1
+  const gbx_u32 lo = 0xFu << 15, hi = 0xFu << 19;
+  const gbx_u32 a = w << 15, b = w << 7, c = w >> 1, d = w >> 9;
+  float s = GBX_AS_FLOAT(even | (a & lo)) * x.v[0];
+  s += GBX_AS_FLOAT(odd | (a & hi)) * x.v[1];
+  s += GBX_AS_FLOAT(even | (b & lo)) * x.v[2];
+  s += GBX_AS_FLOAT(odd | (b & hi)) * x.v[3];
+  s += GBX_AS_FLOAT(even | (c & lo)) * x.v[4];
+  s += GBX_AS_FLOAT(odd | (c & hi)) * x.v[5];
+  s += GBX_AS_FLOAT(even | (d & lo)) * x.v[6];
+  s += GBX_AS_FLOAT(odd | (d & hi)) * x.v[7];
+  return s;
+}
+
+// gbx_dot8 of one plane, a 4-bit plane biased where BIASED (see above).
+template <int BITS, int NW, bool BIASED_CODES>
+GBX_FN float gbx_dot8_plane(gbx_words<NW> w, int j, gbx_f8 x) {
+  if (BITS == 4 && BIASED_CODES) {
+    return gbx_dot8_biased4(w.v[j % NW], x);
+  }
+  return gbx_dot8<BITS, NW>(w, j, x);
+}
+
+// The sum of a chunk's VEC staged sums (float4 entries, chunk ch: entries ch*VEC ..).
+template <int VEC_>
+GBX_FN float gbx_shared_sum(GBX_SHARED_PTR const float4* sums, int ch) {
+  GBX_SHARED_PTR const float* p = (GBX_SHARED_PTR const float*)(sums) + ch * VEC_;
+  if (VEC_ == 4) {
+    const float4 q = *((GBX_SHARED_PTR const float4*)(p));
+    return (q.x + q.y) + (q.z + q.w);
+  }
+  float t = 0.0f;
+  GBX_UNROLL
+  for (int j = 0; j < VEC_; ++j) {
+    t += p[j];
+  }
+  return t;
+}
+
 // Issue the loads of chunk `ch` of one plane for ROWS rows: the chunk's codes
 // (NW words at word ch * NW of each row) and its group's scale and bias, kept
 // as stored: converting them here would wait for the loads at once, before

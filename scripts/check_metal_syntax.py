@@ -197,7 +197,7 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
         groups = (gs,) + (32,) * (len(bits) - 1)  # per-plane groups: the residual planes' 32
         consts = gpu.constants_source(backend, nested_gpu.constants(
             getattr(mx, dtype), getattr(mx, sdtype), bits, groups,
-            nested_gpu.NestedTuning(2, vec, 8 if shared else 1), shared))  # both row splits
+            nested_gpu.NestedTuning(2, vec, 8 if shared else 1, shared, True), shared))  # both row splits, x's sums, biased
         ins = [(n, {"x": types[dtype], "factors": "float", "bias": types[dtype]}.get(
             n, "uint32_t" if n.startswith("w") else types[sdtype]))
             for n in nested_gpu.input_names(len(bits), has_bias)]

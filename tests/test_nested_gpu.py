@@ -16,6 +16,7 @@ ACCUM_RTOL of the sum of |terms| (float32 accumulation in another order).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -41,9 +42,12 @@ def test_launch_spec_names_every_parameter():
     planes = make_planes(67, 320, ((4, 64), (4, 32), (8, 32)), None, mx.bfloat16)
     x = make_x((320,), mx.bfloat16)
     spec = nested_gpu.launch_spec("cuda", x, planes, 3, True)
-    for part in ("cuda", "q4g64_q4g32_q8g32", "shared", "bf16", "sbf16", "bias"):
-        assert part in spec["name"], (part, spec["name"])
     t = nested_gpu.default_tuning(3, 67)
+    staged = "shared" if t.stage else "device"  # K = 320 could be staged
+    for part in ("cuda", "q4g64_q4g32_q8g32", staged, "bf16", "sbf16", "bias") + (("biased",) if t.biased else ()):
+        assert part in spec["name"], (part, spec["name"])
+    staged_spec = nested_gpu.launch_spec("cuda", x, planes, 3, True, tuning=dataclasses.replace(t, stage=True))
+    assert "_shared_" in staged_spec["name"] and dict(staged_spec["constants"])["SHARED"] is True
     assert spec["grid"] == (-(-67 // (8 * t.rows)) * 256, 1, 1) and spec["threadgroup"] == (256, 1, 1)
     assert spec["input_names"] == ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"]
     assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
@@ -121,7 +125,7 @@ def test_names_differ_by_source_text(tmp_path):
 
 HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_bfloat_t"}
 
-# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias[, ksplit]); a
+# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias[, ksplit[, xsums[, biased]]]); a
 # plan of (bits, group) pairs has per-plane groups (group size None).
 HOST_CONFIGS = [
     (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
@@ -139,12 +143,23 @@ HOST_CONFIGS = [
     ((8,), mx.float16, mx.float32, 32, 2, 4, True, True),
     ((8, 4), mx.bfloat16, mx.bfloat16, 128, 2, 1, False, False),
     ((4, 4, 8), mx.float32, mx.bfloat16, 32, 1, 2, False, True),
+    # x's sums staged beside it: every vec, one and eight SIMD groups a row block
+    (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True, 1, True),
+    ((4, 4), mx.float16, mx.float32, 32, 1, 2, True, False, 8, True),
+    ((4, 8), mx.float32, mx.bfloat16, 64, 3, 1, True, True, 1, True),
+    # 4-bit codes read biased: staged sums or not, with 6- and 8-bit planes beside them
+    (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True, 1, True, True),
+    (KERNEL_PLAN, mx.float32, mx.float32, None, 1, 2, False, False, 1, False, True),
+    ((4, 4), mx.float16, mx.bfloat16, 32, 4, 4, True, False, 8, False, True),
+    ((4, 8, 4), mx.bfloat16, mx.float16, 64, 1, 1, True, True, 1, True, True),
 ]
 
 
 def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     plan, dtype, sdtype, gs, rows, vec, shared, bias = config[:8]
     ksplit = config[8] if len(config) > 8 else 1
+    xsums = config[9] if len(config) > 9 else False
+    biased = config[10] if len(config) > 10 else False
     t, s = HOST_TYPES[dtype], HOST_TYPES[sdtype]
     params = [f"const {t}* x", "const uint32_t* w0", "Shape w0_shape", f"const {s}* s0", f"const {s}* b0"]
     for p in range(1, len(plan)):
@@ -154,7 +169,7 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     body = body.replace(gpu.backend_files("cuda", directory)[1], "GBX_HOST_ENTRY\n")
     specs = plane_specs(plan, gs)
     consts = nested_gpu.constants(dtype, sdtype, tuple(b for b, _ in specs), tuple(g for _, g in specs),
-                                  nested_gpu.NestedTuning(rows, vec, ksplit), shared)
+                                  nested_gpu.NestedTuning(rows, vec, ksplit, xsums, biased), shared)
     decl = "".join(
         f"  using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype)
         else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
@@ -382,7 +397,10 @@ def test_cuda_bound_launches_match_the_reference(plan):
 @needs_cuda
 @pytest.mark.parametrize("tuning", [nested_gpu.NestedTuning(1, 4), nested_gpu.NestedTuning(4, 2),
                                     nested_gpu.NestedTuning(2, 1), nested_gpu.NestedTuning(8, 4),
-                                    nested_gpu.NestedTuning(2, 2, 8), nested_gpu.NestedTuning(4, 1, 8)])
+                                    nested_gpu.NestedTuning(2, 2, 8), nested_gpu.NestedTuning(4, 1, 8),
+                                    nested_gpu.NestedTuning(2, 4, 1, True), nested_gpu.NestedTuning(1, 2, 8, True),
+                                    nested_gpu.NestedTuning(2, 4, 1, True, True),
+                                    nested_gpu.NestedTuning(4, 2, 1, False, True)])
 def test_cuda_every_tuning(tuning):
     # an odd vec takes no 6-bit plane: the same plan with an 8-bit third plane
     plan = KERNEL_PLAN if tuning.vec % 2 == 0 else KERNEL_PLAN[:2] + ((8, 64),)

@@ -19,6 +19,7 @@ the nested package, which sits above the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,22 +61,38 @@ class NestedTuning:
     vec: 32-bit words of a 4-bit plane per lane chunk, so a chunk is
     ``8 * vec`` inputs (an 8-bit plane reads ``2 * vec`` words of it);
     ksplit: 1, or 8: the threadgroup's eight SIMD groups share its ``rows``
-    rows, each summing every eighth stripe of K (8x the threadgroups).
+    rows, each summing every eighth stripe of K (8x the threadgroups);
+    xsums: where x is staged in threadgroup memory, the sum of every 8 inputs
+    is staged beside it, so a chunk's sum of x (the biases' term) is ``vec``
+    reads instead of ``8 * vec`` additions per row block (ignored unstaged);
+    biased: 4-bit codes are read as biased floats, a mask-and-or and a
+    multiply-add each, with no subtraction per code; each chunk subtracts the
+    biases' product once (``gbx_dot8_biased4`` in ``nested_common.h``);
+    stage: x is staged in threadgroup memory where K allows it (False: every
+    lane reads x from device memory, through the L1 cache, and a threadgroup
+    holds no staging buffer, so more of them fit on a core).
     """
 
     rows: int
     vec: int
     ksplit: int = 1
+    xsums: bool = False
+    biased: bool = False
+    stage: bool = True
 
 
 #: Defaults by the number of planes a gear reads, for the package's default
-#: plan (4/64, 4/32, 6/64): the best (geometric mean over 4096x4096 and
-#: 14336x4096) of the H200 sweep of scripts/bench_nested_gpu.py
-#: (benchmarks/results/nested_gpu_h200_default_plan.json).
+#: plan (4/64, 4/32, 6/64). One plane: the best (geometric mean over
+#: 4096x4096 and 14336x4096) of the H200 sweep of scripts/bench_nested_gpu.py
+#: (benchmarks/results/nested_gpu_h200_default_plan.json). Two and three: the
+#: split that was best or within the sweep's noise at all four of
+#: Llama-3-8B's shapes in scripts/sweep_nested_gemv_gpu.py on an H200
+#: (benchmarks/results/nested_gemv_sweep_h200.json): two rows, biased codes,
+#: x read from device memory. Metal takes the same splits, unmeasured.
 TUNING: Dict[int, NestedTuning] = {
     1: NestedTuning(rows=4, vec=4),
-    2: NestedTuning(rows=1, vec=4),
-    3: NestedTuning(rows=2, vec=4),
+    2: NestedTuning(rows=2, vec=4, biased=True, stage=False),
+    3: NestedTuning(rows=2, vec=4, biased=True, stage=False),
 }
 #: A default tuning's rows per SIMD group shrink (to 1 at least) until the
 #: launch has this many threadgroups: a GPU of ~100+ cores needs one or more
@@ -119,7 +136,8 @@ def constants(
     g = tuple(group_sizes) + (group_sizes[0],) * (3 - len(group_sizes))
     return [("T", dtype), ("S", scale_dtype), ("B0", b[0]), ("B1", b[1]), ("B2", b[2]),
             ("GS0", g[0]), ("GS1", g[1]), ("GS2", g[2]), ("ROWS", tuning.rows), ("VEC", tuning.vec),
-            ("KSPLIT", tuning.ksplit), ("SHARED", shared)]
+            ("KSPLIT", tuning.ksplit), ("SHARED", shared), ("XSUMS", bool(tuning.xsums and shared)),
+            ("BIASED", bool(tuning.biased))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,8 +147,10 @@ def kernel_name(
 ) -> str:
     digest = gpu.digest(*kernel_sources(backend, len(bits), has_bias))
     plan = "_".join(f"q{b}g{g}" for b, g in zip(bits, group_sizes))
-    return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_k{tuning.ksplit}_"
-            f"{'shared' if shared else 'device'}_{DTYPE_TAG[dtype]}_s{DTYPE_TAG[scale_dtype]}_"
+    staged = ('shared_xsums' if tuning.xsums else 'shared') if shared else 'device'
+    codes = "_biased" if tuning.biased else ""
+    return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_k{tuning.ksplit}{codes}_"
+            f"{staged}_{DTYPE_TAG[dtype]}_s{DTYPE_TAG[scale_dtype]}_"
             f"{'bias' if has_bias else 'nobias'}_{digest}")
 
 
@@ -185,7 +205,7 @@ def default_tuning(n: int, out_features: int) -> NestedTuning:
     rows = t.rows
     while rows > 1 and -(-out_features // (SIMD_GROUPS // t.ksplit * rows)) < MIN_THREADGROUPS:
         rows //= 2
-    return t if rows == t.rows else NestedTuning(rows, t.vec, t.ksplit)
+    return t if rows == t.rows else dataclasses.replace(t, rows=rows)
 
 
 def launch_spec(
@@ -209,7 +229,7 @@ def launch_spec(
         raise ValueError(f"a 6-bit plane needs an even vec (a chunk of 8 * vec codes in whole words), got {t}")
     shared_k = format_constant("GBX_SHARED_K")
     if shared is None:
-        shared = in_features <= shared_k
+        shared = t.stage and in_features <= shared_k
     elif shared and in_features > shared_k:
         raise ValueError(f"the threadgroup-memory variant holds K <= {shared_k}, got {in_features}")
     n_groups = -(-out_features // (SIMD_GROUPS // t.ksplit * t.rows))
