@@ -117,8 +117,9 @@ def _check(y: mx.array, ref: mx.array, what: str) -> float:
     return err
 
 
-def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None) -> Dict[str, float]:
-    """Per-product time of the gear of ``n`` planes, fused kernel or ``reference_matmul``."""
+def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None, shared=None) -> Dict[str, float]:
+    """Per-product time of the gear of ``n`` planes, fused kernel or ``reference_matmul``
+    (``tuning`` and ``shared`` as :func:`gearbx_mlx.bindings.nested_gpu.launch_spec` takes them)."""
     out_features, in_features = shape
     _, first = planes_of(out_features, in_features)
     per_copy = plane_bytes(first, n)
@@ -129,7 +130,7 @@ def time_nested(shape: Tuple[int, int], n: int, fused: bool, tuning=None) -> Dic
     if fused:
         bits, groups = tuple(b for b, _ in PLAN[:n]), tuple(g for _, g in PLAN[:n])
         run = nested_gpu.launcher(gpu.gpu_backend(), bits, groups, in_features, out_features, ACT_DTYPE,
-                                  ACT_DTYPE, False, tuning=tuning)
+                                  ACT_DTYPE, False, tuning=tuning, shared=shared)
         arrays = [nested_gpu.plane_arrays(c, n) for c in copies]
         factors = nested_gpu.factors_of(first, n)
         row = {"max_rel_err": _check(run(x, arrays[0], factors), reference_matmul(x[None], first, n)[0],
@@ -511,7 +512,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", nargs="+", default=None, help="sweep shapes OUTxIN (default 4096x4096 "
                     "14336x4096, and 1024x4096 timed)")
     ap.add_argument("--formats", nargs="+", default=None, choices=GEMV_FORMATS, help="GEMV formats (default all)")
+    ap.add_argument("--tuning", nargs="+", default=[], metavar="GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED",
+                    help="replace a gear's default split for the whole run (e.g. mid=2,4,1,1,1)")
     args = ap.parse_args(argv)
+    for item in args.tuning:
+        try:
+            gear, values = item.split("=")
+            rows, vec, ksplit, xsums, biased = (int(v) for v in values.split(","))
+            nested_gpu.TUNING[GEARS[gear]] = nested_gpu.NestedTuning(rows, vec, ksplit, bool(xsums), bool(biased))
+        except (ValueError, KeyError):
+            ap.error(f"--tuning takes GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED (gear low, mid or high), got {item!r}")
     global PLAN
     if args.plan:
         try:
@@ -557,7 +567,7 @@ def main(argv=None) -> int:
 
     if not args.skip_sweep:
         section("sweep", lambda: bench_sweep(args.quick, tuple(args.sweep_gears), parse_shapes(args.sweep_shapes)))
-    report["tuning"] = {n: {"rows": t.rows, "vec": t.vec, "ksplit": t.ksplit} for n, t in nested_gpu.TUNING.items()}
+    report["tuning"] = {n: dataclasses.asdict(t) for n, t in nested_gpu.TUNING.items()}
     if not args.skip_host:
         section("host", lambda: bench_host((1024, 1024) if args.quick else (4096, 4096)))
     if args.shapes:
