@@ -512,16 +512,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", nargs="+", default=None, help="sweep shapes OUTxIN (default 4096x4096 "
                     "14336x4096, and 1024x4096 timed)")
     ap.add_argument("--formats", nargs="+", default=None, choices=GEMV_FORMATS, help="GEMV formats (default all)")
-    ap.add_argument("--tuning", nargs="+", default=[], metavar="GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED",
-                    help="replace a gear's default split for the whole run (e.g. mid=2,4,1,1,1)")
+    ap.add_argument("--tuning", nargs="+", default=[], metavar="GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE",
+                    help="replace a gear's default split for the whole run (e.g. mid=2,4,1,0,1,0)")
     args = ap.parse_args(argv)
     for item in args.tuning:
         try:
             gear, values = item.split("=")
-            rows, vec, ksplit, xsums, biased = (int(v) for v in values.split(","))
-            nested_gpu.TUNING[GEARS[gear]] = nested_gpu.NestedTuning(rows, vec, ksplit, bool(xsums), bool(biased))
+            rows, vec, ksplit, xsums, biased, stage = (int(v) for v in values.split(","))
+            nested_gpu.TUNING[GEARS[gear]] = nested_gpu.NestedTuning(rows, vec, ksplit, bool(xsums), bool(biased),
+                                                                     bool(stage))
         except (ValueError, KeyError):
-            ap.error(f"--tuning takes GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED (gear low, mid or high), got {item!r}")
+            ap.error(f"--tuning takes GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE (gear low, mid or high), got {item!r}")
     global PLAN
     if args.plan:
         try:

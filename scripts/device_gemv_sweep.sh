@@ -34,7 +34,7 @@ rows = json.load(open(sys.argv[1])).get("summary", [])
 for r in rows:
     if r["shape"] == "28672x4096":
         rows_, vec, shared, xsums, biased = r["best"]
-        print(f"{r['gear']}={rows_},{vec},1,{int(xsums)},{int(biased)}", end=" ")
+        print(f"{r['gear']}={rows_},{vec},1,{int(xsums)},{int(biased)},{int(shared)}", end=" ")
 PY
 )
 echo "decode with --tuning $best"
