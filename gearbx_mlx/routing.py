@@ -96,6 +96,9 @@ class RoutingSession:
         # (index, entropy, NaN flag, the step's exchange on a sharded model)
         self._pending: List[Tuple[int, mx.array, mx.array, Optional[Shared]]] = []
         self._shape: Tuple[int, ...] = ()  # the model's logits at the latest step
+        #: step index -> (the sampler's token, whether it is a vocabulary id, the vocabulary's
+        #: size), read at commit
+        self._sampled: Dict[int, Tuple[mx.array, mx.array, int]] = {}
         #: Rank 0's values of each step, on a sharded model (None on one process).
         self.exchange = gearbox.ranks.exchange if gearbox.ranks is not None else None
         self.exchange_seconds = 0.0
@@ -151,13 +154,14 @@ class RoutingSession:
         return sanitize_logits(logits) if self.gearbox.config.nan_guard else logits
 
     def sampler(self, inner: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
-        """mlx-lm sampler: ``inner``'s token; on a sharded model, rank 0's token, and the
-        step's entropy and NaN flag replaced by rank 0's (one collective, in the graph)."""
+        """mlx-lm sampler: ``inner``'s token, checked (:meth:`_checked`); on a sharded model,
+        rank 0's token, and the step's entropy and NaN flag replaced by rank 0's (one
+        collective, in the graph)."""
         if self.exchange is None:
-            return inner
+            return lambda logprobs: self._checked(inner(logprobs), logprobs.shape[-1])
 
         def sample(logprobs: mx.array) -> mx.array:
-            token = inner(logprobs)
+            token = self._checked(inner(logprobs), logprobs.shape[-1])
             index, h, bad, _ = self._pending[-1]
             gear = mx.array(GEAR_INDEX[self.records[index].gear], dtype=mx.uint32)
             shared = self.exchange.share(token, h, bad, gear)
@@ -168,6 +172,18 @@ class RoutingSession:
             return shared.values[0]
 
         return sample
+
+    def _checked(self, token: Any, vocab: int) -> mx.array:
+        """A sampler's token, with an id outside ``[0, vocab)`` replaced by 0 in the graph (the
+        model's embedding would read past its table: MLX ends the process) and remembered, so
+        that :meth:`commit` raises one ValueError naming it; checked without a sync."""
+        if not isinstance(token, mx.array) or not mx.issubdtype(token.dtype, mx.integer):
+            what = str(token.dtype) if isinstance(token, mx.array) else type(token).__name__
+            raise TypeError(f"a sampler returns an mx.array of integer token ids, got {what}")
+        ok = mx.all(mx.logical_and(token >= 0, token < vocab))
+        if self._pending:
+            self._sampled[self._pending[-1][0]] = (token, ok, vocab)
+        return mx.where(ok, token, mx.zeros_like(token))
 
     def before_forward(self) -> None:
         """Model-proxy hook: settle the decision, then shift if needed."""
@@ -188,7 +204,12 @@ class RoutingSession:
         shared = [x for *_, x in pending if x is not None]
         if shared:
             self._settle(pending, shared)
-        mx.eval([x for _, h, bad, _ in pending for x in (h, bad)])
+        sampled = [(i, self._sampled.pop(i)) for i, *_ in pending if i in self._sampled]
+        mx.eval([x for _, h, bad, _ in pending for x in (h, bad)] + [ok for _, (_, ok, _) in sampled])
+        for index, (token, ok, vocab) in sampled:
+            if not ok.item():
+                raise ValueError(f"step {index}: the sampler returned token id(s) {token.tolist()}, outside the "
+                                 f"model's vocabulary of {vocab} ids")
         prewarm = isinstance(self.policy, EntropyPolicy)
         for index, h, bad, _ in pending:
             seen = self.gearbox.observe(h.item(), prewarm=prewarm)

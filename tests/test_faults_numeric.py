@@ -75,6 +75,34 @@ def test_a_logits_processor_that_cuts_the_vocabulary_is_one_error(tiny):
                              logits_processors=[lambda tokens, logits: logits[:, :10]]))
 
 
+@pytest.mark.parametrize("token", [10**6, -1])
+def test_a_sampler_that_returns_an_id_outside_the_vocabulary_is_one_error(tiny, token):
+    """mlx-lm fed such an id to the embedding, and MLX ended the process (a segmentation fault)."""
+    model, tok, gearbox = load(str(tiny))
+    with pytest.raises(ValueError, match=rf"step 0: the sampler returned token id\(s\) \[{token}\], outside the "
+                                         rf"model's vocabulary of {gearbox.vocab_size} ids"):
+        list(stream_generate(model, tok, "Hello the", gearbox, max_tokens=4,
+                             sampler=lambda logprobs: mx.array([token], dtype=mx.int32)))
+    # the model is unharmed: the next generation runs
+    assert len(list(stream_generate(model, tok, "Hello the", gearbox, max_tokens=2))) == 2
+
+
+@pytest.mark.parametrize("returned, what", [(lambda lp: mx.argmax(lp, axis=-1).astype(mx.float32), "float32"),
+                                            (lambda lp: 3, "int")])
+def test_a_sampler_that_returns_no_integer_ids_is_one_error(tiny, returned, what):
+    model, tok, gearbox = load(str(tiny))
+    with pytest.raises(TypeError, match=f"a sampler returns an mx.array of integer token ids, got .*{what}"):
+        list(stream_generate(model, tok, "Hello the", gearbox, max_tokens=2, sampler=returned))
+
+
+def test_a_custom_sampler_inside_the_vocabulary_gives_greedy_text(tiny):
+    model, tok, gearbox = load(str(tiny))
+    greedy = [r.token for r in stream_generate(model, tok, "Hello the", gearbox, max_tokens=6)]
+    custom = [r.token for r in stream_generate(model, tok, "Hello the", gearbox, max_tokens=6,
+                                               sampler=lambda lp: mx.argmax(lp, axis=-1).astype(mx.int32))]
+    assert custom == greedy
+
+
 def test_healthy_logits_are_not_flagged(tiny):
     model, tok, gearbox = load(str(tiny))
     with warnings.catch_warnings():
