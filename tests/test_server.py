@@ -291,6 +291,31 @@ def test_client_disconnect_mid_stream(server: int, reference: Any) -> None:
     test_chat_equals_package(server, reference, "dynamic")
 
 
+def test_client_disconnect_before_a_whole_answer(server: int, reference: Any) -> None:
+    """A non-streamed answer is written only at its end: its client hanging up mid-generation
+    still stops the generation at the next token (one log line, no traceback), so the next
+    request does not wait for tokens generated for nobody."""
+    gone = "client disconnected before the answer ended"
+    prefilled = re.compile(r"Prompt processing progress: (\d+)/\1$", re.M)  # mlx-lm's, with the first token
+    log = stderr_of(PROCESSES[server])
+    before, started = log.count(gone), len(prefilled.findall(log))
+    cap = int(SERVER_FLAGS[SERVER_FLAGS.index("--max-tokens") + 1])
+    body = json.dumps({"prompt": TEXT, "max_tokens": cap, "gearbx": POLICIES["dynamic"]})
+    with socket.create_connection(("127.0.0.1", server), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        wait_until(lambda: len(prefilled.findall(stderr_of(PROCESSES[server]))) > started, 60, "the first token")
+    # queued behind the abandoned request: served once that generation stops
+    test_text_completion_equals_package(server, reference, "high")
+    wait_until(lambda: stderr_of(PROCESSES[server]).count(gone) > before, 10, "the disconnect's log line")
+    log = stderr_of(PROCESSES[server])
+    lines = [line for line in log.splitlines() if gone in line][before:]
+    assert len(lines) == 1, lines
+    read = re.search(r"\(after (\d+) tokens\)", lines[0])
+    assert read and int(read[1]) < cap, lines  # the answer was cut short
+    assert "Traceback" not in log and "ConnectionResetError" not in log, log[-2000:]
+
+
 def test_malformed_json_is_400(server: int) -> None:
     status, out = request(server, "/v1/chat/completions", raw=b'{"messages": [{"role": ')
     assert status == 400 and "Invalid JSON" in out["error"]

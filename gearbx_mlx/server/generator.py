@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from queue import Empty as QueueEmpty
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -76,7 +76,9 @@ class GearRequest(CompletionRequest):
 
     ``records`` are the tokens the handler has read; ``usage`` the
     generation thread's totals (set before the stream ends); ``error`` what
-    refused the request.
+    refused the request; ``check_client``, where the handler sets one, is
+    called in its thread before each token is handed over and raises
+    (``ConnectionResetError``) once the client has gone.
     """
 
     gearbx: GearOptions = field(default_factory=GearOptions)
@@ -85,6 +87,7 @@ class GearRequest(CompletionRequest):
     usage: Optional[Dict[str, Any]] = None
     error: Optional[BaseException] = None
     max_tokens_given: bool = True
+    check_client: Optional[Callable[[], None]] = None
 
     @classmethod
     def of(cls, request: CompletionRequest, options: GearOptions) -> "GearRequest":
@@ -141,6 +144,8 @@ class GearResponseGenerator(ResponseGenerator):
 
         def recorded() -> Iterator[Response]:
             for r in tokens:
+                if request.check_client is not None:
+                    request.check_client()
                 request.records.append(r)
                 yield r
 

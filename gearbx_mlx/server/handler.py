@@ -11,13 +11,17 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 * ``max_tokens`` above the server's ``--max-tokens`` gets a 400;
 * ``n`` other than 1 gets a 400 (mlx-lm's server would answer one choice whatever it asked for);
 * ``/health`` tells whether the model has loaded, the gear it is in, the queue's length and
-  the speculative decisions measured so far.
+  the speculative decisions measured so far;
+* a client that closes its connection before the answer ends, streamed or not, stops its
+  generation within a token or two (:func:`peer_closed`, checked between tokens).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 from typing import Any, Dict, List, Optional
 
 from mlx_lm.server import APIHandler, CompletionRequest
@@ -45,6 +49,19 @@ def logprobs_content(records: List[Response], top: bool) -> List[Dict[str, Any]]
             entry.update(token=r.token_text, top_logprobs=ranked)
         out.append(entry)
     return out
+
+
+def peer_closed(conn: socket.socket) -> bool:
+    """Whether the client has closed its end of ``conn`` (or reset it), without waiting: the
+    socket is readable and a peek reads end-of-file. Bytes waiting there (a pipelined request)
+    are no close, and a socket beyond ``select``'s descriptor limit is taken as open."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except ValueError:  # a descriptor number above FD_SETSIZE: nothing known
+        return False
+    except OSError:  # reset by the peer
+        return True
 
 
 def check_request_shape(body: Any, path: str) -> None:
@@ -150,11 +167,21 @@ class GearAPIHandler(APIHandler):
             logging.warning("request cut short: %s", e)
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):  # the client went away mid-answer: its business
-            logging.info("client disconnected before the answer ended")
+            read = len(self.gear_request.records) if self.gear_request is not None else 0
+            logging.info("client disconnected before the answer ended (after %d tokens)", read)
             self.close_connection = True
+
+    def _check_client(self) -> None:
+        """Before each token: end the answer as a failed write does (mlx-lm's ``finally`` then
+        stops the generation) once the client has closed its connection. A streamed answer
+        would also meet the close on a write, but a non-streamed one writes nothing before its
+        last token: its generation ran on to ``max_tokens`` for nobody, holding the model."""
+        if peer_closed(self.connection):
+            raise ConnectionResetError("the client closed the connection")
 
     def _gear_request(self, request: CompletionRequest) -> GearRequest:
         self.gear_request = GearRequest.of(request, self.gearbx)
+        self.gear_request.check_client = self._check_client
         self.gear_request.max_tokens_given = any(
             self.body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
         return self.gear_request
