@@ -345,10 +345,24 @@ def test_malformed_json_is_400(server: int) -> None:
     ({"messages": "hi"}, 400, "messages must be a list of objects"),
     ({"messages": [{"role": "user", "content": "\ud800 hi"}]}, 400,
      "messages[0].content is not valid Unicode text"),
+    # accepted by mlx-lm, then misread: NaN logits, an index past the logits, free text for JSON
+    ({"frequency_penalty": 3}, 400, "frequency_penalty must be a number in [-2, 2], got 3"),
+    ({"presence_penalty": float("nan")}, 400, "presence_penalty must be a number in [-2, 2]"),
+    ({"repetition_penalty": float("inf")}, 400, "repetition_penalty must be a finite number > 0"),
+    ({"logit_bias": {"5": float("nan")}}, 400, "logit_bias values must be finite numbers"),
+    ({"logit_bias": {"99999999": 1.0}}, 400, "logit_bias keys must be token ids in [0, 49152), got 99999999"),
+    ({"response_format": {"type": "json_object"}}, 400, 'response_format "json_object" is not supported'),
 ])
 def test_refused_requests(server: int, body: Dict[str, Any], status: int, words: str) -> None:
     got, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, **body})
     assert got == status and words in out["error"], out
+
+
+def test_openai_range_penalties_a_text_response_format_and_a_logit_bias_are_served(server: int) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 2, "gearbx": POLICIES["high"], "frequency_penalty": -1.5,
+            "presence_penalty": 2, "response_format": {"type": "text"}, "logit_bias": {"11": -5}}
+    status, out = request(server, "/v1/chat/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
 
 
 def test_a_refused_sample_setting_leaves_later_sampled_requests_working(server: int) -> None:

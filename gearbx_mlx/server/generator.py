@@ -176,6 +176,9 @@ class GearResponseGenerator(ResponseGenerator):
         vocab = self.model_provider.gearbox.vocab_size
         if args.sampling.top_k >= vocab:
             raise RequestError(f"top_k must be below the vocabulary size ({vocab}), got {args.sampling.top_k}")
+        outside = [k for k in (getattr(args.logits, "logit_bias", None) or {}) if not 0 <= k < vocab]
+        if outside:  # mlx-lm would index the logits past their end
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {outside[0]}")
         n = self.model_provider.context_length
         if n is not None and not max_tokens_given and len(prompt) < n:
             args.max_tokens = min(args.max_tokens, n - len(prompt))

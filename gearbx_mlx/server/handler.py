@@ -10,6 +10,9 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 * ``usage`` carries ``"gearbx": {"tokens_per_gear", "weight_bytes_read", ...}``;
 * ``max_tokens`` above the server's ``--max-tokens`` gets a 400;
 * ``n`` other than 1 gets a 400 (mlx-lm's server would answer one choice whatever it asked for);
+* penalties outside OpenAI's [-2, 2] or not finite, ``logit_bias`` past the vocabulary or not
+  finite, and a ``response_format`` other than text get a 400 (mlx-lm would sample from NaN
+  logits, index past them, or answer free text where JSON was asked for);
 * ``/health`` tells whether the model has loaded, the gear it is in, the queue's length and
   the speculative decisions measured so far;
 * a client that closes its connection before the answer ends, streamed or not, stops its
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import select
 import socket
 from typing import Any, Dict, List, Optional
@@ -69,9 +73,27 @@ def check_request_shape(body: Any, path: str) -> None:
     then fail on after the 200 (a closed connection, a stream cut without ``[DONE]``) or
     answer with a library's message: token counts that are not integers (``true`` is one to
     Python), ``stream_options`` that is not an object, chat messages that are not objects,
-    and text that is not valid Unicode (a lone surrogate from a ``\\ud800`` escape)."""
+    and text that is not valid Unicode (a lone surrogate from a ``\\ud800`` escape). Also
+    what mlx-lm takes and then misreads: penalties that are not finite or lie outside OpenAI's
+    [-2, 2], ``logit_bias`` values that are not finite numbers, and a ``response_format``
+    asking for JSON, which this server would answer with free text."""
     if not isinstance(body, dict):
         return  # mlx-lm's own check answers it
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (type(v) not in (int, float) or not -2.0 <= v <= 2.0):
+            raise ValueError(f"{key} must be a number in [-2, 2], got {json.dumps(v)[:40]}")
+    v = body.get("repetition_penalty")
+    if v is not None and (type(v) not in (int, float) or not 0.0 < v < math.inf):
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {json.dumps(v)[:40]}")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and not all(type(b) in (int, float) and math.isfinite(b) for b in bias.values()):
+        raise ValueError(f"logit_bias values must be finite numbers, got {json.dumps(bias)[:60]}")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ValueError(f"response_format {json.dumps(kind)[:40]} is not supported: this server answers free "
+                         "text only (no JSON mode or schema); leave response_format out or give {\"type\": \"text\"}")
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if v is not None and type(v) is not int:
