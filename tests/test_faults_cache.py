@@ -498,7 +498,7 @@ def test_a_full_disk_while_converting_names_the_file_and_the_cause(gguf, cache_r
     assert _temps(cache_root / "models") == []  # the half-written folder is not left behind
 
 
-# -- a read-only cache ------------------------------------------
+# -- a read-only cache, and what stands where its folders belong ------------------------------------------
 @contextlib.contextmanager
 def _read_only(folder: Path, monkeypatch) -> Iterator[None]:
     """``folder`` and all under it made read-only for real (``chmod -R a-w``). Root writes there
@@ -586,4 +586,51 @@ def test_a_damaged_download_in_a_read_only_cache_is_one_error_naming_the_fix(tmp
         f"{dest.parent} cannot be written (Permission denied): make it writable, or point GEARBX_CACHE to a "
         "writable folder")
     assert dest.read_bytes() == b"damaged" and _temps(dest.parent) == []
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "dangling symlink"])
+def test_something_in_the_place_of_the_models_folder_is_removed_with_a_warning(gguf, cache_root, capsys, kind):
+    """A file where the cache's models folder belongs ended the run with a bare "[Errno 17] File
+    exists"; it is the cache's own, removed with a warning as the planes cache removes its own."""
+    from gearbx_mlx.generate import main
+
+    models_dir = cache_root / "models"
+    cache_root.mkdir()
+    if kind == "file":
+        models_dir.write_text("not a folder")
+    elif kind == "fifo":
+        os.mkfifo(models_dir)
+    else:
+        models_dir.symlink_to(cache_root / "nowhere")
+    assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 0
+    assert f"{models_dir} was in the way of the cache: removed" in capsys.readouterr().err
+    assert models_dir.is_dir() and not models_dir.is_symlink()
+    assert [check_entry(p) for p in models_dir.iterdir()] == [None]
+
+
+def test_a_file_in_the_place_of_the_models_folder_of_a_read_only_cache_is_named(gguf, cache_root, monkeypatch,
+                                                                                capsys):
+    from gearbx_mlx.generate import main
+
+    models_dir = cache_root / "models"
+    cache_root.mkdir()
+    models_dir.write_text("not a folder")
+    with _read_only(cache_root, monkeypatch):
+        assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {models_dir} is in the way of the cache (a folder belongs there) and cannot be removed "
+                   "(Permission denied): remove or rename it, or point GEARBX_CACHE to another folder"], err
+    assert models_dir.read_text() == "not a folder"
+
+
+def test_a_cache_root_that_is_a_file_is_named_and_left_alone(gguf, tmp_path, monkeypatch, capsys):
+    from gearbx_mlx.generate import main
+
+    root = tmp_path / "not-a-folder"
+    root.write_text("the user's own file")
+    monkeypatch.setenv("GEARBX_CACHE", str(root))
+    assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {root} is not a folder, so the cache cannot keep {root / 'models'} in it: remove or "
+                   "rename it, or point GEARBX_CACHE to a folder"], err
+    assert root.read_text() == "the user's own file"
 
