@@ -587,6 +587,7 @@ def test_a_damaged_download_in_a_read_only_cache_is_one_error_naming_the_fix(tmp
         "writable folder")
     assert dest.read_bytes() == b"damaged" and _temps(dest.parent) == []
 
+
 @pytest.mark.parametrize("kind", ["file", "fifo", "dangling symlink"])
 def test_something_in_the_place_of_the_models_folder_is_removed_with_a_warning(gguf, cache_root, capsys, kind):
     """A file where the cache's models folder belongs ended the run with a bare "[Errno 17] File
@@ -634,3 +635,36 @@ def test_a_cache_root_that_is_a_file_is_named_and_left_alone(gguf, tmp_path, mon
                    "rename it, or point GEARBX_CACHE to a folder"], err
     assert root.read_text() == "the user's own file"
 
+
+# -- a failed download of the evaluation corpus ------------------------------------------------------------
+@pytest.fixture
+def no_network(monkeypatch):
+    """pip with no index and no configuration: its download fails for real, touching no network."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+
+
+@pytest.mark.parametrize("fault", ["pip finds nothing", "URLError"])
+def test_a_failed_corpus_download_says_where_to_put_the_file_offline(tmp_path, monkeypatch, no_network, fault):
+    """It said "could not download gensim==4.4.0 with pip (exit 1); ... or pass --model PATH": no
+    address, nowhere to put the file, and a flag that has nothing to do with the corpus."""
+    from urllib.error import URLError
+
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)  # as if gensim is not installed
+    if fault == "URLError":
+        def offline(*_a):
+            raise URLError("[Errno -3] Temporary failure in name resolution")
+
+        monkeypatch.setattr(cache, "_pip_download", offline)
+    size, sha = registry.CORPUS_PINS["lee_background"]
+    dest = tmp_path / "corpora" / "lee_background.cor"
+    with pytest.raises(cache.DownloadError) as caught:
+        models.corpus_path("lee_background")
+    message = str(caught.value)
+    assert message.startswith("could not download gensim==4.4.0 from https://pypi.org/simple/gensim/ ("), message
+    assert f"put lee_background.cor at {dest} " in message and f"({size} bytes)" in message
+    assert f"SHA-256 ({sha}) are checked" in message and "--model" not in message
+    assert ("(pip exited with status 1)" if fault == "pip finds nothing" else "name resolution") in message, message
+    assert not dest.exists() and _temps(dest.parent) == []
