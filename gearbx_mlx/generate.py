@@ -51,7 +51,7 @@ from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOpti
 from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
 from .run_summary import format_summary
-from .sources.entries import remove_path
+from .sources.entries import make_folder, remove_path
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
@@ -408,7 +408,7 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         target = args.calibration or cached
         if target is not None and getattr(args, "rank", 0) == 0:
             if target == cached:
-                cached.parent.mkdir(parents=True, exist_ok=True)
+                make_folder(cached.parent)
             cal.save(target)
     return "prefill"
 

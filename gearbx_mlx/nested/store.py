@@ -38,6 +38,7 @@ from ..sources.entries import (
     clean_stale,
     failure_cause,
     file_record,
+    in_the_way,
     remove_path,
     sha256_file,
     temporary_file,
@@ -185,9 +186,7 @@ def save_nested(path: Path, weights: Mapping[str, NestedWeights], key: str) -> P
     try:
         # The package's own cache: a file where its folder belongs, or a folder, pipe or device where
         # its file belongs, is removed (each run warned and rebuilt the planes, and said not to delete it).
-        in_the_way = [p for p, ok in ((path.parent, path.parent.is_dir()), (path, path.is_file()))
-                      if os.path.lexists(p) and not ok]
-        for blocker in in_the_way:
+        for blocker in [p for p, folder in ((path.parent, True), (path, False)) if in_the_way(p, folder)]:
             warnings.warn(f"{blocker} was in the way of the planes cache: removed", stacklevel=3)
             remove_path(blocker)
         path.parent.mkdir(parents=True, exist_ok=True)

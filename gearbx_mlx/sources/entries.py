@@ -14,7 +14,11 @@ A damaged entry (or one from a version that wrote no record) is rebuilt: the
 new folder is renamed over it, the old one moved aside and deleted. When two
 processes build the same entry at once, the second to finish finds the
 first's entry in place, checks it, and uses it (the rename race). When an
-entry cannot be replaced, the error names the folder to delete.
+entry cannot be replaced, the error names the folder to delete; when the
+cache folder cannot be written at all (read-only, another user's), one error
+says so before anything is built, naming the folder, the cause and the fix.
+The cache's folders are the package's own: a file, a FIFO or a dangling link
+where one belongs is removed with a warning (:func:`make_folder`).
 
 Temporary folders carry :data:`TMP_PREFIX` and a lock file that their builder
 holds (``flock``) while it works: the lock dies with the process, even under
@@ -36,6 +40,7 @@ import shutil
 import stat
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Tuple
 
@@ -222,11 +227,23 @@ def temporary_file(parent: Path, name: str) -> Iterator[Tuple[Path, BinaryIO]]:
 
 # -- temporaries ----------------------------------------------------------------------------
 @contextlib.contextmanager
-def temporary_dir(parent: Path, name: str) -> Iterator[Path]:
-    """A locked temporary folder in ``parent`` (removed on exit, whatever happens)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}.", dir=parent))
-    fd = os.open(tmp / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+def temporary_dir(parent: Path, name: str, damaged: Optional[str] = None) -> Iterator[Path]:
+    """A locked temporary folder in ``parent`` (removed on exit, whatever happens).
+
+    Raises:
+        OSError: ``parent`` cannot be made or written (:func:`unwritable`; ``damaged``
+            says what the temporary was to replace).
+    """
+    make_folder(parent, damaged)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}.", dir=parent))
+    except OSError as e:
+        raise unwritable(parent, e, damaged) from None
+    try:
+        fd = os.open(tmp / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise unwritable(parent, e, damaged) from None
     try:
         if fcntl is not None:
             _lock_own(fd)
@@ -343,6 +360,52 @@ def failure_cause(e: BaseException) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
 
+def unwritable(folder: Path, e: BaseException, damaged: Optional[str] = None) -> OSError:
+    """The one error for a cache folder that cannot be written (read-only, another user's, full):
+    it names the folder, the cause (:func:`failure_cause`) and the fix; ``damaged`` (what in it is
+    damaged, and why) comes first, since it cannot be replaced."""
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    head = f"{damaged} and cannot be replaced: " if damaged else ""
+    return OSError(f"{head}the cache folder {folder} cannot be written ({failure_cause(e)}): "
+                   f"{'free space there' if full else 'make it writable'}, "
+                   "or point GEARBX_CACHE to a writable folder")
+
+
+def in_the_way(p: Path, folder: bool) -> bool:
+    """Something is at ``p`` that is not what the cache keeps there: not a folder (``folder``),
+    or not a regular file (a folder, a FIFO, a device, a dangling link)."""
+    return os.path.lexists(p) and not (p.is_dir() if folder else p.is_file())
+
+
+def make_folder(folder: Path, damaged: Optional[str] = None) -> Path:
+    """``folder``, a folder of the package's cache, made if absent (its parents too).
+
+    Whatever is in its place (a file, a FIFO, a dangling link) is the cache's own and is
+    removed, with a warning, as the planes cache does. A folder above it that is not a
+    folder (``$GEARBX_CACHE`` naming a file) is the user's: the error names it.
+
+    Raises:
+        OSError: ``folder`` cannot be made (:func:`unwritable`; ``damaged`` as there), or
+            what is in its place cannot be removed (names it and the fix).
+    """
+    if in_the_way(folder, folder=True):
+        try:
+            os.unlink(folder)  # not a folder: a file, a FIFO or a link goes with unlink (remove_path's way)
+        except OSError as e:
+            raise OSError(f"{folder} is in the way of the cache (a folder belongs there) and cannot be removed "
+                          f"({failure_cause(e)}): remove or rename it, or point GEARBX_CACHE to another folder") from None
+        warnings.warn(f"{folder} was in the way of the cache: removed", stacklevel=2)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        above = next((p for p in folder.parents if in_the_way(p, folder=True)), None)
+        if above is not None:
+            raise NotADirectoryError(f"{above} is not a folder, so the cache cannot keep {folder} in it: "
+                                     "remove or rename it, or point GEARBX_CACHE to a folder") from None
+        raise unwritable(folder, e, damaged) from None
+    return folder
+
+
 def remove_path(p: Path) -> None:
     """Remove a folder tree, or whatever else is at ``p`` (a file, a link, a FIFO), ignoring errors.
     ``shutil.rmtree`` opens its path first, and opening a FIFO blocks until a writer comes."""
@@ -368,14 +431,19 @@ def build_entry(
     """``out`` as a checked entry: as it is if good, else built by ``build(folder)``.
 
     ``build`` must create ``folder`` (it does not exist yet) and fill it.
+
+    Raises:
+        OSError: the cache folder cannot be written: one error, before anything is built,
+            that names the folder, the cause, the fix and the damage if ``out`` is damaged.
     """
     clean_stale(out.parent, say)
     reason = check_entry(out)
     if reason is None:
         return out
-    if reason != "absent" and say:
-        say(f"the cached {out} is not usable ({reason}): building it again")
-    with temporary_dir(out.parent, out.name) as tmp:
+    damaged = None if reason == "absent" else f"the cached {out} is damaged ({reason})"
+    with temporary_dir(out.parent, out.name, damaged) as tmp:  # a cache that cannot be written fails here
+        if damaged and say:
+            say(f"the cached {out} is not usable ({reason}): building it again")
         folder = tmp / "entry"
         build(folder)
         write_record(folder, source)

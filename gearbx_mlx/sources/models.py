@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 from .cache import cache_dir, converted_gguf, default_dtype, entry_usable, fetch_default_gguf, fetch_wheel_file, say
-from .entries import TMP_PREFIX, clean_stale, sha256_file
+from .entries import TMP_PREFIX, clean_stale, sha256_file, unwritable
 from .prequant import PREQUANT_MODEL, prequantized_model_path
 from .registry import (
     CORPUS_FILES,
@@ -76,7 +76,10 @@ def fetch_chunked_gguf(spec: ChunkedGGUF) -> Path:
         for i, (req, member) in enumerate(spec.parts, 1)
     ]
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{spec.file}.", dir=dest.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{spec.file}.", dir=dest.parent)
+    except OSError as e:
+        raise unwritable(dest.parent, e) from None
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
@@ -160,7 +163,12 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
 def corpus_path(name: str = "lee_background") -> Path:
     """A real English corpus from gensim's wheel (news articles), cached; pinned by size and
     SHA-256 (:data:`~gearbx_mlx.sources.registry.CORPUS_PINS`), checked before every use: a
-    damaged cached copy is fetched again, an installed gensim's copy that differs is passed over."""
+    damaged cached copy is fetched again, an installed gensim's copy that differs is passed over.
+
+    Raises:
+        DownloadError: it could not be downloaded: the error names the address tried, the
+            path where a copy must be put to work offline, and that its SHA-256 is checked.
+    """
     if name not in CORPUS_FILES:
         raise ValueError(f"unknown corpus {name!r}: choose one of {sorted(CORPUS_FILES)} or pass a file")
     size, sha256 = CORPUS_PINS[name]
@@ -172,5 +180,8 @@ def corpus_path(name: str = "lee_background") -> Path:
                 return p
     except (ImportError, ValueError, OSError):
         pass
-    return fetch_wheel_file(CORPUS_PACKAGE, CORPUS_FILES[name], cache_dir() / "corpora" / f"{name}.cor",
-                            sha256=sha256, size=size)
+    dest = cache_dir() / "corpora" / f"{name}.cor"
+    offline = (f"check your network or pip configuration; to work offline, put {dest.name} at {dest} (it is "
+               f"{CORPUS_FILES[name]} in the {CORPUS_PACKAGE} wheel; an installed gensim's copy serves too): "
+               f"its size ({size} bytes) and SHA-256 ({sha256}) are checked before it is used")
+    return fetch_wheel_file(CORPUS_PACKAGE, CORPUS_FILES[name], dest, sha256=sha256, size=size, advice=offline)
