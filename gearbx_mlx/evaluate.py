@@ -349,7 +349,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ensure_fast_blas(None if program else argv)  # a program on Linux: restart once with OpenBLAS preloaded
     try:
         results = replot(args) if args.from_json else run(args, argv)
-    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError, OSError) as e:
+        # RuntimeError: the package cache's (a damaged entry it cannot replace, a download that
+        # does not match its pin) and MLX's own, one line each as generate prints them
         print(error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -702,3 +702,17 @@ def test_a_failed_download_of_the_corpus_is_one_error_with_the_way_to_work_offli
     assert line.startswith("error: could not download gensim==4.4.0 from https://pypi.org/simple/gensim/"), line
     assert f"put lee_background.cor at {dest} " in line and f"SHA-256 ({sha}) are checked" in line
     assert line.endswith("; or evaluate a text file of your own with --text FILE"), line
+
+
+def test_a_runtime_error_of_the_cache_is_one_line(monkeypatch, capsys):
+    """A damaged cache entry that cannot be replaced, or a download that misses its pin, raise
+    RuntimeError; evaluate ended in its traceback where generate prints one line."""
+    import gearbx_mlx.evaluate as evaluate_cli
+
+    def damaged(*_a, **_k):
+        raise RuntimeError("the cached corpus does not match its pinned SHA-256")
+
+    monkeypatch.setattr(evaluate_cli, "run", damaged)
+    assert main(["--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the cached corpus does not match its pinned SHA-256"], err
