@@ -65,6 +65,10 @@ _OPTIONS: Dict[str, Tuple[Any, str]] = {
     "max_kv_size": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     "seed": (lambda v: _integer(v) and 0 <= v < _U64, "an integer in [0, 2**64)"),
     "max_tokens": (lambda v: _integer(v) and (v >= 1 or v == -1), "an integer >= 1 (or -1: no limit)"),
+    # the server's (mlx-lm's logits processors): OpenAI's range; NaN would make every logit NaN
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "repetition_penalty": (lambda v: _number(v) and v >= 0, "a finite number >= 0 (0 = off)"),
 }
 
 

@@ -38,7 +38,8 @@ from .options import request_options, server_options
 TEXT_COMPLETIONS = "/v1/completions"
 #: Request fields -> the generation options that check them (:func:`~gearbx_mlx.generation.check_generation_options`).
 SAMPLING_FIELDS = (("temperature", "temp"), ("top_p", "top_p"), ("min_p", "min_p"), ("top_k", "top_k"),
-                   ("seed", "seed"))
+                   ("seed", "seed"), ("presence_penalty", "presence_penalty"),
+                   ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"))
 
 
 def logprobs_content(records: List[Response], top: bool) -> List[Dict[str, Any]]:
@@ -74,18 +75,11 @@ def check_request_shape(body: Any, path: str) -> None:
     answer with a library's message: token counts that are not integers (``true`` is one to
     Python), ``stream_options`` that is not an object, chat messages that are not objects,
     and text that is not valid Unicode (a lone surrogate from a ``\\ud800`` escape). Also
-    what mlx-lm takes and then misreads: penalties that are not finite or lie outside OpenAI's
-    [-2, 2], ``logit_bias`` values that are not finite numbers, and a ``response_format``
-    asking for JSON, which this server would answer with free text."""
+    what mlx-lm takes and then misreads: ``logit_bias`` values that are not finite numbers,
+    and a ``response_format`` asking for JSON, which this server would answer with free text.
+    (Penalties are sampling fields: :func:`check_request_values`.)"""
     if not isinstance(body, dict):
         return  # mlx-lm's own check answers it
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v is not None and (type(v) not in (int, float) or not -2.0 <= v <= 2.0):
-            raise ValueError(f"{key} must be a number in [-2, 2], got {json.dumps(v)[:40]}")
-    v = body.get("repetition_penalty")
-    if v is not None and (type(v) not in (int, float) or not 0.0 < v < math.inf):
-        raise ValueError(f"repetition_penalty must be a finite number > 0, got {json.dumps(v)[:40]}")
     bias = body.get("logit_bias")
     if isinstance(bias, dict) and not all(type(b) in (int, float) and math.isfinite(b) for b in bias.values()):
         raise ValueError(f"logit_bias values must be finite numbers, got {json.dumps(bias)[:60]}")
