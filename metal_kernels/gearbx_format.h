@@ -77,6 +77,9 @@
 // Largest K whose input vector the matrix-unit variant stages in threadgroup
 // memory: 14336 16-bit inputs are 28 KB, under Metal's 32 KB.
 #define GBX_MMA_MAX_K 14336
+// Largest K whose input vector the nested GEMV's int8-activation variant
+// stages (one byte an input, a step and a sum per 32): 20 KB at 16384.
+#define GBX_INT8_K 16384
 
 GBX_STATIC_ASSERT(GBX_INT4_OFFSET == GBX_QMAX_INT4 + 1, "int4 storage is q + 8: 1..15, 0 unused");
 GBX_STATIC_ASSERT(GBX_GROUP_MIN % 32 == 0, "a group holds whole 32-input blocks and 32-bit words");
@@ -87,7 +90,7 @@ GBX_STATIC_ASSERT(GBX_GROUP_MIN % GBX_CODES_PER_WORD(GBX_PLANE_BITS_LO) == 0,
                   "a 4-bit word never straddles a group");
 GBX_STATIC_ASSERT((GBX_GROUP_MIN * GBX_PLANE_BITS_6) % GBX_WORD_BITS == 0,
                   "a group of 6-bit codes fills whole words");
-GBX_STATIC_ASSERT(GBX_SHARED_K % 32 == 0 && GBX_MMA_MAX_K % 64 == 0,
+GBX_STATIC_ASSERT(GBX_SHARED_K % 32 == 0 && GBX_MMA_MAX_K % 64 == 0 && GBX_INT8_K % 32 == 0,
                   "staged inputs are whole SIMD-group chunks");
 
 #endif  // GEARBX_FORMAT_H

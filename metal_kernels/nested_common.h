@@ -144,6 +144,76 @@ GBX_FN float gbx_dot8_plane(gbx_words<NW> w, int j, gbx_f8 x) {
   return gbx_dot8<BITS, NW>(w, j, x);
 }
 
+// Int8 activations (INT8X): sum_k a_k * b_k over the four signed bytes of
+// each word, plus c. CUDA has one instruction for it (GBX_DP4A in its
+// prelude); Metal and the host emulation spell it out.
+#ifndef GBX_DP4A
+GBX_FN int gbx_dp4a(gbx_u32 a, gbx_u32 b, int c) {
+  GBX_UNROLL
+  for (int k = 0; k < 32; k += 8) {
+    c += (int(((a >> k) & 0xFFu) ^ 0x80u) - 128) * (int(((b >> k) & 0xFFu) ^ 0x80u) - 128);
+  }
+  return c;
+}
+#define GBX_DP4A(a, b, c) gbx_dp4a(a, b, c)
+#endif
+
+// A word's 8 codes against its 8 inputs rounded to int8: `xe` holds the
+// inputs of codes 0, 2, 4, 6 (bytes 0..3), `xo` those of codes 1, 3, 5, 7, so
+// one mask reads the even codes and a shift and a mask the odd ones (codes
+// 0..15 are non-negative signed bytes): two integer dot products a word.
+GBX_FN int gbx_idot8_4(gbx_u32 w, gbx_u32 xe, gbx_u32 xo, int acc) {
+  acc = GBX_DP4A(w & 0x0F0F0F0Fu, xe, acc);
+  return GBX_DP4A((w >> 4) & 0x0F0F0F0Fu, xo, acc);
+}
+
+// Four int8 values (each in [-127, 127]) packed least significant first.
+GBX_FN gbx_u32 gbx_pack_i8(int a, int b, int c, int d) {
+  return (gbx_u32(a) & 0xFFu) | ((gbx_u32(b) & 0xFFu) << 8) | ((gbx_u32(c) & 0xFFu) << 16) |
+         ((gbx_u32(d) & 0xFFu) << 24);
+}
+
+// Round x[32c .. 32c+31] to int8 with one step d = max|x| / 127 (the C
+// int-dot path's rounding, gearbx_mlx.kernelcheck's `intdot` bound), into
+// the chunk's 8 words of `q` (for each 8 inputs: their even, then odd,
+// inputs, as gbx_idot8_4 takes them) and (d, sum of the rounded inputs)
+// into `dsum`: the biases' term sees the same rounded x as the codes', so
+// the error is that of the whole weight times x's rounding, as the bound
+// says, not of s * q alone. A step that is 0 or not finite rounds every
+// input to 0 and keeps x's own sum, so an infinity or NaN in x still
+// reaches the output.
+template <typename T>
+GBX_FN void gbx_stage_i8(const GBX_DEVICE T* x, int c, GBX_SHARED_PTR gbx_u32* q,
+                         GBX_SHARED_PTR float* dsum) {
+  gbx_f8 v[4];
+  float amax = 0.0f, sum = 0.0f;
+  GBX_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    v[j] = gbx_load_x8(x, 32 * c + 8 * j);
+    GBX_UNROLL
+    for (int k = 0; k < 8; ++k) {
+      amax = GBX_FMAX(amax, GBX_FABS(v[j].v[k]));
+      sum += v[j].v[k];
+    }
+  }
+  const float d = amax / 127.0f;
+  const bool ok = d > 0.0f && d < 3.0e38f;  // NaN fails both
+  int isum = 0;
+  GBX_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    int r[8];
+    GBX_UNROLL
+    for (int k = 0; k < 8; ++k) {
+      r[k] = ok ? int(GBX_RINT(v[j].v[k] / d)) : 0;
+      isum += r[k];
+    }
+    q[8 * c + 2 * j] = gbx_pack_i8(r[0], r[2], r[4], r[6]);
+    q[8 * c + 2 * j + 1] = gbx_pack_i8(r[1], r[3], r[5], r[7]);
+  }
+  dsum[2 * c] = ok ? d : amax;  // a non-finite |x| keeps its infinity or NaN
+  dsum[2 * c + 1] = ok ? float(isum) * d : sum;
+}
+
 // The sum of a chunk's VEC staged sums (float4 entries, chunk ch: entries ch*VEC ..).
 template <int VEC_>
 GBX_FN float gbx_shared_sum(GBX_SHARED_PTR const float4* sums, int ch) {

@@ -25,6 +25,9 @@
 #define GBX_FMIN(a, b) fminf(a, b)
 #define GBX_FMAX(a, b) fmaxf(a, b)
 #define GBX_FMUL(a, b) __fmul_rn(a, b)
+// Four signed 8-bit products summed into c, one instruction (sm_61+); the
+// other back ends spell it out (nested_common.h).
+#define GBX_DP4A(a, b, c) __dp4a(int(a), int(b), c)
 
 typedef __half gbx_half_t;
 typedef __nv_bfloat16 gbx_bfloat_t;

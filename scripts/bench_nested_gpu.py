@@ -31,6 +31,7 @@ Sections (each recorded even if another fails):
    without ``mx.compile`` (:class:`~gearbx_mlx.nested.matmul.NestedKernelConfig`);
    ``-mlpc`` (any variant) compiles each block's MLP into one call, ``-grp`` reads
    each fused group (q/k/v, gate/up) in one launch (``gearbx_mlx.nested.fused``),
+   ``-i8`` / ``-f32x`` (nested) the mid gear with x rounded to int8 or not,
    ``-blockc`` (any variant) runs each block's one-token step as two compiled
    calls around the attention (``gearbx_mlx.blockstep``).
    ``--rounds`` passes over the variants, interleaved; medians, spreads and the
@@ -268,11 +269,14 @@ def bench_host(shape=(4096, 4096)) -> Dict[str, float]:
 def variant_config(suffix: str) -> NestedKernelConfig:
     """The package's kernel config for a decode variant's suffix: ``-fused`` (the low gear
     through the fused kernel, not MLX's quantized_matmul), ``-nocompile`` (no
-    ``mx.compile`` around the one-token launch), or both."""
+    ``mx.compile`` around the one-token launch), ``-i8`` (the mid gear's 4 + 4-bit
+    planes with x rounded to int8, ``gpu_int8x_plans``), ``-f32x`` (no gear so), or several."""
     # Inside a compiled block a launch is traced once anyway: no compile of its own.
     no_compile = "nocompile" in suffix or "blockc" in suffix
-    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in suffix.split("-"),
-                               gpu_compile=DEFAULT_CONFIG.gpu_compile and not no_compile)
+    parts = suffix.split("-")
+    int8x = ((4, 4),) if "i8" in parts else () if "f32x" in parts else DEFAULT_CONFIG.gpu_int8x_plans
+    return dataclasses.replace(DEFAULT_CONFIG, gpu_low_mlx=DEFAULT_CONFIG.gpu_low_mlx and "fused" not in parts,
+                               gpu_compile=DEFAULT_CONFIG.gpu_compile and not no_compile, gpu_int8x_plans=int8x)
 
 
 def gpu_state() -> Dict[str, object]:

@@ -204,6 +204,11 @@ def translation_unit(backend: str, directory: Path, has_bias: bool) -> str:
         fname = (f"custom_kernel_gbx_nested_{'_'.join(map(str, bits))}_g{gs}_{dtype}_s{sdtype}_"
                  f"{'shared' if shared else 'device'}_v{vec}")
         parts.append(signature(consts + nsource, fname, ins, [("y", types[dtype])]))
+        if backend == "cuda" and nested_gpu.int8x_applies(backend, bits, 4096, vec) and not shared:
+            consts = gpu.constants_source(backend, nested_gpu.constants(
+                getattr(mx, dtype), getattr(mx, sdtype), bits, groups,
+                nested_gpu.NestedTuning(2, vec, int8x=True), False))  # x rounded to int8 (CUDA only)
+            parts.append(signature(consts + nsource, fname + "_i8x", ins, [("y", types[dtype])]))
     # The block-sparse body: both group sizes, every x and scale dtype, one and four rows.
     for dtype, sdtype, gs, rows in sparse_variants():
         _, ssource = sparse_gpu.kernel_sources(backend, has_bias, directory, compact=True)

@@ -7,7 +7,8 @@
 Builds one random bfloat16 weight, its nested planes (the package's plan)
 and MLX's 8-bit quantization, then evaluates, each ``--launches`` times and
 synchronized between: the mid and high gears' kernels at the package's
-default split and at two rows with x's sums staged and biased codes, MLX's 8-bit
+default split and at another (x rounded to int8 where the gear's planes and
+the GPU allow it, else two rows with x's sums staged and biased codes), MLX's 8-bit
 ``quantized_matmul`` and the bf16 product. Prints the kernel name of each
 nested variant, so a profile's rows can be told apart. Times nothing itself
 (``scripts/sweep_nested_gemv_gpu.py`` does).
@@ -53,8 +54,10 @@ def main(argv=None) -> int:
 
     for n in (2, 3):
         default = nested_gpu.default_tuning(n, out_features)
-        for tuning in (default, dataclasses.replace(default, rows=2, xsums=True, biased=True)):
-            bits, groups = tuple(b for b, _ in DEFAULT_PLAN[:n]), tuple(g for _, g in DEFAULT_PLAN[:n])
+        bits, groups = tuple(b for b, _ in DEFAULT_PLAN[:n]), tuple(g for _, g in DEFAULT_PLAN[:n])
+        other = (nested_gpu.int8x_tuning(n, out_features) if nested_gpu.int8x_applies(backend, bits, in_features, 4)
+                 else dataclasses.replace(default, rows=2, xsums=True, biased=True))
+        for tuning in (default, other):
             run = nested_gpu.launcher(backend, bits, groups, in_features, out_features, mx.bfloat16, mx.bfloat16,
                                       False, tuning=tuning)
             print(f"planes {n}, {tuning}: {run.kernel_name}", flush=True)

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from gearbx_mlx.kernelcheck import ACT_BLOCK
 from gearbx_mlx.nested.planes import build_planes
 
 #: float32 accumulation in any order, relative to the sum of |terms|
@@ -119,3 +120,17 @@ def assert_close(y: mx.array, want: np.ndarray, magnitude: np.ndarray, dtype: mx
     assert np.all(err <= bound), (
         f"{what}: output {worst}: {got[worst]} vs reference {want[worst]} (error {err[worst]:.3g}, "
         f"bound {bound[worst]:.3g})")
+
+
+def intdot_bound(x: mx.array, planes, n: int) -> np.ndarray:
+    """Largest error the int8 activations can add: sum_j |f (s q_j + b)| * d_b(j) / 2."""
+    xs = f64(x).reshape(-1, x.shape[-1]).astype(np.float32)
+    blocks = xs.reshape(xs.shape[0], -1, ACT_BLOCK)
+    step = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float64)  # d_b
+    half = np.repeat(step / 2, ACT_BLOCK, axis=1)  # (m, in)
+    out = np.zeros((xs.shape[0], planes[0].weight.shape[0]))
+    for p in planes[:n]:
+        s = np.repeat(f64(p.scales), p.group_size, axis=1)
+        b = np.repeat(f64(p.biases), p.group_size, axis=1)
+        out += 2.0 ** -p.exponent * (half @ np.abs(s * codes(p) + b).T)
+    return out.reshape(tuple(x.shape[:-1]) + (-1,))

@@ -25,8 +25,8 @@ from nested_cases import (
     ODD_SHAPES,
     PLANS,
     assert_close,
-    codes,
     f64,
+    intdot_bound,
     make_planes,
     make_x,
     plan_cases,
@@ -37,23 +37,8 @@ from gearbx_mlx.bindings import build, cpu, nested_cpu
 from gearbx_mlx.nested.planes import quantize_plane, unpack_plane
 
 ROOT = Path(__file__).resolve().parent.parent
-QK = 32
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not built: python gearbx_mlx/bindings/build.py")
-
-
-def intdot_bound(x: mx.array, planes, n: int) -> np.ndarray:
-    """Largest error the int8 activations can add: sum_j |f (s q_j + b)| * d_b(j) / 2."""
-    xs = f64(x).reshape(-1, x.shape[-1]).astype(np.float32)
-    blocks = xs.reshape(xs.shape[0], -1, QK)
-    step = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float64)  # d_b
-    half = np.repeat(step / 2, QK, axis=1)  # (m, in)
-    out = np.zeros((xs.shape[0], planes[0].weight.shape[0]))
-    for p in planes[:n]:
-        s = np.repeat(f64(p.scales), p.group_size, axis=1)
-        b = np.repeat(f64(p.biases), p.group_size, axis=1)
-        out += 2.0 ** -p.exponent * (half @ np.abs(s * codes(p) + b).T)
-    return out.reshape(tuple(x.shape[:-1]) + (-1,))
 
 
 def isa_limits() -> list:

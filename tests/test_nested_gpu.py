@@ -27,7 +27,16 @@ import host_emulation
 import mlx.core as mx
 import numpy as np
 import pytest
-from nested_cases import KERNEL_PLAN, ODD_SHAPES, assert_close, make_planes, make_x, plane_specs, reference64
+from nested_cases import (
+    KERNEL_PLAN,
+    ODD_SHAPES,
+    assert_close,
+    intdot_bound,
+    make_planes,
+    make_x,
+    plane_specs,
+    reference64,
+)
 
 from gearbx_mlx.bindings import gpu, kernel_files, nested_gpu
 
@@ -152,6 +161,12 @@ HOST_CONFIGS = [
     (KERNEL_PLAN, mx.float32, mx.float32, None, 1, 2, False, False, 1, False, True),
     ((4, 4), mx.float16, mx.bfloat16, 32, 4, 4, True, False, 8, False, True),
     ((4, 8, 4), mx.bfloat16, mx.float16, 64, 1, 1, True, True, 1, True, True),
+    # x rounded to int8 (4-bit planes only): one, two and three planes, one and eight SIMD groups a row
+    # block, biased asked for and ignored
+    (KERNEL_PLAN[:2], mx.bfloat16, mx.bfloat16, None, 2, 4, False, True, 1, False, False, True),
+    ((4, 4), mx.float16, mx.float32, 64, 1, 4, False, False, 8, False, False, True),
+    ((4,), mx.float32, mx.bfloat16, 32, 4, 4, False, True, 1, False, True, True),
+    ((4, 4, 4), mx.bfloat16, mx.float16, 128, 3, 4, False, False, 1, False, False, True),
 ]
 
 
@@ -160,6 +175,7 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     ksplit = config[8] if len(config) > 8 else 1
     xsums = config[9] if len(config) > 9 else False
     biased = config[10] if len(config) > 10 else False
+    int8x = config[11] if len(config) > 11 else False
     t, s = HOST_TYPES[dtype], HOST_TYPES[sdtype]
     params = [f"const {t}* x", "const uint32_t* w0", "Shape w0_shape", f"const {s}* s0", f"const {s}* b0"]
     for p in range(1, len(plan)):
@@ -169,7 +185,7 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     body = body.replace(gpu.backend_files("cuda", directory)[1], "GBX_HOST_ENTRY\n")
     specs = plane_specs(plan, gs)
     consts = nested_gpu.constants(dtype, sdtype, tuple(b for b, _ in specs), tuple(g for _, g in specs),
-                                  nested_gpu.NestedTuning(rows, vec, ksplit, xsums, biased), shared)
+                                  nested_gpu.NestedTuning(rows, vec, ksplit, xsums, biased, int8x=int8x), shared)
     decl = "".join(
         f"  using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype)
         else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
@@ -277,7 +293,32 @@ def test_host_emulated_body_matches_the_reference(host_binary, tmp_path, config,
     planes, x, bias = host_case(cfg, shape, seed=config)
     y = run_host(host_binary, tmp_path, config, cfg, planes, x, bias)
     want, mag = reference64(x, planes, len(cfg[0]), bias)
-    assert_close(y, want, mag, cfg[1])
+    assert_close(y, want, mag, cfg[1], extra=int8x_bound(cfg, x, planes))
+
+
+def int8x_bound(cfg, x, planes):
+    """What rounding x to int8 may add to a config's outputs (None for float activations)."""
+    return intdot_bound(x, planes, len(cfg[0])) if len(cfg) > 11 and cfg[11] else None
+
+
+def test_a_planted_int8_pairing_bug_in_the_body_fails(tmp_path):
+    """Pair the even codes of every word with the odd inputs in a copy of the
+    sources: the int8 gear must then disagree with the reference, beyond the
+    int8 rounding's bound."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernel_files.source_dir(), copy)
+    helper = copy / "nested_common.h"
+    text = helper.read_text()
+    old = "acc = GBX_DP4A(w & 0x0F0F0F0Fu, xe, acc);"
+    assert old in text, "update the planted bug: gbx_idot8_4 changed"
+    helper.write_text(text.replace(old, "acc = GBX_DP4A(w & 0x0F0F0F0Fu, xo, acc);"))
+    cfg = next(c for c in HOST_CONFIGS if len(c) > 11 and c[11])
+    binary = build_host(copy, [cfg], "bug_i8")
+    planes, x, bias = host_case(cfg, (17, 320), seed=7)
+    y = run_host(binary, tmp_path, 0, cfg, planes, x, bias)
+    want, mag = reference64(x, planes, len(cfg[0]), bias)
+    with pytest.raises(AssertionError, match="reference"):
+        assert_close(y, want, mag, cfg[1], extra=int8x_bound(cfg, x, planes))
 
 
 def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
@@ -412,3 +453,73 @@ def test_cuda_every_tuning(tuning):
             want, mag = reference64(x, planes, 3)
             assert_close(y, want, mag, mx.bfloat16, what=str(tuning))
 
+
+
+# -- int8 activations (NestedTuning.int8x) --------------------------------------------------
+
+I8_PLANS = [((4, 64), (4, 32)), (4,), (4, 4, 4)]
+
+
+def test_int8x_applies_to_cuda_four_bit_planes_only():
+    planes = make_planes(67, 320, I8_PLANS[0], None, mx.bfloat16)
+    x = make_x((320,), mx.bfloat16)
+    t = nested_gpu.int8x_tuning(2, 67)
+    assert t.int8x and t.vec == 4 and t.rows == nested_gpu.default_tuning(2, 67).rows
+    spec = nested_gpu.launch_spec("cuda", x, planes, 2, True, tuning=dataclasses.replace(t, biased=True))
+    consts = dict(spec["constants"])
+    assert "_i8x_" in spec["name"] and "_device_" in spec["name"]
+    assert consts["INT8X"] is True and consts["SHARED"] is False and consts["BIASED"] is False
+    assert dict(nested_gpu.launch_spec("cuda", x, planes, 2, True)["constants"])["INT8X"] is False  # never by default
+    with pytest.raises(ValueError, match="int8 activations"):  # no integer dot product on Apple GPUs
+        nested_gpu.launch_spec("metal", x, planes, 2, True, tuning=t)
+    with pytest.raises(ValueError, match="int8 activations"):  # a 6-bit plane
+        nested_gpu.launch_spec("cuda", x, make_planes(67, 320, KERNEL_PLAN, None, mx.bfloat16), 3, True, tuning=t)
+    with pytest.raises(ValueError, match="int8 activations"):  # vec 2: two steps would share a chunk
+        nested_gpu.launch_spec("cuda", x, planes, 2, True, tuning=dataclasses.replace(t, vec=2))
+    with pytest.raises(ValueError, match="float staging"):
+        nested_gpu.launch_spec("cuda", x, planes, 2, True, tuning=t, shared=True)
+    big_k = kernel_files.format_constant("GBX_INT8_K") + 64
+    assert not nested_gpu.int8x_applies("cuda", (4, 4), big_k, 4)
+    assert nested_gpu.int8x_applies("cuda", (4, 4), big_k - 64, 4)
+
+
+def test_the_kernel_config_asks_for_int8x_per_gear(monkeypatch):
+    """NestedKernelConfig.gpu_int8x_plans picks the gears whose CUDA launch rounds x to
+    int8, and the first-use guard then checks them under the int8 bound."""
+    from gearbx_mlx.bindings import guard
+    from gearbx_mlx.nested.matmul import DEFAULT_CONFIG, NestedProduct
+
+    launched, specs = [], []
+    monkeypatch.setattr(nested_gpu, "launcher", lambda *a, **k: launched.append(k.get("tuning")) or object())
+    monkeypatch.setattr(guard, "guarded", lambda spec, build, settle: specs.append(spec) or build())
+    config = dataclasses.replace(DEFAULT_CONFIG, gpu_int8x_plans=((4, 4),))
+    planes = make_planes(67, 320, ((4, 64), (4, 32), (6, 64)), None, mx.bfloat16)
+    for backend, want in (("cuda", [False, True, False]), ("metal", [False, False, False])):
+        launched.clear()
+        specs.clear()
+        prod = NestedProduct(planes, config)
+        for n in (1, 2, 3):
+            prod._gpu_launcher(backend, mx.bfloat16, n, False)
+        assert [bool(t and t.int8x) for t in launched] == want, backend
+        assert [s.intdot for s in specs] == want, backend
+    launched.clear()
+    NestedProduct(planes)._gpu_launcher("cuda", mx.bfloat16, 2, False)
+    assert launched == [None]  # the default config keeps float activations
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", I8_PLANS)
+def test_cuda_int8x_matches_the_reference(plan):
+    gs = None if isinstance(plan[0], tuple) else 64
+    n = len(plan)
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        for shape in [s for s in ODD_SHAPES if all(s[1] % g == 0 for _, g in plane_specs(plan, gs))]:
+            planes = make_planes(*shape, plan, gs, dtype, seed=n)
+            x = make_x((shape[1],), dtype, seed=n + 1)
+            bias = make_x((shape[0],), dtype, seed=n + 2)
+            for rows, ksplit in ((1, 1), (2, 1), (4, 1), (2, 8)):
+                t = dataclasses.replace(nested_gpu.int8x_tuning(n, shape[0]), rows=rows, ksplit=ksplit)
+                for b in (None, bias):
+                    y = nested_gpu.nested_gemv(x, planes, n, b, backend="cuda", tuning=t)
+                    want, mag = reference64(x, planes, n, b)
+                    assert_close(y, want, mag, dtype, extra=intdot_bound(x, planes, n), what=f"cuda int8x {t}")

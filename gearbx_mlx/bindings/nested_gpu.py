@@ -70,7 +70,14 @@ class NestedTuning:
     biases' product once (``gbx_dot8_biased4`` in ``nested_common.h``);
     stage: x is staged in threadgroup memory where K allows it (False: every
     lane reads x from device memory, through the L1 cache, and a threadgroup
-    holds no staging buffer, so more of them fit on a core).
+    holds no staging buffer, so more of them fit on a core);
+    int8x: where every plane read has 4 bits, ``vec`` is 4 and K is at most
+    ``GBX_INT8_K``, each threadgroup rounds x to int8 once (one step
+    ``max|x| / 127`` per 32 inputs, the C kernels' int-dot rounding) and
+    reads a word of codes with two 4-way integer dot products instead of
+    eight multiply-adds (:func:`int8x_applies` says where; ``xsums``,
+    ``biased`` and ``stage`` then do not apply). The package asks for it per
+    gear (``NestedKernelConfig.gpu_int8x_plans``), never by default here.
     """
 
     rows: int
@@ -79,6 +86,7 @@ class NestedTuning:
     xsums: bool = False
     biased: bool = False
     stage: bool = True
+    int8x: bool = False
 
 
 #: Defaults by the number of planes a gear reads, for the package's default
@@ -137,7 +145,7 @@ def constants(
     return [("T", dtype), ("S", scale_dtype), ("B0", b[0]), ("B1", b[1]), ("B2", b[2]),
             ("GS0", g[0]), ("GS1", g[1]), ("GS2", g[2]), ("ROWS", tuning.rows), ("VEC", tuning.vec),
             ("KSPLIT", tuning.ksplit), ("SHARED", shared), ("XSUMS", bool(tuning.xsums and shared)),
-            ("BIASED", bool(tuning.biased))]
+            ("BIASED", bool(tuning.biased and not tuning.int8x)), ("INT8X", bool(tuning.int8x))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +156,7 @@ def kernel_name(
     digest = gpu.digest(*kernel_sources(backend, len(bits), has_bias))
     plan = "_".join(f"q{b}g{g}" for b, g in zip(bits, group_sizes))
     staged = ('shared_xsums' if tuning.xsums else 'shared') if shared else 'device'
-    codes = "_biased" if tuning.biased else ""
+    codes = "_i8x" if tuning.int8x else "_biased" if tuning.biased else ""
     return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_k{tuning.ksplit}{codes}_"
             f"{staged}_{DTYPE_TAG[dtype]}_s{DTYPE_TAG[scale_dtype]}_"
             f"{'bias' if has_bias else 'nobias'}_{digest}")
@@ -198,6 +206,15 @@ def factors_of(planes: Sequence[PlaneLike], n: int) -> mx.array:
 # -- launch ---------------------------------------------------------------------------
 
 
+def int8x_applies(backend: str, bits: Sequence[int], in_features: int, vec: int) -> bool:
+    """True where :attr:`NestedTuning.int8x` can run: on CUDA (its 4-way integer
+    dot product is one instruction; Apple GPUs have none, so Metal keeps float
+    activations), every plane read of 4 bits, ``vec`` 4 (one int8 step per
+    chunk of 32 inputs) and K at most ``GBX_INT8_K`` (the staged int8 x)."""
+    return (backend == "cuda" and all(b == 4 for b in bits) and vec == 4
+            and in_features <= format_constant("GBX_INT8_K"))
+
+
 def default_tuning(n: int, out_features: int) -> NestedTuning:
     """:data:`TUNING` of a gear of ``n`` planes, its rows shrunk for a small
     matrix so that the launch keeps :data:`MIN_THREADGROUPS` threadgroups."""
@@ -206,6 +223,12 @@ def default_tuning(n: int, out_features: int) -> NestedTuning:
     while rows > 1 and -(-out_features // (SIMD_GROUPS // t.ksplit * rows)) < MIN_THREADGROUPS:
         rows //= 2
     return t if rows == t.rows else dataclasses.replace(t, rows=rows)
+
+
+def int8x_tuning(n: int, out_features: int) -> NestedTuning:
+    """The split of a gear of ``n`` 4-bit planes with x rounded to int8
+    (:attr:`NestedTuning.int8x`): :func:`default_tuning`'s rows, ``vec`` 4."""
+    return dataclasses.replace(default_tuning(n, out_features), vec=4, int8x=True)
 
 
 def launch_spec(
@@ -221,6 +244,9 @@ def launch_spec(
         raise ValueError(f"no nested GPU kernel for planes {bits}, groups {gs}, shape ({out_features}, "
                          f"{in_features}), x {x.dtype}, scales {sdt}: use the reference")
     t = tuning or default_tuning(n, out_features)
+    if t.int8x and not int8x_applies(backend, bits, in_features, t.vec):
+        raise ValueError(f"int8 activations need CUDA, 4-bit planes, vec 4 and K <= "
+                         f"{format_constant('GBX_INT8_K')}: got {backend}, planes {bits}, K {in_features}, {t}")
     if t.rows < 1 or t.vec not in (1, 2, 4) or 8 * t.vec > min(gs):
         raise ValueError(f"rows >= 1 and vec 1, 2 or 4 with 8 * vec <= the smallest group {min(gs)}, got {t}")
     if t.ksplit not in (1, SIMD_GROUPS):
@@ -229,7 +255,9 @@ def launch_spec(
         raise ValueError(f"a 6-bit plane needs an even vec (a chunk of 8 * vec codes in whole words), got {t}")
     shared_k = format_constant("GBX_SHARED_K")
     if shared is None:
-        shared = t.stage and in_features <= shared_k
+        shared = t.stage and not t.int8x and in_features <= shared_k
+    elif shared and t.int8x:
+        raise ValueError("int8 activations stage x as int8: the float staging (shared=True) does not apply")
     elif shared and in_features > shared_k:
         raise ValueError(f"the threadgroup-memory variant holds K <= {shared_k}, got {in_features}")
     n_groups = -(-out_features // (SIMD_GROUPS // t.ksplit * t.rows))

@@ -88,6 +88,12 @@ class NestedKernelConfig:
     dense_unpack_threads: Optional[int] = None
     gpu_low_mlx: bool = True
     gpu_compile: bool = True
+    #: The bits of the planes read by the gears whose one-token GPU product rounds
+    #: x to int8 (:attr:`gearbx_mlx.bindings.nested_gpu.NestedTuning.int8x`: one step
+    #: per 32 inputs, as the CPU's int-dot path; the first-use guard's bound counts
+    #: it) where the GPU has a 4-way integer dot product (CUDA; Metal keeps float
+    #: activations): the mid gear's, as :attr:`intdot_one_row_plans` on the CPU.
+    gpu_int8x_plans: Tuple[Tuple[int, ...], ...] = ()
     #: On a GPU, the precision manager reads each fused group (q/k/v, gate/up) of a
     #: gear in one launch (:mod:`.fused`) and compiles each block's one-token step
     #: per gear (:mod:`gearbx_mlx.blockstep`): docs/BENCHMARKS.md, the GPU gears.
@@ -154,15 +160,18 @@ class NestedProduct:
             sdt = used[0].scales.dtype
             uniform = all(p.scales.dtype == sdt and p.biases.dtype == sdt for p in used)
             ok = uniform and nested_gpu.supports(bits, gs, self.in_features, self.out_features, dtype, sdt)
+            int8x = bits in self.config.gpu_int8x_plans and nested_gpu.int8x_applies(backend, bits,
+                                                                                      self.in_features, 4)
+            tuning = nested_gpu.int8x_tuning(n, self.out_features) if int8x else None
 
             def settle(r: object) -> None:
                 self._gpu[key] = r
                 self._fast.pop((dtype, n, has_bias), None)  # rebound to the bare launcher on the next call
 
             run = ok and guard.guarded(
-                self._spec(f"{backend} nested GEMV", n, False),
+                self._spec(f"{backend} nested GEMV", n, int8x),
                 lambda: nested_gpu.launcher(backend, bits, gs, self.in_features, self.out_features, dtype, sdt,
-                                            has_bias), settle)
+                                            has_bias, tuning=tuning), settle)
             self._gpu[key] = run
         return run
 

@@ -47,6 +47,7 @@ __device__ float fabsf(float x);
 __device__ float fminf(float a, float b);
 __device__ float fmaxf(float a, float b);
 __device__ float __fmul_rn(float a, float b);
+__device__ int __dp4a(int a, int b, int c);
 
 namespace cooperative_groups {}
 namespace mlx::core::cu {

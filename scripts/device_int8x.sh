@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU and MLX's CUDA backend installed: the mid
+# gear with x rounded to int8 (NestedTuning.int8x) against its float split.
+#   phase t: the CUDA tests of the int8 split, of every split and of the bound
+#            launches; then the mid gear's splits at Llama-3-8B's four shapes,
+#            float (x from device memory) and int8, against MLX's products
+#            (scripts/sweep_nested_gemv_gpu.py --int8x --device-only).
+#   phase d: decode tok/s of bf16, MLX 4- and 8-bit and the nested gears as
+#            the package builds them on a GPU, the mid gear both ways,
+#            ROUNDS rounds interleaved (scripts/bench_nested_gpu.py).
+#   phase p: an Nsight Compute profile of the mid kernel both ways and MLX's
+#            8-bit product at SHAPE (scripts/profile_gemv_kernels.py).
+# Everything lands in OUTDIR.
+# Usage: scripts/device_int8x.sh t|d|p OUTDIR [ROUNDS|SHAPE]
+set -uo pipefail
+phase=${1:?usage: scripts/device_int8x.sh t|d|p OUTDIR [ROUNDS|SHAPE]}
+out=${2:?usage: scripts/device_int8x.sh t|d|p OUTDIR [ROUNDS|SHAPE]}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $py -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
+  grep -m1 "model name" /proc/cpuinfo; cat /proc/loadavg
+} > "$out/env_$phase.txt" 2>&1
+case "$phase" in
+  t)
+    timeout "${TEST_LIMIT_S:-240}" $py -m pytest tests/test_nested_gpu.py -q -rs -p no:cacheprovider -n0 \
+      -k "cuda_int8x or cuda_every_tuning or cuda_bound_launches" > "$out/cuda_tests.txt" 2>&1
+    tail -3 "$out/cuda_tests.txt"
+    timeout "${SWEEP_LIMIT_S:-240}" $py scripts/sweep_nested_gemv_gpu.py --gears mid --int8x --device-only \
+      --out "$out/sweep.json" 2>&1 | tee "$out/sweep.txt" | grep -v "^  "
+    ;;
+  d)
+    rounds=${3:-5}
+    timeout "${DECODE_LIMIT_S:-540}" $py scripts/bench_nested_gpu.py --skip-sweep --skip-gemv --skip-host \
+      --rounds "$rounds" --out "$out/gears.json" \
+      --variants bf16 mlx-4 mlx-8 nested-low-grp-blockc nested-mid-grp-blockc-f32x nested-mid-grp-blockc-i8 \
+      nested-high-grp-blockc 2>&1 | tee "$out/gears.txt" | grep -v "^  r"
+    nvidia-smi -q -d CLOCK,PERFORMANCE,POWER > "$out/gpu_clocks.txt" 2>&1
+    ;;
+  p)
+    shape=${3:-4096x4096}
+    timeout "${PROFILE_LIMIT_S:-200}" ncu --clock-control none --kernel-name regex:"gbx_nested|qmv|gemv|gemm" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section Occupancy --section LaunchStats $py scripts/profile_gemv_kernels.py --shape "$shape" \
+      > "$out/ncu_$shape.txt" 2>&1
+    echo "ncu exit status: $?"
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Issue|Achieved Occupancy|Registers Per|^planes|^MLX|^bf16" \
+      "$out/ncu_$shape.txt" | cut -c1-120 | head -60
+    ;;
+  *) echo "phase is t, d or p" >&2; exit 2 ;;
+esac
