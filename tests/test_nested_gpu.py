@@ -419,8 +419,9 @@ def test_compiled_launch_is_the_bound_launch():
 @pytest.mark.parametrize("plan", [KERNEL_PLAN, (4, 4, 8)])
 def test_cuda_bound_launches_match_the_reference(plan):
     """The decode path: NestedProduct binds each gear's launcher on the first
-    call and launches it directly after; every call must still be the gear."""
-    from gearbx_mlx.nested.matmul import NestedProduct
+    call and launches it directly after; every call must still be the gear (a
+    gear the default config rounds to int8, under the int8 bound)."""
+    from gearbx_mlx.nested.matmul import DEFAULT_CONFIG, NestedProduct
 
     for shape in ((1024, 4096), (67, 320)):
         planes = make_planes(*shape, plan, 64 if isinstance(plan[0], int) else None, mx.bfloat16, seed=11)
@@ -432,7 +433,10 @@ def test_cuda_bound_launches_match_the_reference(plan):
                 b = bias if k % 2 else None
                 y = prod(x, n, b)
                 want, mag = reference64(x, planes, n, b)
-                assert_close(y, want, mag, mx.bfloat16, what=f"bound {shape} n={n} call {k}")
+                bits = tuple(p.bits for p in planes[:n])
+                i8 = bits in DEFAULT_CONFIG.gpu_int8x_plans and nested_gpu.int8x_applies("cuda", bits, shape[1], 4)
+                assert_close(y, want, mag, mx.bfloat16, extra=intdot_bound(x, planes, n) if i8 else None,
+                             what=f"bound {shape} n={n} call {k}")
 
 
 @needs_cuda
@@ -503,23 +507,29 @@ def test_the_kernel_config_asks_for_int8x_per_gear(monkeypatch):
         assert [bool(t and t.int8x) for t in launched] == want, backend
         assert [s.intdot for s in specs] == want, backend
     launched.clear()
-    NestedProduct(planes)._gpu_launcher("cuda", mx.bfloat16, 2, False)
-    assert launched == [None]  # the default config keeps float activations
+    NestedProduct(planes)._gpu_launcher("cuda", mx.bfloat16, 2, False)  # the default: the mid gear's 4 + 4 bits
+    assert [t.int8x for t in launched] == [(4, 4) in DEFAULT_CONFIG.gpu_int8x_plans]
+    launched.clear()
+    NestedProduct(planes, dataclasses.replace(DEFAULT_CONFIG, gpu_int8x_plans=()))._gpu_launcher(
+        "cuda", mx.bfloat16, 2, False)
+    assert launched == [None]  # float activations where no plan asks for int8
 
 
 @needs_cuda
-@pytest.mark.parametrize("plan", I8_PLANS)
-def test_cuda_int8x_matches_the_reference(plan):
+@pytest.mark.parametrize("i", range(len(I8_PLANS)))
+def test_cuda_int8x_matches_the_reference(i):
+    """Each plan at every odd shape and four splits, one dtype per plan (each split a
+    compile), with and without a bias by turns."""
+    plan, dtype = I8_PLANS[i], (mx.bfloat16, mx.float16, mx.float32)[i]
     gs = None if isinstance(plan[0], tuple) else 64
     n = len(plan)
-    for dtype in (mx.bfloat16, mx.float16, mx.float32):
-        for shape in [s for s in ODD_SHAPES if all(s[1] % g == 0 for _, g in plane_specs(plan, gs))]:
-            planes = make_planes(*shape, plan, gs, dtype, seed=n)
-            x = make_x((shape[1],), dtype, seed=n + 1)
-            bias = make_x((shape[0],), dtype, seed=n + 2)
-            for rows, ksplit in ((1, 1), (2, 1), (4, 1), (2, 8)):
-                t = dataclasses.replace(nested_gpu.int8x_tuning(n, shape[0]), rows=rows, ksplit=ksplit)
-                for b in (None, bias):
-                    y = nested_gpu.nested_gemv(x, planes, n, b, backend="cuda", tuning=t)
-                    want, mag = reference64(x, planes, n, b)
-                    assert_close(y, want, mag, dtype, extra=intdot_bound(x, planes, n), what=f"cuda int8x {t}")
+    for shape in [s for s in ODD_SHAPES if all(s[1] % g == 0 for _, g in plane_specs(plan, gs))]:
+        planes = make_planes(*shape, plan, gs, dtype, seed=n)
+        x = make_x((shape[1],), dtype, seed=n + 1)
+        bias = make_x((shape[0],), dtype, seed=n + 2)
+        for k, (rows, ksplit) in enumerate(((1, 1), (2, 1), (4, 1), (2, 8))):
+            t = dataclasses.replace(nested_gpu.int8x_tuning(n, shape[0]), rows=rows, ksplit=ksplit)
+            b = bias if k % 2 else None
+            y = nested_gpu.nested_gemv(x, planes, n, b, backend="cuda", tuning=t)
+            want, mag = reference64(x, planes, n, b)
+            assert_close(y, want, mag, dtype, extra=intdot_bound(x, planes, n), what=f"cuda int8x {t} {shape}")

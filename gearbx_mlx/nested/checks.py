@@ -193,7 +193,8 @@ def _dispatch(plant: Optional[Plant]) -> List[Case]:
             if on_gpu and n != i + 1:  # a GPU compiles each variant: one gear per dtype, in turn
                 continue
             path = product.backend_for(x, n, True)
-            intdot = path == "cpu" and product.cpu_path(n) == "intdot"
+            intdot = (path == "cpu" and product.cpu_path(n) == "intdot") or (
+                path in ("metal", "cuda") and product.gpu_int8x(path, n))
             y = product(x, n, bias)
             cases.append(_case(x, y, (planes, n, plan), bias, dtype, intdot, [f"via {path}"]))
     return cases

@@ -92,8 +92,10 @@ class NestedKernelConfig:
     #: x to int8 (:attr:`gearbx_mlx.bindings.nested_gpu.NestedTuning.int8x`: one step
     #: per 32 inputs, as the CPU's int-dot path; the first-use guard's bound counts
     #: it) where the GPU has a 4-way integer dot product (CUDA; Metal keeps float
-    #: activations): the mid gear's, as :attr:`intdot_one_row_plans` on the CPU.
-    gpu_int8x_plans: Tuple[Tuple[int, ...], ...] = ()
+    #: activations): the mid gear's, as :attr:`intdot_one_row_plans` on the CPU. Its
+    #: product took 0.76-0.90x the float split's time at Llama-3-8B's four shapes on
+    #: an H200 (docs/BENCHMARKS.md, the mid kernel with int8 activations).
+    gpu_int8x_plans: Tuple[Tuple[int, ...], ...] = ((4, 4),)
     #: On a GPU, the precision manager reads each fused group (q/k/v, gate/up) of a
     #: gear in one launch (:mod:`.fused`) and compiles each block's one-token step
     #: per gear (:mod:`gearbx_mlx.blockstep`): docs/BENCHMARKS.md, the GPU gears.
@@ -160,8 +162,7 @@ class NestedProduct:
             sdt = used[0].scales.dtype
             uniform = all(p.scales.dtype == sdt and p.biases.dtype == sdt for p in used)
             ok = uniform and nested_gpu.supports(bits, gs, self.in_features, self.out_features, dtype, sdt)
-            int8x = bits in self.config.gpu_int8x_plans and nested_gpu.int8x_applies(backend, bits,
-                                                                                      self.in_features, 4)
+            int8x = self.gpu_int8x(backend, n)
             tuning = nested_gpu.int8x_tuning(n, self.out_features) if int8x else None
 
             def settle(r: object) -> None:
@@ -174,6 +175,12 @@ class NestedProduct:
                                             has_bias, tuning=tuning), settle)
             self._gpu[key] = run
         return run
+
+    def gpu_int8x(self, backend: str, n: int) -> bool:
+        """True if the one-token product of the gear of ``n`` planes on ``backend`` rounds x to
+        int8 (:attr:`NestedKernelConfig.gpu_int8x_plans`, where the GPU can)."""
+        bits = tuple(p.bits for p in self.planes[:n])
+        return bits in self.config.gpu_int8x_plans and nested_gpu.int8x_applies(backend, bits, self.in_features, 4)
 
     def _spec(self, family: str, n: int, intdot: bool) -> guard.KernelSpec:
         """What the first-use guard checks a kernel of the gear of ``n`` planes against."""
