@@ -699,6 +699,56 @@ def test_a_cache_root_that_is_a_file_is_named_and_left_alone(gguf, tmp_path, mon
     assert root.read_text() == "the user's own file"
 
 
+@pytest.mark.parametrize("calibrations", ["absent", "present"])
+def test_calibrate_with_a_read_only_cache_uses_the_calibration_and_warns_once(gguf, cache_root, tmp_path, monkeypatch,
+                                                                            capsys, calibrations):
+    """The whole calibration ran, then saving it into the cache's calibrations folder ended the run
+    with exit 1 and lost it. The cache is a convenience: the run uses what it computed, one warning
+    names the folder and the fixes, and the run exits 0."""
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import main
+    from gearbx_mlx.telemetry.trace import read_trace
+
+    folder = str(_resolve(gguf))
+    cal_dir = cache_root / "calibrations"
+    if calibrations == "present":  # made by an earlier run, then the cache made read-only
+        cal_dir.mkdir()
+    argv = ["--model", folder, "--calibrate", "--prompt", "t2 t3", "--max-tokens", "2", "--ignore-chat-template"]
+    capsys.readouterr()
+    with _read_only(cache_root, monkeypatch):
+        assert main([*argv, "--trace", str(tmp_path / "read-only.jsonl")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warned = [line for line in err if "calibration" in line and "warning" in line]  # the planes cache warns too
+    assert warned == [f"[gearbx] warning: the calibration is used for this run but could not be saved: the cache "
+                      f"folder {cal_dir} cannot be written (Permission denied): make it writable, or point "
+                      "GEARBX_CACHE to a writable folder, or save it elsewhere with --calibration FILE"], err
+    assert not any(line.startswith("error") for line in err), err
+    assert not cal_dir.exists() or list(cal_dir.iterdir()) == []
+    used = read_trace(tmp_path / "read-only.jsonl").header["thresholds"]
+    assert used["source"] == "calibration:median"
+    assert main(argv) == 0  # writable again: the same calibration is saved, and it is the one the run used
+    saved = [Calibration.load(p) for p in cal_dir.glob("*.json")]
+    assert [(c.low, c.high) for c in saved] == [(used["low"], used["high"])]
+
+
+def test_calibrate_into_an_unwritable_calibration_file_fails_before_calibrating(gguf, cache_root, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A --calibration FILE the user named is not a convenience: a folder that cannot take it is one
+    error before the model is calibrated (not a warning after)."""
+    from gearbx_mlx.generate import main
+
+    folder = str(_resolve(gguf))
+    target = tmp_path / "mine" / "cal.json"
+    target.parent.mkdir()
+    capsys.readouterr()
+    with _read_only(target.parent, monkeypatch):
+        assert main(["--model", folder, "--calibrate", "--calibration", str(target), "--prompt", "t2",
+                     "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --calibration {target}: cannot write in {target.parent} (Permission denied)"], err
+    assert not target.exists()
+
+
 # -- a failed download of the evaluation corpus ------------------------------------------------------------
 @pytest.fixture
 def no_network(monkeypatch):
