@@ -51,7 +51,7 @@ from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOpti
 from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
 from .run_summary import format_summary
-from .sources.entries import make_folder, remove_path
+from .sources.entries import make_folder, remove_path, unwritable
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
@@ -408,9 +408,28 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         target = args.calibration or cached
         if target is not None and getattr(args, "rank", 0) == 0:
             if target == cached:
-                make_folder(cached.parent)
-            cal.save(target)
+                _save_cached(cal, cached)
+            else:
+                cal.save(target)
     return "prefill"
+
+
+def _save_cached(cal: Calibration, path: Path) -> None:
+    """Keep ``cal`` at ``path`` in the package's cache for later ``--calibrate`` runs.
+
+    The cache is a convenience: a folder that cannot take it (read-only, full, a
+    file in its place) costs the later runs their reuse, not this run its
+    calibration. One warning names the folder and the fixes, the run goes on.
+    """
+    try:
+        make_folder(path.parent)
+        try:
+            cal.save(path)
+        except OSError as e:
+            raise unwritable(path.parent, e) from None
+    except OSError as e:
+        warnings.warn(f"the calibration is used for this run but could not be saved: {e}, "
+                      "or save it elsewhere with --calibration FILE", stacklevel=2)
 
 
 def _calibration_settings(args: argparse.Namespace, gearbox: Any) -> Dict[str, Any]:

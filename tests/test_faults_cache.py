@@ -309,6 +309,69 @@ def test_pip_runs_in_hash_checking_mode_and_the_wheel_is_checked_again(tmp_path,
     assert not (tmp_path / "a.bin").exists() and _temps(tmp_path) == []
 
 
+FAKE_PIP = """
+import sys, zipfile
+from pathlib import Path
+args = sys.argv[1:]
+print("Collecting x==1", flush=True)
+print(f"pip's stdout is a terminal: {sys.stdout.isatty()}", flush=True)
+print(f"pip's stderr is a terminal: {sys.stderr.isatty()}", file=sys.stderr, flush=True)
+with zipfile.ZipFile(Path(args[args.index("-d") + 1]) / "x-1-py3-none-any.whl", "w") as z:
+    z.writestr("x/data.bin", b"payload")
+"""
+
+
+@pytest.fixture
+def fake_pip(tmp_path, monkeypatch) -> None:
+    """``python -m pip download`` run for real by :mod:`subprocess` (its output where the cache
+    sends it), as a script that writes a few lines and a wheel: nothing is downloaded."""
+    script = tmp_path / "fake_pip.py"
+    script.write_text(FAKE_PIP)
+    real_run = subprocess.run
+
+    def run(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"], cmd
+        return real_run([sys.executable, str(script), *cmd[4:]], **kwargs)
+
+    monkeypatch.setattr(cache.subprocess, "run", run)
+
+
+def test_a_download_works_where_stderr_has_no_file_descriptor(tmp_path, monkeypatch, fake_pip):
+    """pip was given ``sys.stderr`` itself, which subprocess needs a file descriptor of: in a notebook,
+    or with sys.stderr replaced by an ``io.StringIO``, every download failed ("fileno"). pip's lines
+    now reach that stream, in order."""
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    dest = tmp_path / "downloads" / "data.bin"
+    assert cache.fetch_wheel_file("x==1", "x/data.bin", dest).read_bytes() == b"payload"
+    assert err.getvalue().splitlines() == ["[gearbx] downloading x==1 from PyPI (no dependencies) ...",
+                                           "Collecting x==1", "pip's stdout is a terminal: False",
+                                           "pip's stderr is a terminal: False"]
+    assert _temps(dest.parent) == []
+
+
+def test_pip_still_writes_to_the_terminal_itself(tmp_path, monkeypatch, fake_pip):
+    """Where sys.stderr is a terminal, pip gets it as is (not a pipe), so its progress bar is drawn
+    as before."""
+    import pty
+    import select
+
+    try:
+        master, slave = pty.openpty()
+    except OSError:
+        pytest.skip("no pseudo-terminal here")
+    try:
+        with open(slave, "w", closefd=False) as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            assert cache._pip_download("x==1", tmp_path, None).name == "x-1-py3-none-any.whl"
+        assert select.select([master], [], [], 60)[0], "pip wrote nothing to the terminal"
+        shown = os.read(master, 1 << 16).decode().replace("\r\n", "\n")
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert "pip's stdout is a terminal: True" in shown and "pip's stderr is a terminal: True" in shown, shown
+
+
 def test_a_file_that_does_not_match_its_pin_is_refused_and_a_damaged_copy_refetched(tmp_path, monkeypatch):
     payload = b"the real payload"
     good = hashlib.sha256(payload).hexdigest()
@@ -634,6 +697,56 @@ def test_a_cache_root_that_is_a_file_is_named_and_left_alone(gguf, tmp_path, mon
     assert err == [f"error: {root} is not a folder, so the cache cannot keep {root / 'models'} in it: remove or "
                    "rename it, or point GEARBX_CACHE to a folder"], err
     assert root.read_text() == "the user's own file"
+
+
+@pytest.mark.parametrize("calibrations", ["absent", "present"])
+def test_calibrate_with_a_read_only_cache_uses_the_calibration_and_warns_once(gguf, cache_root, tmp_path, monkeypatch,
+                                                                            capsys, calibrations):
+    """The whole calibration ran, then saving it into the cache's calibrations folder ended the run
+    with exit 1 and lost it. The cache is a convenience: the run uses what it computed, one warning
+    names the folder and the fixes, and the run exits 0."""
+    from gearbx_mlx.calibration import Calibration
+    from gearbx_mlx.generate import main
+    from gearbx_mlx.telemetry.trace import read_trace
+
+    folder = str(_resolve(gguf))
+    cal_dir = cache_root / "calibrations"
+    if calibrations == "present":  # made by an earlier run, then the cache made read-only
+        cal_dir.mkdir()
+    argv = ["--model", folder, "--calibrate", "--prompt", "t2 t3", "--max-tokens", "2", "--ignore-chat-template"]
+    capsys.readouterr()
+    with _read_only(cache_root, monkeypatch):
+        assert main([*argv, "--trace", str(tmp_path / "read-only.jsonl")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warned = [line for line in err if "calibration" in line and "warning" in line]  # the planes cache warns too
+    assert warned == [f"[gearbx] warning: the calibration is used for this run but could not be saved: the cache "
+                      f"folder {cal_dir} cannot be written (Permission denied): make it writable, or point "
+                      "GEARBX_CACHE to a writable folder, or save it elsewhere with --calibration FILE"], err
+    assert not any(line.startswith("error") for line in err), err
+    assert not cal_dir.exists() or list(cal_dir.iterdir()) == []
+    used = read_trace(tmp_path / "read-only.jsonl").header["thresholds"]
+    assert used["source"] == "calibration:median"
+    assert main(argv) == 0  # writable again: the same calibration is saved, and it is the one the run used
+    saved = [Calibration.load(p) for p in cal_dir.glob("*.json")]
+    assert [(c.low, c.high) for c in saved] == [(used["low"], used["high"])]
+
+
+def test_calibrate_into_an_unwritable_calibration_file_fails_before_calibrating(gguf, cache_root, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A --calibration FILE the user named is not a convenience: a folder that cannot take it is one
+    error before the model is calibrated (not a warning after)."""
+    from gearbx_mlx.generate import main
+
+    folder = str(_resolve(gguf))
+    target = tmp_path / "mine" / "cal.json"
+    target.parent.mkdir()
+    capsys.readouterr()
+    with _read_only(target.parent, monkeypatch):
+        assert main(["--model", folder, "--calibrate", "--calibration", str(target), "--prompt", "t2",
+                     "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --calibration {target}: cannot write in {target.parent} (Permission denied)"], err
+    assert not target.exists()
 
 
 # -- a failed download of the evaluation corpus ------------------------------------------------------------

