@@ -298,21 +298,34 @@ def gpu_state() -> Dict[str, object]:
 
 
 def host_us_per_step(model, prompt: mx.array, steps: int = 24) -> Dict[str, float]:
-    """Host microseconds to build one decode step's graph (``model(y, cache)``, nothing
-    evaluated), median and spread over ``steps`` steps after the prompt."""
+    """Host microseconds of one decode step, unpipelined, over ``steps`` steps after the
+    prompt: building its graph (``model(y, cache)``, nothing evaluated; ``median``,
+    ``min``, ``max``), then ``mx.async_eval`` of the next token (``encode_median``: the
+    host encoding and launching every kernel; it returns before the GPU is done), then
+    waiting for the result (``wait_median``: what the GPU had left), and all three
+    (``total_median``). A step whose wait is near zero is paced by the host."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     y = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
     mx.eval(y)
-    times = []
+    build, encode, wait = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         logits = model(y[None], cache=cache)
-        times.append((time.perf_counter() - t0) * 1e6)
+        t1 = time.perf_counter()
         y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.async_eval(y)
+        t2 = time.perf_counter()
         mx.eval(y)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+        t3 = time.perf_counter()
+        build.append((t1 - t0) * 1e6)
+        encode.append((t2 - t1) * 1e6)
+        wait.append((t3 - t2) * 1e6)
+    total = [a + b + c for a, b, c in zip(build, encode, wait)]
+    return {"median": statistics.median(build), "min": min(build), "max": max(build),
+            "encode_median": statistics.median(encode), "wait_median": statistics.median(wait),
+            "total_median": statistics.median(total)}
 
 
 GEMV_FORMATS = ["nested-low", "nested-mid", "nested-high", "nested-low-mlx", "nested-mid-mlx", "nested-high-mlx",
@@ -418,8 +431,10 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 entry.setdefault("rounds_gpu_state", []).append(gpu_state())  # right after the decode
                 entry["rounds_tok_per_s"].append(tps)
                 entry.setdefault("rounds_host_us_per_step", []).append(host_us_per_step(model, prompt))
-                print(f"  repeat {r + 1} {variant:26s} {tps:7.1f} tok/s, host "
-                      f"{entry['rounds_host_us_per_step'][-1]['median']:.0f} us/step", flush=True)
+                h = entry["rounds_host_us_per_step"][-1]
+                print(f"  repeat {r + 1} {variant:26s} {tps:7.1f} tok/s, host {h['median']:.0f} us/step to build, "
+                      f"{h['encode_median']:.0f} to encode, {h['wait_median']:.0f} waiting "
+                      f"({h['total_median']:.0f} a step unpipelined)", flush=True)
                 entry.update(prefill_s=prefill_s, n_tokens=len(tokens))
                 if reference_tokens is None:
                     reference_tokens = tokens
@@ -441,11 +456,14 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                 if runs:
                     entry["tok_per_s"] = statistics.median(runs)
                     entry["tok_per_s_spread"] = [min(runs), max(runs)]
-                    entry["host_us_per_step"] = statistics.median(
-                        h["median"] for h in entry["rounds_host_us_per_step"])
+                    hosts = entry["rounds_host_us_per_step"]
+                    entry["host_us_per_step"] = statistics.median(h["median"] for h in hosts)
+                    for part in ("encode", "wait", "total"):
+                        entry[f"{part}_us_per_step"] = statistics.median(h[f"{part}_median"] for h in hosts)
                 print(f"  decode {kind:13s} {variant:26s} "
                       + (f"{entry['tok_per_s']:7.1f} tok/s median of " + "/".join(f"{t:.0f}" for t in runs)
-                         + f", host {entry['host_us_per_step']:.0f} us/step"
+                         + f", host {entry['host_us_per_step']:.0f} us/step, encode {entry['encode_us_per_step']:.0f}, "
+                         f"wait {entry['wait_us_per_step']:.0f}"
                          if "tok_per_s" in entry else entry.get("error", "")), flush=True)
         progress(list(entries.values()))  # each round's tok/s kept, should the run be stopped
     del model, products

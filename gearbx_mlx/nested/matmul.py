@@ -93,7 +93,7 @@ class NestedKernelConfig:
     #: per 32 inputs, as the CPU's int-dot path; the first-use guard's bound counts
     #: it) where the GPU has a 4-way integer dot product (CUDA; Metal keeps float
     #: activations): the mid gear's, as :attr:`intdot_one_row_plans` on the CPU. Its
-    #: product took 0.76-0.90x the float split's time at Llama-3-8B's four shapes on
+    #: product took 0.81-0.92x the float split's time at Llama-3-8B's four shapes on
     #: an H200 (docs/BENCHMARKS.md, the mid kernel with int8 activations).
     gpu_int8x_plans: Tuple[Tuple[int, ...], ...] = ((4, 4),)
     #: On a GPU, the precision manager reads each fused group (q/k/v, gate/up) of a
