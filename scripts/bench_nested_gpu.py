@@ -50,6 +50,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -567,6 +568,8 @@ def main(argv=None) -> int:
         "activation_dtype": str(ACT_DTYPE), "plan": [list(p) for p in PLAN], "mlx_group_size": GROUP,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", "scripts/bench_nested_gpu.py"]
                                                                        + list(argv or sys.argv[1:])),
+        # MLX's settings from the environment (MLX_MAX_OPS_PER_BUFFER: nodes per CUDA graph, ...)
+        "mlx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
     }
 
     def save():

@@ -10,11 +10,15 @@
 #            ROUNDS rounds interleaved (scripts/bench_nested_gpu.py).
 #   phase p: an Nsight Compute profile of the mid kernel both ways and MLX's
 #            8-bit product at SHAPE (scripts/profile_gemv_kernels.py).
+#   phase g: decode of MLX 8-bit and the mid gear, 3 rounds, once for each
+#            size of MLX's CUDA graphs given (MLX_MAX_OPS_PER_BUFFER: nodes
+#            per graph, MLX's default 20), to see whether the graphs' count
+#            paces the host's encoding of a step.
 # Everything lands in OUTDIR.
-# Usage: scripts/device_int8x.sh t|d|p OUTDIR [ROUNDS|SHAPE]
+# Usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]
 set -uo pipefail
-phase=${1:?usage: scripts/device_int8x.sh t|d|p OUTDIR [ROUNDS|SHAPE]}
-out=${2:?usage: scripts/device_int8x.sh t|d|p OUTDIR [ROUNDS|SHAPE]}
+phase=${1:?usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]}
+out=${2:?usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -49,5 +53,13 @@ case "$phase" in
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Issue|Achieved Occupancy|Registers Per|^planes|^MLX|^bf16" \
       "$out/ncu_$shape.txt" | cut -c1-120 | head -60
     ;;
-  *) echo "phase is t, d or p" >&2; exit 2 ;;
+  g)
+    shift 2
+    for nodes in "${@:-20}"; do
+      MLX_MAX_OPS_PER_BUFFER=$nodes timeout "${GRAPH_LIMIT_S:-150}" $py scripts/bench_nested_gpu.py --skip-sweep \
+        --skip-gemv --skip-host --rounds 3 --out "$out/graph_nodes_$nodes.json" \
+        --variants mlx-8 nested-mid-grp-blockc 2>&1 | tee "$out/graph_nodes_$nodes.txt" | grep "decode\|target"
+    done
+    ;;
+  *) echo "phase is t, d, p or g" >&2; exit 2 ;;
 esac
