@@ -13,7 +13,7 @@
 #   phase g: decode of MLX 8-bit and the mid gear, 3 rounds, once for each
 #            size of MLX's CUDA graphs given (MLX_MAX_OPS_PER_BUFFER: nodes
 #            per graph, MLX's default 20), to see whether the graphs' count
-#            paces the host's encoding of a step.
+#            paces the host's encoding of a step (about 4 minutes each).
 # Everything lands in OUTDIR.
 # Usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]
 set -uo pipefail
@@ -56,7 +56,7 @@ case "$phase" in
   g)
     shift 2
     for nodes in "${@:-20}"; do
-      MLX_MAX_OPS_PER_BUFFER=$nodes timeout "${GRAPH_LIMIT_S:-150}" $py scripts/bench_nested_gpu.py --skip-sweep \
+      MLX_MAX_OPS_PER_BUFFER=$nodes timeout "${GRAPH_LIMIT_S:-300}" $py scripts/bench_nested_gpu.py --skip-sweep \
         --skip-gemv --skip-host --rounds 3 --out "$out/graph_nodes_$nodes.json" \
         --variants mlx-8 nested-mid-grp-blockc 2>&1 | tee "$out/graph_nodes_$nodes.txt" | grep "decode\|target"
     done
