@@ -301,17 +301,23 @@ def int8x_bound(cfg, x, planes):
     return intdot_bound(x, planes, len(cfg[0])) if len(cfg) > 11 and cfg[11] else None
 
 
-def test_a_planted_int8_pairing_bug_in_the_body_fails(tmp_path):
-    """Pair the even codes of every word with the odd inputs in a copy of the
-    sources: the int8 gear must then disagree with the reference, beyond the
-    int8 rounding's bound."""
+def planted_copy(tmp_path: Path, old: str, new: str, changed: str) -> Path:
+    """A copy of the kernel sources with ``old`` replaced by ``new`` in nested_common.h."""
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_files.source_dir(), copy)
     helper = copy / "nested_common.h"
     text = helper.read_text()
-    old = "acc = GBX_DP4A(w & 0x0F0F0F0Fu, xe, acc);"
-    assert old in text, "update the planted bug: gbx_idot8_4 changed"
-    helper.write_text(text.replace(old, "acc = GBX_DP4A(w & 0x0F0F0F0Fu, xo, acc);"))
+    assert old in text, f"update the planted bug: {changed} changed"
+    helper.write_text(text.replace(old, new))
+    return copy
+
+
+def test_a_planted_int8_pairing_bug_in_the_body_fails(tmp_path):
+    """Pair the even codes of every word with the odd inputs in a copy of the
+    sources: the int8 gear must then disagree with the reference, beyond the
+    int8 rounding's bound."""
+    copy = planted_copy(tmp_path, "acc = GBX_DP4A(w & 0x0F0F0F0Fu, xe, acc);",
+                        "acc = GBX_DP4A(w & 0x0F0F0F0Fu, xo, acc);", "gbx_idot8_4")
     cfg = next(c for c in HOST_CONFIGS if len(c) > 11 and c[11])
     binary = build_host(copy, [cfg], "bug_i8")
     planes, x, bias = host_case(cfg, (17, 320), seed=7)
@@ -324,15 +330,10 @@ def test_a_planted_int8_pairing_bug_in_the_body_fails(tmp_path):
 def test_a_planted_nibble_order_bug_in_the_body_fails(tmp_path):
     """Swap the nibbles of every 4-bit word in a copy of the sources: the
     emulated body must then disagree with the reference."""
-    copy = tmp_path / "kernels"
-    shutil.copytree(kernel_files.source_dir(), copy)
-    helper = copy / "nested_common.h"
-    text = helper.read_text()
-    old = "const gbx_f8 q = gbx_unpack4<0>(w.v[j % NW]);"
-    assert old in text, "update the planted bug: gbx_dot8 changed"
-    helper.write_text(text.replace(old, "const gbx_u32 u = w.v[j % NW];\n"
-                                        "    const gbx_f8 q = gbx_unpack4<0>(((u & 0x0F0F0F0Fu) << 4) | "
-                                        "((u >> 4) & 0x0F0F0F0Fu));"))
+    copy = planted_copy(tmp_path, "const gbx_f8 q = gbx_unpack4<0>(w.v[j % NW]);",
+                        "const gbx_u32 u = w.v[j % NW];\n"
+                        "    const gbx_f8 q = gbx_unpack4<0>(((u & 0x0F0F0F0Fu) << 4) | ((u >> 4) & 0x0F0F0F0Fu));",
+                        "gbx_dot8")
     cfg = HOST_CONFIGS[0]
     binary = build_host(copy, [cfg], "bug")
     planes, x, bias = host_case(cfg, (17, 320), seed=5)
@@ -346,13 +347,8 @@ def test_a_planted_six_bit_order_bug_in_the_body_fails(tmp_path):
     """Read the first two codes of every 6-bit field group in swapped order in
     a copy of the sources: the emulated body must then disagree with the
     reference, and the 4-bit-only gear of the same planes must not."""
-    copy = tmp_path / "kernels"
-    shutil.copytree(kernel_files.source_dir(), copy)
-    helper = copy / "nested_common.h"
-    text = helper.read_text()
-    old = "  q.v[0] = gbx_field<0, 6, 0>(lo);\n  q.v[1] = gbx_field<6, 6, 0>(lo);"
-    assert old in text, "update the planted bug: gbx_unpack6 changed"
-    helper.write_text(text.replace(old, "  q.v[0] = gbx_field<6, 6, 0>(lo);\n  q.v[1] = gbx_field<0, 6, 0>(lo);"))
+    copy = planted_copy(tmp_path, "  q.v[0] = gbx_field<0, 6, 0>(lo);\n  q.v[1] = gbx_field<6, 6, 0>(lo);",
+                        "  q.v[0] = gbx_field<6, 6, 0>(lo);\n  q.v[1] = gbx_field<0, 6, 0>(lo);", "gbx_unpack6")
     cfg = HOST_CONFIGS[0]
     low = (cfg[0][:2],) + cfg[1:]
     binary = build_host(copy, [cfg, low], "bug6")
