@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         for i, ratio in enumerate(tree_ratios):
             print(f"{i:>4} {ratio:>16.2f}")
         print(f"median nested/separate prompt tokens/s: {statistics.median(tree_ratios):.2f}")
+    from gearbx_mlx.evaluation.machine import hardware  # the CPU's name
+
     result = {
         "what": "prompt tokens/s, nested store vs separate copies, interleaved fresh processes",
         "clock": args.clock, "threads": args.threads,
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"),
         "mlx_blas_library": mlx_blas(args.blas),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count()},
+                    "cpus": os.cpu_count(), **hardware()},
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "runs": runs, "ratios_nested_over_separate": next(iter(ratios.values())),
         "median_ratio": statistics.median(next(iter(ratios.values()))),
