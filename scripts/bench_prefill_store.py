@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"),
         "mlx_blas_library": mlx_blas(args.blas),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), **hardware()},
+                    "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)), **hardware()},
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "runs": runs, "ratios_nested_over_separate": next(iter(ratios.values())),
         "median_ratio": statistics.median(next(iter(ratios.values()))),
