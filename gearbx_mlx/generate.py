@@ -62,6 +62,7 @@ from .speculative.cli import (
     check_sparse_gear_args,
     check_sparse_model,
     check_speculative_args,
+    check_speculative_flags_unused,
     speculative_config,
     use_sparse_gear,
 )
@@ -285,8 +286,8 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         check_args(args)
         if args.speculative:
             check_speculative_args(args)
-        elif getattr(args, "draft_sparsity", None) is not None:
-            raise ValueError("--draft-sparsity sets the speculative drafter: add --speculative")
+        else:
+            check_speculative_flags_unused(args)
         config = gearbox_config(args)
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
     stage_name, interrupted, error, streaming = "loading", False, None, False

@@ -383,6 +383,24 @@ def test_flags_out_of_range_fail_before_loading(capsys, flags, message):
     assert code == 1 and message in one_error_line(err)  # the flag, not the missing model
 
 
+@pytest.mark.parametrize("flags, named", [
+    (("--max-draft", "3"), "--max-draft sets"),
+    (("--hard-max-draft", "2"), "--hard-max-draft sets"),
+    (("--draft-entropy-stop", "off"), "--draft-entropy-stop sets"),
+    (("--draft-gear", "mid", "--draft-scope", "attention"), "--draft-gear, --draft-scope set"),
+    (("--draft-sparsity", "0.5"), "--draft-sparsity sets"),
+])
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_drafter_flags_without_speculative_are_refused_before_loading(capsys, command, flags, named):
+    """They did nothing without --speculative, without a word (the server took --draft-sparsity too)."""
+    from gearbx_mlx.server import app
+
+    main = generate.main if command == "generate" else app.main
+    code = main(["--model", "/nonexistent/model", *(["--prompt", "hi"] if command == "generate" else []), *flags])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 1 and f"{named} the speculative drafter: add --speculative" in line, line
+
+
 def test_thresholds_above_log2_v_fail_after_loading(tiny, capsys):
     code, err = gen(capsys, "--model", str(tiny), "--prompt", "hi", "--thresholds", "1", "1e300")
     line = one_error_line(err)
