@@ -37,6 +37,7 @@ from .console import (
     CommandParser,
     add_color_arg,
     check_flag,
+    check_utf8,
     error_line,
     finite,
     print_stream,
@@ -155,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    prompt = read_stdin_text() if args.prompt == "-" else args.prompt
+    prompt = read_stdin_text() if args.prompt == "-" else check_utf8(args.prompt, "--prompt")
     if not prompt or not prompt.strip():
         raise ValueError("the prompt is empty: pass --prompt TEXT (or '-' with text on stdin)")
+    if args.system_prompt is not None:
+        check_utf8(args.system_prompt, "--system-prompt")
     args.user_prompt = prompt  # what the cold-start classifier reads (the templated text is what is encoded)
     return prompt
 

@@ -356,6 +356,20 @@ def test_random_bytes_on_stdin(capsys, monkeypatch, raw):
     assert code == 1 and "stdin is not UTF-8 text" in one_error_line(err)
 
 
+@pytest.mark.parametrize("model", ["nonexistent", "tiny"])
+@pytest.mark.parametrize("flags, words", [
+    (("--prompt", "\udcff\udcfe hi"), "--prompt is not UTF-8 text (byte 0xff at character 0)"),
+    (("--prompt", "hi", "--system-prompt", "ok \udced\udca0\udc80"),
+     "--system-prompt is not UTF-8 text (byte 0xed at character 3)"),
+])
+def test_arguments_that_are_not_utf8_are_named_before_loading(tiny, capsys, model, flags, words):
+    """A non-UTF-8 argument (lone surrogates by Python's surrogateescape) reached the tokenizer: a TypeError
+    traceback with --ignore-chat-template, else an error blaming the chat template, both after loading."""
+    path = str(tiny) if model == "tiny" else "/nonexistent"
+    code, err = gen(capsys, "--model", path, "--ignore-chat-template", "--max-tokens", "2", *flags)
+    assert code == 1 and words in one_error_line(err)
+
+
 # -- flags ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (("--temp", "-1"), "--temp must be a number >= 0"),
