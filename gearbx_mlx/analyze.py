@@ -10,7 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import launch
-from .atomicfile import check_target
+from .atomicfile import check_directory, check_target
 from .console import CommandParser, error_line
 from .plotting import require_matplotlib
 from .telemetry.analyze import analyze, format_table, load_traces, write_csv
@@ -35,17 +35,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     try:
-        if args.plots:
+        plots_dir = None
+        if args.plots is not None:  # before the traces are read: a bad folder is found before any output
             require_matplotlib()
+            plots_dir = check_directory(args.plots, "--plots")
         csv_path = check_target(args.csv, "--csv", example="routing.csv") if args.csv is not None else None
         result = analyze(args.traces)
         print(format_table(result))
         if csv_path is not None:
             write_csv(result, csv_path)
             print(f"wrote {csv_path}", file=sys.stderr)
-        if args.plots:
-
-            for f in plot_all([t for p in args.traces for t in load_traces(p)], result, args.plots):
+        if plots_dir is not None:
+            for f in plot_all([t for p in args.traces for t in load_traces(p)], result, plots_dir):
                 print(f"wrote {f}", file=sys.stderr)
     except (TraceError, ValueError, FileNotFoundError, ImportError, OSError) as e:
         print(error_line(e), file=sys.stderr)

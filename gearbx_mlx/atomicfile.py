@@ -64,6 +64,27 @@ def check_target(path: "str | os.PathLike", what: str, example: str = "") -> Pat
     return path
 
 
+def check_directory(path: "str | os.PathLike", what: str) -> Path:
+    """The folder ``path`` (user-expanded), created with its parents where missing, if files can
+    be written in it; else one clear error naming ``what`` (a flag such as ``"--plots"``): an
+    empty name or a path that is not a folder (``ValueError``), a folder that cannot be created
+    or written (``OSError``: read-only, a pseudo-filesystem). Checked by creating and removing a
+    temporary file there, before anything slow runs."""
+    if not str(path).strip():
+        raise ValueError(f"{what} needs a folder name, got an empty one")
+    d = Path(path).expanduser()
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{what} {path} is a file, not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}check.", suffix=".tmp", dir=d)
+    except OSError as e:
+        raise type(e)(f"{what} {path}: cannot create or write the directory ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+    return d
+
+
 def write_text(path: "str | os.PathLike", text: str, prefix: str = TMP_PREFIX) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically; ``FileNotFoundError`` naming the folder
     if it does not exist. ``prefix`` starts the temporary file's name. A symbolic link's target

@@ -146,6 +146,21 @@ def read_stdin_text(what: str = "the prompt") -> str:
         ) from None
 
 
+def check_utf8(text: str, what: str) -> str:
+    """``text`` if it encodes as UTF-8; else ValueError naming ``what`` and the first bad byte.
+
+    A command-line argument that is not UTF-8 arrives as lone surrogates
+    (Python's ``surrogateescape``), which the tokenizer refuses with a
+    TypeError of its own after the model has loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"lone surrogate U+{bad:04X}"
+        raise ValueError(f"{what} is not UTF-8 text ({byte} at character {e.start}): pass UTF-8 text") from None
+    return text
+
+
 def check_flag(ok: bool, flag: str, value: Any, want: str) -> None:
     """Raise ``ValueError("FLAG must be WANT, got VALUE")`` unless ``ok``."""
     if not ok:

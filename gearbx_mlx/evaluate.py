@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from mlx.utils import tree_flatten
 
 from . import launch
-from .atomicfile import check_target
+from .atomicfile import check_directory, check_target
 from .blas import ensure_fast_blas
 from .config import MAX_RUN_TOKENS, GearboxConfig
 from .console import CommandParser, error_line
@@ -147,9 +147,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.text is not None and not Path(args.text).expanduser().is_file():
         raise FileNotFoundError(f"text file not found: {args.text} (pass an existing text file to --text)")
     _check_text_encoding(args.encoding)
-    if args.out:
-        _check_out(Path(args.out).expanduser())
-    if args.plots:
+    if args.out is not None:  # an empty name too: it is refused, not taken for no --out
+        _check_out(args.out)
+    if args.plots is not None:
         require_matplotlib()
         _plots_dir(args.plots)
 
@@ -169,16 +169,7 @@ def _check_text_encoding(encoding: Optional[str]) -> None:
 
 def _plots_dir(path: str) -> Path:
     """``--plots DIR``, created (with its parents) where missing, as ``analyze --plots`` does."""
-    d = Path(path).expanduser()
-    if d.exists() and not d.is_dir():
-        raise ValueError(f"--plots {path} is a file, not a directory")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--plots {path}: cannot create the directory ({e.strerror or e})") from None
-    if not os.access(d, os.W_OK):
-        raise ValueError(f"--plots {path} is not writable")
-    return d
+    return check_directory(path, "--plots")
 
 
 def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
@@ -195,7 +186,7 @@ def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
         raise ValueError(msg) from None
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: str) -> None:
     """``--out`` must be writable before the run starts, not found unwritable after it."""
     check_target(out, "--out", example="eval.json")
 
@@ -221,7 +212,7 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
             f"{path} is not a complete gearbx evaluation result ({type(e).__name__}: {e}); "
             "was it written by another version?"
         ) from None
-    if args.plots:
+    if args.plots is not None:
         require_matplotlib()
         out = _plots_dir(args.plots)
         try:

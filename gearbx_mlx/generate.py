@@ -37,6 +37,7 @@ from .console import (
     CommandParser,
     add_color_arg,
     check_flag,
+    check_utf8,
     error_line,
     finite,
     print_stream,
@@ -62,6 +63,7 @@ from .speculative.cli import (
     check_sparse_gear_args,
     check_sparse_model,
     check_speculative_args,
+    check_speculative_flags_unused,
     speculative_config,
     use_sparse_gear,
 )
@@ -154,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    prompt = read_stdin_text() if args.prompt == "-" else args.prompt
+    prompt = read_stdin_text() if args.prompt == "-" else check_utf8(args.prompt, "--prompt")
     if not prompt or not prompt.strip():
         raise ValueError("the prompt is empty: pass --prompt TEXT (or '-' with text on stdin)")
+    if args.system_prompt is not None:
+        check_utf8(args.system_prompt, "--system-prompt")
     args.user_prompt = prompt  # what the cold-start classifier reads (the templated text is what is encoded)
     return prompt
 
@@ -285,8 +289,8 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
         check_args(args)
         if args.speculative:
             check_speculative_args(args)
-        elif getattr(args, "draft_sparsity", None) is not None:
-            raise ValueError("--draft-sparsity sets the speculative drafter: add --speculative")
+        else:
+            check_speculative_flags_unused(args)
         config = gearbox_config(args)
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
     stage_name, interrupted, error, streaming = "loading", False, None, False

@@ -158,6 +158,23 @@ def test_missing_file_and_matplotlib_message(tmp_path, capsys, monkeypatch):
     assert "pip install matplotlib" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("plots, message", [
+    ("", "--plots needs a folder name, got an empty one"),  # was ignored: the table, no figure, status 0
+    ("/proc/figures", "--plots /proc/figures: cannot create or write the directory"),
+    ("FILE", "--plots FILE is a file, not a directory"),
+])
+def test_a_plots_folder_that_cannot_be_written_is_named_before_the_table(tmp_path, capsys, plots, message):
+    """The table was printed first, then a bare ``[Errno ...]`` line without the flag (or nothing at all)."""
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    afile = tmp_path / "file"
+    afile.write_text("")
+    plots = plots.replace("FILE", str(afile))
+    assert analyze.main([str(Q4), "--plots", plots]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and message.replace(
+        "FILE", str(afile)) in err, err
+
+
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     assert analyze.main([str(FLOAT), str(Q4), "--plots", str(tmp_path)]) == 0

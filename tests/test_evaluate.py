@@ -637,6 +637,10 @@ def test_plots_creates_a_missing_directory_before_the_run(tmp_path, capsys, monk
         (["--draft-calibration-tokens", "0"], "--draft-calibration-tokens must be >= 1"),
         (["--out", "/no/such/dir/r.json"], "--out /no/such/dir/r.json: directory /no/such/dir does not exist"),
         (["--from-json", "/no/such/r.json"], "results file not found"),
+        # An empty name was taken for no flag: a run of minutes, then no file and exit status 0.
+        (["--out", ""], "--out needs a file name, got an empty one"),
+        (["--plots", ""], "--plots needs a folder name, got an empty one"),
+        (["--plots", "/proc/figures"], "--plots /proc/figures: cannot create or write the directory"),
     ],
 )
 def test_cli_bad_input_is_one_clear_error(argv, message, capsys):

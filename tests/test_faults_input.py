@@ -356,6 +356,20 @@ def test_random_bytes_on_stdin(capsys, monkeypatch, raw):
     assert code == 1 and "stdin is not UTF-8 text" in one_error_line(err)
 
 
+@pytest.mark.parametrize("model", ["nonexistent", "tiny"])
+@pytest.mark.parametrize("flags, words", [
+    (("--prompt", "\udcff\udcfe hi"), "--prompt is not UTF-8 text (byte 0xff at character 0)"),
+    (("--prompt", "hi", "--system-prompt", "ok \udced\udca0\udc80"),
+     "--system-prompt is not UTF-8 text (byte 0xed at character 3)"),
+])
+def test_arguments_that_are_not_utf8_are_named_before_loading(tiny, capsys, model, flags, words):
+    """A non-UTF-8 argument (lone surrogates by Python's surrogateescape) reached the tokenizer: a TypeError
+    traceback with --ignore-chat-template, else an error blaming the chat template, both after loading."""
+    path = str(tiny) if model == "tiny" else "/nonexistent"
+    code, err = gen(capsys, "--model", path, "--ignore-chat-template", "--max-tokens", "2", *flags)
+    assert code == 1 and words in one_error_line(err)
+
+
 # -- flags ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (("--temp", "-1"), "--temp must be a number >= 0"),
@@ -381,6 +395,24 @@ def test_random_bytes_on_stdin(capsys, monkeypatch, raw):
 def test_flags_out_of_range_fail_before_loading(capsys, flags, message):
     code, err = gen(capsys, "--model", "/nonexistent/model", "--prompt", "hi", *flags)
     assert code == 1 and message in one_error_line(err)  # the flag, not the missing model
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--max-draft", "3"), "--max-draft sets"),
+    (("--hard-max-draft", "2"), "--hard-max-draft sets"),
+    (("--draft-entropy-stop", "off"), "--draft-entropy-stop sets"),
+    (("--draft-gear", "mid", "--draft-scope", "attention"), "--draft-gear, --draft-scope set"),
+    (("--draft-sparsity", "0.5"), "--draft-sparsity sets"),
+])
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_drafter_flags_without_speculative_are_refused_before_loading(capsys, command, flags, named):
+    """They did nothing without --speculative, without a word (the server took --draft-sparsity too)."""
+    from gearbx_mlx.server import app
+
+    main = generate.main if command == "generate" else app.main
+    code = main(["--model", "/nonexistent/model", *(["--prompt", "hi"] if command == "generate" else []), *flags])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 1 and f"{named} the speculative drafter: add --speculative" in line, line
 
 
 def test_thresholds_above_log2_v_fail_after_loading(tiny, capsys):

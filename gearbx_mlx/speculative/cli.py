@@ -112,6 +112,25 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                         "modeled speed-up; 'off' (the default): the dense drafter")
 
 
+def check_speculative_flags_unused(args: argparse.Namespace) -> None:
+    """Without ``--speculative``, a drafter flag would do nothing: one error naming it, before anything loads.
+
+    ``--draft-gear`` and ``--draft-scope`` count where they differ from their
+    defaults (argparse cannot tell the default given on purpose from none)."""
+    d = SpeculativeConfig()
+    given = [flag for flag, on in (
+        ("--draft-gear", getattr(args, "draft_gear", d.draft_gear) != d.draft_gear),
+        ("--max-draft", getattr(args, "max_draft", None) is not None),
+        ("--draft-entropy-stop", hasattr(args, "draft_entropy_stop")),
+        ("--hard-max-draft", getattr(args, "hard_max_draft", None) is not None),
+        ("--draft-scope", getattr(args, "draft_scope", d.draft_scope) != d.draft_scope),
+        ("--draft-sparsity", getattr(args, "draft_sparsity", None) is not None),
+    ) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} the speculative drafter: "
+                         "add --speculative (without it nothing drafts)")
+
+
 def check_speculative_args(args: argparse.Namespace) -> None:
     """Fail on options speculative decoding does not take, before anything loads.
 
