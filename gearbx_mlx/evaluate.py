@@ -144,6 +144,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_positions is not None and args.max_positions < 1:
         raise ValueError(f"--max-positions must be >= 1, got {args.max_positions}")
     _kv(args)
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.text is not None and Path(args.text).expanduser().is_dir():
+        raise ValueError(f"--text {args.text} is a directory: pass a text file")
     if args.text is not None and not Path(args.text).expanduser().is_file():
         raise FileNotFoundError(f"text file not found: {args.text} (pass an existing text file to --text)")
     _check_text_encoding(args.encoding)

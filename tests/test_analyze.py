@@ -137,6 +137,20 @@ def test_bad_traces_name_the_line(tmp_path, capsys, damage, message):
     assert err.startswith(f"error: {bad}:") and message in err and "Traceback" not in err
 
 
+def test_blank_lines_after_the_last_record_are_not_a_truncation(tmp_path):
+    """`echo >> trace.jsonl` or an editor leaves blank lines at the end: the trace is whole
+    (it was called truncated); a blank line between records is still not JSON."""
+    lines = Q4.read_text().splitlines()
+    padded = tmp_path / "padded.jsonl"
+    padded.write_text("\n".join(lines) + "\n\n  \n")
+    got, want = read_trace(padded), read_trace(Q4)
+    assert (got.header, got.tokens, got.summary) == (want.header, want.tokens, want.summary)
+    inner = tmp_path / "inner.jsonl"
+    inner.write_text("\n".join(lines[:3] + [""] + lines[3:]) + "\n")
+    with pytest.raises(TraceError, match=":4: not JSON"):
+        read_trace(inner)
+
+
 def test_missing_file_and_matplotlib_message(tmp_path, capsys, monkeypatch):
     assert analyze.main([str(tmp_path / "none.jsonl")]) == 1
     assert "trace not found" in capsys.readouterr().err

@@ -641,6 +641,10 @@ def test_plots_creates_a_missing_directory_before_the_run(tmp_path, capsys, monk
         (["--out", ""], "--out needs a file name, got an empty one"),
         (["--plots", ""], "--plots needs a folder name, got an empty one"),
         (["--plots", "/proc/figures"], "--plots /proc/figures: cannot create or write the directory"),
+        # numpy's own message (no flag named) came after the model had loaded.
+        (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+        (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
+        (["--text", "/"], "--text / is a directory: pass a text file"),
     ],
 )
 def test_cli_bad_input_is_one_clear_error(argv, message, capsys):

@@ -45,6 +45,9 @@ def test_resolve_model_errors(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         models.resolve_model(str(f))
     assert models.resolve_model("org/some-model") == "org/some-model"  # a hub id: left to mlx-lm
+    for blank in ("", "  "):  # it named "." (the current folder) and not the flag
+        with pytest.raises(ValueError, match="--model needs a name, folder or .gguf file"):
+            models.resolve_model(blank)
 
 
 def test_convert_rejects_bad_input(tmp_path):

@@ -136,6 +136,8 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     """
     if model is None or model == DEFAULT_MODEL:
         return str(default_model_path(dtype))
+    if not model.strip():
+        raise ValueError(f"--model needs a name, folder or .gguf file, got {model!r} (omit it for the default model)")
     # The default model's GGUF kept as MLX quantized layers.
     if model == PREQUANT_MODEL:
         return str(prequantized_model_path(dtype))

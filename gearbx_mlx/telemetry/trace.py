@@ -235,7 +235,7 @@ def read_trace(path: str | Path) -> Trace:
             lines = f.read().split("\n")
     except UnicodeDecodeError as e:
         raise TraceError(f"{path}: not UTF-8 text (byte {e.start}): not a gearbx trace") from None
-    if lines and lines[-1] == "":
+    while lines and not lines[-1].strip():  # blank lines at the end (an editor's, `echo >>`): not records
         lines.pop()
     for no, line in enumerate(lines, 1):
         where = f"{path}:{no}"
