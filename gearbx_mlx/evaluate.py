@@ -155,7 +155,7 @@ def _check_args(args: argparse.Namespace) -> None:
         _check_out(args.out)
     if args.plots is not None:
         require_matplotlib()
-        _plots_dir(args.plots)
+        check_directory(args.plots, "--plots")  # created where missing, as analyze --plots does
 
 
 def _check_text_encoding(encoding: Optional[str]) -> None:
@@ -169,11 +169,6 @@ def _check_text_encoding(encoding: Optional[str]) -> None:
     except LookupError:
         raise ValueError(f"--encoding {encoding!r} is not a text encoding: give one such as utf-8, latin-1, "
                          "cp1252 or utf-16") from None
-
-
-def _plots_dir(path: str) -> Path:
-    """``--plots DIR``, created (with its parents) where missing, as ``analyze --plots`` does."""
-    return check_directory(path, "--plots")
 
 
 def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
@@ -218,7 +213,7 @@ def replot(args: argparse.Namespace) -> Dict[str, Any]:
         ) from None
     if args.plots is not None:
         require_matplotlib()
-        out = _plots_dir(args.plots)
+        out = check_directory(args.plots, "--plots")
         try:
             results["figures"] = [str(p) for p in make_all(results, out, PLOT_PREFIX)]
         except (KeyError, TypeError, IndexError, AttributeError) as e:
