@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -51,16 +50,14 @@ from .nested.matmul import DEFAULT_CONFIG as NESTED_KERNELS
 from .nested.planes import Plane, PlaneSpec
 from .nested.store import (
     GEAR_PLANES,
-    PlanesCacheError,
     build_nested,
     cache_key,
     cache_path,
+    cached_nested,
     fingerprint,
     gear_views,
-    load_nested,
     module_shape,
     plan_for,
-    save_nested,
 )
 from .packed.fused import fuse_modules
 from .packed.layers import PackedEmbedding, PackedLinear
@@ -342,21 +339,9 @@ class PrecisionManager:
         if planes_dir is not None:
             key = cache_key(fingerprint(planes_dir), self.paths, plan, self._shard(), settings_of(c.low_quant))
             self.planes_file = cache_path(planes_dir, key, cache_dir() / "planes")
-            if self.planes_file.exists():
-                shapes = {p: module_shape(m) for p, m in self.sources.items()}
-                try:
-                    self.nested = load_nested(self.planes_file, key, shapes, plan)
-                    self.planes_origin = "cache"
-                except PlanesCacheError as e:
-                    warnings.warn(f"{e}; rebuilding it", stacklevel=3)
-        if self.nested is None:
-            self.nested = build_nested(self.sources, plan, self._low_planes(planes_dir))
-            self.planes_origin = "built"
-            if self.planes_file is not None and key is not None:
-                try:
-                    save_nested(self.planes_file, self.nested, key)
-                except OSError as e:
-                    self.planes_origin = f"built (cache not written: {e})"
+        self.nested, self.planes_origin = cached_nested(
+            self.planes_file, key, self.sources, plan,
+            lambda: build_nested(self.sources, plan, self._low_planes(planes_dir)))
         views = gear_views(self.nested, self.originals, c.high, fused=c.kernel == "packed")
         if gpu.gpu_backend() is not None:
             views = self._gpu_views(views)

@@ -192,7 +192,7 @@ def test_the_default_model_over_three_ranks_takes_one_process_tokens(ring, tmp_p
     from gearbx_mlx.sources.models import resolve_model
 
     path = resolve_model(None)
-    extra = ["--model", path, "--few", "--tokens", "4", "--thresholds", "4.2", "4.6"]
+    extra = ["--model", path, "--few", "--tokens", "2", "--thresholds", "4.2", "4.6"]
     one = worker(tmp_path / "one", "gears-model", *extra)[0]
     got = worker(tmp_path / "three", "gears-model", *extra, ranks=DEFAULT_MODEL_RANKS, timeout=600)
     check_against_one_process(one, got, ["static-high", "static-mid", "static-low"], ["dynamic-lag0"])

@@ -540,6 +540,50 @@ def test_nested_variants_multiply_by_what_the_nested_views_multiply_by(shape):
         variant_weights(lin.weight, (4, -7), 64)
 
 
+def test_nested_variants_share_the_nested_stores_planes_cache(tmp_path, monkeypatch):
+    """The evaluation's nested rows read the planes file that ``generate --store nested --scope all``
+    reads and writes (same key, same folder), with the values a build gives, and build it when it
+    is missing; a damaged file is rebuilt, not trusted."""
+    from gearbx_mlx import precision
+    from gearbx_mlx.evaluation import variants
+    from gearbx_mlx.nested import store
+
+    model = make_tiny_llama()
+    (tmp_path / "model.safetensors").write_bytes(b"weights of the folder the key is made from")
+    paths, _ = precision.discover(model, "all", 64)
+    want = {p: variants.variant_weights(dict(model.named_modules())[p].weight, (NESTED_MID, NESTED_HIGH), 64)
+            for p in paths}
+    # The store's own manager writes the file a nested --scope all --high planes run reads.
+    # (on a second copy of the weights: a high gear of planes replaces the loaded layers)
+    manager = precision.PrecisionManager(make_tiny_llama(), GearboxConfig(store="nested", scope="all", high="planes"),
+                                         tmp_path)
+    assert manager.planes_origin == "built" and manager.planes_file.is_file()
+    monkeypatch.setattr(store, "build_nested", lambda *a, **k: pytest.fail("built again instead of read"))
+    got = variants.VariantModel(model, {p: (NESTED_MID, NESTED_HIGH) for p in paths}, 64, tmp_path)
+    for p in paths:
+        for key in (NESTED_MID, NESTED_HIGH):
+            assert mx.array_equal(got.variants[p]._variants[key], want[p][key]), (p, key)
+    monkeypatch.undo()
+    # Without the file (and in another folder): built, written, and read back the next time.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"another model")
+    first = variants.nested_planes(model, paths[:2], 2, 64, other)
+    files = list((other / store.CACHE_FOLDER).glob("*.safetensors"))
+    assert len(first) == 2 and len(files) == 1
+    monkeypatch.setattr(store, "build_nested", lambda *a, **k: pytest.fail("built again instead of read"))
+    again = variants.nested_planes(model, paths[:2], 2, 64, other)
+    assert all(mx.array_equal(a.weight, b.weight) for p in first for a, b in zip(first[p], again[p]))
+    monkeypatch.undo()
+    files[0].write_bytes(files[0].read_bytes()[:-8] + bytes(8))  # damaged, same size
+    with pytest.warns(UserWarning, match="rebuilding it"):
+        rebuilt = variants.nested_planes(model, paths[:2], 2, 64, other)
+    assert all(mx.array_equal(a.scales, b.scales) for p in first for a, b in zip(first[p], rebuilt[p]))
+    # No folder, or a layer the store does not manage: nothing cached, the variants build their own.
+    assert variants.nested_planes(model, paths, 2, 64, None) == {}
+    assert variants.nested_planes(model, ["not.a.layer"], 2, 64, other) == {}
+
+
 def test_nested_rows_cost_their_planes_and_route_their_own_gears(tiny_results):
     rows = {r["name"]: r for r in tiny_results["policies"]}
     mid, nested_mid = rows["static-mid/all"], rows["static-mid/all+nested"]

@@ -164,9 +164,9 @@ class EvalOptions:
         sparse_gear: target sparsities of the sparse low gear's rows
             (:mod:`.sparse_gear`, in ``"sparse_gear"`` of the results); empty: none.
         model_dir: the loaded model's folder: the thresholds' calibration and
-            the nested store's planes of the speed and workload runs are
-            cached by its weights and read back by a later run (None: built
-            every run).
+            the nested store's planes (those of the quality passes' nested
+            rows and of the speed and workload runs) are cached by its weights
+            and read back by a later run (None: built every run).
     """
 
     tokens: int = DEFAULT_TOKENS
@@ -369,7 +369,8 @@ def _quality(study: _Study, policies: Sequence[PolicySpec]) -> Quality:
     windows, layout, timings = study.windows, study.layout, study.timings
     matched, seed = study.opts.matched, study.opts.seed
     with TeacherForcing(study.model, windows, layout, study.config, study.vocab, policies,
-                        max_positions=study.opts.max_positions, progress=study.say) as tf:
+                        max_positions=study.opts.max_positions, progress=study.say,
+                        model_dir=study.opts.model_dir) as tf:
         with _timed(timings, "pass1_s"):
             first = tf.run(policies, "pass 1")
         out = Quality(first, list(first))

@@ -24,6 +24,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.nn as nn
@@ -128,11 +129,14 @@ class ForcingOptions:
         progress: called with a status line now and then (e.g. to stderr).
         chunks: chunking settings; ``ChunkSettings(stepwise=True)`` is the
             plain one-step-per-pass loop the chunked one must equal.
+        model_dir: the loaded model's folder, where the nested store's planes
+            are cached (:class:`~.variants.VariantModel`); None: not cached.
     """
 
     max_positions: Optional[int] = None
     progress: Optional[Callable[[str], None]] = None
     chunks: ChunkSettings = CHUNKS
+    model_dir: Optional[Path] = None
 
 
 class TeacherForcing:
@@ -174,7 +178,7 @@ class TeacherForcing:
         self.model, self.windows, self.layout, self.config = model, [list(w) for w in windows], layout, config
         self.vocab_size, self.progress, self.chunks = vocab_size, progress, chunks
         self.max_positions = chunks.max_positions(vocab_size, max_positions)
-        self.variants = VariantModel(model, layout.bits_per_path(specs), config.group_size)
+        self.variants = VariantModel(model, layout.bits_per_path(specs), config.group_size, o.model_dir)
         self.references: Dict[int, Reference] = {}
         self.work: Dict[str, Work] = {}
 

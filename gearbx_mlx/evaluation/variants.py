@@ -22,6 +22,7 @@ layers multiply by).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -29,7 +30,10 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..affine import fake_quantize
-from ..nested.planes import DEFAULT_PLAN, build_planes, reconstruct
+from ..nested.planes import DEFAULT_PLAN, Plane, PlaneSpec, build_planes, reconstruct
+from ..nested.store import cache_key, cache_path, cached_nested, fingerprint
+from ..precision import discover
+from ..sources.cache import cache_dir
 
 #: Variant key of the loaded weights (the high gear).
 ORIGINAL = 0
@@ -44,24 +48,58 @@ def variant_weight(weight: mx.array, key: int, group_size: int) -> mx.array:
     return variant_weights(weight, (key,), group_size)[key]
 
 
-def variant_weights(weight: mx.array, keys: Iterable[int], group_size: int) -> Dict[int, mx.array]:
+def variant_weights(weight: mx.array, keys: Iterable[int], group_size: int,
+                    planes: Optional[Sequence[Plane]] = None) -> Dict[int, mx.array]:
     """:func:`variant_weight` of several keys; the nested keys share one build of the planes.
 
     Planes are built in order, each from the residual of those before, so the
     mid gear's two planes are the first two of the high gear's three: one
     build serves both (the second plane's clipping search is the costly part).
+
+    Args:
+        planes: this weight's planes made before (the nested store's cache,
+            :func:`nested_planes`); used where they are at least as many as a
+            nested key needs, else the planes are built here.
     """
     keys = sorted(set(keys))
     out = {k: fake_quantize(weight, k, group_size) for k in keys if k > 0}
     nested = [k for k in keys if k in (NESTED_MID, NESTED_HIGH)]
     if nested:
         n = max(-k for k in nested)
-        planes = build_planes(weight, ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:n])
+        if planes is None or len(planes) < n:
+            planes = build_planes(weight, nested_plan(n, group_size))
         out.update({k: reconstruct(planes, -k, dtype=weight.dtype) for k in nested})
     for k in keys:
         if k not in out:
             raise ValueError(f"unknown variant key {k}")
     return out
+
+def nested_plan(n: int, group_size: int) -> Tuple[PlaneSpec, ...]:
+    """The first ``n`` planes of the nested store's plan, plane 0 in ``group_size``."""
+    return ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:n]
+
+
+def nested_planes(model: nn.Module, paths: Sequence[str], n: int, group_size: int,
+                  model_dir: Optional[Path]) -> Dict[str, List[Plane]]:
+    """The first ``n`` planes of each float layer of ``paths`` through the nested store's
+    cache in ``model_dir``: the file ``generate --store nested --scope all`` reads (two planes;
+    ``--high planes``: three), built and written there when missing, so a run after either
+    command skips the build. ``{}`` where there is no folder to cache in, or for another
+    model's layers than the store's own (a quantized model, fewer layers than ``--scope all``).
+    """
+    modules = dict(model.named_modules())
+    if model_dir is None or not paths or any(not isinstance(modules.get(p), (nn.Linear, nn.Embedding))
+                                             for p in paths):
+        return {}
+    every, _ = discover(model, "all", group_size)
+    if not set(paths) <= set(every):
+        return {}
+    plan = nested_plan(n, group_size)
+    key = cache_key(fingerprint(model_dir), every, plan)
+    file = cache_path(model_dir, key, cache_dir() / "planes")
+    weights, _ = cached_nested(file, key, {p: modules[p] for p in every}, plan)
+    return {p: weights[p].planes for p in paths}
+
 
 Groups = Tuple[List[Tuple[int, Optional[mx.array]]], Optional[mx.array]]
 
@@ -159,16 +197,19 @@ class WeightVariants(nn.Module):
     trained, saved or swapped, and int keys have no place in a parameter path.
     """
 
-    def __init__(self, weight: mx.array, bits: Iterable[int], group_size: int, router: RowRouter, path: str) -> None:
+    def __init__(self, weight: mx.array, bits: Iterable[int], group_size: int, router: RowRouter, path: str,
+                 planes: Optional[Sequence[Plane]] = None) -> None:
         super().__init__()
         object.__setattr__(self, "_variants", {ORIGINAL: weight})
         self._router = router
         self._path = path
-        self.add(bits, group_size)
+        self.add(bits, group_size, planes)
 
-    def add(self, bits: Iterable[int], group_size: int) -> None:
-        """Build the fake-quantized copies of these bit widths that are missing (lazy)."""
-        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size))
+    def add(self, bits: Iterable[int], group_size: int, planes: Optional[Sequence[Plane]] = None) -> None:
+        """Build the fake-quantized copies of these bit widths that are missing (lazy); ``planes``:
+        this weight's nested planes made before (:func:`variant_weights`)."""
+        self._variants.update(variant_weights(self._variants[ORIGINAL], set(bits) - set(self._variants), group_size,
+                                              planes))
 
     def weights(self) -> List[mx.array]:
         return list(self._variants.values())
@@ -186,9 +227,10 @@ class VariantLinear(WeightVariants):
     """
 
     def __init__(
-        self, linear: nn.Linear, bits: Iterable[int], group_size: int, router: RowRouter, path: str
+        self, linear: nn.Linear, bits: Iterable[int], group_size: int, router: RowRouter, path: str,
+        planes: Optional[Sequence[Plane]] = None,
     ) -> None:
-        super().__init__(linear.weight, bits, group_size, router, path)
+        super().__init__(linear.weight, bits, group_size, router, path, planes)
         object.__setattr__(self, "_bias", linear.bias if "bias" in linear else None)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -205,9 +247,10 @@ class VariantEmbedding(WeightVariants):
     """A tied ``nn.Embedding`` with weight variants (lookup and output projection)."""
 
     def __init__(
-        self, embedding: nn.Embedding, bits: Iterable[int], group_size: int, router: RowRouter, path: str
+        self, embedding: nn.Embedding, bits: Iterable[int], group_size: int, router: RowRouter, path: str,
+        planes: Optional[Sequence[Plane]] = None,
     ) -> None:
-        super().__init__(embedding.weight, bits, group_size, router, path)
+        super().__init__(embedding.weight, bits, group_size, router, path, planes)
 
     def __call__(self, ids: mx.array) -> mx.array:
         """``(R, L)`` token ids -> ``(R, L, dims)``."""
@@ -228,9 +271,13 @@ class VariantModel:
         model: an mlx-lm model.
         bits_per_path: for each managed path, the bit widths its rows may use.
         group_size: MLX quantization group size.
+        model_dir: the loaded model's folder, where the nested keys' planes are
+            read from the nested store's cache, or written to it once built
+            (:func:`nested_planes`); None: built here, not kept.
     """
 
-    def __init__(self, model: nn.Module, bits_per_path: Dict[str, Sequence[int]], group_size: int) -> None:
+    def __init__(self, model: nn.Module, bits_per_path: Dict[str, Sequence[int]], group_size: int,
+                 model_dir: Optional[Path] = None) -> None:
         self.model = model
         self.router = RowRouter()
         modules = dict(model.named_modules())
@@ -239,12 +286,15 @@ class VariantModel:
             raise ValueError(f"paths not in the model: {missing[:3]}")
         self.originals = {p: modules[p] for p in bits_per_path}
         self.variants: Dict[str, nn.Module] = {}
+        depth = {p: max((-b for b in bits if b in (NESTED_MID, NESTED_HIGH)), default=0) for p, bits in bits_per_path.items()}
+        nested = [p for p, n in depth.items() if n]
+        planes = nested_planes(model, nested, max(depth.values()), group_size, model_dir) if nested else {}
         for p, bits in bits_per_path.items():
             m = self.originals[p]
             if isinstance(m, nn.Embedding):
-                self.variants[p] = VariantEmbedding(m, bits, group_size, self.router, p)
+                self.variants[p] = VariantEmbedding(m, bits, group_size, self.router, p, planes.get(p))
             elif isinstance(m, nn.Linear):
-                self.variants[p] = VariantLinear(m, bits, group_size, self.router, p)
+                self.variants[p] = VariantLinear(m, bits, group_size, self.router, p, planes.get(p))
             else:
                 raise ValueError(f"{p} is a {type(m).__name__}: only Linear and Embedding have variants")
         self.group_size = group_size

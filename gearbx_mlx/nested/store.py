@@ -25,7 +25,7 @@ import re
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -274,3 +274,36 @@ def load_nested(
         bias = arrays.get(f"{p}.bias") if entry.get("bias") else None
         out[p] = NestedWeights(planes, bias)
     return out
+
+
+def cached_nested(
+    planes_file: Optional[Path],
+    key: Optional[str],
+    sources: Mapping[str, nn.Module],
+    plan: Sequence[PlaneSpec],
+    build: Optional[Callable[[], Dict[str, NestedWeights]]] = None,
+) -> Tuple[Dict[str, NestedWeights], str]:
+    """The planes of ``sources`` read from ``planes_file`` (made for ``key``), else built by
+    ``build`` (default :func:`build_nested` of ``sources``) and written there for the next run.
+
+    A damaged or foreign file is rebuilt with one warning; a file that cannot be written
+    leaves the run without the cache (:func:`save_nested` warns). None: no cache at all.
+
+    Returns:
+        ``({path: NestedWeights}, origin)``: origin ``"cache"``, ``"built"`` or
+        ``"built (cache not written: ...)"``.
+    """
+    if planes_file is not None and key is not None and planes_file.exists():
+        shapes = {p: module_shape(m) for p, m in sources.items()}
+        try:
+            return load_nested(planes_file, key, shapes, plan), "cache"
+        except PlanesCacheError as e:
+            warnings.warn(f"{e}; rebuilding it", stacklevel=3)
+    nested = build() if build is not None else build_nested(sources, plan)
+    origin = "built"
+    if planes_file is not None and key is not None:
+        try:
+            save_nested(planes_file, nested, key)
+        except OSError as e:
+            origin = f"built (cache not written: {e})"
+    return nested, origin
