@@ -326,7 +326,24 @@ def host_us_per_step(model, prompt: mx.array, steps: int = 24) -> Dict[str, floa
     total = [a + b + c for a, b, c in zip(build, encode, wait)]
     return {"median": statistics.median(build), "min": min(build), "max": max(build),
             "encode_median": statistics.median(encode), "wait_median": statistics.median(wait),
-            "total_median": statistics.median(total)}
+            "total_median": statistics.median(total), "nodes": node_census(model(y[None], cache=cache))}
+
+
+def node_census(out: mx.array) -> Dict[str, int]:
+    """The nodes of ``out``'s unevaluated graph (one decode step), counted by primitive: the
+    host encodes each of them (``mx.export_to_dot``'s labels; every fused element-wise
+    ``Compiled...`` node counts as ``Compiled``). ``total``: all of them."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out)
+    labels = re.findall(r'label ="([^"]+)", shape=rectangle', buf.getvalue())
+    counts: Dict[str, int] = {}
+    for label in labels:
+        kind = "Compiled" if label.startswith("Compiled") else label
+        counts[kind] = counts.get(kind, 0) + 1
+    return {"total": len(labels), **dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
 GEMV_FORMATS = ["nested-low", "nested-mid", "nested-high", "nested-low-mlx", "nested-mid-mlx", "nested-high-mlx",
