@@ -16,7 +16,8 @@ Cases: a custom kernel (``mx.fast.cuda_kernel``/``metal_kernel``) with each of
 ``--inputs`` inputs that it all reads, then with the most of them at 16 MiB each
 (the size of an input should not matter), then with its output cut in three
 slices that the next node reads (as the q/k/v of a fused product); MLX's ``quantized_matmul`` (4 inputs)
-at 4 and 8 bits; an element-wise ``add`` (2 inputs). Run it once per value of
+at 4 and 8 bits; an element-wise ``add`` (2 inputs); with ``--package`` the
+package's own mid-gear product, launched as a decode step launches it. Run it once per value of
 ``MLX_MAX_OPS_PER_BUFFER`` to see the cost per CUDA graph (``--graph-sizes``
 starts one process per size).
 
@@ -84,6 +85,22 @@ def custom_kernel(backend: str, n_inputs: int, extra: int = EXTRA, split: int = 
     return node
 
 
+def nested_mid(backend: str, width: int = WIDTH) -> Callable:
+    """The package's mid-gear product (two 4-bit planes) of a ``width x width`` bfloat16
+    weight, launched as a decode step launches it (``Launcher.bound``); bfloat16 in and out.
+    A small ``width`` leaves the GPU idle: what remains of ``encode`` is the host's alone."""
+    from gearbx_mlx.bindings import nested_gpu
+    from gearbx_mlx.nested.planes import DEFAULT_PLAN, build_planes
+
+    plan = DEFAULT_PLAN[:2]
+    planes = build_planes((mx.random.normal((width, width)) * 0.02).astype(mx.bfloat16), plan)
+    launcher = nested_gpu.launcher(backend, tuple(b for b, _ in plan), tuple(g for _, g in plan), width, width,
+                                   mx.bfloat16, mx.bfloat16, False)
+    run = launcher.bound(nested_gpu.plane_arrays(planes, 2), nested_gpu.factors_of(planes, 2))
+    mx.eval(planes[0].weight)
+    return lambda x: run(x, x.shape, None)
+
+
 def quantized(bits: int) -> Callable:
     w = mx.random.normal((WIDTH, WIDTH)) * 0.02
     q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=bits)
@@ -111,8 +128,8 @@ def chain(node: Callable, nodes: int) -> Callable:
     return mx.compile(run)
 
 
-def time_case(fn: Callable, rounds: int, width: int = WIDTH) -> Dict[str, float]:
-    x = mx.random.normal((width,))
+def time_case(fn: Callable, rounds: int, width: int = WIDTH, dtype: mx.Dtype = mx.float32) -> Dict[str, float]:
+    x = mx.random.normal((width,)).astype(dtype)
     mx.eval(x)
     for _ in range(3):  # trace, compile the kernels, warm the CUDA graphs
         mx.eval(fn(x))
@@ -147,9 +164,13 @@ def run_cases(args: argparse.Namespace) -> Dict[str, object]:
     order = itertools.cycle(turn)
     cases[f"custom, {k} inputs, 4 kernels in turn"] = lambda x: next(order)(x)
     cases.update({"quantized_matmul 4-bit": quantized(4), "quantized_matmul 8-bit": quantized(8), "add": add()})
+    if args.package:
+        cases["the package's mid gear, 4096x4096"] = nested_mid(backend)
+        cases["the package's mid gear, 256x256"] = nested_mid(backend, 256)
     rows = []
     for name, node in cases.items():
-        t = time_case(chain(node, args.nodes), args.rounds, WIDTH * (3 if "slices" in name else 1))
+        width = 256 if "256x256" in name else WIDTH * (3 if "slices" in name else 1)
+        t = time_case(chain(node, args.nodes), args.rounds, width, mx.bfloat16 if "package" in name else mx.float32)
         rows.append({"case": name, "nodes": args.nodes, **t,
                      **{f"{k[:-3]}_us_per_node": v / args.nodes for k, v in t.items() if k.endswith("_us")}})
         print(f"{name:26s} build {rows[-1]['build_us_per_node']:6.2f}  encode {rows[-1]['encode_us_per_node']:6.2f}"
@@ -173,6 +194,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--inputs", type=int, nargs="+", default=[1, 2, 4, 8, 12], help="custom kernels' input counts")
     p.add_argument("--graph-sizes", type=int, nargs="*", default=[],
                    help="run once per MLX_MAX_OPS_PER_BUFFER value, each in its own process")
+    p.add_argument("--package", action="store_true",
+                   help="also the package's own mid-gear product (gearbx_mlx's nested GPU kernel)")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.rounds < 1 or min(args.inputs) < 1:
@@ -182,7 +205,7 @@ def main(argv: List[str] | None = None) -> int:
         for size in args.graph_sizes:
             print(f"MLX_MAX_OPS_PER_BUFFER={size}", flush=True)
             child = [sys.executable, __file__, "--nodes", str(args.nodes), "--rounds", str(args.rounds), "--inputs",
-                     *map(str, args.inputs), "--out", "/dev/stdout"]
+                     *map(str, args.inputs), "--out", "/dev/stdout", *(["--package"] if args.package else [])]
             done = subprocess.run(child, env={**os.environ, "MLX_MAX_OPS_PER_BUFFER": str(size)},
                                   capture_output=True, text=True)
             if done.returncode:
