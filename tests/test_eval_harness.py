@@ -568,11 +568,15 @@ def test_nested_variants_share_the_nested_stores_planes_cache(tmp_path, monkeypa
     other = tmp_path / "other"
     other.mkdir()
     (other / "model.safetensors").write_bytes(b"another model")
-    first = variants.nested_planes(model, paths[:2], 2, 64, other)
+    said = []
+    first = variants.nested_planes(model, paths[:2], 2, 64, other, said.append)
     files = list((other / store.CACHE_FOLDER).glob("*.safetensors"))
     assert len(first) == 2 and len(files) == 1
     monkeypatch.setattr(store, "build_nested", lambda *a, **k: pytest.fail("built again instead of read"))
-    again = variants.nested_planes(model, paths[:2], 2, 64, other)
+    again = variants.nested_planes(model, paths[:2], 2, 64, other, said.append)
+    assert [m.split(":")[0].split(" (")[0] for m in said] == [
+        f"building the nested store's planes of {len(paths)} layers", "the nested store's planes"]
+    assert "reading " + str(files[0]) in said[1]
     assert all(mx.array_equal(a.weight, b.weight) for p in first for a, b in zip(first[p], again[p]))
     monkeypatch.undo()
     files[0].write_bytes(files[0].read_bytes()[:-8] + bytes(8))  # damaged, same size

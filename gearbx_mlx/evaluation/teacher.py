@@ -178,7 +178,7 @@ class TeacherForcing:
         self.model, self.windows, self.layout, self.config = model, [list(w) for w in windows], layout, config
         self.vocab_size, self.progress, self.chunks = vocab_size, progress, chunks
         self.max_positions = chunks.max_positions(vocab_size, max_positions)
-        self.variants = VariantModel(model, layout.bits_per_path(specs), config.group_size, o.model_dir)
+        self.variants = VariantModel(model, layout.bits_per_path(specs), config.group_size, o.model_dir, progress)
         self.references: Dict[int, Reference] = {}
         self.work: Dict[str, Work] = {}
 

@@ -23,7 +23,7 @@ layers multiply by).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,12 +80,13 @@ def nested_plan(n: int, group_size: int) -> Tuple[PlaneSpec, ...]:
 
 
 def nested_planes(model: nn.Module, paths: Sequence[str], n: int, group_size: int,
-                  model_dir: Optional[Path]) -> Dict[str, List[Plane]]:
+                  model_dir: Optional[Path], say: Optional[Callable[[str], None]] = None) -> Dict[str, List[Plane]]:
     """The first ``n`` planes of each float layer of ``paths`` through the nested store's
     cache in ``model_dir``: the file ``generate --store nested --scope all`` reads (two planes;
     ``--high planes``: three), built and written there when missing, so a run after either
     command skips the build. ``{}`` where there is no folder to cache in, or for another
     model's layers than the store's own (a quantized model, fewer layers than ``--scope all``).
+    ``say``: told where the planes come from (a large model's build takes minutes).
     """
     modules = dict(model.named_modules())
     if model_dir is None or not paths or any(not isinstance(modules.get(p), (nn.Linear, nn.Embedding))
@@ -97,6 +98,9 @@ def nested_planes(model: nn.Module, paths: Sequence[str], n: int, group_size: in
     plan = nested_plan(n, group_size)
     key = cache_key(fingerprint(model_dir), every, plan)
     file = cache_path(model_dir, key, cache_dir() / "planes")
+    if say is not None:
+        say(f"the nested store's planes: reading {file}" if file.exists() else
+            f"building the nested store's planes of {len(every)} layers (kept in {file} for later runs) ...")
     weights, _ = cached_nested(file, key, {p: modules[p] for p in every}, plan)
     return {p: weights[p].planes for p in paths}
 
@@ -274,10 +278,11 @@ class VariantModel:
         model_dir: the loaded model's folder, where the nested keys' planes are
             read from the nested store's cache, or written to it once built
             (:func:`nested_planes`); None: built here, not kept.
+        progress: status lines (where the nested planes come from).
     """
 
     def __init__(self, model: nn.Module, bits_per_path: Dict[str, Sequence[int]], group_size: int,
-                 model_dir: Optional[Path] = None) -> None:
+                 model_dir: Optional[Path] = None, progress: Optional[Callable[[str], None]] = None) -> None:
         self.model = model
         self.router = RowRouter()
         modules = dict(model.named_modules())
@@ -288,7 +293,7 @@ class VariantModel:
         self.variants: Dict[str, nn.Module] = {}
         depth = {p: max((-b for b in bits if b in (NESTED_MID, NESTED_HIGH)), default=0) for p, bits in bits_per_path.items()}
         nested = [p for p, n in depth.items() if n]
-        planes = nested_planes(model, nested, max(depth.values()), group_size, model_dir) if nested else {}
+        planes = nested_planes(model, nested, max(depth.values()), group_size, model_dir, progress) if nested else {}
         for p, bits in bits_per_path.items():
             m = self.originals[p]
             if isinstance(m, nn.Embedding):
