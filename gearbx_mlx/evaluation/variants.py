@@ -74,6 +74,7 @@ def variant_weights(weight: mx.array, keys: Iterable[int], group_size: int,
             raise ValueError(f"unknown variant key {k}")
     return out
 
+
 def nested_plan(n: int, group_size: int) -> Tuple[PlaneSpec, ...]:
     """The first ``n`` planes of the nested store's plan, plane 0 in ``group_size``."""
     return ((DEFAULT_PLAN[0][0], group_size),) + DEFAULT_PLAN[1:n]
