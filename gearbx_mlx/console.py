@@ -1,5 +1,6 @@
 """Console output shared by the command lines: streamed text coloured by gear,
-traced as it goes, and warnings as one plain line each."""
+traced as it goes, warnings and errors as one plain line each, and the checks
+that refuse a flag with one such line."""
 
 from __future__ import annotations
 
@@ -165,6 +166,29 @@ def check_flag(ok: bool, flag: str, value: Any, want: str) -> None:
     """Raise ``ValueError("FLAG must be WANT, got VALUE")`` unless ``ok``."""
     if not ok:
         raise ValueError(f"{flag} must be {want}, got {value!r}")
+
+
+def refuse_unused(flags: Iterable[Tuple[str, bool]], verbs: Tuple[str, str], rest: str) -> None:
+    """Flags given that would do nothing: one ValueError naming each, ``"FLAG[, FLAG...] VERB REST"``.
+
+    ``flags`` are ``(flag, given)`` pairs; ``verbs`` the verb for one flag and for several
+    (``("applies", "apply")``). A command calls it before anything loads."""
+    given = [flag for flag, on in flags if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} {verbs[len(given) > 1]} {rest}")
+
+
+def refuse_kv_flags_unused(args: Any) -> None:
+    """Without ``--kv-bits`` the cache stays float: the other KV flags given are refused, one error naming them.
+
+    ``--kv-rotation`` counts where it differs from its default ``auto``; a command without
+    ``--quantized-kv-start`` leaves it out."""
+    if getattr(args, "kv_bits", None) is not None:
+        return
+    refuse_unused((("--kv-group-size", getattr(args, "kv_group_size", None) is not None),
+                   ("--quantized-kv-start", getattr(args, "quantized_kv_start", None) is not None),
+                   ("--kv-rotation", getattr(args, "kv_rotation", "auto") != "auto")),
+                  ("applies", "apply"), "to a quantized KV cache: give --kv-bits too (without it the cache stays float)")
 
 
 def finite(x: Any) -> bool:

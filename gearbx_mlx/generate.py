@@ -42,6 +42,7 @@ from .console import (
     finite,
     print_stream,
     read_stdin_text,
+    refuse_kv_flags_unused,
     say,
     show_warning,
     use_color,
@@ -229,13 +230,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def kv_options(args: argparse.Namespace) -> KVOptions:
     """The KV flags as :class:`KVOptions` (ValueError naming the flag)."""
-    if args.kv_bits is None:
-        given = [flag for flag, on in (("--kv-group-size", args.kv_group_size is not None),
-                                       ("--quantized-kv-start", args.quantized_kv_start is not None),
-                                       ("--kv-rotation", getattr(args, "kv_rotation", "auto") != "auto")) if on]
-        if given:
-            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a quantized KV "
-                             "cache: give --kv-bits too (without it the cache stays float)")
+    refuse_kv_flags_unused(args)
     try:
         return KVOptions(bits=args.kv_bits, group_size=args.kv_group_size,
                          quantized_kv_start=args.quantized_kv_start, rotation=args.kv_rotation)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..calibration import Calibration
 from ..config import SCOPES
-from ..console import mib, say
+from ..console import mib, refuse_unused, say
 from .calibration import CALIBRATION_KEY, calibrate_draft_stop, calibrated_stop
 from .decode import MAX_DRAFT, SpeculativeConfig, get_draft
 from .draft import DRAFT_GEARS
@@ -118,17 +118,14 @@ def check_speculative_flags_unused(args: argparse.Namespace) -> None:
     ``--draft-gear`` and ``--draft-scope`` count where they differ from their
     defaults (argparse cannot tell the default given on purpose from none)."""
     d = SpeculativeConfig()
-    given = [flag for flag, on in (
+    refuse_unused((
         ("--draft-gear", getattr(args, "draft_gear", d.draft_gear) != d.draft_gear),
         ("--max-draft", getattr(args, "max_draft", None) is not None),
         ("--draft-entropy-stop", hasattr(args, "draft_entropy_stop")),
         ("--hard-max-draft", getattr(args, "hard_max_draft", None) is not None),
         ("--draft-scope", getattr(args, "draft_scope", d.draft_scope) != d.draft_scope),
         ("--draft-sparsity", getattr(args, "draft_sparsity", None) is not None),
-    ) if on]
-    if given:
-        raise ValueError(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} the speculative drafter: "
-                         "add --speculative (without it nothing drafts)")
+    ), ("sets", "set"), "the speculative drafter: add --speculative (without it nothing drafts)")
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
