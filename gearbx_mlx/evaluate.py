@@ -23,7 +23,7 @@ from . import launch
 from .atomicfile import check_directory, check_target
 from .blas import ensure_fast_blas
 from .config import MAX_RUN_TOKENS, GearboxConfig
-from .console import CommandParser, error_line
+from .console import CommandParser, error_line, refuse_kv_flags_unused, refuse_unused
 from .evaluation import report
 from .evaluation.harness import DEFAULT_SPEED_PROMPT, DEFAULT_WINDOW, PLOT_PREFIX, evaluate, read_text
 from .evaluation.machine import blas, load_average
@@ -141,6 +141,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--speed-prompt must be >= 1, got {args.speed_prompt}")
     if args.draft_calibration_tokens is not None and args.draft_calibration_tokens < 1:
         raise ValueError(f"--draft-calibration-tokens must be >= 1, got {args.draft_calibration_tokens}")
+    if not args.speculative:  # resolved: --speculative, or --full without --no-speculative
+        refuse_unused((("--draft-calibration-tokens", args.draft_calibration_tokens is not None),),
+                      ("calibrates", "calibrate"), "the drafters of the speculative rows: add --speculative "
+                      "(or --full without --no-speculative; without the rows nothing drafts)")
     if args.max_positions is not None and args.max_positions < 1:
         raise ValueError(f"--max-positions must be >= 1, got {args.max_positions}")
     _kv(args)
@@ -172,8 +176,10 @@ def _check_text_encoding(encoding: Optional[str]) -> None:
 
 
 def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
-    """The KV flags as options (None without --kv-bits); ValueError naming the flag."""
+    """The KV flags as options (None without --kv-bits, which refuses the other KV flags given); ValueError
+    naming the flag."""
     if getattr(args, "kv_bits", None) is None:
+        refuse_kv_flags_unused(args)
         return None
     try:
         return KVOptions(bits=args.kv_bits, group_size=args.kv_group_size, quantized_kv_start=0,
@@ -192,6 +198,8 @@ def _check_out(out: str) -> None:
 
 def replot(args: argparse.Namespace) -> Dict[str, Any]:
     """``--from-json``: a saved run's results, figures redrawn if ``--plots``."""
+    refuse_unused((("--out", args.out is not None),), ("writes", "write"),
+                  "a new run's results: --from-json evaluates nothing and only reprints its file (drop --out)")
     path = Path(args.from_json).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"results file not found: {args.from_json}")

@@ -662,6 +662,36 @@ def test_cli_bad_input_is_one_clear_error(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-group-size", "32"], "--kv-group-size applies to a quantized KV cache: give --kv-bits too"),
+    (["--kv-rotation", "srht"], "--kv-rotation applies to a quantized KV cache: give --kv-bits too"),
+    (["--kv-group-size", "32", "--kv-rotation", "none"], "--kv-group-size, --kv-rotation apply to a quantized KV"),
+    (["--draft-calibration-tokens", "8"], "--draft-calibration-tokens calibrates the drafters of the speculative"),
+    (["--full", "--no-speculative", "--draft-calibration-tokens", "8"], "--draft-calibration-tokens calibrates"),
+    (["--from-json", "saved.json", "--out", "new.json"], "--out writes a new run's results: --from-json"),
+])
+def test_a_flag_that_would_do_nothing_is_one_clear_error(argv, message, capsys, monkeypatch, tmp_path):
+    """Each was ignored without a word (the KV flags without --kv-bits, the drafters' calibration without the
+    speculative rows, --out of a reprint): now one line naming it, before the model loads, and no file written."""
+    import gearbx_mlx.evaluate as cli
+
+    def stop(*_a, **_k):
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(cli, "load", stop)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "saved.json").write_text("{}")
+    assert main(["--quiet"] + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved.json"]
+    # The same flags where they apply (or left at their defaults) pass the checks and reach the loading.
+    for flags in (["--kv-bits", "4", "--kv-group-size", "32", "--kv-rotation", "srht"],
+                  ["--speculative", "--draft-calibration-tokens", "8"], ["--kv-rotation", "auto"], []):
+        assert main(["--quiet"] + flags) == 2
+        assert "stopped before loading" in capsys.readouterr().err, flags
+
+
 def test_library_rejects_too_few_tokens(default_model):
     model, tokenizer, _ = default_model
     with pytest.raises(ValueError, match="tokens must be an integer >= 2"):
