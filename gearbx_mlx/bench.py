@@ -99,6 +99,8 @@ def check_args(args: argparse.Namespace) -> Tuple[BenchSettings, Path]:
     """Every flag checked before anything slow: the settings and the JSON's path, or one error naming the flag."""
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
+    if args.budget is not None and args.no_budget:  # one of them would be ignored
+        raise ValueError("give --budget or --no-budget, not both")
     settings = settings_from(args)
     return settings, check_target(args.out, "--out", example=DEFAULT_OUT)
 

@@ -207,6 +207,7 @@ def test_a_preloaded_openblas_is_told_from_the_bundled_reference_blas():
     (["--out", "."], "is a directory"),
     (["--tokens", str(10**20)], "--tokens must be from 4 to 1,000,000"),
     (["--rounds", str(10**20)], "--rounds must be from 1 to 1,000"),
+    (["--budget", "30", "--no-budget"], "give --budget or --no-budget, not both"),  # --budget was ignored
 ])
 def test_every_flag_is_checked_before_anything_slow(argv, message, capsys, monkeypatch):
     def slow(*_a, **_k):
