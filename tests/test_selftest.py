@@ -456,6 +456,19 @@ def test_selftest_runs_the_nested_family():
     assert {c.name for c in nested_checks.CHECKS} >= {"nested GEMV 1-3 planes", "C nested GEMV intdot"}
 
 
+def test_the_nested_dispatch_passes_without_the_c_kernels(monkeypatch):
+    """Without the C kernels a one-row product takes the pure-MLX oracle, whose half-precision inputs MLX's
+    CPU quantized_matmul summed in their own dtype (errors 30x the bound): the oracle multiplies in float32."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU device's reference path")
+    monkeypatch.setattr(gpu, "gpu_backend", lambda: None)
+    monkeypatch.setattr(nested_matmul, "cpu_backend", lambda: None)  # the extension is not built
+    report = selftest.selftest(only="NestedProduct dispatch", jobs=1)
+    rows = report["rows"]
+    assert {r["dtype"] for r in rows} == {"float32", "float16", "bfloat16"}
+    assert all(r["passed"] and r["worst"].endswith("via reference") for r in rows), rows
+
+
 def test_a_nested_c_kernel_that_disagrees_is_dropped_for_the_oracle(monkeypatch):
     if not c_kernels():
         pytest.skip("the C kernels are not built")

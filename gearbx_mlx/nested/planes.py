@@ -294,6 +294,11 @@ def reference_matmul(
 ) -> mx.array:
     """``x @ (deq(p0) + ... + deq(p_{n-1})).T (+ bias)``: one quantized product per plane.
 
+    On the CPU device a half-precision ``x`` is multiplied in float32 (the
+    planes' scales promoted with it): MLX's CPU ``quantized_matmul`` has no
+    half-precision path that sums in float32 (it sums in the half type, whole
+    units off over a thousand inputs, where it takes the input at all).
+
     Args:
         x: ``(..., in)``.
     Returns:
@@ -301,9 +306,11 @@ def reference_matmul(
     """
     if not 1 <= n <= len(planes):
         raise ValueError(f"a gear reads 1 to {len(planes)} planes, got {n}")
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    xq = x.astype(mx.float32) if on_cpu and x.dtype in (mx.float16, mx.bfloat16) else x
     y = None
     for p in planes[:n]:
-        t = mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True, group_size=p.group_size, bits=p.bits)
+        t = mx.quantized_matmul(xq, p.weight, p.scales, p.biases, transpose=True, group_size=p.group_size, bits=p.bits)
         if n == 1:
             y = t
             break
