@@ -53,7 +53,7 @@ from .kvcache.option import DEFAULT_QUANTIZED_KV_START, ROTATION_CHOICES, KVOpti
 from .pipeline import generate as library_generate, prepare
 from .record import empty_summary
 from .run_summary import format_summary
-from .sources.entries import make_folder, remove_path, unwritable
+from .sources.entries import in_the_way, make_folder, remove_path, unwritable
 from .sources.registry import MODEL_HELP
 from .speculative.calibration import CALIBRATION_KEY
 from .speculative.cli import (
@@ -379,7 +379,7 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         return "prefill"
     cached = None if args.calibration or ranks is not None else cached_calibration_path(
         gearbox.model_dir, gearbox.model_name, _calibration_settings(args, gearbox))
-    reused = False
+    reused, damaged = False, None
     if cached is not None and (cached.exists() or cached.is_symlink()):
         try:
             if not cached.is_file():
@@ -387,8 +387,11 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
             gearbox.set_calibration(Calibration.load(cached))
             reused = True
         except (ValueError, OSError) as e:  # the package's own cache: rebuilt, not the user's to mend
-            warnings.warn(f"the saved calibration {cached} is damaged ({e}): calibrating again", stacklevel=2)
+            damaged = f"the saved calibration {cached} is damaged ({e})"
             remove_path(cached)
+            if not os.path.lexists(cached):  # else a read-only cache keeps it: the save below says so, once
+                warnings.warn(f"{damaged}: calibrating again", stacklevel=2)
+                damaged = None
     if reused:
         say(args, f"reusing the calibration saved by an earlier --calibrate of this model and settings: {cached} "
                   "(delete it to calibrate again)")
@@ -407,25 +410,31 @@ def set_thresholds(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox
         target = args.calibration or cached
         if target is not None and getattr(args, "rank", 0) == 0:
             if target == cached:
-                _save_cached(cal, cached)
+                _save_cached(cal, cached, damaged)
             else:
                 cal.save(target)
     return "prefill"
 
 
-def _save_cached(cal: Calibration, path: Path) -> None:
+def _save_cached(cal: Calibration, path: Path, damaged: Optional[str] = None) -> None:
     """Keep ``cal`` at ``path`` in the package's cache for later ``--calibrate`` runs.
 
     The cache is a convenience: a folder that cannot take it (read-only, full, a
-    file in its place) costs the later runs their reuse, not this run its
-    calibration. One warning names the folder and the fixes, the run goes on.
+    file in its place, a FIFO or folder at ``path`` that cannot be removed) costs
+    the later runs their reuse, not this run its calibration. One warning names
+    the folder and the fixes (and ``damaged``, the entry that could not be
+    replaced), the run goes on.
     """
     try:
         make_folder(path.parent)
         try:
+            if in_the_way(path, folder=False):  # a FIFO, folder or device at the entry: the cache's own
+                remove_path(path)
+            if in_the_way(path, folder=False):  # a read-only folder keeps it (the write would refuse a pipe)
+                raise OSError(f"{path.name} is in the way and cannot be removed")
             cal.save(path)
         except OSError as e:
-            raise unwritable(path.parent, e) from None
+            raise unwritable(path.parent, e, damaged) from None
     except OSError as e:
         warnings.warn(f"the calibration is used for this run but could not be saved: {e}, "
                       "or save it elsewhere with --calibration FILE", stacklevel=2)

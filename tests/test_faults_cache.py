@@ -18,6 +18,7 @@ import hashlib
 import io
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -781,3 +782,33 @@ def test_a_failed_corpus_download_says_where_to_put_the_file_offline(tmp_path, m
     assert f"SHA-256 ({sha}) are checked" in message and "--model" not in message
     assert ("(pip exited with status 1)" if fault == "pip finds nothing" else "name resolution") in message, message
     assert not dest.exists() and _temps(dest.parent) == []
+
+
+def test_calibrate_with_a_fifo_in_a_read_only_calibrations_folder_keeps_the_calibration(gguf, cache_root, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """A FIFO where the saved calibration belongs, in a cache that cannot be written: it cannot be removed
+    and nothing can be saved there. The run must neither block on it nor fail after calibrating: it uses
+    what it computed and warns once."""
+    from gearbx_mlx.generate import main
+    from gearbx_mlx.telemetry.trace import read_trace
+
+    folder = str(_resolve(gguf))
+    argv = ["--model", folder, "--calibrate", "--prompt", "t2 t3", "--max-tokens", "2", "--ignore-chat-template"]
+    assert main(argv) == 0
+    [path] = (cache_root / "calibrations").glob("*.json")
+    path.unlink()
+    os.mkfifo(path)
+    capsys.readouterr()
+    with _read_only(cache_root, monkeypatch):
+        assert main([*argv, "--trace", str(tmp_path / "t.jsonl")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warned = [line for line in err if "calibration" in line and "warning" in line]
+    cal_dir = cache_root / "calibrations"
+    assert warned == [f"[gearbx] warning: the calibration is used for this run but could not be saved: the saved "
+                      f"calibration {path} is damaged (not a regular file) and cannot be replaced: the cache folder "
+                      f"{cal_dir} cannot be written ({path.name} is in the way and cannot be removed): make it "
+                      "writable, or point GEARBX_CACHE to a writable folder, or save it elsewhere with --calibration "
+                      "FILE"], err
+    assert not any(line.startswith("error") for line in err), err
+    assert read_trace(tmp_path / "t.jsonl").header["thresholds"]["source"] == "calibration:median"
+    assert stat.S_ISFIFO(path.lstat().st_mode)  # the user's cache is left as it was
