@@ -81,11 +81,11 @@ def run(model: Any, tok: Any, prompt: Any, tokens: int, config: GearboxConfig,
 
 
 def gears(model: Any, tok: Any, prompt: Any, tokens: int, dynamic: Optional[tuple], few: bool = False,
-          **base: Any) -> Dict[str, Any]:
+          static: tuple = ("high", "mid", "low"), **base: Any) -> Dict[str, Any]:
     """Every static gear with both stores and kernels, the dynamic policy, speculative decoding
-    (``few``: every static gear and the dynamic policy only)."""
+    (``few``: the ``static`` gears and the dynamic policy only)."""
     runs: Dict[str, Any] = {}
-    for gear in ("high", "mid", "low"):  # the separate store by name: the default may be nested
+    for gear in static if few else ("high", "mid", "low"):  # the separate store by name: the default may be nested
         runs[f"static-{gear}"] = run(model, tok, prompt, tokens,
                                      GearboxConfig(static_gear=gear, store="separate", **base))
     if few:
@@ -127,7 +127,8 @@ def scenario(name: str, args: argparse.Namespace, group: Any) -> Dict[str, Any]:
     if name == "gears-model":
         model, tok, _ = load(args.model, group=group)
         # MLX's kernels: the packed C kernels quantize activations per call, which a shard does apart.
-        return gears(model, tok, TEXT_PROMPT, args.tokens, args.thresholds, few=args.few, kernel="mlx")
+        return gears(model, tok, TEXT_PROMPT, args.tokens, args.thresholds, few=args.few, static=tuple(args.static),
+                     kernel="mlx")
     if name == "disagree-thresholds":
         from conftest import make_tiny_tokenizer
 
@@ -171,6 +172,7 @@ def main() -> int:
     p.add_argument("--model")
     p.add_argument("--tokens", type=int, default=10)
     p.add_argument("--few", action="store_true", help="gears-model: the static gears and the dynamic policy only")
+    p.add_argument("--static", nargs="+", default=["high", "mid", "low"], help="gears-model --few: these static gears")
     p.add_argument("--thresholds", nargs=2, type=float, help="gears-model: the dynamic policy's thresholds")
     p.add_argument("--timeout", type=int, default=300)
     args = p.parse_args()

@@ -520,6 +520,8 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     assert data["thresholds"]["median"] and data["thresholds"]["percentile"]
     section = data["speculative"]
     assert section["drafters"]["low"]["costs"]["draft_cost_source"] == "speed runs"
+    costs = section["drafters"]["low"]["costs"]  # a verify timed at each block size, as the source says
+    assert len(costs["verify_cost"]) == 9 and costs["verify_cost_source"].endswith("timed at every k from 0 to 8")
     for r in section["rows"]:  # modeled tokens/s from the measured static-high speed
         assert r["modeled"]["tokens_per_s"] == pytest.approx(
             r["modeled"]["speedup"] * section["high_tokens_per_s_measured"])

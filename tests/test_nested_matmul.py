@@ -200,6 +200,7 @@ def test_dense_products_sharing_scratch_weights_and_prepared_planes_stay_right()
 
 
 @on_cpu_device
+@needs_cpu_ext  # the C kernels' unpacking and backends are what it checks
 def test_dense_unpacking_on_the_caller_or_the_pool_gives_the_same_product(monkeypatch):
     """The dense path's unpacking threads (NestedKernelConfig.dense_unpack_threads) change who
     unpacks, never the product; a matrix of several blocks (no C unpacking) reserves nothing."""
@@ -237,6 +238,7 @@ def test_dense_product_of_planes_no_kernel_reads_takes_the_mlx_unpacking(monkeyp
 
 
 @on_cpu_device
+@needs_cpu_ext  # the C kernels' unpacking and backends are what it checks
 def test_the_oracle_takes_what_the_kernels_do_not(monkeypatch):
     planes = make_planes(24, 128, (4, 4, 8), 64, mx.float16)
     x = make_x((3, 128), mx.float16)

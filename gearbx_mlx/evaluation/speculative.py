@@ -193,8 +193,8 @@ def measure_drafters(
                 "draft_cost_source": "speed runs" if c is not None else "measure_costs",
                 "draft_cost_direct": c_direct,
                 "verify_cost": list(verify),
-                "verify_cost_source": "draft_calibration.measure_costs: a verify of k+1 tokens in high-gear "
-                "steps, best of 3, timed at k = 0 and k = 8, linear between",
+                "verify_cost_source": "speculative.calibration.measure_costs: a verify of k+1 tokens in high-gear "
+                f"steps, best of 3, timed at every k from 0 to {max(REPLAY_MAX_DRAFT)}",
             }
             # Same values as the real kernels; fast multi-token products on a CPU.
             fake = build_draft(model, gearbox, gear, scope, quantizer="fake")
