@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
@@ -79,6 +80,17 @@ def one_worker_at_a_time(tmp_path_factory, name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def c_objects(tmp_path_factory) -> Path:
+    """The run's folder of compiled C objects (:func:`cbuild.build_exe`), shared by its workers."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / "c-objects"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")

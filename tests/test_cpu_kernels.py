@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import numpy as np
 import pytest
+from cbuild import build_exe
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gearbx_mlx.bindings import build, cpu
@@ -388,26 +389,26 @@ def _native_cc() -> Optional[str]:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build_driver(tmp_path: Path, *defines: str) -> Path:
+def _build_driver(tmp_path: Path, objects: Path, *defines: str) -> Path:
     cc = _native_cc()
     if cc is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "gbx_driver"
     srcs = [ROOT / p for p in build.SOURCES + (build.TEST_DRIVER,)]
-    r = subprocess.run([cc, "-O3", "-std=gnu11", "-pthread", *defines, *build.include_flags(), *map(str, srcs), "-lm", "-o", str(exe)],
-                       capture_output=True, text=True, timeout=300)
+    r = build_exe(cc, ["-O3", "-std=gnu11", "-pthread", *defines, *build.include_flags()], srcs, exe, objects)
     assert r.returncode == 0, r.stderr
     return exe
 
 
-def test_c_driver_native(tmp_path) -> None:
-    r = subprocess.run([str(_build_driver(tmp_path)), "--quick"], capture_output=True, text=True, timeout=600)
+def test_c_driver_native(tmp_path, c_objects) -> None:
+    r = subprocess.run([str(_build_driver(tmp_path, c_objects)), "--quick"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
     assert r.stdout.strip().splitlines()[-1].startswith("OK ")
 
 
-def test_c_driver_native_catches_planted_nibble_bug(tmp_path) -> None:
-    exe = _build_driver(tmp_path, "-DGEARBX_PLANT_NIBBLE_BUG")
+def test_c_driver_native_catches_planted_nibble_bug(tmp_path, c_objects) -> None:
+    exe = _build_driver(tmp_path, c_objects, "-DGEARBX_PLANT_NIBBLE_BUG")
     r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "SUMMARY float bits=4" in r.stdout and "SUMMARY intdot bits=4" in r.stdout
@@ -416,24 +417,24 @@ def test_c_driver_native_catches_planted_nibble_bug(tmp_path) -> None:
     assert " bits=8 " not in r.stdout  # 8-bit kernels have no nibbles to swap
 
 
-def test_c_driver_native_catches_planted_six_bit_order_bug(tmp_path) -> None:
+def test_c_driver_native_catches_planted_six_bit_order_bug(tmp_path, c_objects) -> None:
     """Reverse the order of the four codes of each 3-byte triplet in the fast
     6-bit kernels: every nested case with a 6-bit plane must fail, on both
     paths, and nothing else."""
-    exe = _build_driver(tmp_path, "-DGEARBX_PLANT_SIX_BUG")
+    exe = _build_driver(tmp_path, c_objects, "-DGEARBX_PLANT_SIX_BUG")
     r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "SUMMARY nested-float bits=6" in r.stdout and "SUMMARY nested-intdot bits=6" in r.stdout
     assert " bits=4 " not in r.stdout and " bits=8 " not in r.stdout
 
 
-def test_c_driver_pool_stress(tmp_path) -> None:
+def test_c_driver_pool_stress(tmp_path, c_objects) -> None:
     """Back-to-back split products with changing chunk counts, in a build that
     stalls threads inside the pool's hand-off windows (-DGEARBX_STRESS_POOL).
     A late worker of a finished job once claimed a chunk of the next one and
     inflated its done count, so a call returned while a worker still ran one
     of its chunks: rows left unwritten, then a segfault on freed buffers."""
-    exe = _build_driver(tmp_path, "-DGEARBX_STRESS_POOL")
+    exe = _build_driver(tmp_path, c_objects, "-DGEARBX_STRESS_POOL")
     r = subprocess.run([str(exe), "--pool-stress", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:]
     assert r.stdout.strip().splitlines()[-1].startswith("OK ")

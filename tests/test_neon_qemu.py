@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+from cbuild import build_exe
 
 from gearbx_mlx.bindings import build
 
@@ -44,15 +45,14 @@ BUILDS: Dict[str, List[str]] = {
 
 
 @pytest.fixture(scope="session")  # built once per worker (the module runs in one)
-def binaries(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+def binaries(tmp_path_factory: pytest.TempPathFactory, c_objects: Path) -> Dict[str, Path]:
     out = tmp_path_factory.mktemp("neon")
     built = {}
     for name, flags in BUILDS.items():
         exe = out / f"gbx_{name}"
-        cmd = [CC, "-O3", "-std=gnu11", "-static", "-pthread", "-Wall", *flags, *build.include_flags(),
-               *map(str, SOURCES), "-lm", "-o", str(exe)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+        r = build_exe(CC, ["-O3", "-std=gnu11", "-static", "-pthread", "-Wall", *flags, *build.include_flags()],
+                      SOURCES, exe, c_objects)
+        assert r.returncode == 0, f"{' '.join(r.args)}\n{r.stderr}"
         built[name] = exe
     return built
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from cbuild import build_exe
 
 from gearbx_mlx.bindings import build
 
@@ -19,11 +20,10 @@ SOURCES = [str(ROOT / p) for p in build.SOURCES + (build.SPARSE_TEST_DRIVER,)]
 CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 
 
-def _build(tmp: Path, cc: str, name: str, flags: List[str]) -> Path:
+def _build(tmp: Path, objects: Path, cc: str, name: str, flags: List[str]) -> Path:
     exe = tmp / name
-    cmd = [cc, "-O3", "-std=gnu11", "-pthread", "-Wall", *flags, *build.include_flags(), *SOURCES, "-lm", "-o", str(exe)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
+    r = build_exe(cc, ["-O3", "-std=gnu11", "-pthread", "-Wall", *flags, *build.include_flags()], SOURCES, exe, objects)
+    assert r.returncode == 0, f"{' '.join(r.args)}\n{r.stderr[-3000:]}"
     return exe
 
 
@@ -33,8 +33,8 @@ def _run(cmd: List[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(shutil.which("gcc") is None or platform.system() != "Linux", reason="needs gcc on Linux")
 @pytest.mark.parametrize("planted", [False, True])
-def test_host_build_matches_its_oracles(tmp_path, planted):
-    exe = _build(tmp_path, "gcc", "sparse", ["-DGEARBX_PLANT_NIBBLE_BUG"] if planted else [])
+def test_host_build_matches_its_oracles(tmp_path, c_objects, planted):
+    exe = _build(tmp_path, c_objects, "gcc", "sparse", ["-DGEARBX_PLANT_NIBBLE_BUG"] if planted else [])
     r = _run([str(exe)])
     if planted:
         assert r.returncode == 1 and "MISMATCH" in r.stdout
@@ -50,8 +50,8 @@ def test_host_build_matches_its_oracles(tmp_path, planted):
     (["-march=armv8-a", "-DGEARBX_NO_DOTPROD"], "max", "intdot neon", False),
     (["-march=armv8.2-a+dotprod", "-DGEARBX_PLANT_NIBBLE_BUG"], "max", "neon-dotprod", True),
 ])
-def test_neon_build_matches_its_oracles_under_qemu(tmp_path, flags, cpu, isa, planted):
-    exe = _build(tmp_path, CROSS, "sparse_arm", ["-static", *flags])
+def test_neon_build_matches_its_oracles_under_qemu(tmp_path, c_objects, flags, cpu, isa, planted):
+    exe = _build(tmp_path, c_objects, CROSS, "sparse_arm", ["-static", *flags])
     r = _run([QEMU, "-cpu", cpu, str(exe)])
     assert isa in r.stdout.splitlines()[0]
     if planted:
