@@ -156,7 +156,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"text file not found: {args.text} (pass an existing text file to --text)")
     _check_text_encoding(args.encoding)
     if args.out is not None:  # an empty name too: it is refused, not taken for no --out
-        _check_out(args.out)
+        check_target(args.out, "--out", example="eval.json")  # writable before the run, not found so after it
     if args.plots is not None:
         require_matplotlib()
         check_directory(args.plots, "--plots")  # created where missing, as analyze --plots does
@@ -189,11 +189,6 @@ def _kv(args: argparse.Namespace) -> Optional[KVOptions]:
         for name in ("kv_bits", "kv_group_size", "kv_rotation"):
             msg = msg.replace(name, "--" + name.replace("_", "-"))
         raise ValueError(msg) from None
-
-
-def _check_out(out: str) -> None:
-    """``--out`` must be writable before the run starts, not found unwritable after it."""
-    check_target(out, "--out", example="eval.json")
 
 
 def replot(args: argparse.Namespace) -> Dict[str, Any]:

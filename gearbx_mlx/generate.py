@@ -64,7 +64,6 @@ from .speculative.cli import (
     check_sparse_gear_args,
     check_sparse_model,
     check_speculative_args,
-    check_speculative_flags_unused,
     speculative_config,
     use_sparse_gear,
 )
@@ -282,10 +281,7 @@ def _run(args: argparse.Namespace, ranks: Optional[Ranks]) -> int:
     with stage(ranks, "checking the flags"):
         prompt = _read_prompt(args)
         check_args(args)
-        if args.speculative:
-            check_speculative_args(args)
-        else:
-            check_speculative_flags_unused(args)
+        check_speculative_args(args)  # or, without --speculative, refuses the drafter flags
         config = gearbox_config(args)
     writer = TraceWriter(Path(args.trace).expanduser()) if args.trace and args.rank == 0 else None
     stage_name, interrupted, error, streaming = "loading", False, None, False

@@ -25,7 +25,7 @@ from .. import launch
 from ..blas import ensure_fast_blas
 from ..console import error_line, show_warning, stderr_line
 from ..generate import check_args, gearbox_config
-from ..speculative.cli import check_speculative_args, check_speculative_flags_unused
+from ..speculative.cli import check_speculative_args
 from .generator import GearResponseGenerator
 from .handler import GearAPIHandler
 from .options import build_parser, check_max_tokens, check_server_args
@@ -65,10 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         check_max_tokens(args)
         check_args(args)
-        if args.speculative:
-            check_speculative_args(args)
-        else:
-            check_speculative_flags_unused(args)
+        check_speculative_args(args)  # or, without --speculative, refuses the drafter flags
         check_server_args(args)
     except (ValueError, FileNotFoundError) as e:
         stderr_line(error_line(e))

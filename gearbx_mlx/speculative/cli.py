@@ -129,20 +129,20 @@ def check_speculative_flags_unused(args: argparse.Namespace) -> None:
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
-    """Fail on options speculative decoding does not take, before anything loads.
+    """Fail on options speculative decoding does not take, before anything loads; without
+    ``--speculative``, on the drafter flags (:func:`check_speculative_flags_unused`).
 
     Also sets ``MLX_CUDA_USE_CUDNN_SDPA=0`` unless already set (no effect on the CPU).
     """
-    clashes = [flag for flag, on in (
+    if not getattr(args, "speculative", False):
+        check_speculative_flags_unused(args)
+        return
+    refuse_unused((
         ("--max-kv-size", getattr(args, "max_kv_size", None) is not None),
         ("--static-gear", getattr(args, "static_gear", None) is not None),
         ("--telemetry-only", getattr(args, "telemetry_only", False)),
-    ) if on]
-    if clashes:
-        raise ValueError(
-            f"{', '.join(clashes)} cannot be combined with --speculative: it needs trimmable "
-            "KV caches that grow without a window and builds its own draft gear"
-        )
+    ), ("cannot be combined", "cannot be combined"), "with --speculative: it needs trimmable KV caches that grow "
+       "without a window and builds its own draft gear")
     hard = getattr(args, "hard_max_draft", None)
     if getattr(args, "draft_sparsity", None) is not None and args.draft_gear != "low":
         raise ValueError("--draft-sparsity drafts with the low gear (its 4-bit down_proj is gathered by block): "
