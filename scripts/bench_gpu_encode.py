@@ -17,7 +17,9 @@ Cases: a custom kernel (``mx.fast.cuda_kernel``/``metal_kernel``) with each of
 (the size of an input should not matter), then with its output cut in three
 slices that the next node reads (as the q/k/v of a fused product); MLX's ``quantized_matmul`` (4 inputs)
 at 4 and 8 bits; an element-wise ``add`` (2 inputs); with ``--package`` the
-package's own mid-gear product, launched as a decode step launches it. Run it once per value of
+package's own mid-gear product, launched as a decode step launches it (``--inline-text``: built
+from its whole text, not from ``#include`` lines); with ``--text-kb`` a one-input kernel whose
+header carries that much comment (MLX hashes a kernel's text on every call). Run it once per value of
 ``MLX_MAX_OPS_PER_BUFFER`` to see the cost per CUDA graph (``--graph-sizes``
 starts one process per size).
 
@@ -50,11 +52,12 @@ WIDTH = 4096
 EXTRA = 256
 
 
-def custom_kernel(backend: str, n_inputs: int, extra: int = EXTRA, split: int = 1) -> Callable:
+def custom_kernel(backend: str, n_inputs: int, extra: int = EXTRA, split: int = 1, text_kb: int = 0) -> Callable:
     """A kernel reading ``x`` and ``n_inputs - 1`` more inputs of ``extra`` floats each:
     ``y[i] = x[i] + sum_j a_j[i % EXTRA]``. With ``split > 1`` it writes ``split`` blocks of
     ``WIDTH`` (as a fused q/k/v product does) and the node returns them as slices, the first
-    as the next node's ``x`` and the others among its inputs."""
+    as the next node's ``x`` and the others among its inputs. ``text_kb`` > 0 adds that many
+    KiB of comment to its header: the same compiled code, a longer text for MLX to handle."""
     names = ["x"] + [f"a{j}" for j in range(1, n_inputs)]
     terms = " + ".join(f"static_cast<float>({n}[i % {EXTRA}])" for n in names[1:]) or "0.0f"
     width = WIDTH * split
@@ -66,8 +69,9 @@ def custom_kernel(backend: str, n_inputs: int, extra: int = EXTRA, split: int = 
         source = (f"uint i = thread_position_in_grid.x;\n"
                   f"if (i < {width}) y[i] = static_cast<float>(x[i % {WIDTH}]) + {terms};\n")
         make = mx.fast.metal_kernel
-    kernel = make(name=f"gbx_encode_probe_{n_inputs}_{split}_{extra}", input_names=names, output_names=["y"],
-                  source=source, ensure_row_contiguous=True)
+    header = "".join(f"// {'x' * 60} {j}\n" for j in range(text_kb * 1024 // 66))
+    kernel = make(name=f"gbx_encode_probe_{n_inputs}_{split}_{extra}_{text_kb}", input_names=names,
+                  output_names=["y"], source=source, header=header, ensure_row_contiguous=True)
     extras = [mx.random.normal((extra,)) for _ in range(n_inputs - 1)]
     mx.eval(extras)
 
@@ -99,6 +103,14 @@ def nested_mid(backend: str, width: int = WIDTH) -> Callable:
     run = launcher.bound(nested_gpu.plane_arrays(planes, 2), nested_gpu.factors_of(planes, 2))
     mx.eval(planes[0].weight)
     return lambda x: run(x, x.shape, None)
+
+
+def inline_cuda_text() -> None:
+    """Build the package's CUDA kernels from their whole text, as the package did before it
+    handed MLX ``#include`` lines of files (``gearbx_mlx.bindings.cuda_text``)."""
+    from gearbx_mlx.bindings import cuda_text
+
+    cuda_text.include_text = lambda name, input_names, header, source, folder=None: (header, source)
 
 
 def quantized(bits: int) -> Callable:
@@ -164,6 +176,8 @@ def run_cases(args: argparse.Namespace) -> Dict[str, object]:
     order = itertools.cycle(turn)
     cases[f"custom, {k} inputs, 4 kernels in turn"] = lambda x: next(order)(x)
     cases.update({"quantized_matmul 4-bit": quantized(4), "quantized_matmul 8-bit": quantized(8), "add": add()})
+    for kb in args.text_kb:
+        cases[f"custom, 1 input, {kb} KiB of text"] = custom_kernel(backend, 1, text_kb=kb)
     if args.package:
         cases["the package's mid gear, 4096x4096"] = nested_mid(backend)
         cases["the package's mid gear, 256x256"] = nested_mid(backend, 256)
@@ -171,7 +185,7 @@ def run_cases(args: argparse.Namespace) -> Dict[str, object]:
     for name, node in cases.items():
         width = 256 if "256x256" in name else WIDTH * (3 if "slices" in name else 1)
         t = time_case(chain(node, args.nodes), args.rounds, width, mx.bfloat16 if "package" in name else mx.float32)
-        rows.append({"case": name, "nodes": args.nodes, **t,
+        rows.append({"case": name, "nodes": args.nodes, "package_text": "inline" if args.inline_text else "files", **t,
                      **{f"{k[:-3]}_us_per_node": v / args.nodes for k, v in t.items() if k.endswith("_us")}})
         print(f"{name:26s} build {rows[-1]['build_us_per_node']:6.2f}  encode {rows[-1]['encode_us_per_node']:6.2f}"
               f"  wait {rows[-1]['wait_us_per_node']:6.2f} us/node", flush=True)
@@ -191,13 +205,19 @@ def main(argv: List[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=512, help="nodes per chain (default 512, about a decode step's)")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--text-kb", type=int, nargs="*", default=[],
+                   help="also a one-input kernel whose header has this many KiB of comment, for each value given")
     p.add_argument("--inputs", type=int, nargs="+", default=[1, 2, 4, 8, 12], help="custom kernels' input counts")
     p.add_argument("--graph-sizes", type=int, nargs="*", default=[],
                    help="run once per MLX_MAX_OPS_PER_BUFFER value, each in its own process")
     p.add_argument("--package", action="store_true",
                    help="also the package's own mid-gear product (gearbx_mlx's nested GPU kernel)")
+    p.add_argument("--inline-text", action="store_true",
+                   help="hand MLX the package kernels' whole text, not the #include lines of its files (as before)")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
+    if args.inline_text:
+        inline_cuda_text()
     if args.nodes < 1 or args.rounds < 1 or min(args.inputs) < 1:
         p.error("--nodes, --rounds and --inputs must be at least 1")
     runs = []
@@ -205,7 +225,8 @@ def main(argv: List[str] | None = None) -> int:
         for size in args.graph_sizes:
             print(f"MLX_MAX_OPS_PER_BUFFER={size}", flush=True)
             child = [sys.executable, __file__, "--nodes", str(args.nodes), "--rounds", str(args.rounds), "--inputs",
-                     *map(str, args.inputs), "--out", "/dev/stdout", *(["--package"] if args.package else [])]
+                     *map(str, args.inputs), "--text-kb", *map(str, args.text_kb), "--out", "/dev/stdout",
+                     *(["--package"] if args.package else []), *(["--inline-text"] if args.inline_text else [])]
             done = subprocess.run(child, env={**os.environ, "MLX_MAX_OPS_PER_BUFFER": str(size)},
                                   capture_output=True, text=True)
             if done.returncode:

@@ -554,7 +554,13 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=None, choices=GEMV_FORMATS, help="GEMV formats (default all)")
     ap.add_argument("--tuning", nargs="+", default=[], metavar="GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE",
                     help="replace a gear's default split for the whole run (e.g. mid=2,4,1,0,1,0)")
+    ap.add_argument("--inline-cuda-text", action="store_true",
+                    help="hand MLX the CUDA kernels' whole text, not #include lines of its files (as before)")
     args = ap.parse_args(argv)
+    if args.inline_cuda_text:
+        from gearbx_mlx.bindings import cuda_text
+
+        cuda_text.include_text = lambda name, input_names, header, source, folder=None: (header, source)
     for item in args.tuning:
         try:
             gear, values = item.split("=")
@@ -587,6 +593,7 @@ def main(argv=None) -> int:
                                                                        + list(argv or sys.argv[1:])),
         # MLX's settings from the environment (MLX_MAX_OPS_PER_BUFFER: nodes per CUDA graph, ...)
         "mlx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
+        "cuda_kernel_text": "inline" if args.inline_cuda_text else "files",
     }
 
     def save():

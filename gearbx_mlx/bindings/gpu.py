@@ -11,7 +11,8 @@ GEMV, the KV cache write) is handed to MLX the same way:
   ``entry_cuda.inc``) and the body;
 
 both stripped of comments (:func:`compact`), then built once per process by
-:func:`build` into ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel``.
+:func:`build` into ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel`` (on
+CUDA through files that ``#include`` lines name: :mod:`.cuda_text`).
 :func:`kernel_text` assembles the text; :func:`gpu_backend` says which back
 end the default device has (:func:`unavailable` and :func:`device_label` word it
 for the self-test). Nothing is read or compiled at import.
@@ -26,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from . import cuda_text
 from .kernel_files import FORMAT_HEADER, read as read_source, source_dir
 
 #: Threads per threadgroup: eight 32-lane SIMD groups (§8.1, §16.2).
@@ -174,8 +176,12 @@ def build(
     """The ``mx.fast`` kernel object of one variant, built once per process.
 
     ``source`` is the compacted body with its constants first; ``name`` must
-    carry every baked parameter (MLX caches kernels by name).
+    carry every baked parameter (MLX caches kernels by name). On CUDA the text
+    goes to files that two ``#include`` lines name (:mod:`.cuda_text`: MLX
+    hashes the text it is given on every call).
     """
+    if backend == "cuda":
+        header, source = cuda_text.include_text(name, input_names, header, source)
     kwargs = dict(name=name, input_names=list(input_names), output_names=list(output_names), source=source,
                   header=header, ensure_row_contiguous=True)
     if backend == "metal":
