@@ -294,7 +294,31 @@ def _quick(default_model, text, nested=True, **kw):
 # test in between, and this evaluation of the real model is the module's slowest set-up.
 @pytest.fixture(scope="session")
 def quick_results(default_model, short_text):
-    return _quick(default_model, short_text)
+    # Without the speculative rows: the command-line run below (cli_run) computes them, with
+    # speed runs, and its tests check them; timing the drafters twice cost half a minute.
+    return _quick(default_model, short_text, speculative=False)
+
+
+#: The command-line run's tests share one worker, so that it runs once.
+CLI_WORKER = pytest.mark.xdist_group("evaluate-cli-run")
+
+
+@pytest.fixture(scope="session")
+def cli_run(tmp_path_factory):
+    """``evaluate --speculative`` with speed rows, run as the command line runs: ``(printed, JSON
+    path, results)``. --speculative with speed rows rather than --full: the same table, JSON and
+    speculative section without the nested store's rows (the quick results build them)."""
+    import contextlib
+    import io
+    import json
+
+    out = tmp_path_factory.mktemp("evaluate-cli") / "r.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["--speculative", "--tokens", "6", "--window", "6", "--speed-tokens", "2", "--speed-prompt", "2",
+                   "--draft-calibration-tokens", "2", "--out", str(out), "--quiet"])
+    assert rc == 0
+    return printed.getvalue(), out, json.loads(out.read_text())
 
 
 def _rows(results):
@@ -371,26 +395,26 @@ def test_from_json_reprints_a_saved_run(quick_results, tmp_path, capsys):
     assert main(["--from-json", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("policy") and "random@fixed/all" in out
-    assert "speculative-mid/calibrated" in out and "exact by construction" in out
 
 
-@ONE_WORKER
-def test_speculative_quality_is_static_high_and_its_blocks_cover_the_text(quick_results):
-    high = _rows(quick_results)["static-high"]
-    section = quick_results["speculative"]
+@pytest.mark.slow
+@CLI_WORKER
+def test_speculative_quality_is_static_high_and_its_blocks_cover_the_text(cli_run):
+    _, _, results = cli_run
+    high = _rows(results)["static-high"]
+    section = results["speculative"]
     names = [r["name"] for r in section["rows"]]
     assert names == [f"speculative-{g}/{s}" for g in ("low", "mid") for s in ("k2", "k4", "k6", "calibrated")]
-    n = quick_results["text"]["scored_positions"]
+    n = results["text"]["scored_positions"]
     for r in section["rows"]:
         assert (r["perplexity"], r["mean_kl"], r["top1_agreement"]) == (high["perplexity"], 0.0, 1.0)
         rep = r["replay"]
-        assert rep["positions"] == n and n <= rep["produced"] <= n + quick_results["text"]["windows"]
+        assert rep["positions"] == n and n <= rep["produced"] <= n + results["text"]["windows"]
         assert r["verify_passes_per_token"] == rep["blocks"] / rep["produced"]
-        assert r["modeled"]["tokens_per_s"] is None  # no speed runs: no tokens/s, only the modeled speed-up
         assert r["modeled"]["speedup"] > 0
     low = section["drafters"]["low"]
-    assert low["alpha_positions"] == _rows(quick_results)["static-low/all"]["top1_agreement"]
-    assert low["costs"]["draft_cost_source"] == "measure_costs" and low["calibration"]["max_draft"] >= 1
+    assert low["alpha_positions"] == _rows(results)["static-low/all"]["top1_agreement"]
+    assert low["calibration"]["max_draft"] >= 1
     assert report.speculative_table(section).count("speculative-") == 8
 
 
@@ -503,19 +527,11 @@ def test_same_command_twice_gives_the_same_quality(default_model, short_text, qu
 
 
 @pytest.mark.slow
-def test_cli_writes_json_and_table(tmp_path, capsys):
-    out = tmp_path / "r.json"
-    # --speculative with speed rows rather than --full: the same table, JSON and speculative section
-    # without the nested store's rows, whose planes cost half the run (tests above build them).
-    rc = main(["--speculative", "--tokens", "6", "--window", "6", "--speed-tokens", "2", "--speed-prompt", "2",
-               "--draft-calibration-tokens", "2", "--out", str(out), "--quiet"])
-    assert rc == 0
-    printed = capsys.readouterr().out
+@CLI_WORKER
+def test_cli_writes_json_and_table(cli_run, capsys):
+    printed, out, data = cli_run
     assert "static-high" in printed and "lag 0" in printed
     assert "speculative-low/k2" in printed and "speculative-mid/calibrated" in printed
-    import json
-
-    data = json.loads(out.read_text())
     assert data["command"].endswith("--out " + str(out) + " --quiet")
     assert data["thresholds"]["median"] and data["thresholds"]["percentile"]
     section = data["speculative"]
@@ -525,6 +541,10 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     for r in section["rows"]:  # modeled tokens/s from the measured static-high speed
         assert r["modeled"]["tokens_per_s"] == pytest.approx(
             r["modeled"]["speedup"] * section["high_tokens_per_s_measured"])
+    # the saved run reprints with its speculative section
+    assert main(["--from-json", str(out)]) == 0
+    again = capsys.readouterr().out
+    assert again.startswith("policy") and "speculative-mid/calibrated" in again and "exact by construction" in again
 
 
 @pytest.mark.slow
