@@ -17,17 +17,12 @@
 # Everything lands in OUTDIR.
 # Usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]
 set -uo pipefail
-phase=${1:?usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]}
-out=${2:?usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]}
-rounds=${3:-3}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
+usage="usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]"
+phase=${1:?$usage}; out=${2:?$usage}; rounds=${3:-3}
 py=${PYTHON:-python3}
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  $py -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
-  grep -m1 "model name" /proc/cpuinfo; cat /proc/loadavg
-} > "$out/env_$phase.txt" 2>&1
+mkdir -p "$out" && export PYTHONUNBUFFERED=1
+write_device_env "$out/env_$phase.txt"
 decode() {  # decode NAME [FLAGS...] -- VARIANTS...
   local name=$1; shift
   local flags=()

@@ -22,11 +22,8 @@ out=${2:?usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  $py -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
-  grep -m1 "model name" /proc/cpuinfo; cat /proc/loadavg
-} > "$out/env_$phase.txt" 2>&1
+. "$(dirname "$0")/device_env.sh"
+write_device_env "$out/env_$phase.txt"
 case "$phase" in
   t)
     timeout "${TEST_LIMIT_S:-240}" $py -m pytest tests/test_nested_gpu.py -q -rs -p no:cacheprovider -n0 \
