@@ -12,16 +12,24 @@ from gearbx_mlx.policies import StaticPolicy
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
 
 
-def run(model, tok, gearbox, policy, lag, n=10):
+def run(model, tok, gearbox, policy, lag, n=7):
+    """``n`` tokens: the switch below shows by step 5 (k + 1 + lag, k = 3, lag <= 1)."""
     out = list(gearbx_mlx.stream_generate(model, tok, PROMPT, gearbox, policy=policy, lag=lag, max_tokens=n))
     return out, [np.array(r.logprobs) for r in out]
 
 
+@pytest.fixture(scope="module")
+def high_reference(default_model):
+    """The static high gear's log-probabilities: the same at every lag (nothing to route)."""
+    model, tok, gearbox = default_model
+    return run(model, tok, gearbox, StaticPolicy("high"), 0)[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 1])
-def test_measured_lag_between_decision_and_effect(default_model, lag):
+def test_measured_lag_between_decision_and_effect(default_model, high_reference, lag):
     model, tok, gearbox = default_model
-    _, ref = run(model, tok, gearbox, StaticPolicy("high"), lag)
+    ref = high_reference
     k = 3
     out, got = run(model, tok, gearbox, SwitchAt(k), lag)
     changed = [i for i in range(len(ref)) if not np.array_equal(ref[i], got[i])]
