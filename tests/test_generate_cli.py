@@ -24,7 +24,7 @@ def cli(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.
 @pytest.mark.slow
 def test_cli_streams_summarises_and_writes_a_valid_trace(tmp_path):
     trace = tmp_path / "t.jsonl"
-    p = cli("--prompt", PROMPT, "--max-tokens", "24", "--thresholds", "2.0", "4.0", "--trace", str(trace))
+    p = cli("--prompt", PROMPT, "--max-tokens", "12", "--thresholds", "2.0", "4.0", "--trace", str(trace))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip()
     for key in ("Prompt:", "Generation:", "Peak memory:", "Gears:", "Entropy:", "Time quantizing:"):
@@ -50,28 +50,47 @@ def test_static_high_matches_plain_mlx_lm(default_model):
 
     model, tok, _ = default_model
     prompt = apply_chat_template(tok, PROMPT)
-    want = mlx_generate(model, tok, prompt, max_tokens=20)
-    p = cli("--prompt", PROMPT, "--max-tokens", "20", "--static-gear", "high", "--quiet")
+    want = mlx_generate(model, tok, prompt, max_tokens=10)
+    p = cli("--prompt", PROMPT, "--max-tokens", "10", "--static-gear", "high", "--quiet")
     assert p.returncode == 0, p.stderr
     assert p.stdout.rstrip("\n") == want
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (("--no-such-flag",), "unrecognized arguments"),
-        (("--model", "/nonexistent/model", "--prompt", "hi"), "model path not found"),
-        (("--prompt", "hi", "--trace", "/nonexistent/dir/t.jsonl"), "directory /nonexistent/dir does not exist"),
-        (("--prompt", "hi", "--trace", "/proc/t.jsonl"), "--trace /proc/t.jsonl: cannot write in /proc"),
-        (("--prompt", "hi", "--thresholds", "3", "1"), "wrong order"),
-        (("--prompt", "hi", "--thresholds", "-1", "2"), "--thresholds are entropies in bits, >= 0"),
-        (("--prompt", "hi", "--trace", ""), "--trace needs a file name"),
-        (("--prompt", "hi", "--trace", "/dev/null"), "--trace /dev/null is not a regular file"),
-        (("--prompt", "   "), "prompt is empty"),
-        (("--prompt", "hi", "--calibration", "/nonexistent/cal.json"), "calibration file not found"),
-    ],
-)
-def test_bad_input_gives_one_clear_error(args, message):
+#: Bad command lines and the one error line each gets.
+BAD_INPUT = [
+    (("--no-such-flag",), "unrecognized arguments"),
+    (("--model", "/nonexistent/model", "--prompt", "hi"), "model path not found"),
+    (("--prompt", "hi", "--trace", "/nonexistent/dir/t.jsonl"), "directory /nonexistent/dir does not exist"),
+    (("--prompt", "hi", "--trace", "/proc/t.jsonl"), "--trace /proc/t.jsonl: cannot write in /proc"),
+    (("--prompt", "hi", "--thresholds", "3", "1"), "wrong order"),
+    (("--prompt", "hi", "--thresholds", "-1", "2"), "--thresholds are entropies in bits, >= 0"),
+    (("--prompt", "hi", "--trace", ""), "--trace needs a file name"),
+    (("--prompt", "hi", "--trace", "/dev/null"), "--trace /dev/null is not a regular file"),
+    (("--prompt", "   "), "prompt is empty"),
+    (("--prompt", "hi", "--calibration", "/nonexistent/cal.json"), "calibration file not found"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_gives_one_clear_error(args, message, capsys):
+    """Each case through the command's ``main``, which ``python -m gearbx_mlx.generate`` runs (a
+    process each cost 1.3-2.6 s of imports): a failing status and one error line, no traceback."""
+    from gearbx_mlx.generate import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own error exit
+        code = e.code
+    assert code not in (0, None)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT[:2], ids=["argparse", "after-the-flags"])
+def test_bad_input_gives_one_clear_error_from_the_process(args, message):
+    """The command as a process: argparse's exit and an error raised once the flags were read
+    each end it with a failing status and the error line, no traceback."""
     p = cli(*args, timeout=120)
     assert p.returncode != 0
     assert message in p.stderr
@@ -126,7 +145,8 @@ def test_the_command_takes_the_loaded_model_out_of_the_collectors_scans(monkeypa
 
 def test_quiet_prints_the_text_only_with_speculative_decoding_too():
     """``--quiet``: no progress lines (the drafter's timing and decision were printed anyway)."""
-    p = cli("--prompt", "hi", "--max-tokens", "3", "--speculative", "--quiet", timeout=300)
+    # a block cap of 1: the decision still times the gears (and would say so), on 3 calls a round, not 6
+    p = cli("--prompt", "hi", "--max-tokens", "3", "--speculative", "--max-draft", "1", "--quiet", timeout=300)
     assert p.returncode == 0, p.stderr
     notes = [line for line in p.stderr.splitlines() if line.startswith("[gearbx]") and "warning" not in line]
     assert not notes, p.stderr
