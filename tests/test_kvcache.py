@@ -419,12 +419,14 @@ def test_spec_names():
 
 @pytest.mark.slow
 def test_default_model_int4_recipe_beats_plain_int4(default_model):
-    """256 Lee tokens through a 4-bit cache: the recipe's KL is well under mlx-lm's."""
+    """128 Lee tokens through a 4-bit cache, fed 8 at a time: the recipe's KL is well under mlx-lm's
+    (0.012 against 0.087 here, calibrated on 128 tokens; 0.014 against 0.097 over 256 tokens,
+    which cost twice the time)."""
     from gearbx_mlx.sources.models import corpus_path
 
     model, tok, _ = default_model
-    ids = tok.encode(corpus_path().read_text())[:257]
-    cal_ids = tok.encode(corpus_path("lee").read_text(encoding="utf-8", errors="replace"))[:256]
+    ids = tok.encode(corpus_path().read_text())[:129]
+    cal_ids = tok.encode(corpus_path("lee").read_text(encoding="utf-8", errors="replace"))[:128]
     n = len(model.layers)
     ref = chunked_logprobs(model, ids, lambda: [KVCache() for _ in range(n)], chunk=128)
     plain = _kl(model, lambda: [QuantizedKVCache(64, 4) for _ in range(n)], ref, ids)
