@@ -430,7 +430,7 @@ def test_evaluation_rows_carry_the_cache_beside_the_weights():
     snap = _snapshot(model)
     opts = dict(tokens=32, window=16, speed_tokens=4, speed_prompt=4, workload_tokens=0, speculative=False,
                 matched=False)
-    policies = base_specs({"fixed": (0.5, 1.0)})
+    policies = base_specs({"fixed": (0.5, 1.0)}, scopes=("all",))  # the KV column is per run, not per scope
     flt = evaluate(model, tok, text, policies, **opts)
     rot = evaluate(model, tok, text, policies, kv=KVOptions(bits=4, quantized_kv_start=5000), **opts)
     assert _same(model, snap)
