@@ -537,7 +537,9 @@ def test_a_load_that_fails_while_the_generator_is_built_still_exits_1(monkeypatc
     class SlowToBuild(app.GearResponseGenerator):
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)  # starts the thread whose load fails at once
-            time.sleep(10)  # the interrupt lands here
+            end = time.monotonic() + 30
+            while time.monotonic() < end:  # the interrupt lands here: short sleeps, as the interrupt the
+                time.sleep(0.05)  # thread sends is seen between two of them (it does not cut one short)
 
     served: List[bool] = []
     monkeypatch.setattr(app, "GearResponseGenerator", SlowToBuild)
