@@ -497,15 +497,28 @@ def test_request_while_loading_then_sigint() -> None:
         stop(proc)
 
 
-def test_bad_flag_is_one_error_line() -> None:
-    for flags, line in [(["--window", "0"], "error: --window must be an integer from 1 to 1,000,000, got 0"),
-                        (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window"),
-                        (["--host", "256.1.1.1"], "error: --host 256.1.1.1: no such address"),
-                        (["--max-tokens", "-1"], "error: --max-tokens must be >= 1 for the server")]:
-        proc = start_server(free_port(), *flags)
-        rc = proc.wait(timeout=120)
-        err = stderr_of(proc).strip().splitlines()
-        assert rc == 1 and len(err) == 1 and err[0].startswith(line), err
+def test_bad_flag_is_one_error_line(monkeypatch: Any, capsys: Any) -> None:
+    """The first case as a command (its whole stderr is the one line); the others through the
+    command's ``main`` in this process, the same checks without a process start each."""
+    import warnings
+
+    from gearbx_mlx.server import app
+
+    cases = [(["--window", "0"], "error: --window must be an integer from 1 to 1,000,000, got 0"),
+             (["--kv-bits", "4", "--max-kv-size", "64"], "error: --max-kv-size (a rotating window"),
+             (["--host", "256.1.1.1"], "error: --host 256.1.1.1: no such address"),
+             (["--max-tokens", "-1"], "error: --max-tokens must be >= 1 for the server")]
+    (flags, line), rest = cases[0], cases[1:]
+    proc = start_server(free_port(), *flags)
+    rc = proc.wait(timeout=120)
+    err = stderr_of(proc).strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith(line), err
+    monkeypatch.setattr(app, "serve", lambda args: pytest.fail(f"served despite {args}"))
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # main() sets its own
+    for flags, line in rest:
+        rc = app.main(["--port", str(free_port()), *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1 and err[0].startswith(line), (flags, err)
 
 
 def test_a_taken_port_is_one_error_line_naming_it() -> None:
