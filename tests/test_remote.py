@@ -164,7 +164,9 @@ class FakeServer:
         self.httpd.daemon_threads = True  # a handler still sleeping does not hold the test
         self.httpd.block_on_close = False
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # polled every 0.05 s (not http.server's 0.5 s): shutdown() waits for the poll, once per test
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
 
     def __enter__(self) -> "FakeServer":
         self.thread.start()
@@ -265,7 +267,7 @@ def test_bounds_hold_against_a_real_server(mlx_server, default_model, tmp_path):
     url, model_dir = mlx_server
     prompt = "Name three colours of the rainbow."
     trace = tmp_path / "remote.jsonl"
-    code = remote_cli.main(["--variant", f"{url},{model_dir}", "-p", prompt, "-m", "16",
+    code = remote_cli.main(["--variant", f"{url},{model_dir}", "-p", prompt, "-m", "8",
                             "--top-k", "10", "--trace", str(trace), "--quiet"])
     assert code == 0
     t = read_trace(trace)
