@@ -61,7 +61,7 @@ class RawServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(8)
-        self._sock.settimeout(0.2)
+        self._sock.settimeout(0.05)  # how often the accept loop sees the stop: each test's exit waits for it
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._threads: List[threading.Thread] = []
         self._accept = threading.Thread(target=self._serve, daemon=True)

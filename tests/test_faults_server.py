@@ -39,7 +39,7 @@ from gearbx_mlx.telemetry.trace import read_trace
 
 #: What "ends within --timeout + 1 s" allows on a loaded machine, on top of the limit.
 SLACK_S = 1.0
-TIMEOUT_S = 1.0
+TIMEOUT_S = 0.5
 
 
 def run_cli(capsys, url: str, *extra: str, trace=None) -> tuple:
@@ -80,9 +80,9 @@ def test_a_server_that_never_finishes_is_left_at_the_deadline(tmp_path, capsys):
     """Progress every 0.2 s keeps the idle timer happy; the deadline still ends it."""
     trace = tmp_path / "t.jsonl"
     with RawServer(slow_tokens(0.2)) as srv:
-        code, seconds, err = run_cli(capsys, srv.url, "--timeout", "5", "--deadline", "1.5", "-m", "1000",
+        code, seconds, err = run_cli(capsys, srv.url, "--timeout", "5", "--deadline", "1", "-m", "1000",
                                      trace=trace)
-    assert code == 1 and 1.5 <= seconds < 1.5 + SLACK_S, (seconds, err)
+    assert code == 1 and 1 <= seconds < 1 + SLACK_S, (seconds, err)
     assert "--deadline" in one_error_line(err)
     t = read_trace(trace)
     assert 2 <= len(t.tokens) <= 10  # the tokens that came before the deadline are kept
