@@ -81,15 +81,15 @@ def run(model: Any, tok: Any, prompt: Any, tokens: int, config: GearboxConfig,
 
 
 def gears(model: Any, tok: Any, prompt: Any, tokens: int, dynamic: Optional[tuple], few: bool = False,
-          static: tuple = ("high", "mid", "low"), **base: Any) -> Dict[str, Any]:
+          static: tuple = ("high", "mid", "low"), store: Optional[str] = None, **base: Any) -> Dict[str, Any]:
     """Every static gear with both stores and kernels, the dynamic policy, speculative decoding
-    (``few``: the ``static`` gears and the dynamic policy only)."""
+    (``few``: the ``static`` gears, none or some, and the dynamic policy on ``store`` only)."""
     runs: Dict[str, Any] = {}
     for gear in static if few else ("high", "mid", "low"):  # the separate store by name: the default may be nested
         runs[f"static-{gear}"] = run(model, tok, prompt, tokens,
                                      GearboxConfig(static_gear=gear, store="separate", **base))
     if few:
-        runs["dynamic-lag0"] = run(model, tok, prompt, tokens, GearboxConfig(**base), thresholds=dynamic)
+        runs["dynamic-lag0"] = run(model, tok, prompt, tokens, GearboxConfig(store=store, **base), thresholds=dynamic)
         return runs
     for gear in ("high", "mid", "low"):
         runs[f"scope-all-{gear}"] = run(model, tok, prompt, tokens, GearboxConfig(
@@ -128,7 +128,7 @@ def scenario(name: str, args: argparse.Namespace, group: Any) -> Dict[str, Any]:
         model, tok, _ = load(args.model, group=group)
         # MLX's kernels: the packed C kernels quantize activations per call, which a shard does apart.
         return gears(model, tok, TEXT_PROMPT, args.tokens, args.thresholds, few=args.few, static=tuple(args.static),
-                     kernel="mlx")
+                     store=args.store, kernel="mlx")
     if name == "disagree-thresholds":
         from conftest import make_tiny_tokenizer
 
@@ -172,7 +172,9 @@ def main() -> int:
     p.add_argument("--model")
     p.add_argument("--tokens", type=int, default=10)
     p.add_argument("--few", action="store_true", help="gears-model: the static gears and the dynamic policy only")
-    p.add_argument("--static", nargs="+", default=["high", "mid", "low"], help="gears-model --few: these static gears")
+    p.add_argument("--static", nargs="*", default=["high", "mid", "low"],
+                   help="gears-model --few: these static gears (none: the dynamic policy alone)")
+    p.add_argument("--store", choices=["separate", "nested"], help="gears-model --few: the dynamic policy's store")
     p.add_argument("--thresholds", nargs=2, type=float, help="gears-model: the dynamic policy's thresholds")
     p.add_argument("--timeout", type=int, default=300)
     args = p.parse_args()
