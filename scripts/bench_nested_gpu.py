@@ -558,9 +558,9 @@ def main(argv=None) -> int:
                     help="hand MLX the CUDA kernels' whole text, not #include lines of its files (as before)")
     args = ap.parse_args(argv)
     if args.inline_cuda_text:
-        from gearbx_mlx.bindings import cuda_text
+        from bench_gpu_encode import inline_cuda_text
 
-        cuda_text.include_text = lambda name, input_names, header, source, folder=None: (header, source)
+        inline_cuda_text()
     for item in args.tuning:
         try:
             gear, values = item.split("=")

@@ -713,19 +713,22 @@ def test_stream_options_without_include_usage_is_openais_false(server: int) -> N
     assert all("usage" not in e for e in events)
 
 
-#: The greedy answer without a stop, by server port (test_a_stop_string_that_spans_tokens_ends_the_answer).
-_WHOLE_ANSWERS: Dict[int, str] = {}
+#: The request of the stop-string cases, without its stop.
+STOP_BODY = {"messages": MESSAGES, "max_tokens": 12, "gearbx": POLICIES["high"]}
+
+
+@pytest.fixture(scope="session")
+def whole_answer(server: int) -> str:
+    """The greedy answer to STOP_BODY without a stop: asked for once, for both stop-string cases."""
+    return request(server, "/v1/chat/completions", STOP_BODY)[1]["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stop_string_that_spans_tokens_ends_the_answer(server: int, stream: bool) -> None:
+def test_a_stop_string_that_spans_tokens_ends_the_answer(server: int, whole_answer: str, stream: bool) -> None:
     """mlx-lm matches stop words by their own tokenization: a stop that is part of a word, or a
     word without the space the model's token carries, never matched the model's tokens; its text
     was cut out of the middle and the answer ran on to its length."""
-    body = {"messages": MESSAGES, "max_tokens": 12, "gearbx": POLICIES["high"]}
-    if server not in _WHOLE_ANSWERS:  # the same answer for both cases: asked for once
-        _WHOLE_ANSWERS[server] = request(server, "/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
-    full = _WHOLE_ANSWERS[server]
+    body, full = STOP_BODY, whole_answer
     words = full.split(" ")
     assert len(words) > 6, full
     stop = words[4][1:] if len(words[4]) > 2 else words[4]  # a word without its space, cut: not a token

@@ -40,7 +40,8 @@ _UNQUOTABLE = re.compile(r'["\\\n\r]')
 
 @functools.lru_cache(maxsize=None)
 def _private_temp_dir() -> Path:
-    """A folder (one per process) only this user can write: where the cache is read-only or its path cannot be quoted."""
+    """A folder (one per process) only this user can write: where the cache is read-only or its
+    path cannot be quoted."""
     return Path(tempfile.mkdtemp(prefix="gearbx_mlx-cuda-"))
 
 
@@ -87,14 +88,13 @@ def include_text(
 ) -> Tuple[str, str]:
     """``(header, source)`` to hand to ``mx.fast.cuda_kernel`` in place of the full text: one
     ``#include`` line each, of files in ``folder`` (default :func:`text_dir`) holding the text."""
-    folder = text_dir() if folder is None else folder
+    def files(where: Path) -> Tuple[Path, Path]:
+        return _file_of(where, name, ".cuh", header), _file_of(where, name, ".inc", source)
+
     try:
-        header_file = _file_of(folder, name, ".cuh", header)
-        body_file = _file_of(folder, name, ".inc", source)
-    except OSError:
-        folder = _private_temp_dir()
-        header_file = _file_of(folder, name, ".cuh", header)
-        body_file = _file_of(folder, name, ".inc", source)
+        header_file, body_file = files(text_dir() if folder is None else folder)
+    except OSError:  # the folder refused a file: this process's private one
+        header_file, body_file = files(_private_temp_dir())
     return f'#include "{header_file}"\n', shape_markers(input_names, source) + f'#include "{body_file}"\n'
 
 
