@@ -13,6 +13,7 @@ by at most half its block's step (codes and bias term see the same x).
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,6 +46,11 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not bui
 def isa_limits() -> list:
     """The best kernels, and on x86 CPUs with VNNI also the plain AVX2 ones."""
     return [0, 1] if cpu.available() and cpu.info()["cpu"]["vnni"] else [0]
+
+
+def unpack_isa_limits() -> list:
+    """The dense unpacking's kernels: the best (AVX-512 where the CPU has it) and, on x86, plain AVX2."""
+    return [0, 1] if cpu.available() and platform.machine().lower() in ("x86_64", "amd64") else [0]
 
 
 CASES = plan_cases(PLANS, ODD_SHAPES)
@@ -167,14 +173,19 @@ def test_unpack_is_the_mlx_unpacking_bit_for_bit(plan, shape, group_size):
     lib = cpu.require().lib
     old = lib.gbx_set_min_work(1)  # let the pool split even these small matrices
     try:
-        for n in range(1, len(plan) + 1):
-            want = mlx_unpack(planes, n)
-            for threads in (1, 2, 3):
-                got = prep.unpack(n, threads=threads)
-                assert got.shape == shape and got.dtype == mx.float32
-                assert np.array_equal(np.asarray(got), want), (n, threads)
-            rows = (out_features // 3, out_features - 1)  # a block of rows
-            assert np.array_equal(np.asarray(prep.unpack(n, rows)), mlx_unpack(planes, n, rows))
+        for limit in unpack_isa_limits():  # AVX-512 where the CPU has it, and AVX2
+            old_limit = lib.gbx_set_isa_limit(limit)
+            try:
+                for n in range(1, len(plan) + 1):
+                    want = mlx_unpack(planes, n)
+                    for threads in (1, 2, 3):
+                        got = prep.unpack(n, threads=threads)
+                        assert got.shape == shape and got.dtype == mx.float32
+                        assert np.array_equal(np.asarray(got), want), (limit, n, threads)
+                    rows = (out_features // 3, out_features - 1)  # a block of rows
+                    assert np.array_equal(np.asarray(prep.unpack(n, rows)), mlx_unpack(planes, n, rows))
+            finally:
+                lib.gbx_set_isa_limit(old_limit)
     finally:
         lib.gbx_set_min_work(old)
 

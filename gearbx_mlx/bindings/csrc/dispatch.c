@@ -63,6 +63,7 @@ static void detect_cpu(void)
     }
 #if GBX_VNNI512
     gbx_cpu.vnni512 = gbx_cpu.avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    gbx_cpu.avx512f = gbx_cpu.avx2 && __builtin_cpu_supports("avx512f");
 #endif
 #if GBX_AVXVNNI
     gbx_cpu.avxvnni = gbx_cpu.avx2 && __builtin_cpu_supports("avxvnni");

@@ -417,6 +417,7 @@ typedef struct {
 typedef struct {
     int avx2;
     int vnni512; /* AVX512-VNNI with 256-bit (VL) forms */
+    int avx512f; /* 512-bit float forms (the dense unpacking), where the compiler has GBX_VNNI512 */
     int avxvnni;
     int dotprod;
     int f16c;    /* x86 half-precision conversions (the nested kernels' scales) */
@@ -425,7 +426,8 @@ typedef struct {
 /* Filled once by gbx_cpu_init(); read-only afterwards. */
 GBX_HIDDEN extern gbx_cpu_features gbx_cpu;
 GBX_HIDDEN void gbx_cpu_init(void);
-/* 0 the best x86 intdot kernels; 1 plain AVX2; 2 no AVX512-VNNI (gbx_set_isa_limit). */
+/* 0 the best x86 kernels; 1 plain AVX2; 2 no AVX512-VNNI (gbx_set_isa_limit). The dense
+ * unpacking takes AVX-512 at 0 only. */
 GBX_HIDDEN extern int gbx_isa_limit;
 
 /* Threads for a product of `weights` weights over `rows` rows: nthreads (<= 0:

@@ -9,8 +9,9 @@
  * the result equals the MLX oracle bit for bit.  The whole file is compiled
  * without floating-point contraction (GCC's default -ffp-contract=fast would
  * otherwise fuse q * s' + b' where the target has FMA, e.g. AArch64); the
- * AVX2 kernels (4- and 8-bit planes; 6-bit planes take the scalar loop) are
- * compiled for "avx2" without "fma" for the same reason.  Elsewhere the
+ * AVX2 kernels are compiled for "avx2" without "fma" for the same reason, and the AVX-512 ones
+ * (CPUs with AVX-512F, unless gbx_set_isa_limit asks for plain AVX2) rely on
+ * the file's setting alone.  Elsewhere the
  * scalar loops are written for the compiler to vectorize.  Rows are split
  * over the thread pool (pool.c).
  */
@@ -131,7 +132,91 @@ GBX_UNPACK_AVX2_FN GBX_INLINE void group_8_avx2(float *o, const uint8_t *cr, int
     }
 }
 
-GBX_UNPACK_ROWS(unpack_rows_avx2, GBX_UNPACK_AVX2_FN, group_4_avx2, group_8_avx2, group_6)
+/* A group of gs (a multiple of 32) 6-bit codes, 8 at a time: code k of the 8 (bits
+ * 6k .. 6k+5 of their 6 bytes) is the dword at byte k*3/4, shifted right by 6k mod 8.
+ * One 16-byte load covers 8 codes; it never reaches past the group's bytes (the
+ * last ones are loaded from 16 bytes before the group's end, and the shuffle's
+ * indices start d bytes in), and a dword's bytes past the load read as zero,
+ * where no code of the 8 has any of its bits. */
+GBX_UNPACK_AVX2_FN GBX_INLINE void group_6_avx2(float *o, const uint8_t *cr, int gs, float sf, float bf, int add)
+{
+    const __m256 s = _mm256_set1_ps(sf), b = _mm256_set1_ps(bf);
+    /* dword k's bytes k*3/4 + 0..3, within each 128-bit lane (the load is in both) */
+    const __m256i base = _mm256_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 1, 2, 3, 4, 2, 3, 4, 5,
+                                          3, 4, 5, 6, 3, 4, 5, 6, 4, 5, 6, 7, 5, 6, 7, 8);
+    const __m256i shift = _mm256_setr_epi32(0, 6, 4, 2, 0, 6, 4, 2);
+    const __m256i m63 = _mm256_set1_epi32(63), fifteen = _mm256_set1_epi8(15);
+    const int gbytes = gs * 6 / 8;
+    for (int t = 0; t < gs / 8; ++t) {
+        int at = 6 * t, d = 0;
+        if (at + 16 > gbytes) {
+            d = at - (gbytes - 16);
+            at = gbytes - 16;
+        }
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(cr + at)));
+        const __m256i idx = _mm256_add_epi8(base, _mm256_set1_epi8((char)d));
+        /* indices past 15 get their top bit set: pshufb writes zero there */
+        const __m256i safe = _mm256_or_si256(idx, _mm256_cmpgt_epi8(idx, fifteen));
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(v, safe), shift), m63);
+        const __m256 dv = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), s), b);
+        _mm256_storeu_ps(o + 8 * t, add ? _mm256_add_ps(_mm256_loadu_ps(o + 8 * t), dv) : dv);
+    }
+}
+
+GBX_UNPACK_ROWS(unpack_rows_avx2, GBX_UNPACK_AVX2_FN, group_4_avx2, group_8_avx2, group_6_avx2)
+#endif
+
+#if GBX_VNNI512
+/* AVX-512 (CPUs with AVX-512F, at gbx_set_isa_limit 0), for gears of 4- and 8-bit
+ * planes (a gear with a 6-bit plane keeps unpack_rows_avx2).  Still a rounded
+ * product and a rounded sum: the file is compiled without contraction. */
+#define GBX_UNPACK_AVX512_FN __attribute__((target("avx2,avx512f")))
+
+/* Planes of 4 and 8 bits (every group a multiple of 32): each span of 32 weights
+ * formed from every plane in registers, plane 0 first (the same sums as a plane
+ * at a time), and stored once, where a plane at a time stores a span once per
+ * plane and loads it back for the next (its stores were its hottest instructions
+ * in a profile).  Streaming stores, which skip reading a line in before writing
+ * it, measured slower: the product that follows then reads the matrix back from
+ * memory. */
+GBX_UNPACK_AVX512_FN static void unpack_rows_fused_avx512(const gbx_ctx *cc, int r0, int r1)
+{
+    const gbx_nested_ctx *c = cc->nest;
+    const __m128i mask = _mm_set1_epi8(15);
+    int gshift[GBX_MAX_PLANES];
+    for (int i = 0; i < c->n; ++i)
+        gshift[i] = __builtin_ctz((unsigned)(c->I / c->p[i].ng));
+    for (int k = r0; k < r1; ++k) {
+        const int r = c->m + k;
+        float *out = c->y + (size_t)k * c->I;
+        for (int j = 0; j < c->I; j += 32) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+            for (int i = 0; i < c->n; ++i) {
+                const gbx_plane_rt *p = c->p + i;
+                const size_t at = (size_t)r * p->ng + (size_t)(j >> gshift[i]);
+                const __m512 s = _mm512_set1_ps(gbx_scale_at(p->scales, at, p->dtype) * p->factor);
+                const __m512 b = _mm512_set1_ps(gbx_scale_at(p->biases, at, p->dtype) * p->factor);
+                const uint8_t *row = p->codes + (size_t)r * p->row_bytes;
+                __m128i c0, c1;
+                if (p->bits == 4) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(row + j / 2));
+                    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+                    c0 = _mm_unpacklo_epi8(lo, hi);
+                    c1 = _mm_unpackhi_epi8(lo, hi);
+                } else {
+                    c0 = _mm_loadu_si128((const __m128i *)(row + j));
+                    c1 = _mm_loadu_si128((const __m128i *)(row + j + 16));
+                }
+                const __m512 d0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), s), b);
+                const __m512 d1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), s), b);
+                a0 = i ? _mm512_add_ps(a0, d0) : d0;
+                a1 = i ? _mm512_add_ps(a1, d1) : d1;
+            }
+            _mm512_storeu_ps(out + j, a0);
+            _mm512_storeu_ps(out + j + 16, a1);
+        }
+    }
+}
 #endif
 
 int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int row1, int out_features,
@@ -155,6 +240,15 @@ int gbx_nested_unpack(const gbx_plane *planes, int n, float *w, int row0, int ro
 #if GBX_X86
     if (gbx_cpu.avx2)
         fn = unpack_rows_avx2;
+#endif
+#if GBX_VNNI512
+    if (gbx_cpu.avx512f && gbx_isa_limit == 0) {
+        int six = 0;
+        for (int i = 0; i < n; ++i)
+            six = six || planes[i].bits == 6;
+        if (!six)
+            fn = unpack_rows_fused_avx512;
+    }
 #endif
     return gbx_nested_run(fn, &c, row1 - row0, (size_t)in_features * (size_t)n, nthreads, 0);
 }
