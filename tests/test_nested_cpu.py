@@ -248,6 +248,28 @@ def _driver(tmp_path: Path, objects: Path, *defines: str) -> Path:
     return exe
 
 
+def test_driver_under_address_sanitizer(tmp_path, c_objects):
+    """Every kernel's loads and stores inside their buffers (the unpacking's 16-byte loads of 6-bit
+    codes among them): the driver's quick run built with AddressSanitizer and UBSan, where each
+    plane's codes have only 4 bytes of slack past them."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "gbx_driver_asan"
+    srcs = [ROOT / p for p in build.SOURCES + (build.TEST_DRIVER,)]
+    flags = ["-O1", "-g", "-std=gnu11", "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+             *build.include_flags()]
+    r = build_exe(cc, flags, srcs, exe, c_objects)
+    if r.returncode and ("asan" in r.stderr.lower() or "ubsan" in r.stderr.lower()):
+        pytest.skip(f"the compiler has no sanitizer runtime: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # the sanitizer's runtime must load first
+    env["ASAN_OPTIONS"] = "detect_leaks=0"
+    r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert r.stdout.splitlines()[-1].startswith("OK ")
+
+
 def test_driver_checks_the_scalar_fallback(tmp_path, c_objects):
     """The kernels of a CPU without SIMD (every arch file's fallback), forced on this one."""
     r = subprocess.run([str(_driver(tmp_path, c_objects, "-DGEARBX_FORCE_SCALAR")), "--quick"], capture_output=True,
