@@ -9,11 +9,11 @@
  * the result equals the MLX oracle bit for bit.  The whole file is compiled
  * without floating-point contraction (GCC's default -ffp-contract=fast would
  * otherwise fuse q * s' + b' where the target has FMA, e.g. AArch64); the
- * AVX2 kernels are compiled for "avx2" without "fma" for the same reason, and the AVX-512 ones
- * (CPUs with AVX-512F, unless gbx_set_isa_limit asks for plain AVX2) rely on
- * the file's setting alone.  Elsewhere the
- * scalar loops are written for the compiler to vectorize.  Rows are split
- * over the thread pool (pool.c).
+ * AVX2 kernels are compiled for "avx2" without "fma" for the same reason,
+ * and the AVX-512 one (CPUs with AVX-512F, unless gbx_set_isa_limit asks for
+ * plain AVX2) relies on the file's setting alone.  Elsewhere the scalar loops
+ * are written for the compiler to vectorize.  Rows are split over the thread
+ * pool (pool.c).
  */
 #if defined(__clang__)
 #pragma clang fp contract(off)
