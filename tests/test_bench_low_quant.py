@@ -3,7 +3,6 @@ against round-to-nearest's on the same prompts): counts, the sign test, the boot
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_low_quant.py"
@@ -18,10 +18,7 @@ SCRIPT = ROOT / "scripts" / "bench_low_quant.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_low_quant", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_low_quant")
 
 
 def _run(name, pairs, tokens=None):

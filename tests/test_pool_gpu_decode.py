@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "pool_gpu_decode.py"
+from script_module import load_script
 
 
 @pytest.fixture(scope="module")
 def pool():
-    spec = importlib.util.spec_from_file_location("pool_gpu_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pool_gpu_decode")
 
 
 def run_file(tmp_path: Path, name: str, rounds: dict) -> Path:
