@@ -12,9 +12,9 @@ call in one process so that both meet the same machine:
 
 * ``best``: what the library picks (on a CPU with AVX-512F: each span of 32
   weights formed from every 4- and 8-bit plane in registers and stored once;
-  a plan with a 6-bit plane goes a plane at a time);
+  a plan with a 6-bit plane keeps the AVX2 kernel);
 * ``avx2``: the plain AVX2 kernels (``gbx_set_isa_limit(1)``), a plane at a
-  time: what every x86 CPU ran before the AVX-512 kernels.
+  time.
 
 Both give the same values bit for bit (checked here before timing). Prints
 the medians in microseconds and writes them, the load average, the BLAS MLX
@@ -22,20 +22,21 @@ calls and the CPU to ``--out`` (default
 ``benchmarks/results/unpack_cpu.json``). Preload an optimized BLAS for the
 product's times to mean anything (``LD_PRELOAD`` of Debian's OpenBLAS, as
 ``.ci/run`` does). ``PYTHONPATH=OTHER_CHECKOUT`` times that checkout's
-package and kernels instead (the code before a change, say); the JSON names
-the package's folder.
+package and kernels instead (the code before a change, say); the JSON says
+which (``package``: this checkout's or PYTHONPATH's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import numpy as np
 
@@ -70,6 +71,16 @@ def positive(text: str) -> int:
     return value
 
 
+@contextlib.contextmanager
+def isa_limit(lib: Any, level: int) -> Iterator[None]:
+    """The C library's kernels at ``gbx_set_isa_limit(level)`` inside the block, its setting restored after."""
+    old = lib.gbx_set_isa_limit(level)
+    try:
+        yield
+    finally:
+        lib.gbx_set_isa_limit(old)
+
+
 def bench_shape(shape: tuple[int, int], n: int, rows: int, rounds: int, threads: int) -> Dict[str, Any]:
     """Median unpacking and product microseconds of each kernel, alternated call by call."""
     lib = cpu.require().lib
@@ -81,26 +92,20 @@ def bench_shape(shape: tuple[int, int], n: int, rows: int, rounds: int, threads:
     out = mx.zeros(shape, dtype=mx.float32)
     values = {}
     for name, level in KERNELS.items():
-        old = lib.gbx_set_isa_limit(level)
-        try:
+        with isa_limit(lib, level):
             values[name] = np.array(prep.unpack(n, threads=threads))
-        finally:
-            lib.gbx_set_isa_limit(old)
     if not all(np.array_equal(values["best"], v) for v in values.values()):
         raise SystemExit(f"error: the kernels' matrices differ at {shape}, {n} planes")
     times: Dict[str, Dict[str, List[float]]] = {k: {"unpack": [], "product": []} for k in KERNELS}
     for i in range(rounds):
         order = list(KERNELS.items()) if i % 2 == 0 else list(reversed(KERNELS.items()))
         for name, level in order:
-            old = lib.gbx_set_isa_limit(level)
-            try:
+            with isa_limit(lib, level):
                 t0 = time.perf_counter()
                 prep.unpack(n, out=out, threads=threads)
                 t1 = time.perf_counter()
                 mx.eval(x @ out.T)
                 t2 = time.perf_counter()
-            finally:
-                lib.gbx_set_isa_limit(old)
             times[name]["unpack"].append(t1 - t0)
             times[name]["product"].append(t2 - t1)
     return {name: {part: round(statistics.median(ts) * 1e6, 1) for part, ts in parts.items()}

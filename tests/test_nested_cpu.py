@@ -44,12 +44,8 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="C extension not bui
 
 
 def isa_limits() -> list:
-    """The best kernels, and on x86 CPUs with VNNI also the plain AVX2 ones."""
-    return [0, 1] if cpu.available() and cpu.info()["cpu"]["vnni"] else [0]
-
-
-def unpack_isa_limits() -> list:
-    """The dense unpacking's kernels: the best (AVX-512 where the CPU has it) and, on x86, plain AVX2."""
+    """The best kernels (VNNI products, AVX-512 unpacking, where the CPU has them) and, on x86, also
+    the plain AVX2 ones (the same kernels again on an x86 CPU without either)."""
     return [0, 1] if cpu.available() and platform.machine().lower() in ("x86_64", "amd64") else [0]
 
 
@@ -173,7 +169,7 @@ def test_unpack_is_the_mlx_unpacking_bit_for_bit(plan, shape, group_size):
     lib = cpu.require().lib
     old = lib.gbx_set_min_work(1)  # let the pool split even these small matrices
     try:
-        for limit in unpack_isa_limits():  # AVX-512 where the CPU has it, and AVX2
+        for limit in isa_limits():
             old_limit = lib.gbx_set_isa_limit(limit)
             try:
                 for n in range(1, len(plan) + 1):
