@@ -11,7 +11,10 @@ lines. ``--blas openblas`` preloads Debian's OpenBLAS (as ``.ci/run`` does);
 ``--blas reference`` runs MLX's own reference BLAS (no preload, and no restart
 onto one). Prints a table and writes the runs, the per-pair ratios, the load
 average, the BLAS, the date and the commands to ``--out`` (default
-``benchmarks/results/prefill_store_<blas>.json``).
+``benchmarks/results/prefill_store_<blas>.json``). The verdict on the target
+(nested >= separate) accounts for the pairs' spread: a 95% bootstrap interval
+of the median ratio (:func:`gearbx_mlx.evaluation.significance.median_verdict`),
+**met** only where the whole interval is at or above 1.
 
 ``--clock cpu`` is for a machine others load: each fresh process loads the
 model as the command does (``gearbx_mlx.load``, its warm-up pass
@@ -238,11 +241,18 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"prefill_store_{args.blas}{suffix}.json"
     load_before = os.getloadavg()
     runs, ratios = measure(args)
+    from gearbx_mlx.evaluation.significance import median_verdict
+
+    verdicts = {name: median_verdict(tree_ratios, 1.0) for name, tree_ratios in ratios.items()}
     for name, tree_ratios in ratios.items():
         print(f"\n{name or 'this tree'}: {'pair':>4} {'nested/separate':>16}   ({args.clock} clock)")
         for i, ratio in enumerate(tree_ratios):
             print(f"{i:>4} {ratio:>16.2f}")
         print(f"median nested/separate prompt tokens/s: {statistics.median(tree_ratios):.2f}")
+        j = verdicts[name]
+        print(f"95% bootstrap interval of the median: {j['interval_95'][0]:.2f}-{j['interval_95'][1]:.2f}, "
+              f"{j['rounds_at_target']} of {j['rounds']} pairs at or above 1: {j['verdict']} "
+              f"(target: nested >= separate)")
     from gearbx_mlx.evaluation.machine import hardware  # the CPU's name
 
     result = {
@@ -260,10 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "runs": runs, "ratios_nested_over_separate": next(iter(ratios.values())),
         "median_ratio": statistics.median(next(iter(ratios.values()))),
+        "verdict": next(iter(verdicts.values())),
     }
     if args.tree:
         result["trees"] = {name: {"commit": git_commit(tree), "ratios": ratios[name],  # no host paths
-                                  "median_ratio": statistics.median(ratios[name])}
+                                  "median_ratio": statistics.median(ratios[name]), "verdict": verdicts[name]}
                            for name, tree in args.trees.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from gearbx_mlx.evaluation.significance import median_verdict as judge  # noqa: E402
+
 #: gear -> (baseline variant, target ratio)
 TARGETS: Dict[str, Tuple[str, float]] = {"low": ("mlx-4", 1.0), "mid": ("mlx-8", 0.9), "high": ("bf16", 0.9)}
 
@@ -52,17 +53,6 @@ def round_ratios(path: Path, gear: str) -> List[float]:
     if base is None or len(mine) != 1:
         return []
     return [a / b for a, b in zip(mine[0], base) if b > 0]
-
-
-def judge(ratios: List[float], target: float, resamples: int, seed: int = 0) -> Dict[str, Any]:
-    """Median, its 95% bootstrap interval, rounds at the target, and the verdict."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
-    verdict = "met" if low >= target else "missed" if high < target else "within noise"
-    return {"rounds": len(ratios), "median": round(statistics.median(ratios), 3),
-            "interval_95": [round(low, 3), round(high, 3)], "min": round(min(ratios), 3),
-            "max": round(max(ratios), 3), "rounds_at_target": sum(r >= target for r in ratios), "verdict": verdict}
 
 
 def main(argv: List[str] | None = None) -> None:

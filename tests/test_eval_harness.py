@@ -287,6 +287,20 @@ def _row(name, kind, kl, matched_to=None, bytes_per_token=100.0):
             "relative_bytes": bytes_per_token / 200.0}
 
 
+def test_median_verdict_needs_the_whole_interval_past_the_target():
+    steady = [1.05, 1.06, 1.04, 1.07, 1.05, 1.06]
+    assert significance.median_verdict(steady, 1.0, 1000)["verdict"] == significance.MET
+    assert significance.median_verdict([r - 0.2 for r in steady], 1.0, 1000)["verdict"] == significance.MISSED
+    noisy = [0.8, 1.2, 0.9, 1.1, 0.85, 1.15]
+    j = significance.median_verdict(noisy, 1.0, 1000)
+    assert j["verdict"] == significance.WITHIN_NOISE and j["interval_95"][0] < 1.0 < j["interval_95"][1]
+    assert j == significance.median_verdict(noisy, 1.0, 1000)  # seeded
+    with pytest.raises(ValueError, match="at least one ratio"):
+        significance.median_verdict([], 1.0)
+    with pytest.raises(ValueError, match="at least 100"):
+        significance.median_verdict(steady, 1.0, resamples=10)
+
+
 def test_a_tiny_kl_difference_within_noise_is_not_a_win_and_prints_its_digits():
     rng = np.random.default_rng(1)
     a = rng.exponential(2e-5, 600)

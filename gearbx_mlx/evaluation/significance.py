@@ -9,15 +9,22 @@ in the KV cache), so the bootstrap resamples blocks of consecutive positions,
 never across a window boundary, rather than single positions; the interval
 is the percentile interval of the resampled means. A difference whose
 interval covers zero is reported as indistinguishable.
+
+:func:`median_verdict` is the speed benchmarks' counterpart: repeated runs'
+ratios against a target, judged by a bootstrap interval of their median.
 """
 
 from __future__ import annotations
 
+import random
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
+#: Verdicts of :func:`median_verdict`.
+MET, MISSED, WITHIN_NOISE = "met", "missed", "within noise"
 #: Outcomes of a comparison of ``a`` with ``b`` (on KL, lower is better).
 LOWER, HIGHER, SAME = "lower", "higher", "indistinguishable"
 
@@ -133,3 +140,29 @@ def describe(test: Optional[Dict[str, Any]]) -> str:
         f"[{low:+.3g}, {high:+.3g}] over {test['positions']} positions"
         + (f"; no verdict: {test['too_few_blocks']}" if test.get("too_few_blocks") else "")
     )
+
+
+def median_verdict(ratios: Sequence[float], target: float, resamples: int = 4000, seed: int = 0) -> Dict[str, Any]:
+    """Repeated runs' ratios (say, tokens/s of a variant over its baseline's, one per interleaved pair
+    or round) judged against ``target``, accounting for their spread.
+
+    The median, a 95% percentile bootstrap interval of the median (``resamples`` draws, seeded), and
+    the verdict: **met** where the whole interval is at or above ``target``, **missed** where it is
+    below, else **within noise**. The runs of one machine are not independent draws (they share its
+    state), so the interval is a guide to the spread, not a guarantee.
+
+    Raises:
+        ValueError: no ratios, or fewer than 100 resamples.
+    """
+    values = [float(r) for r in ratios]
+    if not values:
+        raise ValueError("median_verdict needs at least one ratio")
+    if resamples < 100:
+        raise ValueError(f"resamples must be at least 100, got {resamples}")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+    verdict = MET if low >= target else MISSED if high < target else WITHIN_NOISE
+    return {"rounds": len(values), "median": round(statistics.median(values), 3),
+            "interval_95": [round(low, 3), round(high, 3)], "min": round(min(values), 3),
+            "max": round(max(values), 3), "rounds_at_target": sum(r >= target for r in values), "verdict": verdict}
