@@ -12,9 +12,14 @@ Every window after a first, untimed one per variant: so it times the steady
 state that fresh processes reach after their first prompt, and every variant
 meets the same machine and the same allocator state, where fresh processes
 on a loaded machine swing far more (docs/BENCHMARKS.md, prompt tokens/s).
-Writes the windows (wall and CPU time), each variant's per-round ratio
-separate/variant (prompt tokens/s of the variant over separate's), the load
-average and the date to ``--out`` (default
+Each window is also split, on the wall clock, at the end of mlx-lm's first
+evaluation in it: the prefill chunk (every prompt token but the last) and the
+one-row steps after it (the prompt's last token and the next), which read a
+gear's bytes once per step (the JSON's ``step_bytes``, per store and gear).
+Writes the windows (wall and CPU time, and the split), each variant's
+per-round ratio separate/variant (prompt tokens/s of the variant over
+separate's, and the same for each part), the load average and the date to
+``--out`` (default
 ``benchmarks/results/prefill_inprocess.json``).
 """
 
@@ -35,7 +40,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_prefill_store import PROMPT  # noqa: E402
+from bench_prefill_store import PROMPT, _mark_mlx_lm_evals  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from gearbx_mlx.evaluation.significance import median_verdict  # noqa: E402
 
 #: variant -> (store, the nested dense unpacking's threads: 0 the C kernels' pool, 1 the caller)
 VARIANTS: Dict[str, Tuple[str, Optional[int]]] = {
@@ -62,7 +70,9 @@ def set_unpack_threads(gearbox: Any, threads: int) -> None:
         product.config = dataclasses.replace(product.config, dense_unpack_threads=value)
 
 
-def window(stores: Dict[str, Any], variant: str) -> Dict[str, Any]:
+def window(stores: Dict[str, Any], variant: str, marks: List[float]) -> Dict[str, Any]:
+    """One timed prompt window; ``marks`` collects the wall-clock ends of mlx-lm's evaluations
+    (:func:`bench_prefill_store._mark_mlx_lm_evals`), the first of which ends the prefill chunk."""
     import gearbx_mlx
     from gearbx_mlx.chat import apply_chat_template
 
@@ -73,12 +83,16 @@ def window(stores: Dict[str, Any], variant: str) -> Dict[str, Any]:
     text = apply_chat_template(tokenizer, PROMPT, None, use_template=True)
     run = gearbx_mlx.prepare(model, tokenizer, text, gearbox, max_tokens=4, prompt_text=PROMPT)
     tokens = run.tokens()
-    wall, cpu = time.perf_counter(), time.process_time()
+    marks.clear()
+    start, cpu = time.perf_counter(), time.process_time()
     first = next(tokens)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    chunk = marks[0] - start if marks else None
     run.close()
     return {"variant": variant, "prompt_tokens": int(first.prompt_tokens), "gear": first.gear,
-            "token": int(first.token), "wall_s": round(wall, 4), "cpu_s": round(cpu, 4)}
+            "token": int(first.token), "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+            "chunk_wall_s": None if chunk is None else round(chunk, 4),
+            "steps_wall_s": None if chunk is None else round(wall - chunk, 4)}
 
 
 def ratios(runs: List[Dict[str, Any]], variant: str, key: str) -> List[float]:
@@ -97,7 +111,18 @@ def summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         wall, cpu = ratios(runs, v, "wall_s"), ratios(runs, v, "cpu_s")
         out[v] = {"wall_ratios": wall, "cpu_ratios": cpu, "median_wall_ratio": statistics.median(wall),
                   "median_cpu_ratio": statistics.median(cpu)}
+        out[v]["verdict"] = median_verdict(wall, 1.0)  # the target: the nested store >= separate copies
+        if all(r["chunk_wall_s"] for r in runs):
+            out[v]["median_chunk_ratio"] = statistics.median(ratios(runs, v, "chunk_wall_s"))
+            out[v]["median_steps_ratio"] = statistics.median(ratios(runs, v, "steps_wall_s"))
     return out
+
+
+def medians(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Per variant, the median seconds of the window, its prefill chunk and its one-row steps (wall)."""
+    keys = ("wall_s", "chunk_wall_s", "steps_wall_s")
+    return {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in keys}
+            for v in VARIANTS if all(r[k] is not None for r in runs if r["variant"] == v for k in keys)}
 
 
 def measure(args: argparse.Namespace, report: Callable[[str], None]) -> Dict[str, Any]:
@@ -106,7 +131,8 @@ def measure(args: argparse.Namespace, report: Callable[[str], None]) -> Dict[str
 
         cpu.set_threads(args.threads)
     stores = loaded(args.model)
-    first = {v: window(stores, v) for v in VARIANTS}  # untimed: first use of every path
+    marks = _mark_mlx_lm_evals(time.perf_counter)
+    first = {v: window(stores, v, marks) for v in VARIANTS}  # untimed: first use of every path
     if len({r["token"] for r in first.values()}) != 1:
         raise SystemExit(f"error: the variants' first tokens differ: {first}")
     load_before, runs = os.getloadavg(), []
@@ -114,7 +140,7 @@ def measure(args: argparse.Namespace, report: Callable[[str], None]) -> Dict[str
         order = list(VARIANTS)
         random.Random(k).shuffle(order)
         for v in order:
-            runs.append({**window(stores, v), "round": k})
+            runs.append({**window(stores, v, marks), "round": k})
             report(f"round {k} {v:22s} wall {runs[-1]['wall_s']:.4f} s  cpu {runs[-1]['cpu_s']:.4f} s")
     return {"what": "prompt window, both stores and nested settings alternated in one process",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -123,7 +149,8 @@ def measure(args: argparse.Namespace, report: Callable[[str], None]) -> Dict[str
             "ld_preload": os.environ.get("LD_PRELOAD"),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-            "runs": runs, "variants": summary(runs)}
+            "step_bytes": {store: stores[store][2].manager.step_bytes() for store in ("separate", "nested")},
+            "medians": medians(runs), "runs": runs, "variants": summary(runs)}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -136,9 +163,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.rounds < 1:
         raise SystemExit("error: --rounds must be at least 1")
     result = measure(args, print)
+    for v, m in result["medians"].items():
+        print(f"{v:24s} median window {1e3 * m['wall_s']:.1f} ms: prefill chunk {1e3 * m['chunk_wall_s']:.1f} ms, "
+              f"one-row steps {1e3 * m['steps_wall_s']:.1f} ms")
     for v, s in result["variants"].items():
         print(f"{v}: median prompt tokens/s over separate's: wall {s['median_wall_ratio']:.3f}, "
-              f"cpu {s['median_cpu_ratio']:.3f}")
+              f"cpu {s['median_cpu_ratio']:.3f}; the chunk's {s.get('median_chunk_ratio', float('nan')):.3f}, "
+              f"the steps' {s.get('median_steps_ratio', float('nan')):.3f}; 95% interval of the wall median "
+              f"{s['verdict']['interval_95'][0]:.3f}-{s['verdict']['interval_95'][1]:.3f}: {s['verdict']['verdict']}")
+    for store, b in result["step_bytes"].items():
+        print(f"{store}: bytes a one-row step reads, per gear: "
+              + ", ".join(f"{g} {v / 2**20:.1f} MiB" for g, v in b.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -137,10 +137,11 @@ def child(store: str, args: argparse.Namespace) -> None:
                       "prefill_chunk_cpu_s": round(evals[0] - start, 4) if evals else None}))
 
 
-def _mark_mlx_lm_evals() -> list[float]:
-    """The process's CPU time at the end of each ``mx.eval`` of mlx-lm's generation loop. Its first
-    in the window ends the prompt's first prefill chunk (all but the last token, for a prompt shorter
-    than the 2,048-token chunk), before the one-row steps of the prompt's last token and the next."""
+def _mark_mlx_lm_evals(clock: Any = time.process_time) -> list[float]:
+    """``clock()`` (default the process's CPU time) at the end of each ``mx.eval`` of mlx-lm's generation
+    loop. Its first in the window ends the prompt's first prefill chunk (all but the last token, for a
+    prompt shorter than the 2,048-token chunk), before the one-row steps of the prompt's last token and
+    the next."""
     import importlib
 
     import mlx.core as mx
@@ -155,7 +156,7 @@ def _mark_mlx_lm_evals() -> list[float]:
         @staticmethod
         def eval(*arrays: Any) -> None:
             mx.eval(*arrays)
-            marks.append(time.process_time())
+            marks.append(clock())
 
     module.mx = Marked()
     return marks
