@@ -25,6 +25,7 @@ from .evaluation.bench import (
     MIN_RUN_TOKENS,
     QUICK,
     SHAPES,
+    WARMUP_TOKENS,
     BenchSettings,
     environment_command,
     load_subject,
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the whole run's time (default {d.budget_s:.0f}): each timed run stops after --tokens or "
                         "its share of the time left, so a slow machine decodes fewer tokens per run")
     p.add_argument("--no-budget", action="store_true", help="no time limit: every run decodes --tokens")
+    warm = p.add_mutually_exclusive_group()
+    warm.add_argument("--warmup", dest="warmup", action="store_const", const=True, default=None,
+                      help=f"run every row once, untimed ({WARMUP_TOKENS} tokens), before the timed rounds "
+                           "(default: on a GPU, where a first use compiles kernels)")
+    warm.add_argument("--no-warmup", dest="warmup", action="store_const", const=False,
+                      help="no warm-up runs: the first round also times each path's first use")
     p.add_argument("--no-nested", action="store_true", help="skip the nested store")
     p.add_argument("--no-calibrate", action="store_true", help="skip the calibrated decision's row")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.json",
@@ -84,7 +91,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     changes = {k: v for k, v in {
         "tokens": args.tokens, "rounds": args.rounds, "ks": tuple(args.ks) if args.ks else None,
         "max_draft": args.max_draft, "draft_gear": args.draft_gear, "scope": args.scope,
-        "kernels": tuple(args.kernels) if args.kernels else None, "budget_s": args.budget,
+        "kernels": tuple(args.kernels) if args.kernels else None, "budget_s": args.budget, "warmup": args.warmup,
     }.items() if v is not None}
     if args.no_budget:
         changes["budget_s"] = None

@@ -285,6 +285,37 @@ def test_a_run_stops_at_its_share_of_the_budget(monkeypatch):
     assert clock.cap() == bench_mod.MIN_RUN_SECONDS and bench_mod.Clock(0.0, None, 3).cap() is None
 
 
+def test_warm_up_runs_every_row_once_untimed_before_the_rounds(tmp_path, capsys, monkeypatch):
+    """With --warmup every row (the automatic ones too) decodes WARMUP_TOKENS tokens before the first
+    timed run, and those runs are in no row's numbers; without it, none. The default asks the device."""
+    calls = []
+    real = bench_mod.run_speculative
+
+    def spy(subject, gearbox, draft, config, n, plan=None, cap=None):
+        calls.append(n)
+        return real(subject, gearbox, draft, config, n, plan=plan, cap=cap)
+
+    monkeypatch.setattr(bench_mod, "run_speculative", spy)
+    out = tmp_path / "warm.json"
+    base = ["--shape", "tiny", "--quick", "--kernels", "packed", "--no-nested", "--no-budget", "--out", str(out)]
+    rc, text, err = run(base + ["--warmup"], capsys)
+    r = json.loads(out.read_text())
+    spec_rows = [row for row in r["rows"] if row["section"] == "speculative"]
+    assert rc == 0 and r["warmup"]["tokens"] == bench_mod.WARMUP_TOKENS
+    assert r["warmup"]["rows"] == len(r["rows"]) and "[warm-up 1/" in err
+    assert "untimed" in text.splitlines()[1]  # the header says so
+    # the first len(spec_rows) speculative runs are the warm-ups, of WARMUP_TOKENS tokens each
+    assert calls[:len(spec_rows)] == [bench_mod.WARMUP_TOKENS] * len(spec_rows)
+    assert all(n == QUICK.tokens for n in calls[len(spec_rows):])
+    assert all(row["decode_tokens"] == QUICK.tokens for row in r["rows"])  # the warm-ups counted nowhere
+    calls.clear()
+    rc, text, _ = run(base + ["--no-warmup"], capsys)
+    assert rc == 0 and json.loads(out.read_text())["warmup"] is None and bench_mod.WARMUP_TOKENS not in calls
+    assert "untimed" not in text
+    assert not BenchSettings().warms_up()  # the CPU here
+    assert BenchSettings(warmup=True).warms_up() and not BenchSettings(warmup=False).warms_up()
+
+
 def test_a_spent_budget_skips_the_later_rounds_not_the_decision(tmp_path, capsys):
     out = tmp_path / "short.json"
     rc, _, err = run(["--shape", "tiny", "--quick", "--rounds", "3", "--budget", "0.5", "--kernels", "packed",

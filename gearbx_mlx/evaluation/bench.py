@@ -90,6 +90,9 @@ MIN_RUN_TOKENS = 8
 CONTINUATION_SHARE = 0.08
 #: The least time a run is given, however little of the budget is left.
 MIN_RUN_SECONDS = 2.0
+#: Tokens of each row's untimed warm-up run (:attr:`BenchSettings.warmup`): a fixed block of
+#: up to 4 drafts and its verify, then a step of the next.
+WARMUP_TOKENS = 6
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class BenchSettings:
             :data:`MIN_RUN_SECONDS`), so a slow or busy machine decodes fewer
             tokens per run rather than running past it. None: no limit.
         prompt: the prompt (chat-templated for a real model).
+        warmup: run every row once, untimed, for :data:`WARMUP_TOKENS` tokens before the
+            timed rounds, so that no timed run pays a path's first use (a GPU compiles each
+            new kernel and shape on it: one round of ``--quick`` on an H200 timed a first
+            speculative row at 4.6 tokens/s, 38 in a five-round run). None: where the
+            default device is a GPU (on the CPU a first use costs a few kernel checks).
     """
 
     tokens: int = 64
@@ -125,6 +133,11 @@ class BenchSettings:
     calibrate: bool = True
     budget_s: Optional[float] = 270.0
     prompt: str = PROMPT
+    warmup: Optional[bool] = None
+
+    def warms_up(self) -> bool:
+        """:attr:`warmup`, with None decided by the default device."""
+        return self.warmup if self.warmup is not None else mx.default_device().type == mx.DeviceType.gpu
 
     def __post_init__(self) -> None:
         if not 4 <= self.tokens <= MAX_RUN_TOKENS:
@@ -287,7 +300,7 @@ class Row:
 
     section: str
     label: str
-    run: Callable[[Optional[float]], Dict[str, Any]]
+    run: Callable[..., Dict[str, Any]]  # run(cap, tokens=None): tokens None decodes every forced token
     meta: Dict[str, Any]
     runs: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     paired: List[float] = dataclasses.field(default_factory=list)  # each run over its neighbouring plain runs
@@ -337,8 +350,8 @@ def _gear_rows(subject: Subject, settings: BenchSettings, forced: Sequence[int],
                                       vocab, planes_dir=subject.folder)
         prep["nested"] = {"planes": time.perf_counter() - t0, "origin": boxes["nested"].manager.planes_origin}
 
-    def routed(gb: Gearbox, policy: Any) -> Callable[[Optional[float]], Dict[str, Any]]:
-        return lambda cap: run_routed(subject, gb, policy, forced, cap)
+    def routed(gb: Gearbox, policy: Any) -> Callable[..., Dict[str, Any]]:
+        return lambda cap, tokens=None: run_routed(subject, gb, policy, forced[:tokens], cap)
 
     first = boxes[settings.kernels[0]]
     rows = [Row("static", "high (gearbox)", routed(first, StaticPolicy("high")), {"gear": "high", "policy": "static"})]
@@ -386,8 +399,8 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
             "weight_bytes": nbytes(model), "prompt_tokens": len(subject.prompt_ids)}
 
     boxes, prep, gear_rows = _gear_rows(subject, settings, forced, vocab, say)
-    plain_row = Row("plain", "plain decoding (mlx-lm)", lambda cap: run_plain(subject, forced, cap),
-                    {"policy": "plain"})
+    plain_row = Row("plain", "plain decoding (mlx-lm)",
+                    lambda cap, tokens=None: run_plain(subject, forced[:tokens], cap), {"policy": "plain"})
     spec, spec_rows, auto_rows, draft = _speculative(subject, settings, forced, vocab, boxes, say)
     rows = [plain_row] + gear_rows + spec_rows
     order = rows + [plain_row]  # plain decoding brackets each round
@@ -402,6 +415,7 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
         say(f"[{progress_count[0]}/{total}] {what}: {row.label} ...")
         return row.run(clock.cap())
 
+    warmup = _warm_up(rows + auto_rows, say) if settings.warms_up() else None
     decide = (lambda: _pairs(plain_row, auto_rows, pairs, run)) if auto_rows else None
     rounds_run = _rounds(settings.rounds, order, clock, run, decide, say)
     plain = statistics.median(x["tokens_per_s"] for x in plain_row.runs)
@@ -424,11 +438,21 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
         "speculative": spec,
         "memory": _memory(subject, boxes, draft),
         "preparation_seconds": prep,
+        "warmup": warmup,
         "first_use": guard.status(),
         "checks": checks,
         "seconds": time.perf_counter() - tic,
         "setup_seconds": setup_seconds,
     }
+
+
+def _warm_up(rows: Sequence[Row], say: Callable[[str], None]) -> Dict[str, Any]:
+    """Every row once, :data:`WARMUP_TOKENS` tokens, untimed (nothing kept): ``{"tokens", "rows", "seconds"}``."""
+    tic = time.perf_counter()
+    for i, row in enumerate(rows, 1):
+        say(f"[warm-up {i}/{len(rows)}] {row.label} ...")
+        row.run(None, WARMUP_TOKENS)
+    return {"tokens": WARMUP_TOKENS, "rows": len(rows), "seconds": time.perf_counter() - tic}
 
 
 def _rounds(rounds: int, order: Sequence[Row], clock: "Clock", run: Callable[[Row, str], Dict[str, Any]],
@@ -531,13 +555,15 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
     for k in settings.ks:
         cfg = dataclasses.replace(base, max_draft=k)
         rows.append(Row("speculative", f"speculative, fixed k={k}",
-                        lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
+                        lambda cap, tokens=None, cfg=cfg: run_speculative(subject, gb, draft, cfg,
+                                                                          tokens or len(forced), cap=cap),
                         {"policy": "speculative-fixed", "k": k,
                          "modeled_x_high": modeled_speedup(alpha, k, c, v[min(k, len(v) - 1)])}))
     if gated is not None:
         cfg = dataclasses.replace(base, max_draft=int(gated["k"]), draft_entropy_stop=float(gated["stop_bits"]))
         rows.append(Row("speculative", f"speculative, gated k<={gated['k']} stop {gated['stop_bits']:.2f} bits",
-                        lambda cap, cfg=cfg: run_speculative(subject, gb, draft, cfg, len(forced), cap=cap),
+                        lambda cap, tokens=None, cfg=cfg: run_speculative(subject, gb, draft, cfg,
+                                                                          tokens or len(forced), cap=cap),
                         {"policy": "speculative-gated", "key": "speculative, gated", "k": int(gated["k"]),
                          "stop_bits": gated["stop_bits"],
                          "modeled_x_high": gated["speedup"]}))
@@ -548,7 +574,8 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
         cfg = dataclasses.replace(base, max_draft=settings.max_draft)
         auto.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
             f" k={plan.best_k}" if plan.speculate else ""),
-            lambda cap, cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, len(forced), plan=plan, cap=cap),
+            lambda cap, tokens=None, cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, tokens or len(forced),
+                                                                         plan=plan, cap=cap),
             {"policy": "speculative-auto", "key": f"speculative {name}", "choice": plan.choice,
              "k": plan.best_k if plan.speculate else None,
              "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
@@ -586,5 +613,5 @@ def environment_command() -> str:
 
 
 __all__ = ["AUTO_FLOOR", "BenchSettings", "FORMAT_VERSION", "IdTokenizer", "MIN_RUN_TOKENS", "PROMPT", "QUICK",
-           "SHAPES", "Subject", "continuation", "environment_command", "load_subject", "run_bench", "run_plain",
+           "SHAPES", "WARMUP_TOKENS", "Subject", "continuation", "environment_command", "load_subject", "run_bench", "run_plain",
            "run_routed", "run_speculative"]

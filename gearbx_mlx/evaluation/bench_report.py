@@ -172,6 +172,13 @@ def _notes(row: Dict[str, Any], tokens: Optional[int] = None) -> str:
     return "; ".join(parts)
 
 
+def _warmup_note(warmup: Any) -> str:
+    """The header's note on the untimed warm-up runs (files from before it have none)."""
+    if not isinstance(warmup, dict):
+        return ""
+    return f"; every row first ran {warmup.get('tokens')} tokens untimed ({warmup.get('seconds', 0):.0f} s)"
+
+
 def format_result(result: Dict[str, Any]) -> str:
     """One bench run as text: the machine, the rows, the speculative costs, memory, checks."""
     m = result["model"]
@@ -182,7 +189,8 @@ def format_result(result: Dict[str, Any]) -> str:
              f"Model: {m['name']} ({m.get('dtype')}, {_mib(m.get('weight_bytes'))} of weights, vocab "
              f"{m.get('vocab_size')}); up to {result['settings']['tokens']} decode tokens per run, "
              f"{result['settings']['rounds']} round(s), scope {result['settings']['scope']}"
-             + (f", {result['settings']['budget_s']:.0f} s budget" if result["settings"].get("budget_s") else ""),
+             + (f", {result['settings']['budget_s']:.0f} s budget" if result["settings"].get("budget_s") else "")
+             + _warmup_note(result.get("warmup")),
              ""]
     tokens = result["settings"]["tokens"]
     body = [(r["section"], r["label"], f"{r['tokens_per_s']:.1f}", f"{r['x_plain']:.2f}", _notes(r, tokens))
