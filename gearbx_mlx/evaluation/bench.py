@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import resource
@@ -507,6 +508,12 @@ def _summarize(row: Row, plain: float) -> Dict[str, Any]:
     return out
 
 
+def _speculative_run(subject: Subject, gearbox: Gearbox, draft: Any, n: int, config: SpeculativeConfig,
+                     plan: Any = None) -> Callable[..., Dict[str, Any]]:
+    """A speculative row's ``run(cap, tokens=None)``: ``n`` tokens, or ``tokens``."""
+    return lambda cap, tokens=None: run_speculative(subject, gearbox, draft, config, tokens or n, plan=plan, cap=cap)
+
+
 def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int], vocab: int,
                  boxes: Dict[str, Gearbox], say: Callable[[str], None]
                  ) -> Tuple[Dict[str, Any], List[Row], List[Row], Any]:
@@ -551,22 +558,19 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
     gated = plan_speculative(model, draft, subject.prompt_ids, settings.max_draft, measured=measured, stop=CHOOSE,
                              calibration=cal or {"gating": {"greedy": gating_table(cont, True)}}).gated
     base = SpeculativeConfig(draft_gear=settings.draft_gear, draft_scope="all")
+    speculating = functools.partial(_speculative_run, subject, gb, draft, len(forced))
     rows: List[Row] = []
     for k in settings.ks:
         cfg = dataclasses.replace(base, max_draft=k)
-        rows.append(Row("speculative", f"speculative, fixed k={k}",
-                        lambda cap, tokens=None, cfg=cfg: run_speculative(subject, gb, draft, cfg,
-                                                                          tokens or len(forced), cap=cap),
+        rows.append(Row("speculative", f"speculative, fixed k={k}", speculating(cfg),
                         {"policy": "speculative-fixed", "k": k,
                          "modeled_x_high": modeled_speedup(alpha, k, c, v[min(k, len(v) - 1)])}))
     if gated is not None:
         cfg = dataclasses.replace(base, max_draft=int(gated["k"]), draft_entropy_stop=float(gated["stop_bits"]))
         rows.append(Row("speculative", f"speculative, gated k<={gated['k']} stop {gated['stop_bits']:.2f} bits",
-                        lambda cap, tokens=None, cfg=cfg: run_speculative(subject, gb, draft, cfg,
-                                                                          tokens or len(forced), cap=cap),
-                        {"policy": "speculative-gated", "key": "speculative, gated", "k": int(gated["k"]),
-                         "stop_bits": gated["stop_bits"],
-                         "modeled_x_high": gated["speedup"]}))
+                        speculating(cfg), {"policy": "speculative-gated", "key": "speculative, gated",
+                                           "k": int(gated["k"]), "stop_bits": gated["stop_bits"],
+                                           "modeled_x_high": gated["speedup"]}))
     auto: List[Row] = []
     for name, plan in (("auto", plan_prompt), ("auto, calibrated", plan_cal)):
         if plan is None:
@@ -574,8 +578,7 @@ def _speculative(subject: Subject, settings: BenchSettings, forced: Sequence[int
         cfg = dataclasses.replace(base, max_draft=settings.max_draft)
         auto.append(Row("speculative", f"speculative {name}: {plan.choice}" + (
             f" k={plan.best_k}" if plan.speculate else ""),
-            lambda cap, tokens=None, cfg=cfg, plan=plan: run_speculative(subject, gb, draft, cfg, tokens or len(forced),
-                                                                         plan=plan, cap=cap),
+            speculating(cfg, plan),
             {"policy": "speculative-auto", "key": f"speculative {name}", "choice": plan.choice,
              "k": plan.best_k if plan.speculate else None,
              "stop_bits": plan.stop_bits, "modeled_x_high": plan.best_speedup}))
