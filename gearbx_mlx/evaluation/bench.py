@@ -385,6 +385,8 @@ def run_bench(subject: Subject, settings: BenchSettings = BenchSettings(),
     ``x_plain``: the drift of a shared machine between neighbours is small
     next to its drift over a round); then the table's other rounds, each only
     if the budget has room for another as long as the first (``rounds_run``).
+    Before them, where ``settings.warms_up()``, every row once, untimed
+    (:data:`WARMUP_TOKENS` tokens), within the budget's time.
     """
     say = progress or (lambda _: None)
     tic, created = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
