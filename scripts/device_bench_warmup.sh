@@ -16,12 +16,9 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 limit=${STEP_LIMIT_S:-170}
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  $py -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
-  grep -m1 "model name" /proc/cpuinfo
-  $py gearbx_mlx/bindings/build.py 2>&1 | tail -1
-} 2>&1 | tee "$out/env.txt"
+. "$(dirname "$0")/device_env.sh"
+write_device_env "$out/env.txt"
+$py gearbx_mlx/bindings/build.py 2>&1 | tail -1 | tee -a "$out/env.txt"
 for run in warm cold warm2; do
   flag=""
   [ "$run" = cold ] && flag="--no-warmup"
