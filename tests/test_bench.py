@@ -309,9 +309,12 @@ def test_warm_up_runs_every_row_once_untimed_before_the_rounds(tmp_path, capsys,
     assert all(n == QUICK.tokens for n in calls[len(spec_rows):])
     assert all(row["decode_tokens"] == QUICK.tokens for row in r["rows"])  # the warm-ups counted nowhere
     calls.clear()
-    rc, text, _ = run(base + ["--no-warmup"], capsys)
-    assert rc == 0 and json.loads(out.read_text())["warmup"] is None and bench_mod.WARMUP_TOKENS not in calls
+    cold = tmp_path / "cold.json"
+    rc, text, _ = run(base[:-1] + [str(cold), "--no-warmup"], capsys)
+    assert rc == 0 and json.loads(cold.read_text())["warmup"] is None and bench_mod.WARMUP_TOKENS not in calls
     assert "untimed" not in text
+    rc, text, _ = run(["--compare", str(cold), str(out)], capsys)  # the side by side says which one warmed up
+    assert rc == 0 and ["untimed" in line for line in text.splitlines()[:2]] == [False, True]
     assert not BenchSettings().warms_up()  # the CPU here
     assert BenchSettings(warmup=True).warms_up() and not BenchSettings(warmup=False).warms_up()
 

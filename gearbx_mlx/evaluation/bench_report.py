@@ -247,8 +247,8 @@ def _key(row: Dict[str, Any]) -> str:
 
 def format_compare(a: Dict[str, Any], b: Dict[str, Any], names: Tuple[str, str] = ("A", "B")) -> str:
     """Two bench runs side by side: the machines, then every row's tok/s and ``B / A``."""
-    lines = [f"{names[0]}: {machine_line(a)}; model {a['model']['name']}",
-             f"{names[1]}: {machine_line(b)}; model {b['model']['name']}", ""]
+    lines = [f"{name}: {machine_line(r)}; model {r['model']['name']}{_warmup_note(r.get('warmup'))}"
+             for name, r in zip(names, (a, b))] + [""]
     body = []
     for ra, rb in _pair(a["rows"], b["rows"]):
         label = (ra or rb)["label"] if not (ra and rb) or ra["label"] == rb["label"] else (
