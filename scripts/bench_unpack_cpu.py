@@ -29,14 +29,13 @@ which (``package``: this checkout's or PYTHONPATH's).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -71,19 +70,8 @@ def positive(text: str) -> int:
     return value
 
 
-@contextlib.contextmanager
-def isa_limit(lib: Any, level: int) -> Iterator[None]:
-    """The C library's kernels at ``gbx_set_isa_limit(level)`` inside the block, its setting restored after."""
-    old = lib.gbx_set_isa_limit(level)
-    try:
-        yield
-    finally:
-        lib.gbx_set_isa_limit(old)
-
-
 def bench_shape(shape: tuple[int, int], n: int, rows: int, rounds: int, threads: int) -> Dict[str, Any]:
     """Median unpacking and product microseconds of each kernel, alternated call by call."""
-    lib = cpu.require().lib
     w = mx.random.normal(shape, key=mx.random.key(shape[0] * 7 + shape[1])) * 0.02
     planes = build_planes(w.astype(mx.bfloat16))[:n]
     mx.eval([p.arrays() for p in planes])
@@ -92,7 +80,7 @@ def bench_shape(shape: tuple[int, int], n: int, rows: int, rounds: int, threads:
     out = mx.zeros(shape, dtype=mx.float32)
     values = {}
     for name, level in KERNELS.items():
-        with isa_limit(lib, level):
+        with cpu.isa_limit(level):
             values[name] = np.array(prep.unpack(n, threads=threads))
     if not all(np.array_equal(values["best"], v) for v in values.values()):
         raise SystemExit(f"error: the kernels' matrices differ at {shape}, {n} planes")
@@ -100,7 +88,7 @@ def bench_shape(shape: tuple[int, int], n: int, rows: int, rounds: int, threads:
     for i in range(rounds):
         order = list(KERNELS.items()) if i % 2 == 0 else list(reversed(KERNELS.items()))
         for name, level in order:
-            with isa_limit(lib, level):
+            with cpu.isa_limit(level):
                 t0 = time.perf_counter()
                 prep.unpack(n, out=out, threads=threads)
                 t1 = time.perf_counter()

@@ -59,10 +59,8 @@ def test_every_path_matches_the_reference(plan, shape, group_size):
     planes = make_planes(out_features, in_features, plan, group_size, dtype, seed=in_features)
     prep = nested_cpu.prepare_nested(planes)
     x = make_x((in_features,), mx.float32, seed=group_size or 7)
-    lib = cpu.require().lib
     for limit in isa_limits():
-        old = lib.gbx_set_isa_limit(limit)
-        try:
+        with cpu.isa_limit(limit):
             for n in range(1, len(plan) + 1):
                 want, mag = reference64(x, planes, n)
                 for path in ("float", "auto", "ref"):
@@ -74,8 +72,6 @@ def test_every_path_matches_the_reference(plan, shape, group_size):
                 # the fast int8 path computes what its oracle computes, up to summation order
                 ref = f64(prep.gemv(x, n, path="intdot_ref"))
                 assert_close(prep.gemv(x, n, path="intdot"), ref, mag, mx.float32, what=f"intdot vs oracle n={n}")
-        finally:
-            lib.gbx_set_isa_limit(old)
 
 
 @pytest.mark.parametrize("rows", [(2,), (1, 3), (5,)])
@@ -170,8 +166,7 @@ def test_unpack_is_the_mlx_unpacking_bit_for_bit(plan, shape, group_size):
     old = lib.gbx_set_min_work(1)  # let the pool split even these small matrices
     try:
         for limit in isa_limits():
-            old_limit = lib.gbx_set_isa_limit(limit)
-            try:
+            with cpu.isa_limit(limit):
                 for n in range(1, len(plan) + 1):
                     want = mlx_unpack(planes, n)
                     for threads in (1, 2, 3):
@@ -180,8 +175,6 @@ def test_unpack_is_the_mlx_unpacking_bit_for_bit(plan, shape, group_size):
                         assert np.array_equal(np.asarray(got), want), (limit, n, threads)
                     rows = (out_features // 3, out_features - 1)  # a block of rows
                     assert np.array_equal(np.asarray(prep.unpack(n, rows)), mlx_unpack(planes, n, rows))
-            finally:
-                lib.gbx_set_isa_limit(old_limit)
     finally:
         lib.gbx_set_min_work(old)
 

@@ -23,12 +23,13 @@ callers (``PackedLinear``) use MLX instead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +37,7 @@ import numpy as np
 from ..mlx_tables import GROUP_SIZES as MLX_GROUP_SIZES
 
 __all__ = ["available", "contiguous_numpy", "gemv", "prepare", "PreparedWeights", "raise_for", "require", "reset",
-           "set_threads", "get_threads", "info", "unavailable"]
+           "set_threads", "get_threads", "info", "isa_limit", "unavailable"]
 
 PATHS = {"auto": 0, "float": 1, "intdot": 2, "ref": 3, "intdot_ref": 4}
 #: GBX_ABI_VERSION of the C library this wrapper speaks to (csrc/gearbx_cpu.h).
@@ -118,6 +119,19 @@ def set_threads(n: Optional[int]) -> int:
 
 def get_threads() -> int:
     return int(require().lib.gbx_get_threads())
+
+
+@contextlib.contextmanager
+def isa_limit(level: int) -> Iterator[None]:
+    """The C kernels chosen at ``gbx_set_isa_limit(level)`` inside the block (0: the best this CPU
+    runs; 1: plain AVX2; 2: no AVX512-VNNI), the previous setting restored after. Process-wide:
+    for tests and benchmarks that compare the kernels, not for code running beside others."""
+    lib = require().lib
+    old = lib.gbx_set_isa_limit(int(level))
+    try:
+        yield
+    finally:
+        lib.gbx_set_isa_limit(old)
 
 
 def info() -> dict:
