@@ -112,7 +112,7 @@ def summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         out[v] = {"wall_ratios": wall, "cpu_ratios": cpu, "median_wall_ratio": statistics.median(wall),
                   "median_cpu_ratio": statistics.median(cpu)}
         out[v]["verdict"] = median_verdict(wall, 1.0)  # the target: the nested store >= separate copies
-        if all(r["chunk_wall_s"] for r in runs):
+        if all(r["chunk_wall_s"] is not None for r in runs):  # as medians() asks
             out[v]["median_chunk_ratio"] = statistics.median(ratios(runs, v, "chunk_wall_s"))
             out[v]["median_steps_ratio"] = statistics.median(ratios(runs, v, "steps_wall_s"))
     return out
