@@ -1,15 +1,17 @@
 """Prompt tokens/s of the nested store against separate copies, through the README's command.
 
-    python scripts/bench_prefill_store.py [--pairs 3] [--blas openblas|reference] [--max-tokens 4]
+    python scripts/bench_prefill_store.py [--pairs 3] [--blas openblas|restart|reference] [--max-tokens 4]
                                           [--clock wall|cpu] [--threads N] [--tree NAME=PATH ...]
-                                          [--model NAME] [--out FILE.json]
+                                          [--model NAME] [--extra ARGS] [--out FILE.json]
 
 Runs ``python -m gearbx_mlx.generate --scope all --store S -p PROMPT -m N`` in
-a fresh process per run, separate and nested interleaved (A/B/A/B, ``--pairs``
-pairs), and reads mlx-lm's ``Prompt: ... tokens-per-sec`` and ``Generation:``
+a fresh process per run, separate and nested interleaved (A/B/B/A, ``--pairs``
+pairs: the stores' order swaps every pair, the trees' every second), and reads mlx-lm's ``Prompt: ... tokens-per-sec`` and ``Generation:``
 lines. ``--blas openblas`` preloads Debian's OpenBLAS (as ``.ci/run`` does);
-``--blas reference`` runs MLX's own reference BLAS (no preload, and no restart
-onto one). Prints a table and writes the runs, the per-pair ratios, the load
+``--blas restart`` preloads nothing, so the command restarts itself onto the
+OpenBLAS it finds, with the settings the restart adds (what the README's
+install gets); ``--blas reference`` runs MLX's own reference BLAS (no preload,
+and no restart onto one). Prints a table and writes the runs, the per-pair ratios, the load
 average, the BLAS, the date and the commands to ``--out`` (default
 ``benchmarks/results/prefill_store_<blas>.json``). The verdict on the target
 (nested >= separate) accounts for the pairs' spread: a 95% bootstrap interval
@@ -43,7 +45,10 @@ another, which on a loaded machine shifts with every run (default out
 
 ``--tree NAME=PATH`` adds another checkout (say, the code before a change,
 from ``git worktree add``) whose runs take their places in every pair, so
-both codes see the same load; the JSON then gives each tree's ratios.
+both codes see the same load; the JSON then gives each tree's ratios, and
+each store's prompt and decode tokens/s in each tree over the first's, pair
+by pair, with their verdicts. ``--extra ARGS`` (wall clock) adds arguments to
+the command, after its own: ``--extra "-m 64 --speculative"`` times decoding.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -73,7 +79,7 @@ GEN_RE = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
 def command(store: str, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "gearbx_mlx.generate", "--scope", "all", "--store", store,
            "-p", PROMPT, "-m", str(args.max_tokens)]
-    return cmd + (["--model", args.model] if args.model else [])
+    return cmd + (["--model", args.model] if args.model else []) + shlex.split(args.extra or "")
 
 
 def environment(blas: str, tree: Path = ROOT, threads: int | None = None) -> dict[str, str]:
@@ -83,9 +89,11 @@ def environment(blas: str, tree: Path = ROOT, threads: int | None = None) -> dic
         env["OPENBLAS_NUM_THREADS"] = str(threads)
     if tree != ROOT:  # another checkout's package (a run before a change, say)
         env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
+    for key in ("GEARBX_BLAS_REEXEC", "GEARBX_NO_BLAS_PRELOAD", "OPENBLAS_THREAD_TIMEOUT"):
+        env.pop(key, None)
     if blas == "openblas":
         env["LD_PRELOAD"] = OPENBLAS
-    else:
+    elif blas == "reference":
         env["GEARBX_NO_BLAS_PRELOAD"] = "1"
     return env
 
@@ -111,6 +119,10 @@ def child(store: str, args: argparse.Namespace) -> None:
     from gearbx_mlx.bindings import cpu
     from gearbx_mlx.chat import apply_chat_template
 
+    if args.blas == "restart":  # as the command does first
+        from gearbx_mlx.blas import ensure_fast_blas
+
+        ensure_fast_blas()
     if args.threads:
         cpu.set_threads(args.threads)
     model, tokenizer, gearbox = gearbx_mlx.load(args.model, scope="all", store=store)
@@ -163,7 +175,8 @@ def _mark_mlx_lm_evals(clock: Any = time.process_time) -> list[float]:
 
 
 def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", store, "--max-tokens", str(args.max_tokens)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", store, "--max-tokens", str(args.max_tokens),
+           "--blas", args.blas]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tree,
@@ -174,11 +187,16 @@ def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[s
     return {"store": store, **json.loads(lines[-1]), "load_avg_after": os.getloadavg()}
 
 
-def mlx_blas(blas: str) -> str | None:
-    code = "from gearbx_mlx import blas; print(blas.shown_path(blas.mlx_blas()))"
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
-                         env=environment(blas))
-    return out.stdout.strip() or None
+def mlx_blas(blas: str, tree: Path = ROOT) -> dict[str, str | None]:
+    """The BLAS library MLX calls in ``tree``'s runs, and OpenBLAS's spin setting there (``--blas restart``
+    restarts this ``python -c`` as the command restarts itself)."""
+    restart = "blas.ensure_fast_blas(); " if blas == "restart" else ""
+    code = (f"import os; from gearbx_mlx import blas; {restart}print(blas.shown_path(blas.mlx_blas())); "
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT', ''))")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=tree,
+                         env=environment(blas, tree))
+    lines = out.stdout.splitlines() + ["", ""]
+    return {"mlx_blas_library": lines[0] or None, "openblas_thread_timeout": lines[1] or None}
 
 
 def speed(run: dict[str, Any], clock: str) -> float:
@@ -191,9 +209,10 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, l
     runs: list[dict[str, Any]] = []
     ratios: dict[str, list[float]] = {name: [] for name in args.trees}
     for i in range(args.pairs):
-        for name, tree in args.trees.items():
+        trees = list(args.trees.items())
+        for name, tree in trees[::-1] if (i // 2) % 2 else trees:  # no run always after the same one
             pair = {}
-            for store in ("separate", "nested"):
+            for store in ("nested", "separate") if i % 2 else ("separate", "nested"):
                 r = run_once(store, args, tree) if args.clock == "wall" else run_child(store, args, tree)
                 r.update(pair=i, **({"tree": name} if name else {}))
                 runs.append(r)
@@ -207,6 +226,24 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, l
     return runs, ratios
 
 
+def against_first(runs: list[dict[str, Any]], tree: str, first: str, clock: str) -> dict[str, Any]:
+    """Per store, the pairs' ratios of ``tree``'s prompt (and, on the wall clock, decode) tokens/s over
+    ``first``'s, each with :func:`median_verdict` against 1 (``tree`` as fast as ``first``)."""
+    from gearbx_mlx.evaluation.significance import median_verdict
+
+    out: dict[str, Any] = {}
+    for store in ("separate", "nested"):
+        mine = {r["pair"]: r for r in runs if r.get("tree") == tree and r["store"] == store}
+        base = {r["pair"]: r for r in runs if r.get("tree") == first and r["store"] == store}
+        pairs = sorted(set(mine) & set(base))
+        speeds = {"prompt": [speed(mine[i], clock) / speed(base[i], clock) for i in pairs]}
+        if clock == "wall" and all(mine[i]["generation_tps"] and base[i]["generation_tps"] for i in pairs):
+            speeds["decode"] = [mine[i]["generation_tps"] / base[i]["generation_tps"] for i in pairs]
+        out[store] = {what: {"ratios": [round(x, 4) for x in r], **median_verdict(r, 1.0)}
+                      for what, r in speeds.items() if r}
+    return out
+
+
 def git_commit(tree: Path) -> str | None:
     out = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], check=False, capture_output=True, text=True)
     return out.stdout.strip() or None
@@ -215,7 +252,7 @@ def git_commit(tree: Path) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--blas", choices=("openblas", "reference"), default="openblas")
+    ap.add_argument("--blas", choices=("openblas", "restart", "reference"), default="openblas")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--threads", type=int, default=None,
@@ -223,16 +260,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                     help="also a checkout at PATH (its package first on PYTHONPATH), interleaved pair by pair")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--extra", default=None, metavar="ARGS", help="more arguments of the command (wall clock)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", choices=("separate", "nested"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args.child, args)
+    if args.extra and args.clock != "wall":
+        raise SystemExit("error: --extra is for the command's runs (--clock wall)")
     if args.threads is not None and (args.threads < 1 or args.clock != "cpu"):
         raise SystemExit("error: --threads takes a positive count, with --clock cpu")
-    if args.blas == "openblas" and not Path(OPENBLAS).is_file():
-        raise SystemExit(f"error: --blas openblas needs {OPENBLAS} (apt-get install libopenblas0-pthread)")
+    if args.blas in ("openblas", "restart") and not Path(OPENBLAS).is_file():
+        raise SystemExit(f"error: --blas {args.blas} needs {OPENBLAS} (apt-get install libopenblas0-pthread)")
     bad = [t for t in args.tree if "=" not in t or not Path(t.split("=", 1)[1], "gearbx_mlx").is_dir()]
     if bad:
         raise SystemExit(f"error: --tree {bad[0]!r}: want NAME=PATH of a checkout with gearbx_mlx/ in it")
@@ -264,8 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"scripts/bench_prefill_store.py --child {s} --max-tokens {args.max_tokens}"
                      + (f" --threads {args.threads}" if args.threads else "")
                      for s in ("separate", "nested")},
-        "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"),
-        "mlx_blas_library": mlx_blas(args.blas),
+        "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"), **mlx_blas(args.blas),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)), **hardware()},
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
@@ -274,9 +313,16 @@ def main(argv: list[str] | None = None) -> None:
         "verdict": next(iter(verdicts.values())),
     }
     if args.tree:
-        result["trees"] = {name: {"commit": git_commit(tree), "ratios": ratios[name],  # no host paths
-                                  "median_ratio": statistics.median(ratios[name]), "verdict": verdicts[name]}
+        result["trees"] = {name: {"commit": git_commit(tree), **mlx_blas(args.blas, tree),  # no host paths
+                                  "ratios": ratios[name],
+                                  "median_ratio": statistics.median(ratios[name]), "verdict": verdicts[name],
+                                  "over_first_tree": against_first(runs, name, next(iter(args.trees)), args.clock)}
                            for name, tree in args.trees.items()}
+        for name, stores in list(result["trees"].items())[1:]:
+            for store, speeds in stores["over_first_tree"].items():
+                print(f"{name}/{next(iter(args.trees))} {store:9s} " + ", ".join(
+                    f"{what} {j['median']:.3f} ({j['interval_95'][0]:.3f}-{j['interval_95'][1]:.3f}, {j['verdict']})"
+                    for what, j in speeds.items()))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
