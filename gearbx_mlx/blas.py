@@ -43,13 +43,6 @@ LIBRARY_ENV = "GEARBX_OPENBLAS"
 OPTIMIZED_NAMES = ("openblas", "mkl", "blis", "accelerate", "veclib", "armpl", "nvpl", "atlas")
 #: The Debian/Ubuntu package whose library the restart preloads.
 DEBIAN_PACKAGE = "libopenblas0-pthread"
-#: OpenBLAS's environment variable for how long its idle workers spin before they sleep: about
-#: ``2**N`` clock cycles (it clamps ``N`` to 4-30; its default is 28, about 0.1 s on a 2.5 GHz core).
-SPIN_ENV = "OPENBLAS_THREAD_TIMEOUT"
-#: What the restart sets it to for the nested store, unless the user set it: about 2 ms, so that a
-#: worker that spins after a prompt's matrix products gives its core back to the C kernels' threads,
-#: which unpack the next matrix during a prompt and run the one-row steps after it.
-SPIN_LOG2_CYCLES = 22
 
 
 def _triplet() -> str:
@@ -174,17 +167,9 @@ def notice() -> str:
             f"from then on), or run with LD_PRELOAD={debian_openblas()} ({OPT_OUT_ENV}=1 hides this)")
 
 
-def spin_for_store(store: str | None) -> int | None:
-    """The OpenBLAS spin (:data:`SPIN_LOG2_CYCLES`) for a command whose gears live in ``store``:
-    None (OpenBLAS's own) for separate copies, whose products run on MLX's and OpenBLAS's threads
-    alone and prompted faster with OpenBLAS's own spin (``docs/BENCHMARKS.md``)."""
-    return None if store == "separate" else SPIN_LOG2_CYCLES
-
-
 def ensure_fast_blas(
     argv: Sequence[str] | None = None,
     *,
-    spin: int | None = SPIN_LOG2_CYCLES,
     environ: MutableMapping[str, str] | None = None,
     execv: Callable[[str, list[str]], object] = os.execv,
     stream: TextIO | None = None,
@@ -199,9 +184,6 @@ def ensure_fast_blas(
             run as a program (the restart repeats the interpreter's own
             command line, ``sys.orig_argv``); a list (``main([...])`` called
             from Python) means an in-process call, which is never restarted.
-        spin: ``OPENBLAS_THREAD_TIMEOUT`` for the restarted process (its workers
-            spin about ``2**spin`` cycles before they sleep), unless the
-            environment sets it; None leaves OpenBLAS's own (28).
         environ, execv, stream, libraries, is_fast: the process environment,
             ``os.execv``, ``sys.stderr``, :func:`candidates` and
             :func:`optimized` (tests replace them).
@@ -225,9 +207,6 @@ def ensure_fast_blas(
                 pre = env.get("LD_PRELOAD")
                 env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else str(lib)
                 env[REEXEC_ENV] = "1"
-                spin_set = spin is not None and SPIN_ENV not in env  # a user's own setting stays
-                if spin_set:
-                    env[SPIN_ENV] = str(spin)
                 out.flush()
                 cmd = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
                 try:
@@ -238,8 +217,6 @@ def ensure_fast_blas(
                     else:
                         env["LD_PRELOAD"] = pre
                     env.pop(REEXEC_ENV, None)
-                    if spin_set:
-                        env.pop(SPIN_ENV, None)
                     break
                 return "restarted"
     print(notice(), file=out, flush=True)
@@ -250,8 +227,6 @@ __all__ = [
     "LIBRARY_ENV",
     "OPT_OUT_ENV",
     "REEXEC_ENV",
-    "SPIN_ENV",
-    "SPIN_LOG2_CYCLES",
     "candidates",
     "debian_openblas",
     "ensure_fast_blas",
@@ -260,5 +235,4 @@ __all__ = [
     "mlx_blas",
     "notice",
     "optimized",
-    "spin_for_store",
 ]

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from . import launch
 from .atomicfile import check_target
-from .blas import ensure_fast_blas, spin_for_store
+from .blas import ensure_fast_blas
 from .calibration import Calibration, cached_calibration_path, calibrate_kv
 from .chat import apply_chat_template
 from .config import (
@@ -496,8 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning  # one plain line, not a source excerpt
-    # A program on Linux: restart once with OpenBLAS preloaded (its spin set for the store), or say how.
-    ensure_fast_blas(argv, spin=spin_for_store(args.store))
+    ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:

@@ -6,17 +6,19 @@
 
 Runs ``python -m gearbx_mlx.generate --scope all --store S -p PROMPT -m N`` in
 a fresh process per run, separate and nested interleaved (A/B/B/A, ``--pairs``
-pairs: the stores' order swaps every pair, the trees' every second), and reads mlx-lm's ``Prompt: ... tokens-per-sec`` and ``Generation:``
-lines. ``--blas openblas`` preloads Debian's OpenBLAS (as ``.ci/run`` does);
-``--blas restart`` preloads nothing, so the command restarts itself onto the
-OpenBLAS it finds, with the settings the restart adds (what the README's
-install gets); ``--blas reference`` runs MLX's own reference BLAS (no preload,
-and no restart onto one). Prints a table and writes the runs, the per-pair ratios, the load
-average, the BLAS, the date and the commands to ``--out`` (default
+pairs: the stores' order swaps every pair, the trees' every second), and reads
+mlx-lm's ``Prompt: ... tokens-per-sec`` and ``Generation:`` lines. ``--blas
+openblas`` preloads Debian's OpenBLAS (as ``.ci/run`` does); ``--blas
+restart`` preloads nothing, so the command restarts itself onto the OpenBLAS
+it finds (what the README's install gets); ``--blas reference`` runs MLX's own
+reference BLAS (no preload, and no restart onto one). Prints a table and
+writes the runs, the per-pair ratios, the load average, the BLAS, the date and
+the commands to ``--out`` (default
 ``benchmarks/results/prefill_store_<blas>.json``). The verdict on the target
 (nested >= separate) accounts for the pairs' spread: a 95% bootstrap interval
-of the median ratio (:func:`gearbx_mlx.evaluation.significance.median_verdict`),
-**met** only where the whole interval is at or above 1.
+of the median ratio
+(:func:`gearbx_mlx.evaluation.significance.median_verdict`), **met** only
+where the whole interval is at or above 1.
 
 ``--clock cpu`` is for a machine others load: each fresh process loads the
 model as the command does (``gearbx_mlx.load``, its warm-up pass
@@ -89,7 +91,7 @@ def environment(blas: str, tree: Path = ROOT, threads: int | None = None) -> dic
         env["OPENBLAS_NUM_THREADS"] = str(threads)
     if tree != ROOT:  # another checkout's package (a run before a change, say)
         env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
-    for key in ("GEARBX_BLAS_REEXEC", "GEARBX_NO_BLAS_PRELOAD", "OPENBLAS_THREAD_TIMEOUT"):
+    for key in ("GEARBX_BLAS_REEXEC", "GEARBX_NO_BLAS_PRELOAD"):
         env.pop(key, None)
     if blas == "openblas":
         env["LD_PRELOAD"] = OPENBLAS
@@ -188,8 +190,8 @@ def run_child(store: str, args: argparse.Namespace, tree: Path = ROOT) -> dict[s
 
 
 def mlx_blas(blas: str, tree: Path = ROOT) -> dict[str, str | None]:
-    """The BLAS library MLX calls in ``tree``'s runs, and OpenBLAS's spin setting there (``--blas restart``
-    restarts this ``python -c`` as the command restarts itself)."""
+    """The BLAS library MLX calls in ``tree``'s runs, and ``OPENBLAS_THREAD_TIMEOUT`` there (how long
+    OpenBLAS's idle workers spin; ``--blas restart`` restarts this ``python -c`` as the command does)."""
     restart = "blas.ensure_fast_blas(); " if blas == "restart" else ""
     code = (f"import os; from gearbx_mlx import blas; {restart}print(blas.shown_path(blas.mlx_blas())); "
             "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT', ''))")

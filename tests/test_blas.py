@@ -45,19 +45,8 @@ def test_restarts_with_the_library_preloaded_where_it_exists(tmp_path):
     got, calls, text = _call(env, [tmp_path / "missing.so", lib])
     assert got == "restarted" and text == ""
     assert env["LD_PRELOAD"] == f"{lib}:/other.so" and env[blas.REEXEC_ENV] == "1"
-    assert env[blas.SPIN_ENV] == str(blas.SPIN_LOG2_CYCLES)  # OpenBLAS's idle workers sleep sooner
     (exe, argv), = calls
     assert exe == sys.executable and argv[0] == sys.executable and argv[1:] == list(sys.orig_argv[1:])
-
-
-@linux_only
-def test_the_restart_keeps_a_users_own_openblas_spin(tmp_path):
-    lib = blas.debian_openblas()
-    if not blas.loadable(lib):
-        pytest.skip(f"{lib} is not installed")
-    env = {blas.SPIN_ENV: "28"}
-    got, calls, _ = _call(env, [lib])
-    assert got == "restarted" and len(calls) == 1 and env[blas.SPIN_ENV] == "28"
 
 
 @linux_only
@@ -123,13 +112,12 @@ CHILD = textwrap.dedent("""
     import os, sys
     from gearbx_mlx import blas
     print("start", os.environ.get(blas.REEXEC_ENV, "-"), flush=True)
-    print("result", blas.ensure_fast_blas(), blas.optimized(), os.environ.get(blas.SPIN_ENV, "-"), flush=True)
+    print("result", blas.ensure_fast_blas(), blas.optimized(), flush=True)
 """)
 
 
 def _child(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", blas.OPT_OUT_ENV, blas.REEXEC_ENV, blas.SPIN_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.OPT_OUT_ENV, blas.REEXEC_ENV)}
     env["PYTHONPATH"] = str(Path(blas.__file__).resolve().parent.parent)
     env.update(extra)
     out = subprocess.run([sys.executable, "-c", CHILD], check=False, capture_output=True, text=True, env=env, timeout=120)
@@ -143,7 +131,7 @@ def test_a_real_process_restarts_once_onto_openblas():
     if not blas.loadable(lib) or blas.is_optimized_path(blas.mlx_blas(preloaded=False) or "openblas"):
         pytest.skip(f"{lib} is not installed, or MLX links an optimized BLAS itself")
     lines, err = _child()
-    assert lines == ["start -", "start 1", f"result fast True {blas.SPIN_LOG2_CYCLES}"], (lines, err)
+    assert lines == ["start -", "start 1", "result fast True"], (lines, err)
     assert blas.DEBIAN_PACKAGE not in err
 
 
@@ -154,42 +142,7 @@ def test_a_preload_that_brings_no_optimized_blas_restarts_once_then_notes():
     if reference is None or blas.is_optimized_path(reference):
         pytest.skip("MLX links an optimized BLAS itself")
     lines, err = _child(**{blas.LIBRARY_ENV: reference})
-    assert lines == ["start -", "start 1", f"result notice False {blas.SPIN_LOG2_CYCLES}"], (lines, err)
+    assert lines == ["start -", "start 1", "result notice False"], (lines, err)
     assert err.count(blas.DEBIAN_PACKAGE) == 1
     lines, err = _child(**{blas.LIBRARY_ENV: reference, blas.OPT_OUT_ENV: "1"})
-    assert lines == ["start -", "result opted out False -"] and err == ""
-
-
-def test_a_restart_asked_for_no_spin_leaves_openblas_its_own():
-    env = {}
-    lib = blas.debian_openblas()
-    if not blas.loadable(lib):
-        pytest.skip(f"{lib} is not installed")
-    calls = []
-    blas.ensure_fast_blas(None, spin=None, environ=env, execv=lambda exe, argv: calls.append(argv),
-                          stream=io.StringIO(), libraries=[lib], is_fast=lambda: False)
-    assert len(calls) == 1 and blas.SPIN_ENV not in env
-
-
-class _Asked(Exception):
-    pass
-
-
-@pytest.mark.parametrize("command", ["gearbx_mlx.generate", "gearbx_mlx.server.app"])
-def test_the_commands_ask_for_their_stores_spin(monkeypatch, command):
-    """The nested store's C threads share the cores with OpenBLAS's workers; separate copies keep OpenBLAS's own."""
-    import importlib
-
-    module = importlib.import_module(command)
-    seen = []
-
-    def asked(argv, spin):
-        seen.append(spin)
-        raise _Asked
-
-    monkeypatch.setattr(module, "ensure_fast_blas", asked)
-    for extra in (["--store", "separate"], ["--store", "nested"], []):
-        with pytest.raises(_Asked):
-            module.main((["-p", "hi"] if command.endswith("generate") else []) + extra)
-    assert seen == [None, blas.SPIN_LOG2_CYCLES, blas.SPIN_LOG2_CYCLES]
-    assert [blas.spin_for_store(s) for s in ("separate", "nested", None)] == seen
+    assert lines == ["start -", "result opted out False"] and err == ""

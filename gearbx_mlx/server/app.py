@@ -22,7 +22,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import _run_http_server
 
 from .. import launch
-from ..blas import ensure_fast_blas, spin_for_store
+from ..blas import ensure_fast_blas
 from ..console import error_line, show_warning, stderr_line
 from ..generate import check_args, gearbox_config
 from ..speculative.cli import check_speculative_args
@@ -61,8 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning
-    # A program on Linux: restart once with OpenBLAS preloaded (its spin set for the store), or say how.
-    ensure_fast_blas(argv, spin=spin_for_store(args.store))
+    ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how
     try:
         check_max_tokens(args)
         check_args(args)
