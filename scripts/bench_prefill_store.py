@@ -315,14 +315,16 @@ def main(argv: list[str] | None = None) -> None:
         "verdict": next(iter(verdicts.values())),
     }
     if args.tree:
+        first = next(iter(args.trees))
         result["trees"] = {name: {"commit": git_commit(tree), **mlx_blas(args.blas, tree),  # no host paths
                                   "ratios": ratios[name],
                                   "median_ratio": statistics.median(ratios[name]), "verdict": verdicts[name],
-                                  "over_first_tree": against_first(runs, name, next(iter(args.trees)), args.clock)}
+                                  **({"over_first_tree": against_first(runs, name, first, args.clock)}
+                                     if name != first else {})}
                            for name, tree in args.trees.items()}
         for name, stores in list(result["trees"].items())[1:]:
             for store, speeds in stores["over_first_tree"].items():
-                print(f"{name}/{next(iter(args.trees))} {store:9s} " + ", ".join(
+                print(f"{name}/{first} {store:9s} " + ", ".join(
                     f"{what} {j['median']:.3f} ({j['interval_95'][0]:.3f}-{j['interval_95'][1]:.3f}, {j['verdict']})"
                     for what, j in speeds.items()))
     out.parent.mkdir(parents=True, exist_ok=True)
