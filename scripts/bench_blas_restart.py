@@ -9,9 +9,12 @@ does, then ``gearbx_mlx.generate.main`` with the README's arguments plus
 ``LD_PRELOAD`` is set by hand: ``restart`` lets the function restart the
 process onto an installed OpenBLAS, ``reference`` sets
 ``GEARBX_NO_BLAS_PRELOAD=1`` (what MLX's Linux wheel gives by itself). Runs
-are interleaved (each pair runs all four once). Prints a table and writes the
-runs, the per-pair ratios, the load average, the BLAS each run used, the date
-and the commands to ``--out`` (default ``benchmarks/results/blas_restart_speculative.json``).
+are interleaved (each pair runs all four once, in the order of
+:func:`gearbx_mlx.evaluation.significance.balanced_order`, which changes pair by
+pair). Prints a table and writes the runs, the per-pair ratios with a verdict on
+"speculative faster" (:func:`~gearbx_mlx.evaluation.significance.median_verdict`
+against 1), the load average, the BLAS each run used, the date and the commands
+to ``--out`` (default ``benchmarks/results/blas_restart_speculative.json``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from gearbx_mlx.evaluation.significance import balanced_order, median_verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Write two sentences about the moon."
@@ -78,13 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     runs = []
     for i in range(args.pairs):
-        for mode in MODES:
-            for decode in DECODES:
-                r = run_once(mode, decode, args)
-                r["pair"] = i
-                runs.append(r)
-                print(f"pair {i} {mode:9s} {decode:11s} {r['generation_tps']:7.2f} tok/s  "
-                      f"blas {r['blas_library']}", flush=True)
+        for mode, decode in balanced_order([(m, d) for m in MODES for d in DECODES], i):  # no run at one place
+            r = run_once(mode, decode, args)
+            r["pair"] = i
+            runs.append(r)
+            print(f"pair {i} {mode:9s} {decode:11s} {r['generation_tps']:7.2f} tok/s  "
+                  f"blas {r['blas_library']}", flush=True)
 
     def tps(i: int, mode: str, decode: str) -> float:
         return next(r["generation_tps"] for r in runs if (r["pair"], r["mode"], r["decode"]) == (i, mode, decode))
@@ -95,8 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(args.pairs):
         print(f"{i:>4} " + " ".join(f"{tps(i, m, d):>24.2f}" for m in MODES for d in DECODES)
               + " " + " ".join(f"{speedups[m][i]:>22.2f}" for m in MODES))
+    verdicts = {m: median_verdict(v, 1.0) for m, v in speedups.items()}
     for m in MODES:
-        print(f"median speculative/plain-high, {m}: {statistics.median(speedups[m]):.2f}")
+        j = verdicts[m]
+        print(f"median speculative/plain-high, {m}: {statistics.median(speedups[m]):.2f} (95% interval "
+              f"{j['interval_95'][0]:.2f}-{j['interval_95'][1]:.2f}, {j['rounds_at_target']} of {j['rounds']} "
+              f"pairs above 1: speculative faster {j['verdict']})")
     result = {
         "what": "decode tokens/s, --speculative vs --static-gear high, --scope all, default model, "
                 "restarted onto OpenBLAS by gearbx_mlx.blas.ensure_fast_blas vs MLX's own reference BLAS",
@@ -108,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "runs": runs,
         "speculative_over_plain": speedups,
         "median_speculative_over_plain": {m: statistics.median(v) for m, v in speedups.items()},
+        "verdict_speculative_faster": verdicts, "order": "gearbx_mlx.evaluation.significance.balanced_order",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

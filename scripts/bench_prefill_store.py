@@ -5,8 +5,9 @@
                                           [--model NAME] [--extra ARGS] [--out FILE.json]
 
 Runs ``python -m gearbx_mlx.generate --scope all --store S -p PROMPT -m N`` in
-a fresh process per run, separate and nested interleaved (A/B/B/A, ``--pairs``
-pairs: the stores' order swaps every pair, the trees' every second), and reads
+a fresh process per run, separate and nested interleaved (``--pairs`` pairs, in
+:func:`gearbx_mlx.evaluation.significance.balanced_order`: the stores' order
+changes every pair, the trees' every second), and reads
 mlx-lm's ``Prompt: ... tokens-per-sec`` and ``Generation:`` lines. ``--blas
 openblas`` preloads Debian's OpenBLAS (as ``.ci/run`` does); ``--blas
 restart`` preloads nothing, so the command restarts itself onto the OpenBLAS
@@ -210,11 +211,12 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, l
     """The interleaved runs and, per tree, each pair's nested/separate ratio of :func:`speed`."""
     runs: list[dict[str, Any]] = []
     ratios: dict[str, list[float]] = {name: [] for name in args.trees}
+    from gearbx_mlx.evaluation.significance import balanced_order
+
     for i in range(args.pairs):
-        trees = list(args.trees.items())
-        for name, tree in trees[::-1] if (i // 2) % 2 else trees:  # no run always after the same one
+        for name, tree in balanced_order(list(args.trees.items()), i // 2):  # no run always at one place
             pair = {}
-            for store in ("nested", "separate") if i % 2 else ("separate", "nested"):
+            for store in balanced_order(("separate", "nested"), i):
                 r = run_once(store, args, tree) if args.clock == "wall" else run_child(store, args, tree)
                 r.update(pair=i, **({"tree": name} if name else {}))
                 runs.append(r)

@@ -301,6 +301,26 @@ def test_median_verdict_needs_the_whole_interval_past_the_target():
         significance.median_verdict(steady, 1.0, resamples=10)
 
 
+@given(n=st.integers(1, 6), start=st.integers(0, 40))
+@settings(max_examples=60, deadline=None)
+def test_a_balanced_order_puts_every_item_at_every_place_equally_often(n, start):
+    """A fixed order ran one configuration always last in its round; that place measured slowest."""
+    items = [f"config {i}" for i in range(n)]
+    rounds = [significance.balanced_order(items, start + r) for r in range(2 * n)]
+    assert all(sorted(order) == items for order in rounds)  # every item once a round
+    for item in items:
+        places = [order.index(item) for order in rounds]
+        assert all(places.count(place) == 2 for place in range(n)), (item, places)
+    if n > 1:  # a round's partner is another order (A/B then B/A, say)
+        assert significance.balanced_order(items, 2 * start) != significance.balanced_order(items, 2 * start + 1)
+
+
+def test_a_balanced_order_of_nothing_and_a_negative_round():
+    assert significance.balanced_order([], 3) == []
+    with pytest.raises(ValueError, match="at least 0"):
+        significance.balanced_order(["a"], -1)
+
+
 def test_a_tiny_kl_difference_within_noise_is_not_a_win_and_prints_its_digits():
     rng = np.random.default_rng(1)
     a = rng.exponential(2e-5, 600)

@@ -12,6 +12,9 @@ interval covers zero is reported as indistinguishable.
 
 :func:`median_verdict` is the speed benchmarks' counterpart: repeated runs'
 ratios against a target, judged by a bootstrap interval of their median.
+:func:`balanced_order` is the order those runs take round by round, so that
+no configuration always runs at the same place (fresh processes measured
+faster or slower by their place in a fixed order).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 #: Verdicts of :func:`median_verdict`.
 MET, MISSED, WITHIN_NOISE = "met", "missed", "within noise"
@@ -166,3 +171,24 @@ def median_verdict(ratios: Sequence[float], target: float, resamples: int = 4000
     return {"rounds": len(values), "median": round(statistics.median(values), 3),
             "interval_95": [round(low, 3), round(high, 3)], "min": round(min(values), 3),
             "max": round(max(values), 3), "rounds_at_target": sum(r >= target for r in values), "verdict": verdict}
+
+
+def balanced_order(items: Sequence[T], round_index: int) -> List[T]:
+    """``items`` in the order of round ``round_index`` of interleaved runs: rotated by
+    ``round_index // 2`` places, reversed on odd rounds. Over ``2 * len(items)``
+    rounds every item runs at every place equally often, and the runs next to it
+    change from round to round. With a fixed order, one configuration always ran
+    last in its round of fresh processes, and that place measured slowest
+    (``docs/BENCHMARKS.md``, the OpenBLAS spin).
+
+    Raises:
+        ValueError: a negative ``round_index``.
+    """
+    if round_index < 0:
+        raise ValueError(f"round_index must be at least 0, got {round_index}")
+    items = list(items)
+    if not items:
+        return items
+    k = (round_index // 2) % len(items)
+    turned = items[k:] + items[:k]
+    return turned[::-1] if round_index % 2 else turned
