@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         j = verdicts[m]
         print(f"median speculative/plain-high, {m}: {statistics.median(speedups[m]):.2f} (95% interval "
               f"{j['interval_95'][0]:.2f}-{j['interval_95'][1]:.2f}, {j['rounds_at_target']} of {j['rounds']} "
-              f"pairs above 1: speculative faster {j['verdict']})")
+              f"pairs at or above 1; speculative >= plain: {j['verdict']})")
     result = {
         "what": "decode tokens/s, --speculative vs --static-gear high, --scope all, default model, "
                 "restarted onto OpenBLAS by gearbx_mlx.blas.ensure_fast_blas vs MLX's own reference BLAS",
