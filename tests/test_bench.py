@@ -20,7 +20,7 @@ import pytest
 from fault_models import tiny_model_folder
 
 from gearbx_mlx import bench
-from gearbx_mlx.evaluation import bench as bench_mod, bench_checks, bench_report, machine
+from gearbx_mlx.evaluation import bench as bench_mod, bench_checks, bench_report, bench_subject, machine
 from gearbx_mlx.evaluation.bench import AUTO_FLOOR, QUICK, BenchSettings
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -275,9 +275,10 @@ def test_a_run_stops_at_its_share_of_the_budget(monkeypatch):
             now[0] += seconds_per_token
             yield i + 1
 
-    assert bench_mod._until(stream(1.0, 40), cap=5.0) == bench_mod.MIN_RUN_TOKENS  # 8 s > 5 s, but 8 tokens
-    assert bench_mod._until(stream(0.1, 400), cap=5.0) == 51  # past 5 s after 51 tokens
-    assert bench_mod._until(stream(0.1, 30), cap=5.0) == 30 and bench_mod._until(stream(9.0, 30), None) == 30
+    until = bench_subject._until
+    assert until(stream(1.0, 40), cap=5.0) == bench_mod.MIN_RUN_TOKENS  # 8 s > 5 s, but 8 tokens
+    assert until(stream(0.1, 400), cap=5.0) == 51  # past 5 s after 51 tokens
+    assert until(stream(0.1, 30), cap=5.0) == 30 and until(stream(9.0, 30), None) == 30
     now[0] = 100.0
     clock = bench_mod.Clock(100.0, 120.0, runs=10)
     assert clock.cap() == pytest.approx(12.0)
