@@ -10,12 +10,17 @@ requests, streamed:
   * gearbx server, speculative (``"gearbx": {"speculative": "auto"}``; started with ``--speculative``).
 
 The configurations run interleaved, prompt by prompt and round by round, so
-that the drift of a shared machine falls on all of them alike; one warm-up
+that the drift of a shared machine falls on all of them alike, in an order
+that changes from prompt to prompt
+(:func:`gearbx_mlx.evaluation.significance.balanced_order`); one warm-up
 request each comes first (the speculative one measures its plan there). Per
-request: time to first token (first streamed content), decode tokens/s
-(tokens after the first over the time after the first) and both servers'
-resident memory (VmRSS) after it. The load average is recorded at the start
-and the end.
+request: time to first token (first streamed content), decode tokens/s (tokens
+after the first over the time after the first) and both servers' resident
+memory (VmRSS) after it. Each gearbx configuration's decode speed is also
+judged request by request against mlx_lm.server's for the same prompt in the
+same round (a 95% bootstrap interval of the median ratio,
+:func:`gearbx_mlx.evaluation.significance.median_verdict`). The load average
+is recorded at the start and the end.
 
 Usage:
   python scripts/bench_server.py [--rounds 3] [--tokens 48] [--model PATH]
@@ -38,6 +43,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from gearbx_mlx.evaluation.significance import balanced_order, median_verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = (
@@ -140,9 +147,15 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         out[name] = {"requests": len(mine), "ttft_median_s": statistics.median(ttft) if ttft else None,
                      "decode_tps_median": statistics.median(tps) if tps else None}
     base = out["mlx_lm.server"]["decode_tps_median"]
+    by = {(r["round"], r["prompt"], r["config"]): r["decode_tps"] for r in rows}
     for name in out:
         tps = out[name]["decode_tps_median"]
         out[name]["decode_vs_mlx_lm"] = tps / base if tps and base else None
+        # Each request over mlx_lm.server's for the same prompt in the same round, judged against 1.
+        paired = [by[(i, p, name)] / by[(i, p, "mlx_lm.server")] for i, p, c in by
+                  if c == name and by[(i, p, name)] and by.get((i, p, "mlx_lm.server"))]
+        if paired and name != "mlx_lm.server":
+            out[name]["paired_vs_mlx_lm"] = median_verdict(paired, 1.0)
     return out
 
 
@@ -183,8 +196,8 @@ def main() -> int:
         for _name, server, extra in CONFIGS:  # warm-up (the speculative plan is measured here)
             chat(ports[server], PROMPTS[0], 8, extra)
         for rnd in range(args.rounds):
-            for prompt in PROMPTS:
-                for name, server, extra in CONFIGS:
+            for j, prompt in enumerate(PROMPTS):  # no configuration always first (or last) after a prompt
+                for name, server, extra in balanced_order(CONFIGS, rnd * len(PROMPTS) + j):
                     r = chat(ports[server], prompt, args.tokens, extra)
                     rows.append({"round": rnd, "prompt": prompt, "config": name, **r,
                                  "rss_mib": {k: rss_mib(p.pid) for k, p in procs.items()}})
@@ -221,7 +234,9 @@ def main() -> int:
     for name, s in summary.items():
         ttft, tps, rel = s["ttft_median_s"], s["decode_tps_median"], s["decode_vs_mlx_lm"]
         print(f"{name:22s} {ttft if ttft is not None else float('nan'):14.3f} "
-              f"{tps if tps is not None else float('nan'):13.2f} {rel if rel is not None else float('nan'):10.2f}")
+              f"{tps if tps is not None else float('nan'):13.2f} {rel if rel is not None else float('nan'):10.2f}"
+              + (f"  paired {j['median']:.2f} (95% interval {j['interval_95'][0]:.2f}-{j['interval_95'][1]:.2f}, "
+                 f">= 1: {j['verdict']})" if (j := s.get("paired_vs_mlx_lm")) else ""))
     for k, series in result["rss_mib_after_each_request"].items():
         vals = [v for v in series if v is not None]
         if vals:
