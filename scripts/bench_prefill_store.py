@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         "clock": args.clock, "threads": args.threads,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commands": {s: " ".join(command(s, args)[1:]) if args.clock == "wall" else
-                     f"scripts/bench_prefill_store.py --child {s} --max-tokens {args.max_tokens}"
+                     f"scripts/bench_prefill_store.py --child {s} --max-tokens {args.max_tokens} --blas {args.blas}"
                      + (f" --threads {args.threads}" if args.threads else "")
                      for s in ("separate", "nested")},
         "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"), **mlx_blas(args.blas),
