@@ -34,6 +34,9 @@ from typing import Any
 
 from gearbx_mlx.evaluation.significance import balanced_order, median_verdict
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prefill_store import environment  # noqa: E402  (the same modes: restart, reference)
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Write two sentences about the moon."
 GEN_RE = re.compile(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec")
@@ -47,15 +50,6 @@ CHILD = ("import sys; from gearbx_mlx import blas; blas.ensure_fast_blas(); "
 def command(decode: str, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-c", CHILD, "--scope", "all", *DECODES[decode], "-p", PROMPT,
             "-m", str(args.max_tokens)]
-
-
-def environment(mode: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GEARBX_BLAS_REEXEC")}
-    if mode == "reference":
-        env["GEARBX_NO_BLAS_PRELOAD"] = "1"
-    else:
-        env.pop("GEARBX_NO_BLAS_PRELOAD", None)
-    return env
 
 
 def run_once(mode: str, decode: str, args: argparse.Namespace) -> dict[str, Any]:
