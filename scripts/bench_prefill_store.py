@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(target: nested >= separate)")
     from gearbx_mlx.evaluation.machine import hardware  # the CPU's name
 
+    probes = {tree: mlx_blas(args.blas, tree) for tree in {ROOT, *args.trees.values()}}  # once per checkout
     result = {
         "what": "prompt tokens/s, nested store vs separate copies, interleaved fresh processes",
         "clock": args.clock, "threads": args.threads,
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"scripts/bench_prefill_store.py --child {s} --max-tokens {args.max_tokens} --blas {args.blas}"
                      + (f" --threads {args.threads}" if args.threads else "")
                      for s in ("separate", "nested")},
-        "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"), **mlx_blas(args.blas),
+        "blas": args.blas, "ld_preload": environment(args.blas).get("LD_PRELOAD"), **probes[ROOT],
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)), **hardware()},
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.tree:
         first = next(iter(args.trees))
-        result["trees"] = {name: {"commit": git_commit(tree), **mlx_blas(args.blas, tree),  # no host paths
+        result["trees"] = {name: {"commit": git_commit(tree), **probes[tree],  # no host paths
                                   "ratios": ratios[name],
                                   "median_ratio": statistics.median(ratios[name]), "verdict": verdicts[name],
                                   **({"over_first_tree": against_first(runs, name, first, args.clock)}
