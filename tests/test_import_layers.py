@@ -44,7 +44,7 @@ LAYERS: Sequence[Tuple[str, Sequence[str]]] = (
     ("telemetry", ("plotting", "telemetry", "telemetry.*")),
     ("remote servers", ("remote", "remote.*")),
     ("command lines, evaluation and the server", (
-        "", "speculative.cli", "remote.cli", "remote.__main__", "console", "run_summary", "generate", "evaluate",
+        "", "speculative.cli", "remote.cli", "remote.__main__", "console", "run_summary", "thresholds", "generate", "evaluate",
         "analyze", "selftest", "bench", "evaluation", "evaluation.*", "server", "server.*",
     )),
 )

@@ -18,13 +18,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from mlx_lm.server import ModelProvider
 
 from ..config import GearboxConfig
-from ..generate import check_thresholds, set_thresholds
 from ..generation import GearboxResponse, context_length, load, warm_up
 from ..pipeline import stream_generate
 from ..speculative.cli import check_sparse_model, speculative_config
 from ..speculative.decode import SpeculativeConfig, get_draft
 from ..speculative.plan import SpeculativePlan
 from ..speculative.sparse import AUTO
+from ..thresholds import check_thresholds, set_thresholds
 
 #: The model name every mlx-lm client may send for "the server's model".
 DEFAULT_MODEL = "default_model"
