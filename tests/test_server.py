@@ -619,6 +619,22 @@ def test_server_flags() -> None:
             p.parse_args([flag, "x"] if flag != "--quiet" else [flag])
 
 
+def test_max_tokens_is_mlx_lms_default_and_a_cap_only_when_given() -> None:
+    """Without --max-tokens a request that names none gets mlx_lm.server's 512 and may ask for more
+    (the model's context is the limit); --max-tokens N is the default and the cap."""
+    from gearbx_mlx.server.options import build_parser, check_max_tokens
+
+    args = build_parser().parse_args([])
+    check_max_tokens(args)
+    assert (args.max_tokens, args.max_tokens_cap) == (512, None)
+    args = build_parser().parse_args(["--max-tokens", "64"])
+    check_max_tokens(args)
+    assert (args.max_tokens, args.max_tokens_cap) == (64, 64)
+    args = build_parser().parse_args(["--max-tokens", "0"])
+    with pytest.raises(ValueError, match="--max-tokens must be >= 1"):
+        check_max_tokens(args)
+
+
 def test_weight_bytes() -> None:
     from gearbx_mlx.server.generator import Response, weight_bytes
 
@@ -744,3 +760,113 @@ def test_a_stop_string_that_spans_tokens_ends_the_answer(server: int, whole_answ
     before = full[:full.index(stop)]
     assert finish == "stop" and stop not in text and before.startswith(text), (text, full, stop)
     assert len(before) - len(text) < 16, (text, full, stop)  # at most that token's text before the stop
+
+
+# -- hostile requests: refused before any work, the server stays up ------------------------
+
+
+def raw_post(port: int, head: str, body: bytes = b"", timeout: float = 60) -> Tuple[int, str]:
+    """``(status, body text)`` of a POST written byte for byte (headers ``head``, then ``body``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}\r\n".encode() + body)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, resp.read().decode()
+
+
+def test_image_parts_are_refused_before_their_url_is_fetched(server: int) -> None:
+    """A text model's server answers an image part with a 400 and never fetches its URL."""
+    import http.server
+
+    hits: List[str] = []
+
+    class Listener(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    web = http.server.HTTPServer(("127.0.0.1", 0), Listener)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{web.server_address[1]}/secret.txt"
+        for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "input_image", "image_url": url}):
+            body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2}
+            status, out = request(server, "/v1/chat/completions", body)
+            assert status == 400 and "only text parts are supported" in out["error"], out
+        assert hits == []
+    finally:
+        web.shutdown()
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"content": "hi"}], "messages[0] needs a role"),
+    ([{"role": "user", "content": 42}], "messages[0].content must be a string or a list of text parts"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0] needs a text"),
+    ([{"role": "user", "content": ["hi"]}], "only text parts are supported"),
+])
+def test_ill_formed_messages_are_400(server: int, messages: Any, words: str) -> None:
+    status, out = request(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert status == 400 and words in out["error"], out
+
+
+def test_bodies_the_server_cannot_read_are_refused_and_it_stays_up(server: int) -> None:
+    """A Content-Length that is no count, a body past --max-request-bytes (not read: refused from its
+    header), and bytes that are not UTF-8 each get one error status; a huge invalid body is not
+    copied into the log."""
+    status, text = raw_post(server, "Content-Type: application/json\r\nContent-Length: -1\r\n")
+    assert status == 400 and "Invalid Content-Length" in text, text
+    status, text = raw_post(server, f"Content-Type: application/json\r\nContent-Length: {2**40}\r\n")
+    assert status == 413 and "--max-request-bytes" in text, text
+    bad = b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    status, text = raw_post(server, f"Content-Length: {len(bad)}\r\n", bad)
+    assert status == 400 and "not UTF-8" in text, text
+    junk = b'{"a": "' + b"y" * 200_000
+    status, text = raw_post(server, f"Content-Length: {len(junk)}\r\n", junk)
+    assert status == 400 and "Invalid JSON" in text, text
+    assert "y" * 1000 not in stderr_of(PROCESSES[server])
+    status, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+
+
+def test_null_optional_fields_are_left_out(server: int) -> None:
+    """OpenAI lets these be null (the client libraries send them so): taken as not given."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "n": None, "temperature": None, "top_p": None, "stop": None,
+            "seed": None, "logprobs": None, "stream": None, "frequency_penalty": None, "user": None}
+    status, out = request(server, "/v1/chat/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+
+
+def test_penalties_under_auto_decode_plainly_and_force_refuses_them(server: int) -> None:
+    """This server's requests draft with ``auto`` by default; a penalty makes ``auto`` decode plainly
+    in the high gear (no drafts), where ``force`` still gets a 400."""
+    body = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "frequency_penalty": 0.5}
+    status, out = request(server, "/v1/chat/completions", body)
+    assert status == 200, out
+    tokens = out["choices"][0]["gearbx"]["tokens"]
+    assert len(tokens) == 3 and all(t["gear"] == "high" and t["drafted"] is None for t in tokens), tokens
+    status, out = request(server, "/v1/chat/completions", {**body, "gearbx": {"speculative": "force"}})
+    assert status == 400 and "cannot be combined with speculative decoding" in out["error"], out
+
+
+def test_a_client_gone_during_a_long_prefill_stops_it(server: int) -> None:
+    """A client that closes its connection while its prompt is processed stops the prefill at the next
+    chunk (or before it starts): the prompt is never finished, and the next request is served."""
+    log = stderr_of(PROCESSES[server])
+    before = log.count("client disconnected")
+    body = json.dumps({"prompt": "sky " * 3000, "max_tokens": 4, "stream": True, "gearbx": POLICIES["high"]})
+    with socket.create_connection(("127.0.0.1", server), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert sock.recv(12).startswith(b"HTTP/1.")  # the stream's headers: the request left the queue
+    status, out = request(server, "/v1/completions", {"prompt": TEXT, "max_tokens": 2, "gearbx": POLICIES["high"]})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+    log = stderr_of(PROCESSES[server])
+    assert log.count("client disconnected") > before, log[-2000:]
+    totals = {int(t) for d, t in re.findall(r"Prompt processing progress: (\d+)/(\d+)", log) if int(t) > 3000}
+    finished = {int(t) for d, t in re.findall(r"Prompt processing progress: (\d+)/(\d+)", log) if d == t}
+    assert not totals & finished, "the abandoned prompt was processed to its end"
+    assert "Traceback" not in log, log[-2000:]

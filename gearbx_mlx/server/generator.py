@@ -12,6 +12,7 @@ loop here calls :func:`~gearbx_mlx.server.provider.package_stream`.
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -31,6 +32,16 @@ from .provider import GearModelProvider, RequestError, package_stream
 
 #: Generation arguments of mlx-lm's server that speculative decoding does not take.
 NOT_SPECULATIVE = ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def plain_for_penalties(options: GearOptions, args: Any) -> GearOptions:
+    """A request whose speculative mode is ``auto`` and that asks for what speculative decoding
+    cannot apply (penalties, ``logit_bias``: :data:`NOT_SPECULATIVE`) decodes plainly in the high
+    gear, one of ``auto``'s own choices (its output is the same exact high gear's); ``force``
+    keeps them refused."""
+    if options.speculative != "auto" or not any(getattr(args.logits, k) for k in NOT_SPECULATIVE):
+        return options
+    return dataclasses.replace(options, speculative="off", gear="high", thresholds=None)
 
 
 class ServerStopping(RuntimeError):
@@ -157,7 +168,7 @@ class GearResponseGenerator(ResponseGenerator):
             provider = self.model_provider
             tokenizer = provider.tokenizer
             prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
-            options = request.gearbx if isinstance(request, GearRequest) else GearOptions()
+            options = plain_for_penalties(request.gearbx if isinstance(request, GearRequest) else GearOptions(), args)
             self._check(prompt, args, options, getattr(request, "max_tokens_given", True))
             stop_sequences, text_sm = self._make_state_machine(provider.model_key, tokenizer, args.stop_words)
             ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
@@ -218,12 +229,15 @@ class GearResponseGenerator(ResponseGenerator):
                 prompt: List[int], stop_matcher: Any) -> None:
         provider = self.model_provider
         gearbox, tokenizer = provider.gearbox, provider.tokenizer
+        check_client = getattr(request, "check_client", None)
+        if check_client is not None:  # it may have waited in the queue: gone clients are not prefilled
+            check_client()
         cache, rest = self._prompt_cache(prompt, options)
         ctx.prompt_cache_count = len(prompt) - len(rest)
         spec = None if options.speculative == "off" else options.speculative
         kwargs = self._kwargs(args, options, cache, prompt, spec)
         if spec is None:
-            kwargs["prompt_progress_callback"] = self._progress(rqueue)
+            kwargs["prompt_progress_callback"] = self._progress(rqueue, check_client)
         saved = gearbox.thresholds
         records: List[Response] = []
         last = finish = None
@@ -265,13 +279,16 @@ class GearResponseGenerator(ResponseGenerator):
             self.prompt_cache.insert_cache(provider.model_key, prompt + [r.token for r in records], cache)
         rqueue.put(None)
 
-    def _progress(self, rqueue: Any) -> Any:
+    def _progress(self, rqueue: Any, check_client: Optional[Callable[[], None]] = None) -> Any:
         """mlx-lm's prompt progress callback (the handler streams ``: keepalive done/total``
-        lines from it), which also stops a long prefill between its chunks when the server stops."""
+        lines from it), which also stops a long prefill between its chunks when the server stops
+        or the client has closed its connection (``check_client`` raises then)."""
 
         def progress(done: int, total: int) -> None:
             if self._stop:
                 raise ServerStopping("the server is shutting down: the prompt was not finished")
+            if check_client is not None and done < total:
+                check_client()
             rqueue.put((done, total))
 
         return progress

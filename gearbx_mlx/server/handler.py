@@ -21,6 +21,7 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -32,10 +33,16 @@ from mlx_lm.server import APIHandler, CompletionRequest
 
 from ..generation import check_generation_options
 from .generator import GearRequest, Response, ServerStopping
-from .options import request_options, server_options
+from .options import ServerDefaults, request_options, server_options
 
 #: mlx-lm's endpoint of text completions (the others are chat completions).
 TEXT_COMPLETIONS = "/v1/completions"
+#: The endpoints mlx-lm's ``do_POST`` serves.
+REQUEST_PATHS = (TEXT_COMPLETIONS, "/v1/chat/completions", "/chat/completions")
+#: OpenAI's request fields that may be null, meaning left out (mlx-lm would read null as a value).
+NULLABLE_FIELDS = ("n", "temperature", "top_p", "stream", "stop", "max_tokens", "max_completion_tokens",
+                   "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "seed",
+                   "user", "stream_options", "response_format", "tools", "tool_choice")
 #: Request fields -> the generation options that check them (:func:`~gearbx_mlx.generation.check_generation_options`).
 SAMPLING_FIELDS = (("temperature", "temp"), ("top_p", "top_p"), ("min_p", "min_p"), ("top_k", "top_k"),
                    ("seed", "seed"), ("presence_penalty", "presence_penalty"),
@@ -96,13 +103,36 @@ def check_request_shape(body: Any, path: str) -> None:
     if opts is not None and not isinstance(opts, dict):
         raise ValueError(f"stream_options must be an object, got {json.dumps(opts)[:40]}")
     if path != TEXT_COMPLETIONS and "messages" in body:
-        msgs = body["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-            raise ValueError("messages must be a list of objects with a role and content, got "
-                             f"{json.dumps(msgs)[:40]}")
+        check_messages(body["messages"])
     bad = _invalid_text(body)
     if bad is not None:
         raise ValueError(f"{bad} is not valid Unicode text (a lone surrogate such as \\ud800)")
+
+
+def check_messages(msgs: Any) -> None:
+    """Chat messages as the chat template reads them, refused with a 400 naming the message: a
+    list of objects, each with a string ``role`` and a ``content`` that is a string, null or a
+    list of text parts (``{"type": "text", "text": ...}``). Image parts are refused here, before
+    mlx-lm's handler would fetch their URLs for a model that reads text only."""
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ValueError("messages must be a list of objects with a role and content, got "
+                         f"{json.dumps(msgs)[:40]}")
+    for i, m in enumerate(msgs):
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a role (a string), got {json.dumps(m.get('role'))[:40]}")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got "
+                             f"{json.dumps(content)[:40]}")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported (this server's model "
+                                 f"reads text), got type {json.dumps(kind)[:40]}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}] needs a text (a string)")
 
 
 def _invalid_text(x: Any, where: str = "") -> Optional[str]:
@@ -150,13 +180,53 @@ class GearAPIHandler(APIHandler):
 
     gear_request: Optional[GearRequest] = None
 
+    def do_POST(self) -> None:
+        """mlx-lm's, after reading the body here: a ``Content-Length`` that is not a count gets a
+        400 and one above ``--max-request-bytes`` a 413, both without reading on (mlx-lm's would
+        read until the client closes, or any size); a body that is not UTF-8 or not JSON gets a
+        400 and a log line of its first bytes (mlx-lm's logs it whole, or answers nothing); and
+        OpenAI's optional fields given as null are taken as left out."""
+        size = self.headers.get("Content-Length")
+        limit = getattr(self.response_generator.cli_args, "max_request_bytes", ServerDefaults().max_request_bytes)
+        if size is None or self.path not in REQUEST_PATHS:
+            return super().do_POST()  # mlx-lm's 404 and 411
+        if not size.strip().isdigit():
+            return self._refuse(400, f"Invalid Content-Length header: {size[:40]!r}")
+        if int(size) > limit:
+            return self._refuse(413, f"the request body ({int(size)} bytes) exceeds this server's limit of {limit} "
+                                     "bytes (--max-request-bytes)")
+        raw = self.rfile.read(int(size))
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return self._refuse(400, f"the request body is not UTF-8 text ({e.reason} at byte {e.start})")
+        except json.JSONDecodeError as e:
+            logging.error("invalid JSON in a request body (%s): %r", e, raw[:200])
+            return self._refuse(400, f"Invalid JSON in request body: {e}")
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items() if not (v is None and k in NULLABLE_FIELDS)}
+            raw = json.dumps(body).encode()
+            self.headers.replace_header("Content-Length", str(len(raw)))
+        wire = self.rfile
+        self.rfile = io.BytesIO(raw)
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = wire
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with mlx-lm's error body and close the connection (its body is unread)."""
+        self.close_connection = True
+        self._send_json(status, {"error": message})
+
     def validate_model_parameters(self) -> None:
         check_request_shape(self.body, self.path)
         super().validate_model_parameters()
         cli = self.response_generator.cli_args
-        if self.max_tokens > cli.max_tokens:
-            raise ValueError(f"max_tokens {self.max_tokens} exceeds this server's cap of {cli.max_tokens} "
-                             "(--max-tokens)")
+        cap = getattr(cli, "max_tokens_cap", cli.max_tokens)
+        if cap is not None and self.max_tokens > cap:
+            key = "max_completion_tokens" if self.body.get("max_completion_tokens") is not None else "max_tokens"
+            raise ValueError(f"{key} {self.max_tokens} exceeds this server's cap of {cap} (--max-tokens)")
         n = self.body.get("n", 1)
         if type(n) is not int or n != 1:  # bool is an int subclass: refused too
             raise ValueError(f"n must be 1: this server answers one choice per request, got {n!r}")
@@ -234,8 +304,8 @@ class GearAPIHandler(APIHandler):
     def handle_health_check(self) -> None:
         gen = self.response_generator
         provider = gen.model_provider
-        healthy = gen.is_healthy
-        body = {"status": "ok" if healthy else "unavailable",
+        healthy = gen.is_healthy and provider.loaded.is_set()  # requests sent while loading wait for it
+        body = {"status": "ok" if healthy else "loading" if gen.is_healthy else "unavailable",
                 "gearbx": {"loaded": provider.loaded.is_set(),
                            "gear": provider.gearbox.manager.gear if provider.gearbox is not None else None,
                            "queued": gen.requests.qsize(),

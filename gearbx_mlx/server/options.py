@@ -38,6 +38,10 @@ class ServerDefaults:
     log_level: str = "INFO"
     allowed_origins: str = "*"
     chat_template_args: str = "{}"
+    #: A request's max_tokens when it names none (mlx_lm.server's default).
+    max_tokens: int = 512
+    #: The largest request body read: 16 MiB holds a prompt far longer than any model's context.
+    max_request_bytes: int = 16 * 2**20
 
 
 #: mlx-lm's ``ModelProvider``/``APIHandler`` read these from the flags; the server fixes them.
@@ -65,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = ("An OpenAI-compatible HTTP server (mlx_lm.server's) whose tokens come from entropy-routed "
                      "generation: each decode step runs in the 4-bit, 8-bit or full-precision gear.")
     _drop_flags(p, CLI_ONLY)
+    d = ServerDefaults()
     for action in p._actions:
         if "--max-tokens" in action.option_strings:
-            action.help = ("most tokens one request may ask for; also the default of a request that names none "
-                           "(default %(default)s)")
-    d = ServerDefaults()
+            action.default = None
+            action.help = (f"max_tokens of a request that names none (default {d.max_tokens}, as mlx_lm.server); "
+                           "when given, also the most a request may ask for (default: no cap but the model's "
+                           "context)")
     s = p.add_argument_group("server options (as mlx_lm.server)")
     s.add_argument("--host", default=d.host, help="host for the HTTP server (default %(default)s)")
     s.add_argument("--port", type=int, default=d.port, help="port for the HTTP server (default %(default)s)")
@@ -83,16 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\":false}'")
     s.add_argument("--trust-remote-code", action="store_true", help="trust remote code for the tokenizer")
     s.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level)
+    s.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request body the server reads; a larger one gets a 413 (default %(default)s)")
     p.set_defaults(**FIXED)
     return p
 
 
 def check_max_tokens(args: argparse.Namespace) -> None:
-    """``--max-tokens`` caps each request, so it has no "-1: no limit" here; checked before the
-    generate CLI's checks, whose message offers -1."""
+    """Resolve ``--max-tokens``: given, it is each request's default and cap (``max_tokens_cap``),
+    so it has no "-1: no limit" here (checked before the generate CLI's checks, whose message
+    offers -1); not given, a request's default is mlx_lm.server's and only the model's context
+    caps it."""
+    if args.max_tokens is None:
+        args.max_tokens, args.max_tokens_cap = ServerDefaults().max_tokens, None
+        return
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1 for the server (it caps each request; a request without "
                          f"max_tokens gets the cap, or what the model's context leaves), got {args.max_tokens}")
+    args.max_tokens_cap = args.max_tokens
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -110,6 +124,8 @@ def check_server_args(args: argparse.Namespace) -> None:
                          "--kv-bits: drop one, or pass --kv-rotation none for mlx-lm's own quantized cache")
     if not isinstance(args.chat_template_args, dict):
         raise ValueError(f"--chat-template-args must be a JSON object, got {args.chat_template_args!r}")
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
 
 
 @dataclass(frozen=True)
