@@ -28,6 +28,7 @@ from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generation_stream, stream_generate as mlx_stream_generate
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -119,7 +120,7 @@ class GenerationRun:
             # then); on a sharded model no rank may leave, or reach its next collective, while
             # another still waits in that step's.
             mx.synchronize(generation_stream)
-            self.gearbox.manager.shift("high")  # outside a stream the model is the loaded one
+            self.gearbox.manager.shift("high", record=False)  # outside a stream the model is the loaded one
         finally:
             if self.kv is not None:
                 self.kv.restore()
@@ -270,7 +271,9 @@ def prepare(
     if sampling is not None and sampling.top_k >= gearbox.vocab_size:
         raise ValueError(f"top_k must be below the vocabulary size ({gearbox.vocab_size}), got {sampling.top_k} "
                          "(0 keeps every token)")
-    kv_options = kv_options or loose_kv
+    held = kwargs.get("prompt_cache") or []  # a caller's cache carries earlier turns
+    kv_options = (kv_options or loose_kv).at_prompt_end(max((getattr(c, "offset", 0) for c in held), default=0)
+                                                        + ids.size)
     if kv_calibration is None and gearbox.calibration is not None:
         kv_calibration = gearbox.calibration.kv
     spec = speculative_options(speculative)
@@ -299,9 +302,15 @@ def _set_up_routed(run: GenerationRun, sampling: Optional[SamplingOptions], kv_o
                          "(--kv-bits): neither the rotated cache nor mlx-lm's window cache quantizes a window; "
                          "drop one")
     if kwargs.get("max_kv_size") is not None and kwargs.get("prompt_cache") is None and hasattr(run.model, "make_cache"):
-        # mlx-lm's make_prompt_cache calls the model's own make_cache, which takes no window
-        warnings.warn(f"max_kv_size is not applied: {type(run.model).__name__} models make their own KV cache "
-                      "(mlx-lm's make_cache), which keeps every token", stacklevel=3)
+        # mlx-lm's make_prompt_cache calls the model's own make_cache, which takes no window (llama's
+        # among them): where that makes plain growing caches, the window is made here as mlx-lm would
+        own = run.model.make_cache()
+        if all(type(c) is KVCache for c in own):
+            kwargs["prompt_cache"] = [RotatingKVCache(max_size=kwargs["max_kv_size"], keep=4) for _ in own]
+        else:
+            kind = type(run.model).__module__.rsplit(".", 1)[-1]
+            warnings.warn(f"max_kv_size is not applied: this model ({kind}) makes its own KV caches (windows of "
+                          "its own on some layers), and mlx-lm keeps them", stacklevel=3)
     run.kv = open_kv(run.model, kv_options, kv_calibration)  # every check of the KV option runs here
     try:
         kv_summary = _use_kv(run, kv_options)

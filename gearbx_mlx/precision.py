@@ -349,8 +349,12 @@ class PrecisionManager:
         return dt
 
     # -- shifting -----------------------------------------------------------
-    def shift(self, gear: str) -> Optional[ShiftRecord]:
-        """Install ``gear``'s modules; None if already there (idempotent)."""
+    def shift(self, gear: str, record: bool = True) -> Optional[ShiftRecord]:
+        """Install ``gear``'s modules; None if already there (idempotent).
+
+        ``record=False``: a restore, not a routing decision (the loaded weights put back when a
+        stream ends, or for a verifier): neither an entry of the gear nor a shift in the summary.
+        """
         bits_for(gear, self.config)  # validates the name
         if gear == self.gear:
             return None
@@ -360,12 +364,14 @@ class PrecisionManager:
         if not self.telemetry_only and self.paths:
             self.model.update_modules(self._tree(gear))
         dt = time.perf_counter() - tic
-        record = ShiftRecord(self.gear, gear, dt, q_dt, first)
+        shifted = ShiftRecord(self.gear, gear, dt, q_dt, first)
+        self.gear = gear
+        if not record:
+            return shifted
         if not self.telemetry_only:  # a telemetry-only "shift" swaps nothing: no cost to report
             self.swaps[gear].append(dt - q_dt)
-        self.gear = gear
-        self.history.append(record)
-        return record
+        self.history.append(shifted)
+        return shifted
 
     def _tree(self, gear: str) -> Dict[str, object]:
         """The nested update of ``gear``'s modules, built once per cached gear

@@ -515,14 +515,24 @@ def test_a_stream_stopped_early_finishes_mlx_lms_pending_step(monkeypatch, mode)
     assert pipeline.generation_stream in synced
 
 
-def test_a_window_the_models_own_cache_ignores_is_warned_of():
+def test_a_window_applies_where_the_models_own_cache_would_ignore_it():
     """mlx-lm's make_prompt_cache calls a model's own make_cache (llama's), which takes no window:
-    max_kv_size did nothing, silently."""
+    max_kv_size did nothing, silently. Where the model's caches are plain growing ones, the
+    window is made as mlx-lm makes it for other models, and the cache holds no more than it."""
+    import warnings
+
     model = _model()
     gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
     assert hasattr(model, "make_cache")
-    with pytest.warns(UserWarning, match="max_kv_size is not applied"):
-        _gen(model, gb, n=2, max_kv_size=4)
+    from gearbx_mlx.pipeline import prepare
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run = prepare(model, make_tiny_tokenizer(VOCAB), PROMPT, gb, max_tokens=8, max_kv_size=5)
+        caches = run.kwargs["prompt_cache"]
+        assert len(list(run.tokens())) == 8
+    assert all(type(c) is RotatingKVCache and c.max_size == 5 for c in caches)
+    assert all(c.keys.shape[2] <= 5 for c in caches)
 
 
 def test_cli_kv_flags_without_kv_bits_and_an_empty_or_odd_calibration_path_are_errors(tmp_path, capsys):
@@ -568,3 +578,22 @@ def test_the_speculative_decision_times_the_drafter_and_caches_the_run_uses():
                                    **kv))
         stats = out[-1].stats
         assert stats.plan["drafter"]["path"] == stats.drafter["path"], kv
+
+
+def test_the_rotated_cache_keeps_the_prompt_in_float_and_quantizes_it_when_it_is_in():
+    """With no start given, the prompt is processed on float attention (a prefill over a quantized
+    cache ran 3.2x slower) and the whole cache is quantized once the prompt is in: the first token
+    is the float cache's, every later one reads the quantized cache, and the summary says so."""
+    skip_without_quantized_attention()
+    model, tok = _model(), make_tiny_tokenizer(VOCAB)
+    assert KVOptions(bits=4).at_prompt_end(9).start == 9
+    assert KVOptions(bits=4, quantized_kv_start=0).at_prompt_end(9).start == 0  # a start given is kept
+    assert KVOptions(bits=4, rotation="none").at_prompt_end(9).start == KVOptions(bits=4, rotation="none").start
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    plain = list(stream_generate(model, tok, PROMPT, gb, max_tokens=4, policy="high"))
+    cache: list = []
+    out = list(stream_generate(model, tok, PROMPT, gb, max_tokens=4, policy="high", kv_bits=4, prompt_cache=cache))
+    assert out[0].token == plain[0].token
+    assert all(type(c) is RotatedQuantizedKVCache for c in cache)
+    kv = out[-1].run.summary(out[-1])["kv_cache"]
+    assert kv["quantized_kv_start"] == len(PROMPT) and kv["quantized_tokens"] == kv["held_tokens"] > len(PROMPT)

@@ -12,9 +12,11 @@ which the float cache is converted), plus
   weights (rotation, λ, key offset, the attention sink; more bits for the
   layers whose ``k_proj`` biases put outlying offsets on the keys).
 
-Where ``quantized_kv_start`` is not given, the rotated cache quantizes from
-the first token (it is built to keep quality there), and mlx-lm's own cache
-keeps mlx-lm's default of 5000 tokens.
+Where ``quantized_kv_start`` is not given, the rotated cache (built to keep
+quality from the first token) quantizes the whole cache once the prompt has
+been processed, so the prompt's prefill runs on float attention and every
+generated token reads the quantized cache; mlx-lm's own cache keeps mlx-lm's
+default of 5000 tokens.
 
 :func:`open_kv` checks everything and applies the transform before the
 first token; :class:`KVSession` makes the caches (or adopts a prompt cache),
@@ -24,6 +26,7 @@ when the stream ends.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -59,9 +62,10 @@ class KVOptions:
             default (:func:`~gearbx_mlx.kvcache.outliers.default_group_size`:
             32 where ``k_proj`` biases put outlying offsets on the keys).
         quantized_kv_start: the float cache is quantized once it holds this
-            many tokens (0: from the first token). None (not given): 0 for the
-            rotated cache, which is made to be quantized from the first token
-            (:attr:`start`), and mlx-lm's 5000 for its own cache, whose plain
+            many tokens (0: from the first token). None (not given): for the
+            rotated cache, which is made to be quantized early, the end of the
+            stream's prompt (:meth:`at_prompt_end`; 0 where no prompt is known,
+            :attr:`start`), and mlx-lm's 5000 for its own cache, whose plain
             4-bit quantization loses far more quality when it starts early.
         rotation: one of :data:`ROTATION_CHOICES`.
     """
@@ -96,6 +100,19 @@ class KVOptions:
     @property
     def rotated(self) -> bool:
         return self.active and self.rotation != "none"
+
+    def at_prompt_end(self, tokens: int) -> "KVOptions":
+        """These options for a stream whose prompt ends at cache length ``tokens``.
+
+        Where no start is given, the rotated cache holds the prompt in float while it is
+        processed and quantizes all of it once the prompt is in, so every generated token
+        reads a quantized cache: a prefill attending over a quantized cache ran 3.06x
+        slower on a CPU (``scripts/bench_kv_prefill.py``, docs/BENCHMARKS.md). A given start,
+        and mlx-lm's own cache, are left as they are.
+        """
+        if not self.rotated or self.quantized_kv_start is not None:
+            return self
+        return dataclasses.replace(self, quantized_kv_start=max(int(tokens), 0))
 
     @property
     def start(self) -> int:
