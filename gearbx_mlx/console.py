@@ -84,6 +84,9 @@ def print_stream(
     except KeyboardInterrupt:
         interrupted = True
         print(flush=True)
+    except OSError as e:  # stdout failed (a closed pipe, a full disk): the caller records what was generated
+        e.last_response = last  # type: ignore[attr-defined]
+        raise
     return last, interrupted
 
 

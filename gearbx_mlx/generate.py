@@ -61,7 +61,7 @@ from .speculative.cli import (
     speculative_config,
     use_sparse_gear,
 )
-from .telemetry.trace import TraceWriter, token_record
+from .telemetry.trace import TraceWriter, looks_like_trace, token_record
 from .thresholds import check_thresholds, kv_options, set_thresholds
 
 DEFAULT_MAX_TOKENS = 256
@@ -203,9 +203,13 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.thresholds and (args.calibrate or args.calibration):
         raise ValueError("give --thresholds or --calibrate/--calibration, not both")
+    if args.max_kv_size is not None and args.kv_bits is not None:
+        raise ValueError("--max-kv-size (a rotating window cache) cannot be combined with --kv-bits: neither the "
+                         "rotated cache nor mlx-lm's window cache quantizes a window; drop one")
     writes = getattr(args, "rank", 0) == 0  # a sharded run: rank 0 alone writes the trace and a calibration
     if args.trace is not None and writes:
         check_target(args.trace, "--trace")
+        check_not_overwritten(args)
     if args.calibration is not None and not args.calibration.strip():
         raise ValueError("--calibration needs a file name, got an empty one")
     if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
@@ -219,6 +223,22 @@ def check_args(args: argparse.Namespace) -> None:
         Calibration.load(args.calibration)  # a damaged or ill-shaped file: one error before the model loads
     if args.calibrate and args.calibration and writes:
         check_target(args.calibration, "--calibration")
+
+
+def check_not_overwritten(args: argparse.Namespace) -> None:
+    """``--trace`` replaces its file: refuse a path that is also an input or output of the run
+    (``--calibration``, a ``--prompt`` file read from stdin cannot be told), and an existing
+    file that is not a gearbx trace (an earlier trace is replaced, as a user reruns a command)."""
+    trace = Path(args.trace).expanduser()
+    if not trace.is_file():
+        return
+    if args.calibration and Path(args.calibration).expanduser().exists() and \
+            os.path.samefile(trace, Path(args.calibration).expanduser()):
+        raise ValueError(f"--trace and --calibration name the same file ({args.trace}): the trace would "
+                         "replace the calibration; give the trace another name")
+    if trace.stat().st_size and not looks_like_trace(trace):
+        raise ValueError(f"--trace {args.trace} exists and is not a gearbx trace: refusing to replace it "
+                         "(remove it, or give another name)")
 
 
 def _templated(tokenizer: Any, args: argparse.Namespace, prompt: str) -> Any:
@@ -318,6 +338,7 @@ def run_loaded(args: argparse.Namespace, model: Any, tokenizer: Any, gearbox: An
               file=sys.stderr)
     except Exception as e:
         error = error_line(e)[len("error: "):]
+        last = getattr(e, "last_response", last)  # the tokens streamed before stdout failed
         raise
     finally:
         if run is not None:
@@ -378,6 +399,7 @@ def _sampling(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     launch.started()  # Ctrl-C raises KeyboardInterrupt again: this command handles it from here
+    launch.terminate_as_interrupt()  # and SIGTERM as Ctrl-C
     args = build_parser().parse_args(argv)
     warnings.showwarning = show_warning  # one plain line, not a source excerpt
     ensure_fast_blas(argv)  # a program on Linux: restart once with OpenBLAS preloaded, or say how

@@ -91,5 +91,21 @@ def started() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def terminate_as_interrupt() -> bool:
+    """SIGTERM (``kill``, ``timeout``) stops a command as Ctrl-C does: a clean stop after the token
+    in flight, its trace summarized and marked interrupted, exit status 130. Not where SIGTERM
+    is ignored or handled already, or off the main thread. Returns True if installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    return True
+
+
 __all__ = ["COMMAND_MODULES", "COMMAND_SCRIPTS", "EXIT_STATUS", "MESSAGE", "command_of", "guard_start_up",
-           "started"]
+           "started", "terminate_as_interrupt"]

@@ -202,8 +202,8 @@ def _wait_for(cond, proc: subprocess.Popen, seconds: float) -> None:
         time.sleep(0.05)
 
 
-def _interrupt(proc: subprocess.Popen) -> tuple:
-    proc.send_signal(signal.SIGINT)
+def _interrupt(proc: subprocess.Popen, sig: int = signal.SIGINT) -> tuple:
+    proc.send_signal(sig)
     try:
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -229,7 +229,9 @@ def test_sigint_while_loading_real_signal(tiny, tmp_path):
     assert_interrupted_trace(tmp_path / "t.jsonl", stage="loading")
 
 
-def test_sigint_while_decoding_real_signal(tiny, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_sigint_while_decoding_real_signal(tiny, tmp_path, sig):
+    """Ctrl-C, and SIGTERM (``kill``, ``timeout``) alike: a clean stop and a summarized trace."""
     proc = _spawn(tmp_path, tiny, "--max-tokens", "100000", "--ignore-chat-template")
 
     def tokens() -> int:
@@ -237,7 +239,7 @@ def test_sigint_while_decoding_real_signal(tiny, tmp_path):
         return p.read_text().count('"type": "token"') if p.exists() else 0
 
     _wait_for(lambda: tokens() >= 3, proc, START_S)
-    code, err = _interrupt(proc)
+    code, err = _interrupt(proc, sig)
     assert code == 130 and "Traceback" not in err, err
     t = read_trace(tmp_path / "t.jsonl")
     assert t.summary["interrupted"] is True and len(t.tokens) == t.summary["generation_tokens"] >= 3

@@ -68,6 +68,9 @@ BAD_INPUT = [
     (("--prompt", "hi", "--trace", "/dev/null"), "--trace /dev/null is not a regular file"),
     (("--prompt", "   "), "prompt is empty"),
     (("--prompt", "hi", "--calibration", "/nonexistent/cal.json"), "calibration file not found"),
+    (("--prompt", "hi", "--max-kv-size", "8", "--kv-bits", "4"), "cannot be combined with --kv-bits"),
+    (("--prompt", "hi", "--speculative", "--static-gear", "low"), "its output is the high gear's"),
+    (("--prompt", "hi", "--speculative", "--telemetry-only"), "telemetry-only swaps nothing"),
 ]
 
 
@@ -184,3 +187,51 @@ def test_a_prompt_that_can_run_past_the_models_context_is_warned_of(tmp_path):
     assert "and new tokens without a limit can run past" in past_context(Model(), 90, -1)
     assert "fills the model's context of 100" in past_context(Model(), 100, 1)
     assert past_context(object(), 10**6, -1) is None  # no context in the config: nothing said
+
+
+@pytest.mark.parametrize("errno_name", ["EPIPE", "ENOSPC"])
+def test_stdout_failing_mid_stream_leaves_a_valid_trace_of_what_was_generated(monkeypatch, tmp_path, errno_name):
+    """A closed pipe (``| head``) or a full disk on stdout ends the run with its error, and the
+    trace's summary counts the tokens streamed before it (it said 0, so ``analyze`` refused it)."""
+    import errno
+    import io
+
+    from conftest import make_tiny_llama, make_tiny_tokenizer
+
+    from gearbx_mlx.gearbox import Gearbox
+    from gearbx_mlx.generate import build_parser, run_loaded
+
+    class FailingOut(io.StringIO):
+        def write(self, s):
+            if self.getvalue().count("t") >= 3 and s:  # three tokens' text, then the fault
+                raise OSError(getattr(errno, errno_name), "injected")
+            return super().write(s)
+
+    model, tok = make_tiny_llama(), make_tiny_tokenizer()
+    trace = tmp_path / "t.jsonl"
+    args = build_parser().parse_args(["--max-tokens", "12", "--trace", str(trace), "--quiet"])
+    monkeypatch.setattr(sys, "stdout", FailingOut())
+    with pytest.raises(OSError, match="injected"):
+        run_loaded(args, model, tok, Gearbox(model), "t5 t6 t7")
+    t = read_trace(trace)
+    assert len(t.tokens) >= 3 and t.summary["generation_tokens"] == len(t.tokens)
+    assert "injected" in t.summary["error"]
+
+
+def test_the_trace_never_replaces_an_input_or_a_file_that_is_not_a_trace(tmp_path, capsys):
+    """``--trace`` naming the ``--calibration`` file, or an existing file that is no trace, is one
+    error before anything runs, the file untouched; an earlier trace may be replaced."""
+    from gearbx_mlx.generate import build_parser, check_not_overwritten, main
+
+    cal, notes, old = tmp_path / "c.json", tmp_path / "notes.txt", tmp_path / "old.jsonl"
+    cal.write_text('{"kept": true}')
+    notes.write_text("my notes\n")
+    old.write_text('{"type": "header", "format": "gearbx-trace", "version": 1}\n')
+    for argv, words in ((["--calibration", str(cal), "--trace", str(cal)], "name the same file"),
+                        (["--trace", str(notes)], "is not a gearbx trace")):
+        before = {p: p.read_text() for p in (cal, notes)}
+        assert main(["--prompt", "hi", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+        assert {p: p.read_text() for p in (cal, notes)} == before
+    check_not_overwritten(build_parser().parse_args(["--trace", str(old)]))  # no error

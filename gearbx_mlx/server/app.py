@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import _run_http_server
@@ -30,10 +29,6 @@ from .generator import GearResponseGenerator
 from .handler import GearAPIHandler
 from .options import build_parser, check_max_tokens, check_server_args
 from .provider import GearModelProvider
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -71,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stderr_line(error_line(e))
         return 1
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
-    signal.signal(signal.SIGTERM, _interrupt)
+    launch.terminate_as_interrupt()
     try:
         return serve(args)
     except KeyboardInterrupt:

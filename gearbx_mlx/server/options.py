@@ -119,9 +119,6 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--host {args.host}: no such address ({getattr(e, 'strerror', None) or e})") from None
     if args.prompt_cache_size < 0:
         raise ValueError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
-    if args.kv_bits is not None and args.kv_rotation != "none" and args.max_kv_size is not None:
-        raise ValueError("--max-kv-size (a rotating window cache) cannot be combined with the rotated KV cache of "
-                         "--kv-bits: drop one, or pass --kv-rotation none for mlx-lm's own quantized cache")
     if not isinstance(args.chat_template_args, dict):
         raise ValueError(f"--chat-template-args must be a JSON object, got {args.chat_template_args!r}")
     if args.max_request_bytes < 1024:

@@ -139,6 +139,12 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     if not model.strip():
         raise ValueError(f"--model needs a name, folder or .gguf file, got {model!r} (omit it for the default model)")
     # The default model's GGUF kept as MLX quantized layers.
+    names = (DEFAULT_MODEL, PREQUANT_MODEL, *PYPI_MODELS)
+    known = {n.lower(): n for n in names}
+    if model not in names and model.strip().lower() in known:  # a name in other case: the name
+        model = known[model.strip().lower()]
+        if model == DEFAULT_MODEL:
+            return str(default_model_path(dtype))
     if model == PREQUANT_MODEL:
         return str(prequantized_model_path(dtype))
     if model in PYPI_MODELS:
@@ -158,7 +164,8 @@ def resolve_model(model: Optional[str], dtype: Optional[str] = None) -> str:
     # A hub id is "org/name"; anything else was meant as a local path.
     looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local:
-        raise FileNotFoundError(f"model path not found: {model}")
+        raise FileNotFoundError(f"model path not found: {model} (the named models: {', '.join(names)}; or an "
+                                "mlx-lm folder, a .gguf file or a hub id org/name)")
     return model
 
 

@@ -137,12 +137,16 @@ def check_speculative_args(args: argparse.Namespace) -> None:
     if not getattr(args, "speculative", False):
         check_speculative_flags_unused(args)
         return
-    refuse_unused((
-        ("--max-kv-size", getattr(args, "max_kv_size", None) is not None),
-        ("--static-gear", getattr(args, "static_gear", None) is not None),
-        ("--telemetry-only", getattr(args, "telemetry_only", False)),
-    ), ("cannot be combined", "cannot be combined"), "with --speculative: it needs trimmable KV caches that grow "
-       "without a window and builds its own draft gear")
+    for flag, given, why in (
+        ("--max-kv-size", getattr(args, "max_kv_size", None) is not None,
+         "its drafts are taken back from KV caches that grow without a window"),
+        ("--static-gear", getattr(args, "static_gear", None) is not None,
+         "its output is the high gear's, drafted by --draft-gear (drop --speculative to decode in one gear)"),
+        ("--telemetry-only", getattr(args, "telemetry_only", False),
+         "its drafter runs a swapped-in gear, and telemetry-only swaps nothing"),
+    ):
+        if given:
+            raise ValueError(f"{flag} cannot be combined with --speculative: {why}")
     hard = getattr(args, "hard_max_draft", None)
     if getattr(args, "draft_sparsity", None) is not None and args.draft_gear != "low":
         raise ValueError("--draft-sparsity drafts with the low gear (its 4-bit down_proj is gathered by block): "

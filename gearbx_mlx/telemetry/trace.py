@@ -215,6 +215,18 @@ class Trace:
     summary: Optional[Dict[str, Any]]
 
 
+def looks_like_trace(path: "str | Path") -> bool:
+    """True if the file at ``path`` starts with a gearbx trace's header line (of any version):
+    a file a new trace may replace. Reads its first line only (at most 1 MiB)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(2**20)
+        rec = json.loads(first.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(rec, dict) and rec.get("type") == "header" and rec.get("format") == FORMAT
+
+
 def read_trace(path: str | Path) -> Trace:
     """Read and validate a trace; raise :class:`TraceError` naming the bad line.
 
