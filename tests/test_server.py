@@ -756,10 +756,25 @@ def test_a_stop_string_that_spans_tokens_ends_the_answer(server: int, whole_answ
     else:
         choice = request(server, "/v1/chat/completions", {**body, "stop": stop})[1]["choices"][0]
         text, finish = choice["message"]["content"], choice["finish_reason"]
-    # the token that completes the stop is dropped whole, as mlx-lm drops a stop token
-    before = full[:full.index(stop)]
-    assert finish == "stop" and stop not in text and before.startswith(text), (text, full, stop)
-    assert len(before) - len(text) < 16, (text, full, stop)  # at most that token's text before the stop
+    # the answer ends where the stop string begins, as OpenAI's does: the text before it in the
+    # token that completes it is kept
+    assert finish == "stop" and text == full[:full.index(stop)], (text, full, stop)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_a_token_keeps_the_tokens_text_before_it(server: int, whole_answer: str,
+                                                                      stream: bool) -> None:
+    """A one-letter stop string sits inside a token (or right after its space): the text before it
+    in that token was dropped with the token."""
+    full = whole_answer
+    stop = next(c for c in "aeiou" if c in full)
+    body = {**STOP_BODY, "stop": stop}
+    if stream:
+        events = list(sse(server, "/v1/chat/completions", body))
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    else:
+        text = request(server, "/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
+    assert text == full[:full.index(stop)], (text, full, stop)
 
 
 # -- hostile requests: refused before any work, the server stays up ------------------------
@@ -828,6 +843,9 @@ def test_bodies_the_server_cannot_read_are_refused_and_it_stays_up(server: int) 
     status, text = raw_post(server, f"Content-Length: {len(junk)}\r\n", junk)
     assert status == 400 and "Invalid JSON" in text, text
     assert "y" * 1000 not in stderr_of(PROCESSES[server])
+    deep = b"[" * 100_000
+    status, text = raw_post(server, f"Content-Length: {len(deep)}\r\n", deep)
+    assert status == 400 and "nested too deeply" in text, text
     status, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
     assert status == 200 and out["usage"]["completion_tokens"] == 2, out
 

@@ -248,14 +248,20 @@ class GearResponseGenerator(ResponseGenerator):
                 gearbox.set_thresholds(*options.thresholds)
             for last in package_stream(provider.model, tokenizer, rest, gearbox, speculative=spec, **kwargs):
                 finish = "stop" if stop_matcher.advance(last.token) else last.finish_reason
+                text, told = last.text, finish
                 if stops and finish is None:
                     # mlx-lm matches a stop word by its own tokens, which a word spanning tokens that the
                     # model split otherwise never meets: its text state machine then cut the word out of
-                    # the text and generation ran on. The text is matched here too.
+                    # the text and generation ran on. The text is matched here too, and the answer ends
+                    # where the stop string begins (OpenAI's rule): this token's text before it is kept,
+                    # handed over as an ordinary token whose stream then ends (mlx-lm's handler drops the
+                    # text of a token marked "stop", and an answer that ends unmarked ends with "stop").
                     tail = (tail + last.text)[-(longest + len(last.text)):]
-                    if any(w in tail for w in stops):
+                    found = [tail.find(w) for w in stops if w in tail]
+                    if found:
                         finish = "stop"
-                r = Response(last.text, last.token, last.logprobs[last.token].item(), finish,
+                        text, told = last.text[:max(min(found) - (len(tail) - len(last.text)), 0)], None
+                r = Response(text, last.token, last.logprobs[last.token].item(), told,
                              format_top_logprobs(last.logprobs, args.top_logprobs, tokenizer), gear=last.gear,
                              entropy=last.entropy, drafted=getattr(last, "drafted", None) if spec else None,
                              accepted=getattr(last, "accepted", None) if spec else None,

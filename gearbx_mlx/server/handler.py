@@ -16,7 +16,13 @@ Requests and responses are mlx-lm's (and so OpenAI's). Added:
 * ``/health`` tells whether the model has loaded, the gear it is in, the queue's length and
   the speculative decisions measured so far;
 * a client that closes its connection before the answer ends, streamed or not, stops its
-  generation within a token or two (:func:`peer_closed`, checked between tokens).
+  generation within a token or two (:func:`peer_closed`, checked between tokens), and its
+  prompt's processing at the next chunk;
+* the body is read here first (:meth:`GearAPIHandler.do_POST`): a ``Content-Length`` that is no
+  count (400) or past ``--max-request-bytes`` (413), bytes that are not UTF-8 or not JSON (400)
+  are refused before mlx-lm's handler runs, and OpenAI's optional fields sent as null are left
+  out; chat messages need a role and text content (:func:`check_messages`: an image part is
+  refused before mlx-lm would fetch its URL).
 """
 
 from __future__ import annotations
@@ -203,6 +209,8 @@ class GearAPIHandler(APIHandler):
         except json.JSONDecodeError as e:
             logging.error("invalid JSON in a request body (%s): %r", e, raw[:200])
             return self._refuse(400, f"Invalid JSON in request body: {e}")
+        except RecursionError:
+            return self._refuse(400, "Invalid JSON in request body: nested too deeply")
         if isinstance(body, dict):
             body = {k: v for k, v in body.items() if not (v is None and k in NULLABLE_FIELDS)}
             raw = json.dumps(body).encode()
