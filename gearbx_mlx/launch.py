@@ -76,11 +76,15 @@ def guard_start_up() -> bool:
     """
     if command_of(sys.argv[0] if sys.argv else "", getattr(sys, "orig_argv", ())) is None:
         return False
-    if threading.current_thread() is not threading.main_thread():
+    return _take_over(signal.SIGINT, signal.default_int_handler, _exit_interrupted)
+
+
+def _take_over(sig: int, expected: Any, handler: Any) -> bool:
+    """Install ``handler`` for ``sig`` where its handler is still ``expected`` (Python's or the
+    system's default) and this is the main thread; True if it did."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(sig) is not expected:
         return False
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return False
-    signal.signal(signal.SIGINT, _exit_interrupted)
+    signal.signal(sig, handler)
     return True
 
 
@@ -99,12 +103,7 @@ def terminate_as_interrupt() -> bool:
     """SIGTERM (``kill``, ``timeout``) stops a command as Ctrl-C does: a clean stop after the token
     in flight, its trace summarized and marked interrupted, exit status 130. Not where SIGTERM
     is ignored or handled already, or off the main thread. Returns True if installed."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return False
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    return True
+    return _take_over(signal.SIGTERM, signal.SIG_DFL, _raise_interrupt)
 
 
 __all__ = ["COMMAND_MODULES", "COMMAND_SCRIPTS", "EXIT_STATUS", "MESSAGE", "command_of", "guard_start_up",
