@@ -103,6 +103,9 @@ def test_unreachable_server_fails_fast(tmp_path, capsys):
     assert "error: connection refused" in err and "Traceback" not in err
     t = read_trace(trace)
     assert t.tokens == [] and "refused" in t.summary["error"]
+    assert remote_cli.main(["--variant", f"http://127.0.0.1:{free_port()}", "--vocab-size", "100", "-p", "hi"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()  # not quiet: no summary of no tokens, the error alone
+    assert "==========" not in err and err[-1].startswith("error: connection refused"), err
 
 
 def test_the_command_line_runs_as_a_module_and_as_gearbx_remote():

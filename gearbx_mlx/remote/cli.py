@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         if writer:
             writer.summary(**summary)
             writer.close()
-        if not args.quiet:
+        if not args.quiet and summary["generation_tokens"]:  # as generate: no summary of nothing (the error says why)
             _print_summary(summary, session.thresholds)
     return code
 
