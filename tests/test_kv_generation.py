@@ -597,3 +597,18 @@ def test_the_rotated_cache_keeps_the_prompt_in_float_and_quantizes_it_when_it_is
     assert all(type(c) is RotatedQuantizedKVCache for c in cache)
     kv = out[-1].run.summary(out[-1])["kv_cache"]
     assert kv["quantized_kv_start"] == len(PROMPT) and kv["quantized_tokens"] == kv["held_tokens"] > len(PROMPT)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_conversation_on_the_default_start_keeps_its_cache_turn_after_turn(speculative):
+    """The default start is each call's prompt end, so it differs from turn to turn; the cache a
+    first turn made is still this transform's on the next (it was refused as another basis)."""
+    skip_without_quantized_attention()
+    model, tok = _model(), make_tiny_tokenizer(VOCAB)
+    gb = Gearbox(model, GearboxConfig(scope="all"), vocab_size=VOCAB)
+    run = stream_speculative_generate if speculative else stream_generate
+    cache: list = []
+    for turn in (PROMPT, [9, 10, 11], [12, 13]):
+        out = list(run(model, tok, turn, gb, max_tokens=4, kv_bits=4, prompt_cache=cache))
+        assert len(out) == 4
+    assert all(type(c) is RotatedQuantizedKVCache for c in cache)

@@ -135,7 +135,10 @@ class KVHandle:
         self.transforms = transforms
         self._attns = attention_modules(model)
         self.active = False
-        digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
+        # The basis, not where quantizing starts: a later turn's start (its prompt's end) differs,
+        # and the cache it adopts holds keys and values in the same basis either way.
+        basis = {k: v for k, v in config.to_dict().items() if k != "quantized_kv_start"}
+        digest = hashlib.sha256(json.dumps(basis, sort_keys=True).encode())
         if calibration is not None:
             digest.update(json.dumps(calibration.to_dict()["layers"]).encode())
         #: Names this transform; the caches it makes carry it.
