@@ -353,7 +353,7 @@ class PrecisionManager:
         """Install ``gear``'s modules; None if already there (idempotent).
 
         ``record=False``: a restore, not a routing decision (the loaded weights put back when a
-        stream ends, or for a verifier): neither an entry of the gear nor a shift in the summary.
+        stream ends): neither an entry of the gear nor a shift in the summary.
         """
         bits_for(gear, self.config)  # validates the name
         if gear == self.gear:

@@ -34,12 +34,18 @@ from .provider import GearModelProvider, RequestError, package_stream
 NOT_SPECULATIVE = ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+def not_speculative(args: Any) -> List[str]:
+    """The request's fields of :data:`NOT_SPECULATIVE` that it sets: what speculative decoding
+    cannot apply."""
+    return [k for k in NOT_SPECULATIVE if getattr(args.logits, k)]
+
+
 def plain_for_penalties(options: GearOptions, args: Any) -> GearOptions:
     """A request whose speculative mode is ``auto`` and that asks for what speculative decoding
-    cannot apply (penalties, ``logit_bias``: :data:`NOT_SPECULATIVE`) decodes plainly in the high
+    cannot apply (penalties, ``logit_bias``: :func:`not_speculative`) decodes plainly in the high
     gear, one of ``auto``'s own choices (its output is the same exact high gear's); ``force``
     keeps them refused."""
-    if options.speculative != "auto" or not any(getattr(args.logits, k) for k in NOT_SPECULATIVE):
+    if options.speculative != "auto" or not not_speculative(args):
         return options
     return dataclasses.replace(options, speculative="off", gear="high", thresholds=None)
 
@@ -204,7 +210,7 @@ class GearResponseGenerator(ResponseGenerator):
         if args.sampling.xtc_probability > 0:
             raise RequestError("xtc_probability is not supported by this server's sampler")
         if options.speculative != "off":
-            used = [k for k in NOT_SPECULATIVE if getattr(args.logits, k)]
+            used = not_speculative(args)
             if used:
                 raise RequestError(f"{', '.join(used)} cannot be combined with speculative decoding")
 
