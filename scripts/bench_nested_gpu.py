@@ -32,6 +32,7 @@ Sections (each recorded even if another fails):
    ``-mlpc`` (any variant) compiles each block's MLP into one call, ``-grp`` reads
    each fused group (q/k/v, gate/up) in one launch (``gearbx_mlx.nested.fused``),
    ``-i8`` / ``-f32x`` (nested) the mid gear with x rounded to int8 or not,
+   ``-b6`` (nested) the 6-bit plane's codes read biased (``NestedTuning.biased6``),
    ``-blockc`` (any variant) runs each block's one-token step as two compiled
    calls around the attention (``gearbx_mlx.blockstep``).
    ``--rounds`` passes over the variants, interleaved; medians, spreads and the
@@ -404,6 +405,7 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
     prompt = mx.random.randint(0, vocab, (prompt_len,))
     entries = {v: {"model": kind, "variant": v, "rounds_tok_per_s": []} for v in variants}
     reference_tokens = None
+    tunings = dict(nested_gpu.TUNING)  # as the run started (--tuning); -b6 variants change them per variant
     mlps: List[Tuple[nn.Module, nn.Module]] = []
     groups: Dict[tuple, tuple] = {}  # the fused groups' stacked planes, shared by every gear and round
     for r in range(rounds):
@@ -420,6 +422,9 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                     parts = variant.split("-")
                     n = GEARS[parts[1]]
                     config = variant_config("-".join(parts[2:]))
+                    nested_gpu.TUNING.update({k: dataclasses.replace(v, biased6=v.biased6 or "b6" in parts)
+                                              for k, v in tunings.items()})
+                    nested_gpu.launcher.cache_clear()  # launchers of the default split are cached by shape
                     for p, _ in linears:
                         products[p].use_kernel_config(config)
                     plan = [(p, make_view(products[p], n, False, fused=parts[-1] != "mlx")) for p, _ in linears]
@@ -484,6 +489,8 @@ def bench_decode(kind: str, variants: List[str], prompt_len=32, n_tokens=128, ro
                          f"wait {entry['wait_us_per_step']:.0f}"
                          if "tok_per_s" in entry else entry.get("error", "")), flush=True)
         progress(list(entries.values()))  # each round's tok/s kept, should the run be stopped
+    nested_gpu.TUNING.update(tunings)
+    nested_gpu.launcher.cache_clear()
     del model, products
     mx.clear_cache()
     return list(entries.values())
@@ -519,7 +526,8 @@ def decode_targets(rows: List[Dict[str, object]]) -> List[str]:
     for model in sorted({r["model"] for r in rows}):
         for gear, ref, factor in (("low", "mlx-4", 1.0), ("mid", "mlx-8", 0.9), ("high", "bf16", 0.9)):
             base = by.get((model, ref), {})
-            for variant in (f"nested-{gear}", f"nested-{gear}-grp-blockc", f"nested-{gear}-fused-grp-blockc"):
+            for variant in (f"nested-{gear}", f"nested-{gear}-grp-blockc", f"nested-{gear}-fused-grp-blockc",
+                            f"nested-{gear}-grp-blockc-b6"):
                 mine = by.get((model, variant), {})
                 a, b = mine.get("tok_per_s"), base.get("tok_per_s")
                 if not (a and b):
@@ -552,8 +560,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shapes", nargs="+", default=None, help="sweep shapes OUTxIN (default 4096x4096 "
                     "14336x4096, and 1024x4096 timed)")
     ap.add_argument("--formats", nargs="+", default=None, choices=GEMV_FORMATS, help="GEMV formats (default all)")
-    ap.add_argument("--tuning", nargs="+", default=[], metavar="GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE",
-                    help="replace a gear's default split for the whole run (e.g. mid=2,4,1,0,1,0)")
+    ap.add_argument("--tuning", nargs="+", default=[], metavar="GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE[,BIASED6]",
+                    help="replace a gear's default split for the whole run (e.g. mid=2,4,1,0,1,0; "
+                         "high=2,4,1,0,1,0,1 reads the 6-bit plane's codes biased too)")
     ap.add_argument("--inline-cuda-text", action="store_true",
                     help="hand MLX the CUDA kernels' whole text, not #include lines of its files (as before)")
     args = ap.parse_args(argv)
@@ -564,11 +573,14 @@ def main(argv=None) -> int:
     for item in args.tuning:
         try:
             gear, values = item.split("=")
-            rows, vec, ksplit, xsums, biased, stage = (int(v) for v in values.split(","))
+            rows, vec, ksplit, xsums, biased, stage, *b6 = (int(v) for v in values.split(","))
+            if len(b6) > 1:
+                raise ValueError(item)
             nested_gpu.TUNING[GEARS[gear]] = nested_gpu.NestedTuning(rows, vec, ksplit, bool(xsums), bool(biased),
-                                                                     bool(stage))
+                                                                     bool(stage), biased6=bool(b6 and b6[0]))
         except (ValueError, KeyError):
-            ap.error(f"--tuning takes GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE (gear low, mid or high), got {item!r}")
+            ap.error(f"--tuning takes GEAR=ROWS,VEC,KSPLIT,XSUMS,BIASED,STAGE[,BIASED6] (gear low, mid or high), "
+                     f"got {item!r}")
     global PLAN
     if args.plan:
         try:

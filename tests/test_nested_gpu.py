@@ -57,6 +57,9 @@ def test_launch_spec_names_every_parameter():
         assert part in spec["name"], (part, spec["name"])
     staged_spec = nested_gpu.launch_spec("cuda", x, planes, 3, True, tuning=dataclasses.replace(t, stage=True))
     assert "_shared_" in staged_spec["name"] and dict(staged_spec["constants"])["SHARED"] is True
+    b6_spec = nested_gpu.launch_spec("cuda", x, planes, 3, True, tuning=dataclasses.replace(t, biased6=True))
+    assert "_b6_" in b6_spec["name"] and dict(b6_spec["constants"])["BIASED6"] is True
+    assert dict(spec["constants"])["BIASED6"] is t.biased6 and ("_b6_" in spec["name"]) is t.biased6
     assert spec["grid"] == (-(-67 // (8 * t.rows)) * 256, 1, 1) and spec["threadgroup"] == (256, 1, 1)
     assert spec["input_names"] == ["x", "w0", "s0", "b0", "w1", "s1", "b1", "w2", "s2", "b2", "factors", "bias"]
     assert spec["output_shapes"] == [(67,)] and spec["output_dtypes"] == [mx.bfloat16]
@@ -134,8 +137,8 @@ def test_names_differ_by_source_text(tmp_path):
 
 HOST_TYPES = {mx.float32: "float", mx.float16: "gbx_half_t", mx.bfloat16: "gbx_bfloat_t"}
 
-# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias[, ksplit[, xsums[, biased]]]); a
-# plan of (bits, group) pairs has per-plane groups (group size None).
+# (plan, x dtype, scale dtype, group size, rows, vec, shared, bias[, ksplit[, xsums[, biased[, int8x[,
+# biased6]]]]]); a plan of (bits, group) pairs has per-plane groups (group size None).
 HOST_CONFIGS = [
     (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, True, True),
     (((4, 128), (8, 32), (4, 64)), mx.float16, mx.float16, None, 4, 2, False, False),
@@ -167,6 +170,13 @@ HOST_CONFIGS = [
     ((4, 4), mx.float16, mx.float32, 64, 1, 4, False, False, 8, False, False, True),
     ((4,), mx.float32, mx.bfloat16, 32, 4, 4, False, True, 1, False, True, True),
     ((4, 4, 4), mx.bfloat16, mx.float16, 128, 3, 4, False, False, 1, False, False, True),
+    # 6-bit codes read biased: beside biased 4-bit codes or alone, staged sums or not, first or last plane,
+    # vec 2 (every chunk's codes start at bit 0 or 16 of a word) and 4, eight SIMD groups a row block
+    (KERNEL_PLAN, mx.bfloat16, mx.bfloat16, None, 2, 4, False, False, 1, False, True, False, True),
+    (KERNEL_PLAN, mx.float32, mx.float16, None, 1, 2, True, True, 1, True, True, False, True),
+    (KERNEL_PLAN, mx.float16, mx.bfloat16, None, 3, 4, True, False, 1, True, False, False, True),
+    ((6,), mx.bfloat16, mx.float32, 64, 4, 2, False, True, 8, False, False, False, True),
+    ((6, 4, 6), mx.float32, mx.bfloat16, 32, 2, 4, False, False, 1, False, True, False, True),
 ]
 
 
@@ -176,6 +186,7 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     xsums = config[9] if len(config) > 9 else False
     biased = config[10] if len(config) > 10 else False
     int8x = config[11] if len(config) > 11 else False
+    biased6 = config[12] if len(config) > 12 else False
     t, s = HOST_TYPES[dtype], HOST_TYPES[sdtype]
     params = [f"const {t}* x", "const uint32_t* w0", "Shape w0_shape", f"const {s}* s0", f"const {s}* b0"]
     for p in range(1, len(plan)):
@@ -185,7 +196,8 @@ def _host_kernel(i: int, config, directory: Path) -> Tuple[str, str]:
     body = body.replace(gpu.backend_files("cuda", directory)[1], "GBX_HOST_ENTRY\n")
     specs = plane_specs(plan, gs)
     consts = nested_gpu.constants(dtype, sdtype, tuple(b for b, _ in specs), tuple(g for _, g in specs),
-                                  nested_gpu.NestedTuning(rows, vec, ksplit, xsums, biased, int8x=int8x), shared)
+                                  nested_gpu.NestedTuning(rows, vec, ksplit, xsums, biased, int8x=int8x, biased6=biased6),
+                                  shared)
     decl = "".join(
         f"  using {k} = {HOST_TYPES[v]};\n" if isinstance(v, mx.Dtype)
         else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
@@ -362,6 +374,22 @@ def test_a_planted_six_bit_order_bug_in_the_body_fails(tmp_path):
     assert_close(y2, want2, mag2, cfg[1])
 
 
+def test_a_planted_biased_six_bit_pairing_bug_in_the_body_fails(tmp_path):
+    """Bring the wrong pair of 6-bit codes into place for the odd chunks' last
+    pair in a copy of the sources: the gear read with biased 6-bit codes must
+    then disagree with the reference, and the same planes read unbiased must not."""
+    copy = planted_copy(tmp_path, "    p[3] = hi >> 9;", "    p[3] = hi << 3;", "gbx_dot8_biased6")
+    cfg = next(c for c in HOST_CONFIGS if len(c) > 12 and c[12])
+    plain = cfg[:12]
+    binary = build_host(copy, [cfg, plain], "bug_b6")
+    planes, x, bias = host_case(cfg, (17, 320), seed=8)
+    want, mag = reference64(x, planes, len(cfg[0]), bias)
+    y = run_host(binary, tmp_path, 0, cfg, planes, x, bias)
+    with pytest.raises(AssertionError, match="reference"):
+        assert_close(y, want, mag, cfg[1])
+    assert_close(run_host(binary, tmp_path, 1, plain, planes, x, bias), want, mag, cfg[1])
+
+
 # -- the CUDA twin (only with a CUDA GPU) -------------------------------------------------
 
 CUDA_CONFIGS = [(plan, dtype, gs) for plan in ((4, 4, 8), (4, 4, 6), (4, 4), (4,), (6,), (8,))
@@ -441,7 +469,9 @@ def test_cuda_bound_launches_match_the_reference(plan):
                                     nested_gpu.NestedTuning(2, 2, 8), nested_gpu.NestedTuning(4, 1, 8),
                                     nested_gpu.NestedTuning(2, 4, 1, True), nested_gpu.NestedTuning(1, 2, 8, True),
                                     nested_gpu.NestedTuning(2, 4, 1, True, True),
-                                    nested_gpu.NestedTuning(4, 2, 1, False, True)])
+                                    nested_gpu.NestedTuning(4, 2, 1, False, True),
+                                    nested_gpu.NestedTuning(2, 4, 1, False, True, False, biased6=True),
+                                    nested_gpu.NestedTuning(1, 2, 8, True, False, biased6=True)])
 def test_cuda_every_tuning(tuning):
     # an odd vec takes no 6-bit plane: the same plan with an 8-bit third plane
     plan = KERNEL_PLAN if tuning.vec % 2 == 0 else KERNEL_PLAN[:2] + ((8, 64),)

@@ -68,6 +68,8 @@ class NestedTuning:
     biased: 4-bit codes are read as biased floats, a mask-and-or and a
     multiply-add each, with no subtraction per code; each chunk subtracts the
     biases' product once (``gbx_dot8_biased4`` in ``nested_common.h``);
+    biased6: 6-bit codes are read as biased floats too, a pair of codes
+    brought into place by one shift (``gbx_dot8_biased6``);
     stage: x is staged in threadgroup memory where K allows it (False: every
     lane reads x from device memory, through the L1 cache, and a threadgroup
     holds no staging buffer, so more of them fit on a core);
@@ -87,6 +89,7 @@ class NestedTuning:
     biased: bool = False
     stage: bool = True
     int8x: bool = False
+    biased6: bool = False
 
 
 #: Defaults by the number of planes a gear reads, for the package's default
@@ -145,7 +148,8 @@ def constants(
     return [("T", dtype), ("S", scale_dtype), ("B0", b[0]), ("B1", b[1]), ("B2", b[2]),
             ("GS0", g[0]), ("GS1", g[1]), ("GS2", g[2]), ("ROWS", tuning.rows), ("VEC", tuning.vec),
             ("KSPLIT", tuning.ksplit), ("SHARED", shared), ("XSUMS", bool(tuning.xsums and shared)),
-            ("BIASED", bool(tuning.biased and not tuning.int8x)), ("INT8X", bool(tuning.int8x))]
+            ("BIASED", bool(tuning.biased and not tuning.int8x)), ("INT8X", bool(tuning.int8x)),
+            ("BIASED6", bool(tuning.biased6 and not tuning.int8x))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,7 +160,7 @@ def kernel_name(
     digest = gpu.digest(*kernel_sources(backend, len(bits), has_bias))
     plan = "_".join(f"q{b}g{g}" for b, g in zip(bits, group_sizes))
     staged = ('shared_xsums' if tuning.xsums else 'shared') if shared else 'device'
-    codes = "_i8x" if tuning.int8x else "_biased" if tuning.biased else ""
+    codes = "_i8x" if tuning.int8x else ("_biased" if tuning.biased else "") + ("_b6" if tuning.biased6 else "")
     return (f"gbx_nested_{backend}_{plan}_r{tuning.rows}_v{tuning.vec}_k{tuning.ksplit}{codes}_"
             f"{staged}_{DTYPE_TAG[dtype]}_s{DTYPE_TAG[scale_dtype]}_"
             f"{'bias' if has_bias else 'nobias'}_{digest}")
