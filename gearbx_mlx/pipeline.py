@@ -60,7 +60,7 @@ from .speculative.decode import (
     speculative_generate_step,
 )
 from .speculative.draft import DraftModel
-from .speculative.plan import CHOOSE, MODES as PLAN_MODES, SpeculativePlan, plan_speculative
+from .speculative.plan import CHOOSE, MODES as PLAN_MODES, SpeculativePlan, plan_speculative, step_costs_of
 from .speculative.sparse import AUTO as SPARSE_AUTO, ffn_layers
 from .speculative.sparse_plan import chosen_sparsity, plan_sparsity, stepped_measurement
 
@@ -429,6 +429,9 @@ def _decide(run: GenerationRun, spec: SpeculativeConfig, draft: DraftModel, gree
            if draft.sparse else {"calibration": calibrated_stop(gearbox, spec.draft_gear)})
     if run.kv is not None:  # time the caches the run makes: quantized attention, the MLX draft path
         own["caches"] = (run.kv.handles[0].make_cache, run.kv.handles[1].make_cache)
+    # A gearbox's later decisions reuse its step costs for a while (a server's requests): α is still the prompt's.
+    own.update(step_costs=step_costs_of(gearbox), costs_context=None if run.kv is None else tuple(
+        h.tag for h in run.kv.handles))
     plan = plan_speculative(
         run.model, draft, ids, spec.max_draft, greedy=greedy, mode=spec.mode,
         **{**own, "stop": CHOOSE if spec.draft_entropy_stop is None else spec.draft_entropy_stop,

@@ -187,6 +187,70 @@ def test_measure_start_times_both_gears_on_the_prompt(llama_packed):
     assert p.verify_cost[1:] == pytest.approx([t / m.seconds["high"] for t in m.seconds["verify"]])
 
 
+def test_a_later_decision_reuses_the_step_costs_and_reads_its_own_prompt(llama_packed, monkeypatch):
+    """The second decision of the same drafter within REUSE_SECONDS takes the first's costs and rounds
+    (no timed call runs) with α of its own prompt; past the age, or another block cap, it measures."""
+    model, _, draft = llama_packed
+    costs = plan_mod.StepCosts()
+    clock = [100.0]
+    monkeypatch.setattr(plan_mod.time, "monotonic", lambda: clock[0])
+    first = plan_speculative(model, draft, PROMPT, 3, step_costs=costs)
+    assert first.costs_age_s is None and len(costs) == 1
+    other = [(7 * i + 3) % VOCAB for i in range(len(PROMPT))]
+    timed = []
+    real_perf = plan_mod.time.perf_counter
+    monkeypatch.setattr(plan_mod.time, "perf_counter", lambda: timed.append(1) or real_perf())
+    clock[0] += 5.0
+    second = plan_speculative(model, draft, other, 3, step_costs=costs)
+    assert not timed, "a reused decision timed calls"
+    assert second.costs_age_s == pytest.approx(5.0) and "as measured 5 s earlier" in second.message()
+    assert (second.draft_cost, second.verify_cost, second.high_ms) == (first.draft_cost, first.verify_cost,
+                                                                       first.high_ms)
+    alone = measure_start(model, draft, other, 3, reps=1)
+    assert second.alpha == pytest.approx(alone.alpha_greedy)  # the prompt's own agreement
+    plan_speculative(model, draft, other, 2, step_costs=costs)  # another block cap: timed anew
+    assert timed and len(costs) == 2
+    timed.clear()
+    clock[0] += plan_mod.REUSE_SECONDS
+    late = plan_speculative(model, draft, PROMPT, 3, step_costs=costs)
+    assert timed and late.costs_age_s is None  # too old: measured again, and kept
+    assert costs.get(plan_mod.StepCosts.key(draft, 3))[0] == 0.0
+
+
+def test_the_pipeline_reuses_a_gearboxs_step_costs_across_calls(llama_packed):
+    """Two automatic runs on one gearbox: the second decides on the first's step costs, and both
+    decode the high gear's tokens."""
+    model, gb, draft = llama_packed
+    plan_mod.step_costs_of(gb).clear()
+    plans = []
+    for prompt in (PROMPT, PROMPT[::-1]):
+        got = list(stream_speculative_generate(model, CharTokenizer(), prompt, gb, draft=draft, mode="auto",
+                                               max_tokens=6))
+        assert [r.token for r in got] == greedy_reference(model, prompt, 6)
+        plans.append(got[-1].stats.plan)
+    assert plans[0]["costs_age_s"] is None and plans[1]["costs_age_s"] is not None
+    assert plans[1]["draft_cost"] == plans[0]["draft_cost"]
+
+
+def test_step_costs_keys_and_limits(llama_packed):
+    _, _, draft = llama_packed
+    key = plan_mod.StepCosts.key
+    assert key(draft, 3) != key(draft, 4) and key(draft, 3) != key(draft, 3, ("kv", "a1"))
+    assert key(draft, 3) != key(dataclasses.replace(draft, gear="mid"), 3)
+    assert key(draft, 3) != key(dataclasses.replace(draft, host=None), 3)
+    never = plan_mod.StepCosts(max_age_s=0.0)
+    never.put("k", measured(0.2, 1.3))
+    assert never.get("k") is None and never.get("missing") is None
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_age_s"):
+            plan_mod.StepCosts(max_age_s=bad)
+    owner = type("Owner", (), {})()
+    assert plan_mod.step_costs_of(owner) is plan_mod.step_costs_of(owner)
+    plan_mod.step_costs_of(owner).put("k", measured(0.2, 1.3))
+    plan_mod.step_costs_of(owner).clear()
+    assert len(plan_mod.step_costs_of(owner)) == 0
+
+
 # -- the command line: both decisions end to end ----------------------------------
 
 

@@ -39,8 +39,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,6 +81,10 @@ MEASURE_REPS = 7
 NOISE_QUANTILE = 0.25
 #: What a plan chooses.
 CHOICES = ("plain", "fixed", "gated")
+#: How long one decision's step costs serve the later decisions of a gearbox
+#: (:class:`StepCosts`): a server's requests within it skip the timed rounds,
+#: and a changed load on the machine is measured again after it.
+REUSE_SECONDS = 300.0
 
 
 @dataclass
@@ -104,11 +109,79 @@ class StartMeasurement:
     stats: Optional[DraftStats] = None
     #: Each timed round's own seconds (same layout as ``seconds``), for the noise.
     rounds: List[Dict[str, Any]] = field(default_factory=list)
+    #: Where the step costs were an earlier decision's (:class:`StepCosts`): its age in seconds.
+    reused_age_s: Optional[float] = None
+
+
+class StepCosts:
+    """The step costs of a gearbox's earlier decisions, reused by its later ones.
+
+    What a high-gear step, a draft step and the verifies cost depends on the
+    model, the draft path, the block cap and the caches, not on the prompt's
+    text; α does, and is read off every prompt. (The context's length matters
+    little: every measurement reads at most :data:`MEASURE_TOKENS` of it, a
+    long prompt's last ones, so it never timed a longer one.) A decision
+    whose key (:meth:`key`) was measured within ``max_age_s`` takes those
+    costs, and the noise of their rounds, and skips the timed rounds: on a
+    two-core CPU they took seconds of each request with the default model.
+
+    Args:
+        max_age_s: how long a measurement serves (:data:`REUSE_SECONDS`); 0: never.
+    """
+
+    def __init__(self, max_age_s: float = REUSE_SECONDS) -> None:
+        if not max_age_s >= 0:
+            raise ValueError(f"max_age_s must be >= 0, got {max_age_s!r}")
+        self.max_age_s = float(max_age_s)
+        self._entries: Dict[Hashable, Tuple[float, StartMeasurement]] = {}
+
+    @staticmethod
+    def key(draft: Any, max_k: int, context: Hashable = None) -> Hashable:
+        """What the costs depend on: the drafter's gear, width, scope, kernel and path, the block
+        cap and ``context`` (the caches' kind)."""
+        path = ("host" if getattr(draft, "host", None) is not None else "tree",
+                None if getattr(draft, "sparse", None) is None else "sparse")
+        shape = tuple(getattr(draft, a, None) for a in ("gear", "bits", "scope", "kernel"))
+        return shape + path + (int(max_k), context)
+
+    def get(self, key: Hashable) -> Optional[Tuple[float, StartMeasurement]]:
+        """``(age in seconds, measurement)`` of ``key`` within ``max_age_s``, else None."""
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        age = time.monotonic() - hit[0]
+        if age > self.max_age_s or not self.max_age_s:
+            del self._entries[key]
+            return None
+        return age, hit[1]
+
+    def put(self, key: Hashable, measured: StartMeasurement) -> None:
+        self._entries[key] = (time.monotonic(), measured)
+
+    def clear(self) -> None:
+        """Measure afresh at the next decision."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_OWNED: "weakref.WeakKeyDictionary[Any, StepCosts]" = weakref.WeakKeyDictionary()
+
+
+def step_costs_of(owner: Any) -> StepCosts:
+    """The :class:`StepCosts` of ``owner`` (the pipeline passes each run's gearbox), made on first
+    use and dropped with the owner: ``step_costs_of(gearbox).clear()`` makes the next decision measure."""
+    costs = _OWNED.get(owner)
+    if costs is None:
+        costs = _OWNED[owner] = StepCosts()
+    return costs
 
 
 def measure_start(
     model: nn.Module, draft: DraftModel, ids: Sequence[int], max_k: int, reps: int = MEASURE_REPS,
     caches: Optional[Tuple[Callable[[], List[Any]], Callable[[], List[Any]]]] = None,
+    reuse: Optional[Tuple[StepCosts, Hashable]] = None,
 ) -> StartMeasurement:
     """Time both gears and read their agreement on the prompt ``ids`` (its last
     :data:`MEASURE_TOKENS`).
@@ -121,13 +194,21 @@ def measure_start(
     them alike, and the median drops the odd stalled call. ``caches``: makers of
     the high gear's and the drafter's caches as the run makes them (a quantized
     KV cache: the MLX draft path, quantized attention); None: mlx-lm's (a host
-    cache for a drafter with a host step).
+    cache for a drafter with a host step). ``reuse``: ``(StepCosts, its key)``:
+    an earlier measurement of the key, where fresh, gives the step costs, and
+    one made here is kept for the next.
     """
     ids = list(ids)[-MEASURE_TOKENS:]
     x = mx.array(ids)[None]
     hc, dc = (caches[0](), caches[1]()) if caches else (make_prompt_cache(model), make_prompt_cache(draft))
     stats = prompt_stats(model, draft, x, hc, dc)
     mx.eval([c.state for c in hc], [c.state for c in dc])
+    s = stats.summary()
+    hit = reuse[0].get(reuse[1]) if reuse is not None else None
+    if hit is not None:
+        age, old = hit
+        return StartMeasurement(old.seconds, old.max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n, stats,
+                                old.rounds, reused_age_s=age)
     one = mx.array(ids[-1:])[None]
     calls = {"high": (model, one, hc), "draft": (draft, one, dc)}
     for k in range(1, max_k + 1):
@@ -139,14 +220,16 @@ def measure_start(
             mx.eval(m(inp, cache=cache))
             times[kind].append(time.perf_counter() - tic)
             trim_prompt_cache(cache, inp.shape[1])
-    s = stats.summary()
     med = {k: statistics.median(t[1:]) for k, t in times.items()}
 
     def layout(t: Dict[str, float]) -> Dict[str, Any]:
         return {"high": t["high"], "draft": t["draft"], "verify": [t[f"verify{k}"] for k in range(1, max_k + 1)]}
 
     rounds = [layout({k: t[i] for k, t in times.items()}) for i in range(1, reps + 1)]
-    return StartMeasurement(layout(med), max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n, stats, rounds)
+    m = StartMeasurement(layout(med), max_k, s["alpha_greedy"], s["alpha_sampled"], stats.n, stats, rounds)
+    if reuse is not None:
+        reuse[0].put(reuse[1], m)
+    return m
 
 
 @dataclass
@@ -173,6 +256,8 @@ class SpeculativePlan:
             None where no statistics gave candidates.
         gating_source: where the gated candidates came from.
         speedup_low: the chosen speed-up at the timing noise's lower quartile.
+        costs_age_s: where the step costs were an earlier decision's
+            (:class:`StepCosts`), how many seconds ago they were measured; None: measured here.
     """
 
     speculate: bool
@@ -197,6 +282,7 @@ class SpeculativePlan:
     #: ``auto`` drafts only where this clears the threshold too.
     speedup_low: Optional[float] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+    costs_age_s: Optional[float] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -214,8 +300,9 @@ class SpeculativePlan:
         d = self.drafter
         why = f"; {d['reason']}" if d.get("reason") else ""
         v = "/".join(f"{x:.2f}" for x in self.verify_cost[1:])
+        earlier = "" if self.costs_age_s is None else f", as measured {self.costs_age_s:.0f} s earlier"
         head = (f"drafter: {d['path']} path ({d['detail']}{why}). A draft step costs {self.draft_cost:.2f} of a "
-                f"high-gear step ({self.draft_ms:.1f} vs {self.high_ms:.1f} ms), a verify of k+1 tokens "
+                f"high-gear step ({self.draft_ms:.1f} vs {self.high_ms:.1f} ms{earlier}), a verify of k+1 tokens "
                 f"{v} (k = 1..{len(self.verify_cost) - 1}); alpha {self.alpha:.2f} ({self.alpha_source}). "
                 f"Modeled: fixed blocks {self.fixed.get('speedup', 0.0):.2f}x at best (k={self.fixed.get('k')})")
         if self.gated is not None:
@@ -260,6 +347,9 @@ class PlanOptions:
             (fixed blocks only), or bits (gated blocks at this stop only).
         exact_k: model only ``max_draft`` itself, not the shorter lengths.
         caches: makers of the run's high-gear and draft caches (:func:`measure_start`).
+        step_costs: earlier decisions' step costs to reuse where fresh, and to keep this
+            one's in (:class:`StepCosts`); None: measure every time, keep nothing.
+        costs_context: what else the costs depend on (the KV caches' kind), part of the key.
     """
 
     greedy: bool = True
@@ -269,6 +359,8 @@ class PlanOptions:
     stop: Union[str, float, None] = CHOOSE
     exact_k: bool = False
     caches: Optional[Tuple[Callable[[], List[Any]], Callable[[], List[Any]]]] = None
+    step_costs: Optional[StepCosts] = None
+    costs_context: Hashable = None
 
 
 def plan_speculative(
@@ -299,7 +391,11 @@ def plan_speculative(
         raise ValueError(f"max_draft must be >= 1, got {max_draft}")
     if stop != CHOOSE and stop is not None and not (isinstance(stop, (int, float)) and stop >= 0):
         raise ValueError(f"stop must be {CHOOSE!r}, None or bits >= 0, got {stop!r}")
-    m = measured if measured is not None else measure_start(model, draft, ids, max_draft, caches=o.caches)
+    reuse = None
+    if o.step_costs is not None:
+        reuse = (o.step_costs, StepCosts.key(draft, max_draft, o.costs_context))
+    m = measured if measured is not None else measure_start(model, draft, ids, max_draft, caches=o.caches,
+                                                            reuse=reuse)
     c, v = cost_ratios(m.seconds, m.max_k)
     v = [v[min(k, len(v) - 1)] for k in range(max_draft + 1)]
     key = "alpha_greedy" if greedy else "alpha_sampled"
@@ -334,6 +430,7 @@ def plan_speculative(
         best_speedup=float(best["speedup"]), high_ms=1e3 * m.seconds["high"], draft_ms=1e3 * m.seconds["draft"],
         choice=choice if speculate else "plain", stop_bits=float(best["stop_bits"]) if choice == "gated" else None,
         fixed=fixed, gated=gated, gating_source=gating_source, speedup_low=float(low),
+        costs_age_s=m.reused_age_s,
     )
 
 
@@ -384,5 +481,6 @@ def _any_sampling(logits: mx.array) -> mx.array:
 
 __all__ = [
     "CHOICES", "CHOOSE", "FALLBACK_ALPHA", "GATED_MARGIN", "MEASURE_REPS", "MEASURE_TOKENS", "MIN_ALPHA_POSITIONS",
-    "MIN_MODELED_SPEEDUP", "MODES", "SpeculativePlan", "StartMeasurement", "measure_start", "plan_speculative",
+    "MIN_MODELED_SPEEDUP", "MODES", "REUSE_SECONDS", "SpeculativePlan", "StartMeasurement", "StepCosts",
+    "measure_start", "plan_speculative", "step_costs_of",
 ]
