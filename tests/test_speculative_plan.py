@@ -27,6 +27,7 @@ from gearbx_mlx.speculative.calibration import (
     gating_table,
     modeled_speedup,
 )
+from gearbx_mlx.speculative.cli import speculative_lines
 from gearbx_mlx.speculative.decode import (
     SpeculativeConfig,
     SpeculativeStats,
@@ -222,14 +223,16 @@ def test_the_pipeline_reuses_a_gearboxs_step_costs_across_calls(llama_packed):
     decode the high gear's tokens."""
     model, gb, draft = llama_packed
     plan_mod.step_costs_of(gb).clear()
-    plans = []
+    plans, lines = [], []
     for prompt in (PROMPT, PROMPT[::-1]):
         got = list(stream_speculative_generate(model, CharTokenizer(), prompt, gb, draft=draft, mode="auto",
                                                max_tokens=6))
         assert [r.token for r in got] == greedy_reference(model, prompt, 6)
         plans.append(got[-1].stats.plan)
+        lines.append(speculative_lines(got[-1].run.summary(got[-1])))
     assert plans[0]["costs_age_s"] is None and plans[1]["costs_age_s"] is not None
     assert plans[1]["draft_cost"] == plans[0]["draft_cost"]
+    assert "s earlier" not in " ".join(lines[0]) and "(as measured 0 s earlier)" in " ".join(lines[1])
 
 
 def test_step_costs_keys_and_limits(llama_packed):

@@ -305,7 +305,9 @@ def speculative_lines(summary: Dict[str, Any]) -> List[str]:
                  if low is not None and plan["best_speedup"] >= plan["threshold"]
                  else f"below {plan['threshold']:.2f}x: decoded plainly")
         lines.append(
-            f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, v(k) {v}, alpha {plan['alpha']:.2f} "
+            f"Decision ({plan['mode']}): c {plan['draft_cost']:.2f}, v(k) {v}"
+            + ("" if plan.get("costs_age_s") is None else f" (as measured {plan['costs_age_s']:.0f} s earlier)")
+            + f", alpha {plan['alpha']:.2f} "
             f"({plan['alpha_source']}); modeled fixed {plan['fixed']['speedup']:.2f}x (k={plan['fixed']['k']})"
             + (f", gated {gated['speedup']:.2f}x (k<={gated['k']}, stop {gated['stop_bits']:.2f} bits)"
                if gated else ", gated: no statistics")
