@@ -1,11 +1,12 @@
 """The decode targets of the nested gears, judged on the rounds of several runs together.
 
     python scripts/pool_gpu_decode.py --start E=RUN.json,RUN.json --start F=RUN.json ...
-                                      [--resamples 4000] [--out FILE.json]
+                                      [--variant high=nested-high-grp-blockc-b6] [--resamples 4000] [--out FILE.json]
 
 Reads the JSON of ``scripts/bench_nested_gpu.py`` runs (interleaved rounds of
 ``bf16``, ``mlx-4``, ``mlx-8`` and the nested gears, ``nested-low/mid/high``
-with any suffix), grouped by the machine start they ran on. For each gear
+with any suffix; ``--variant GEAR=NAME`` picks one where a run holds several),
+grouped by the machine start they ran on. For each gear
 and its target (low >= 1.0x MLX 4-bit, mid >= 0.9x MLX 8-bit, high >= 0.9x
 bf16), each round's ratio of the gear's tokens/s to its baseline's in the
 same round, then per start and over every start: the median, a 95%
@@ -41,8 +42,9 @@ def parse_start(text: str) -> Tuple[str, List[Path]]:
     return name, paths
 
 
-def round_ratios(path: Path, gear: str) -> List[float]:
-    """Each round's tokens/s of the nested gear over its baseline's, in one run."""
+def round_ratios(path: Path, gear: str, variant: str | None = None) -> List[float]:
+    """Each round's tokens/s of the nested gear over its baseline's, in one run: its one
+    variant of the gear, or ``variant`` where the run holds it."""
     try:
         runs = json.loads(path.read_text())["decode"]
         rounds = {r["variant"]: [float(v) for v in r["rounds_tok_per_s"]] for r in runs}
@@ -50,6 +52,8 @@ def round_ratios(path: Path, gear: str) -> List[float]:
         raise SystemExit(f"error: {path}: not a bench_nested_gpu.py result ({err})") from None
     base = rounds.get(TARGETS[gear][0])
     mine = [v for k, v in rounds.items() if k == f"nested-{gear}" or k.startswith(f"nested-{gear}-")]
+    if variant in rounds:
+        mine = [rounds[variant]]
     if base is None or len(mine) != 1:
         return []
     return [a / b for a, b in zip(mine[0], base) if b > 0]
@@ -59,18 +63,23 @@ def main(argv: List[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--start", action="append", type=parse_start, required=True,
                     help="NAME=FILE[,FILE...]: the runs of one machine start")
+    ap.add_argument("--variant", action="append", default=[], metavar="GEAR=VARIANT",
+                    help="the variant pooled for GEAR in runs that hold several (e.g. high=nested-high-grp-blockc)")
     ap.add_argument("--resamples", type=int, default=4000)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "nested_gpu_pooled.json")
     args = ap.parse_args(argv)
     if args.resamples < 100:
         ap.error("--resamples must be at least 100")
+    chosen = dict(v.split("=", 1) for v in args.variant if "=" in v)
+    if len(chosen) != len(args.variant) or not set(chosen) <= set(TARGETS):
+        ap.error(f"--variant takes GEAR=VARIANT with GEAR one of {', '.join(TARGETS)}, got {args.variant}")
     table: Dict[str, Dict[str, Any]] = {}
     print(f"{'gear':>5} {'start':>6} {'rounds':>6} {'median':>7} {'95% interval':>14} {'at target':>9}  verdict")
     for gear, (base, target) in TARGETS.items():
         pooled: List[float] = []
         table[gear] = {"baseline": base, "target": target, "starts": {}}
         for name, paths in args.start:
-            ratios = [r for p in paths for r in round_ratios(p, gear)]
+            ratios = [r for p in paths for r in round_ratios(p, gear, chosen.get(gear))]
             if not ratios:
                 continue
             pooled += ratios

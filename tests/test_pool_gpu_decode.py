@@ -28,6 +28,19 @@ def test_round_ratios_pair_each_round_with_its_baseline(pool, tmp_path):
     assert pool.round_ratios(path, "high") == []  # no nested high gear
 
 
+def test_a_run_of_several_variants_of_a_gear_pools_the_one_named(pool, tmp_path):
+    path = run_file(tmp_path, "a.json", {"bf16": [100.0, 100.0], "nested-high-grp-blockc": [90.0, 95.0],
+                                          "nested-high-grp-blockc-b6": [92.0, 99.0]})
+    assert pool.round_ratios(path, "high") == []  # two candidates and none named: no rounds
+    assert pool.round_ratios(path, "high", "nested-high-grp-blockc-b6") == pytest.approx([0.92, 0.99])
+    out = tmp_path / "pooled.json"
+    pool.main(["--start", f"A={path}", "--variant", "high=nested-high-grp-blockc", "--out", str(out),
+               "--resamples", "200"])
+    assert json.loads(out.read_text())["gears"]["high"]["pooled"]["median"] == pytest.approx(0.925)
+    with pytest.raises(SystemExit):
+        pool.main(["--start", f"A={path}", "--variant", "highest=x", "--out", str(out)])
+
+
 def test_verdict_needs_the_whole_interval_past_the_target(pool):
     steady = [0.95, 0.96, 0.94, 0.97, 0.95, 0.96, 0.95, 0.94]
     assert pool.judge(steady, 0.9, 1000)["verdict"] == "met"

@@ -99,11 +99,14 @@ class NestedTuning:
 #: split that was best or within the sweep's noise at all four of
 #: Llama-3-8B's shapes in scripts/sweep_nested_gemv_gpu.py on an H200
 #: (benchmarks/results/nested_gemv_sweep_h200.json): two rows, biased codes,
-#: x read from device memory. Metal takes the same splits, unmeasured.
+#: x read from device memory; the three-plane gear reads its 6-bit plane's
+#: codes biased too, which took its products to 0.92-0.97x their time at the
+#: four shapes (benchmarks/results/nested_gemv_sweep_h200_biased6.json).
+#: Metal takes the same splits, unmeasured.
 TUNING: Dict[int, NestedTuning] = {
     1: NestedTuning(rows=4, vec=4),
     2: NestedTuning(rows=2, vec=4, biased=True, stage=False),
-    3: NestedTuning(rows=2, vec=4, biased=True, stage=False),
+    3: NestedTuning(rows=2, vec=4, biased=True, stage=False, biased6=True),
 }
 #: A default tuning's rows per SIMD group shrink (to 1 at least) until the
 #: launch has this many threadgroups: a GPU of ~100+ cores needs one or more
