@@ -7,6 +7,7 @@ One :class:`Gearbox` belongs to one loaded model. It is what
 
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -87,6 +88,11 @@ class Gearbox:
         self._source_check: Optional[SourceCheck] = None
         self._warned = False
         self.prompt_class: Optional[PromptClass] = None
+        #: Held while a generation is set up or streams on this gearbox (from
+        #: :func:`gearbx_mlx.pipeline.prepare` to the run's ``close()``): its gear,
+        #: hooks and KV transform are the model's state, so a second one at once,
+        #: in another thread or interleaved in this one, is refused.
+        self.busy = threading.Lock()
 
     @property
     def resolution(self) -> Any:

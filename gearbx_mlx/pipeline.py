@@ -21,6 +21,7 @@ carries the run's :class:`~gearbx_mlx.record.RunRecord` (header and summary).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple, Union
@@ -97,7 +98,11 @@ class GenerationRun:
         self.kv = None
         self.plan: Optional[SpeculativePlan] = None
         self.record: Optional[RunRecord] = None
-        self._closed = False
+        if not gearbox.busy.acquire(blocking=False):
+            raise RuntimeError("this gearbox is already generating (in another thread, or a stream of this one "
+                               "not finished): one model generates one sequence at a time; finish or close() "
+                               "the other stream first, or load the model again for a second one")
+        self._closed = False  # from here on the gearbox is this run's until close()
 
     # -- the token loops ------------------------------------------------------------------
     def tokens(self) -> Generator[GearboxResponse, None, None]:
@@ -109,7 +114,7 @@ class GenerationRun:
             self.close()
 
     def close(self) -> None:
-        """Put the model back as it was loaded (idempotent)."""
+        """Put the model back as it was loaded, and free the gearbox for the next run (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -122,8 +127,17 @@ class GenerationRun:
             mx.synchronize(generation_stream)
             self.gearbox.manager.shift("high", record=False)  # outside a stream the model is the loaded one
         finally:
-            if self.kv is not None:
-                self.kv.restore()
+            try:
+                if self.kv is not None:
+                    self.kv.restore()
+            finally:
+                self.gearbox.busy.release()
+
+    def __del__(self) -> None:
+        # A run prepared and dropped unstreamed and unclosed gives the model back when it is
+        # collected (at once in CPython), not at the interpreter's exit, when MLX may be gone.
+        if not getattr(self, "_closed", True) and not sys.is_finalizing():
+            self.close()
 
     def _routed(self) -> Iterator[GearboxResponse]:
         session = self.record.session
@@ -278,12 +292,16 @@ def prepare(
         kv_calibration = gearbox.calibration.kv
     spec = speculative_options(speculative)
     run = GenerationRun(model, tokenizer, gearbox, ids, kwargs)
-    if spec is None:
-        if prompt_text is None:
-            prompt_text = prompt if isinstance(prompt, str) else run.tokenizer.decode(ids.tolist())
-        _set_up_routed(run, sampling, kv_options, kv_calibration, policy, lag, seed, prompt_text)
-    else:
-        _set_up_speculative(run, spec, sampling, kv_options, kv_calibration, draft, plan, seed)
+    try:
+        if spec is None:
+            if prompt_text is None:
+                prompt_text = prompt if isinstance(prompt, str) else run.tokenizer.decode(ids.tolist())
+            _set_up_routed(run, sampling, kv_options, kv_calibration, policy, lag, seed, prompt_text)
+        else:
+            _set_up_speculative(run, spec, sampling, kv_options, kv_calibration, draft, plan, seed)
+    except BaseException:
+        run.close()  # every refusal leaves the model, and the gearbox, as they were
+        raise
     return run
 
 
