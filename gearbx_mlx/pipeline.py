@@ -82,6 +82,11 @@ def speculative_options(value: Union[None, str, SpeculativeConfig]) -> Optional[
     return SpeculativeConfig(mode=value)
 
 
+#: mlx-lm keywords the speculative loop reads (besides those taken out before it: the sampling and
+#: KV options, prefill_step_size); the unsupported ones are refused by name, any other is unknown.
+SPECULATIVE_KWARGS = frozenset({"max_tokens", "prompt_cache", "sampler", "logits_processors", "max_kv_size"})
+
+
 class GenerationRun:
     """A generation set up and ready to stream (see :func:`prepare`).
 
@@ -379,6 +384,10 @@ def _set_up_speculative(run: GenerationRun, spec: SpeculativeConfig, sampling: O
     if unsupported:
         raise ValueError(f"speculative decoding does not take {', '.join(unsupported)}: it samples with "
                          "temp/top_p/min_p/top_k and needs trimmable caches that grow without a window")
+    unknown = sorted(k for k, v in kwargs.items() if k not in SPECULATIVE_KWARGS and v is not None)
+    if unknown:  # mlx-lm's loop refuses a keyword it does not know; so does this one, rather than drop it
+        raise TypeError(f"speculative decoding got unexpected keyword argument(s) {', '.join(unknown)}: it takes "
+                        "max_tokens, prompt_cache, prefill_step_size, temp/top_p/min_p/top_k and the KV options")
     sampling = sampling or SamplingOptions()
     kwargs["log_dist"] = make_log_dist(**sampling.as_dict())
     if spec.draft_sparsity is not None:

@@ -686,3 +686,20 @@ def test_a_dtype_given_for_a_local_folder_is_said_not_to_apply(tiny, recwarn):
     with _warnings.catch_warnings():
         _warnings.simplefilter("error")
         assert models.resolve_model(str(tiny)) == str(tiny)
+
+
+@pytest.mark.parametrize("mode", [None, "plain", "force"])
+def test_keywords_a_loop_cannot_use_are_refused_in_every_mode(tiny, mode):
+    """A keyword the loop does not know is a TypeError in routed (mlx-lm's) and speculative
+    decoding alike, never dropped; mlx-lm's own keywords that drafting cannot apply are named."""
+    from gearbx_mlx.generation import load
+    from gearbx_mlx.pipeline import stream_generate
+
+    model, tok, gb = load(str(tiny))
+    with pytest.raises(TypeError, match="max_tokns"):
+        list(stream_generate(model, tok, "abc", gb, max_tokns=3, speculative=mode))
+    if mode is not None:
+        with pytest.raises(ValueError, match="does not take sampler"):
+            list(stream_generate(model, tok, "abc", gb, sampler=lambda x: x, speculative=mode))
+    assert not gb.busy.locked() and gb.manager.gear == "high"
+    assert len(list(stream_generate(model, tok, "abc", gb, max_tokens=3, speculative=mode))) == 3
