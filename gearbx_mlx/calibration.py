@@ -270,6 +270,9 @@ def calibrate(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown calibration strategy {strategy!r}: choose one of {STRATEGIES}")
+    if isinstance(prompts, (str, bytes)) or (prompts is not None and not all(
+            isinstance(q, str) and q for q in prompts)):
+        raise TypeError(f"prompts must be a list of non-empty strings (one prompt each), got {prompts!r:.80}")
     prompts = list(prompts or CALIBRATION_PROMPTS)
     samples = collect_entropies(model, tokenizer, prompts, sampler=sampler)
     if vocab_size is None:

@@ -65,6 +65,7 @@ _OPTIONS: Dict[str, Tuple[Any, str]] = {
     "max_kv_size": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     "seed": (lambda v: _integer(v) and 0 <= v < _U64, "an integer in [0, 2**64)"),
     "max_tokens": (lambda v: _integer(v) and (v >= 1 or v == -1), "an integer >= 1 (or -1: no limit)"),
+    "prefill_step_size": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     # the server's (mlx-lm's logits processors): OpenAI's range; NaN would make every logit NaN
     "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
@@ -88,6 +89,23 @@ def check_generation_options(flags: bool = False, **options: Any) -> None:
         if not test(value):
             shown = "--" + name.replace("_", "-") if flags else name
             raise ValueError(f"{shown} must be {want}, got {value!r}")
+
+
+def check_prompt_cache(model: nn.Module, cache: Any) -> None:
+    """A caller's ``prompt_cache``: None, or one mlx-lm cache per layer, as ``make_prompt_cache`` makes it.
+
+    Raises:
+        TypeError: not a list of caches. ValueError: another number of layers than the model's.
+    """
+    if cache is None:
+        return
+    if not isinstance(cache, (list, tuple)) or not all(hasattr(c, "state") for c in cache):
+        raise TypeError(f"prompt_cache must be a list of KV caches, one per layer (mlx_lm.models.cache."
+                        f"make_prompt_cache(model)), got {type(cache).__name__}")
+    layers = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
+    if len(cache) != layers:
+        raise ValueError(f"prompt_cache holds {len(cache)} layer caches, the model has {layers}: make it with "
+                         "mlx_lm.models.cache.make_prompt_cache(model) for this model")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from .generation import (
     GearboxResponse,
     SamplingOptions,
     check_generation_options,
+    check_prompt_cache,
     check_prompt_ids,
     check_ranks_agree,
     collect_text,
@@ -277,6 +278,10 @@ def prepare(
     check_generation_options(seed=seed, **kwargs)
     if kwargs.get("max_tokens", 256) == 0:
         raise ValueError("max_tokens must be positive (or -1 for no limit)")
+    if gearbox is not None and not isinstance(gearbox, Gearbox):
+        raise TypeError(f"gearbox must be a Gearbox (gearbx_mlx.load gives one), got {type(gearbox).__name__}: "
+                        "mlx-lm's other arguments (verbose, max_tokens, ...) are keywords here")
+    check_prompt_cache(model, kwargs.get("prompt_cache"))
     ids = encode_prompt(tokenizer, prompt)
     gearbox = gearbox or Gearbox(model)
     if gearbox.model is not model:

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,6 +70,10 @@ from .packed.fused import fuse_modules
 from .packed.layers import PackedEmbedding, PackedLinear
 from .resolver import is_prequantized, resolve, weights_source
 from .sources.cache import cache_dir
+
+#: Shifts (and entries into each gear) a manager keeps the records of: the latest ones;
+#: its counts and total swap time cover every shift.
+SHIFTS_KEPT = 1024
 
 
 @dataclass
@@ -210,10 +215,15 @@ class PrecisionManager:
         c = self.config
         self.cache: Dict[str, Dict[str, nn.Module]] = {"high": self.originals}
         self.gear = "high"
-        # Swap seconds (quantization excluded) of every entry into each gear.
-        self.swaps: Dict[str, List[float]] = {g: [] for g in GEARS}
+        # Swap seconds (quantization excluded) of the latest entries into each gear, and the
+        # latest shifts: bounded, so a server's process does not grow by a record a shift;
+        # the counts and totals below cover every one.
+        self.swaps: Dict[str, Deque[float]] = {g: deque(maxlen=SHIFTS_KEPT) for g in GEARS}
+        self.entry_counts: Dict[str, int] = {g: 0 for g in GEARS}
         self.quantize_seconds: Dict[str, float] = {}
-        self.history: List[ShiftRecord] = []
+        self.history: Deque[ShiftRecord] = deque(maxlen=SHIFTS_KEPT)
+        self.shift_count = 0
+        self.swap_seconds_total = 0.0
         self._trees: Dict[str, Tuple[Dict[str, nn.Module], Dict[str, object]]] = {}
         self._quantizer: Quantizer = packed_quantizer if c.kernel == "packed" else mlx_quantizer
         self.nested: Optional[Dict[str, NestedWeights]] = None
@@ -370,7 +380,10 @@ class PrecisionManager:
             return shifted
         if not self.telemetry_only:  # a telemetry-only "shift" swaps nothing: no cost to report
             self.swaps[gear].append(dt - q_dt)
+            self.entry_counts[gear] += 1
         self.history.append(shifted)
+        self.shift_count += 1
+        self.swap_seconds_total += shifted.seconds - shifted.quantize_seconds
         return shifted
 
     def _tree(self, gear: str) -> Dict[str, object]:
@@ -446,13 +459,14 @@ class PrecisionManager:
         return sum(module_shape(m)[0] * module_shape(m)[1] for m in self.originals.values())
 
     def entries(self) -> Dict[str, Dict[str, object]]:
-        """Per gear: one-time quantization seconds, entries, median swap seconds."""
+        """Per gear: one-time quantization seconds, entries, median swap seconds (of the
+        latest :data:`SHIFTS_KEPT` entries)."""
         out = {}
         for g, swaps in self.swaps.items():
             ordered = sorted(swaps)
             out[g] = {
                 "quantize_seconds": self.quantize_seconds.get(g),
-                "entries": len(ordered),
+                "entries": self.entry_counts[g],
                 "swap_median_seconds": ordered[len(ordered) // 2] if ordered else None,
             }
         return out
@@ -467,9 +481,9 @@ class PrecisionManager:
             "managed_modules": len(self.paths),
             "skipped_modules": self.skipped,
             "telemetry_only": self.telemetry_only,
-            "shifts": len(self.history),
+            "shifts": self.shift_count,
             "quantize_seconds": dict(self.quantize_seconds),
-            "swap_seconds": sum(r.seconds - r.quantize_seconds for r in self.history),
+            "swap_seconds": self.swap_seconds_total,
             "entries": self.entries(),
             "memory": self.memory(),
             "model_bytes": self.model_bytes,

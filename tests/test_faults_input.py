@@ -703,3 +703,26 @@ def test_keywords_a_loop_cannot_use_are_refused_in_every_mode(tiny, mode):
             list(stream_generate(model, tok, "abc", gb, sampler=lambda x: x, speculative=mode))
     assert not gb.busy.locked() and gb.manager.gear == "high"
     assert len(list(stream_generate(model, tok, "abc", gb, max_tokens=3, speculative=mode))) == 3
+
+
+def test_api_arguments_of_the_wrong_kind_are_one_clear_error(tiny):
+    """What mlx-lm would take silently or fail on deep inside: a cache that is not one, or of
+    another model; a prefill step of 0; mlx-lm's positional verbose where the gearbox goes; one
+    calibration prompt given as a string (a prompt per character)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gearbx_mlx.generation import load
+    from gearbx_mlx.pipeline import stream_generate
+
+    model, tok, gb = load(str(tiny))
+    cases = [((gb,), {"prompt_cache": 5}, TypeError, "list of KV caches"),
+             ((gb,), {"prompt_cache": make_prompt_cache(model)[:1]}, ValueError, "holds 1 layer caches"),
+             ((gb,), {"prefill_step_size": 0}, ValueError, "prefill_step_size must be an integer >= 1"),
+             ((True,), {}, TypeError, "gearbox must be a Gearbox")]
+    for args, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            list(stream_generate(model, tok, "abc", *args, max_tokens=2, **kwargs))
+    with pytest.raises(TypeError, match="list of non-empty strings"):
+        gb.calibrate(tok, prompts="one prompt")
+    ok = list(stream_generate(model, tok, "abc", gb, max_tokens=2, prompt_cache=make_prompt_cache(model)))
+    assert len(ok) == 2 and not gb.busy.locked()

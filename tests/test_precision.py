@@ -9,6 +9,7 @@ import pytest
 from conftest import make_tiny_llama
 from hypothesis import given, settings, strategies as st
 
+from gearbx_mlx import precision
 from gearbx_mlx.config import GearboxConfig
 from gearbx_mlx.precision import PrecisionManager, discover, is_prequantized
 from gearbx_mlx.sourcecheck import check_weights
@@ -88,6 +89,21 @@ def test_lazy_quantization_cache_and_memory(tiny_llama):
     assert mem["low_bytes"] < mem["high_bytes"] / 4  # 4-bit + scales vs float32
     assert mem["active_bytes"] == mem["low_bytes"]
     assert mem["resident_total"] == mem["low_bytes"] + mem["high_bytes"]  # nothing offloaded
+
+
+def test_a_long_lived_manager_keeps_its_counts_not_a_record_per_shift(tiny_llama, monkeypatch):
+    """A server's manager shifts for ever: it keeps the latest SHIFTS_KEPT records and the
+    counts and total swap time of every shift."""
+    monkeypatch.setattr(precision, "SHIFTS_KEPT", 8)
+    mgr = PrecisionManager(tiny_llama, GearboxConfig(store="separate"))
+    for i in range(30):
+        mgr.shift(("low", "mid", "high")[i % 3])
+    s = mgr.summary()
+    assert len(mgr.history) == 8 and s["shifts"] == 30
+    assert s["entries"]["low"]["entries"] == 10 and len(mgr.swaps["low"]) == 8
+    assert s["swap_seconds"] >= sum(r.seconds - r.quantize_seconds for r in mgr.history) > 0
+    mgr.shift("high", record=False)
+    assert mgr.summary()["shifts"] == 30
 
 
 def test_telemetry_only_for_prequantized_models(tiny_llama):
