@@ -281,3 +281,16 @@ def test_a_pipe_given_as_a_trace_is_named_so(tmp_path, capsys):
     assert analyze.main([str(fifo)]) == 1
     err = capsys.readouterr().err
     assert "is not a regular file" in err and "not found" not in err and err.count("\n") == 1
+
+
+def test_a_speculative_traces_gear_changes_are_not_shifts(tmp_path):
+    """In speculative decoding both gears stay resident: a token's gear is the pass that chose it
+    (the drafter's for an accepted draft), so gear changes swap nothing and count as no shift."""
+    path = write_trace(tmp_path / "s.jsonl", "llhlh", [1.0, 1.0, 3.0, 1.0, 3.0])
+    lines = path.read_text().splitlines()
+    routed = analyze_lib.analyze_trace(read_trace(path))
+    header = {**json.loads(lines[0]), "mode": "speculative", "policy": "speculative"}
+    path.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    spec = analyze_lib.analyze_trace(read_trace(path))
+    assert routed["shifts"] == 3 and spec["shifts"] == 0 and spec["transitions"] == {}
+    assert spec["tokens_per_gear"] == routed["tokens_per_gear"] and spec["runs"] == routed["runs"]

@@ -25,7 +25,9 @@ Conventions, so that numbers can be recomputed by hand:
 * a shift is a token whose gear differs from the previous token's in the
   same generation; a run is a maximal stretch of one gear within one
   generation (a remote session's prompts and an evaluation's text windows
-  are generations of their own);
+  are generations of their own); a speculative trace has none (both gears
+  stay resident: a token's gear says which forward pass chose it, the
+  drafter's for an accepted draft), though its runs are counted;
 * quantiles interpolate linearly between order statistics (numpy's default);
 * time per token averages ``step_seconds`` over tokens that do not start a
   generation (the first token of a trace, or of each prompt in a remote
@@ -230,7 +232,8 @@ def analyze_trace(trace: Union[Trace, str, Path]) -> Dict[str, Any]:
     starts = _starts(toks)
     steady = [t for t, s in zip(toks, starts) if not s]
     run_list = runs(gears, starts)
-    shift_tokens = [i for i in range(1, len(gears)) if gears[i] != gears[i - 1] and not starts[i]]
+    swaps = h.get("mode") != "speculative"
+    shift_tokens = [i for i in range(1, len(gears)) if swaps and gears[i] != gears[i - 1] and not starts[i]]
     transitions: Dict[str, int] = {}
     for i in shift_tokens:
         key = f"{gears[i - 1]}->{gears[i]}"
