@@ -18,11 +18,7 @@
 # Usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
-usage="usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]"
-phase=${1:?$usage}; out=${2:?$usage}; rounds=${3:-3}
-py=${PYTHON:-python3}
-mkdir -p "$out" && export PYTHONUNBUFFERED=1
-write_device_env "$out/env_$phase.txt"
+start_phase "usage: scripts/device_cuda_text.sh t|e|d|f OUTDIR [ROUNDS]" 3 "$@"
 decode() {  # decode NAME [FLAGS...] -- VARIANTS...
   local name=$1; shift
   local flags=()

@@ -13,11 +13,7 @@
 # Usage: scripts/device_high_gear.sh s|d OUTDIR [ROUNDS]
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
-usage="usage: scripts/device_high_gear.sh s|d OUTDIR [ROUNDS]"
-phase=${1:?$usage}; out=${2:?$usage}; rounds=${3:-5}
-py=${PYTHON:-python3}
-mkdir -p "$out" && export PYTHONUNBUFFERED=1
-write_device_env "$out/env_$phase.txt"
+start_phase "usage: scripts/device_high_gear.sh s|d OUTDIR [ROUNDS]" 5 "$@"
 case "$phase" in
   s)
     timeout "${TEST_LIMIT_S:-150}" $py -m pytest tests/test_nested_gpu.py -q -rs -p no:cacheprovider -n0 \

@@ -17,13 +17,8 @@
 # Everything lands in OUTDIR.
 # Usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]
 set -uo pipefail
-phase=${1:?usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]}
-out=${2:?usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
 . "$(dirname "$0")/device_env.sh"
-write_device_env "$out/env_$phase.txt"
+start_phase "usage: scripts/device_int8x.sh t|d|p|g OUTDIR [ROUNDS|SHAPE|NODES...]" "" "$@"
 case "$phase" in
   t)
     timeout "${TEST_LIMIT_S:-240}" $py -m pytest tests/test_nested_gpu.py -q -rs -p no:cacheprovider -n0 \
