@@ -461,7 +461,7 @@ def _decide(run: GenerationRun, spec: SpeculativeConfig, draft: DraftModel, gree
            if draft.sparse else {"calibration": calibrated_stop(gearbox, spec.draft_gear)})
     if run.kv is not None:  # time the caches the run makes: quantized attention, the MLX draft path
         own["caches"] = (run.kv.handles[0].make_cache, run.kv.handles[1].make_cache)
-    # A gearbox's later decisions reuse its step costs for a while (a server's requests): α is still the prompt's.
+    # A gearbox's later decisions reuse its step costs for a while (an application's calls): α is the prompt's.
     own.update(step_costs=step_costs_of(gearbox), costs_context=None if run.kv is None else tuple(
         h.tag for h in run.kv.handles))
     plan = plan_speculative(
