@@ -91,24 +91,6 @@ def check_generation_options(flags: bool = False, **options: Any) -> None:
             raise ValueError(f"{shown} must be {want}, got {value!r}")
 
 
-def check_prompt_cache(model: nn.Module, cache: Any) -> None:
-    """A caller's ``prompt_cache``: None, an empty list (filled in place: the caller keeps the cache for
-    its next turn), or one mlx-lm cache per layer, as ``make_prompt_cache`` makes it.
-
-    Raises:
-        TypeError: not a list of caches. ValueError: another number of layers than the model's.
-    """
-    if cache is None:
-        return
-    if not isinstance(cache, (list, tuple)) or not all(hasattr(c, "state") for c in cache):
-        raise TypeError(f"prompt_cache must be a list of KV caches, one per layer (mlx_lm.models.cache."
-                        f"make_prompt_cache(model)), got {type(cache).__name__}")
-    layers = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
-    if cache and len(cache) != layers:
-        raise ValueError(f"prompt_cache holds {len(cache)} layer caches, the model has {layers}: make it with "
-                         "mlx_lm.models.cache.make_prompt_cache(model) for this model")
-
-
 @dataclass(frozen=True)
 class SamplingOptions:
     """The sampling keywords of mlx-lm's ``make_sampler``, checked once.

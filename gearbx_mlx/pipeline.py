@@ -40,13 +40,12 @@ from .generation import (
     GearboxResponse,
     SamplingOptions,
     check_generation_options,
-    check_prompt_cache,
     check_prompt_ids,
     check_ranks_agree,
     collect_text,
     encode_prompt,
 )
-from .kvcache.option import KVOptions, open_kv, options_from, plain_prompt_cache, plain_summary
+from .kvcache.option import KVOptions, check_cache_list, open_kv, options_from, plain_prompt_cache, plain_summary
 from .policies import Policy, as_policy
 from .record import RunRecord
 from .routing import RoutedModel, RoutingSession
@@ -281,7 +280,8 @@ def prepare(
     if gearbox is not None and not isinstance(gearbox, Gearbox):
         raise TypeError(f"gearbox must be a Gearbox (gearbx_mlx.load gives one), got {type(gearbox).__name__}: "
                         "mlx-lm's other arguments (verbose, max_tokens, ...) are keywords here")
-    check_prompt_cache(model, kwargs.get("prompt_cache"))
+    if kwargs.get("prompt_cache") is not None:
+        check_cache_list(kwargs["prompt_cache"])  # before its offsets are read below
     ids = encode_prompt(tokenizer, prompt)
     gearbox = gearbox or Gearbox(model)
     if gearbox.model is not model:

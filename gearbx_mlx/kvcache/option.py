@@ -247,7 +247,7 @@ class KVSession:
         """
         if cache is None:
             return self.handle.make_cache()
-        _check_cache_list(cache)
+        check_cache_list(cache)
         if not cache or all(getattr(c, "tag", None) is None and getattr(c, "offset", 0) == 0 for c in cache):
             cache[:] = self.handle.make_cache()
             return cache
@@ -346,10 +346,11 @@ def as_calibration(value: Any) -> Optional[KVCalibration]:
     raise TypeError(f"kv_calibration must be a KVCalibration or its dict, got {type(value).__name__}")
 
 
-def _check_cache_list(cache: Any) -> None:
-    """A caller's ``prompt_cache`` must be a list (it is filled or extended in place)."""
-    if not isinstance(cache, list):
-        raise TypeError(f"prompt_cache must be a list of caches, got {type(cache).__name__}")
+def check_cache_list(cache: Any) -> None:
+    """A caller's ``prompt_cache`` must be a list (it is filled or extended in place) of mlx-lm caches."""
+    if not isinstance(cache, list) or not all(hasattr(c, "state") for c in cache):
+        raise TypeError(f"prompt_cache must be a list of KV caches, one per layer (mlx_lm.models.cache."
+                        f"make_prompt_cache(model)), got {type(cache).__name__}")
 
 
 def plain_prompt_cache(model: nn.Module, cache: Optional[List[Any]], max_kv_size: Optional[int] = None
@@ -361,13 +362,18 @@ def plain_prompt_cache(model: nn.Module, cache: Optional[List[Any]], max_kv_size
     loop fails on one with an ``IndexError``).
 
     Raises:
-        TypeError: not a list.
-        ValueError: a cache the rotated KV cache made: its keys and values are in a
-            rotated basis that these layers' attention does not undo (read as noise).
+        TypeError: not a list of caches.
+        ValueError: another number of layers than the model's, or a cache the rotated
+            KV cache made: its keys and values are in a rotated basis that these layers'
+            attention does not undo (read as noise).
     """
     if cache is None:
         return None
-    _check_cache_list(cache)
+    check_cache_list(cache)
+    layers = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)  # as mlx-lm counts
+    if cache and len(cache) != layers:
+        raise ValueError(f"prompt_cache holds {len(cache)} layer caches, the model has {layers}: make it with "
+                         "mlx_lm.models.cache.make_prompt_cache(model) for this model")
     for i, c in enumerate(cache):
         if getattr(c, "tag", None) is not None:
             raise ValueError(f"layer {i}'s cache was made by the rotated KV cache: its keys are in a rotated basis "
